@@ -1,0 +1,71 @@
+// CPU kernels of the Llama decoder on Eigen (OpenBLAS behind Eigen's large products).
+//
+// All activations are float32, row-major [tokens x width]. Tokens of several sequences are
+// packed one after another (varlen, as cu_seqlens): no padding, no wasted compute.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace brigade::cpu {
+inline namespace v0 {
+
+/// RMSNorm, as run.c: out[t, i] = weight[i] * x[t, i] / sqrt(mean_i(x[t, :]^2) + eps).
+/// @param x      [tokens x dim]
+/// @param weight [dim]
+/// @param out    [tokens x dim]; may alias x
+void rmsnorm(const float* x, const float* weight, float* out, std::int64_t tokens, std::int64_t dim,
+             float eps);
+
+/// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k], one GEMM (OpenBLAS SGEMM through Eigen).
+/// @param x   [tokens x in], row-major
+/// @param w   [out x in], row-major (llama2.c's layout)
+/// @param out [tokens x out], row-major; must not alias x
+void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
+               std::int64_t out_dim);
+
+/// out += x * W^T (the residual-add form of matmul_wt).
+void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
+                          std::int64_t in, std::int64_t out_dim);
+
+/// Rotary position embedding on adjacent pairs (2i, 2i+1) within each head, as run.c:
+/// freq = theta^(-(2i mod head_size)/head_size), angle = pos * freq,
+/// (a, b) -> (a cos - b sin, a sin + b cos), applied to q and k.
+/// @param q   [tokens x n_heads*head_size], rotated in place
+/// @param k   [tokens x n_kv_heads*head_size], rotated in place
+/// @param pos [tokens] absolute position of each token
+void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int n_heads,
+          int n_kv_heads, int head_size, float theta);
+
+/// Causal grouped-query attention for one sequence against its KV cache.
+///
+/// Query row t sits at absolute position pos0 + t and attends to cache rows 0..pos0 + t.
+/// Query head h reads KV head h / (n_heads / n_kv_heads). Scores are q.k / sqrt(head_size),
+/// softmax with the maximum subtracted, then the weighted sum of V rows.
+/// @param q       [tokens x n_heads*head_size]
+/// @param k_cache [>= pos0+tokens rows x n_kv_heads*head_size], rows 0..pos0+tokens-1 filled
+/// @param v_cache same shape as k_cache
+/// @param out     [tokens x n_heads*head_size]; must not alias q
+void attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+               std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads, int head_size);
+
+/// SwiGLU gate: gate[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
+void swiglu(float* gate, const float* up, std::int64_t n);
+
+/// In-place softmax over x[0..n) with the maximum subtracted.
+void softmax(float* x, std::int64_t n);
+
+/// out[t, :] = table[ids[t], :]: embedding lookup.
+/// @param table [vocab x dim]
+void embedding(const float* table, const std::int32_t* ids, float* out, std::int64_t tokens,
+               std::int64_t dim);
+
+/// Number of threads the BLAS behind matmul_wt uses in the calling process (OpenBLAS's
+/// setting is process-wide). brigade's pipeline sets 1 per stage thread unless told otherwise.
+void set_blas_threads(int n);
+
+/// Current BLAS thread count.
+int blas_threads();
+
+}  // namespace v0
+}  // namespace brigade::cpu

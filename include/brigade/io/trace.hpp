@@ -1,0 +1,78 @@
+// Chrome trace (chrome://tracing, Perfetto) export of a Timeline.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/core/timeline.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace brigade::io {
+inline namespace v0 {
+
+/// Chrome trace JSON ("traceEvents" of complete "X" events, microseconds) for a Timeline:
+/// one row (tid) per rank, named "stage R"; each event is named "OP mb" with the op's text
+/// form and carries microbatch, virtual stage, chunk and tokens in "args".
+inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row_name = "stage") {
+  nlohmann::json events = nlohmann::json::array();
+  const double t0 = tl.begin();
+  for (int r = 0; r < tl.num_ranks(); ++r) {
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+                      {"args", {{"name", row_name + " " + std::to_string(r)}}}});
+  }
+  for (const auto& iv : tl.intervals()) {
+    std::string name = std::string(to_string(iv.op)) + " " + std::to_string(iv.microbatch);
+    if (!iv.label.empty()) name += " " + iv.label;
+    events.push_back({{"name", name},
+                      {"cat", std::string(to_string(iv.op))},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", iv.rank},
+                      {"ts", (iv.start - t0) * 1e6},
+                      {"dur", iv.duration() * 1e6},
+                      {"args",
+                       {{"microbatch", iv.microbatch},
+                        {"virtual_stage", iv.virtual_stage},
+                        {"chunk", iv.chunk},
+                        {"tokens", iv.tokens}}}});
+  }
+  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+}
+
+/// Writes `text` to `path` atomically: a temporary file beside it, then rename, so a failure
+/// never leaves a half-written file.
+/// @throws brigade::Error{BadFile} if the file cannot be written
+inline void write_file_atomic(const std::filesystem::path& path, const std::string& text) {
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    BRIGADE_CHECK(out.good(), Errc::BadFile, "{}: cannot open for writing", tmp.string());
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.flush();
+    if (!out.good()) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      detail::fail(Errc::BadFile, "{}: write failed", tmp.string());
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    detail::fail(Errc::BadFile, "{}: cannot rename into place", path.string());
+  }
+}
+
+/// Writes the Chrome trace of `tl` to `path` (atomically).
+/// @throws brigade::Error{BadFile} if the file cannot be written
+inline void write_chrome_trace(const std::filesystem::path& path, const Timeline& tl,
+                               const std::string& row_name = "stage") {
+  write_file_atomic(path, to_chrome_trace(tl, row_name).dump());
+}
+
+}  // namespace v0
+}  // namespace brigade::io

@@ -1,0 +1,72 @@
+// llama2.c's BPE tokenizer: encode by merge score, byte fallback, dummy prefix, BOS/EOS.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace brigade::model {
+inline namespace v0 {
+
+/// A SentencePiece-style BPE vocabulary as llama2.c stores it (tokenizer.bin), with run.c's
+/// encode and decode semantics.
+class Tokenizer {
+ public:
+  static constexpr int kUnk = 0;  ///< <unk>
+  static constexpr int kBos = 1;  ///< beginning of sequence
+  static constexpr int kEos = 2;  ///< end of sequence
+
+  /// Loads a llama2.c tokenizer file: uint32 max_token_length, then for each of `vocab_size`
+  /// tokens a float32 merge score, an int32 length and that many UTF-8 bytes.
+  /// @param vocab_size tokens to read (the model's vocab_size, as run.c does)
+  /// @throws brigade::Error{BadFile} naming the file, the token id and the values when the file
+  ///         is missing or truncated, a length is negative or exceeds max_token_length, or
+  ///         bytes remain after the last token
+  static Tokenizer load_llama2c(const std::filesystem::path& path, int vocab_size);
+
+  /// A made-up vocabulary for synthetic models: ids 0..2 special, 3..258 byte fallback
+  /// "<0xXX>", the rest pseudo-words built from `seed` (scores descending with id).
+  /// @throws brigade::Error{InvalidArgument} if vocab_size < 259
+  static Tokenizer synthetic(int vocab_size, std::uint64_t seed);
+
+  /// Token ids of `text` as run.c's encode(): BOS if `bos`; a dummy-prefix " " token if the
+  /// text is non-empty; each UTF-8 code point as its token or, if absent, its bytes as
+  /// byte-fallback ids (byte + 3); then repeatedly the adjacent pair whose concatenation is in
+  /// the vocabulary with the highest score is merged; EOS if `eos`.
+  [[nodiscard]] std::vector<int> encode(std::string_view text, bool bos, bool eos) const;
+
+  /// The text run.c prints for `token` after `prev`: the piece, with its leading space dropped
+  /// when prev is BOS, and a "<0xXX>" piece as that single raw byte.
+  /// @throws brigade::Error{InvalidArgument} if token is outside [0, vocab_size)
+  [[nodiscard]] std::string decode(int prev, int token) const;
+
+  /// Appends `piece` to `out` as run.c's safe_printf prints it: an empty piece, or a single
+  /// byte that is neither printable nor whitespace, is dropped.
+  static void append_printable(std::string& out, std::string_view piece);
+
+  /// The stored piece of `id` ("<0x0A>", " Once", ...).
+  /// @throws brigade::Error{InvalidArgument} if id is outside [0, vocab_size)
+  [[nodiscard]] std::string_view piece(int id) const;
+  /// The merge score of `id`.
+  /// @throws brigade::Error{InvalidArgument} if id is outside [0, vocab_size)
+  [[nodiscard]] float score(int id) const;
+  [[nodiscard]] int vocab_size() const noexcept;
+  [[nodiscard]] int max_token_length() const noexcept;
+
+  Tokenizer();
+  ~Tokenizer();
+  Tokenizer(const Tokenizer&);
+  Tokenizer& operator=(const Tokenizer&);
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace v0
+}  // namespace brigade::model
