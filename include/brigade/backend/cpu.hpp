@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace brigade::cpu {
 inline namespace v0 {
@@ -66,6 +67,47 @@ void set_blas_threads(int n);
 
 /// Current BLAS thread count.
 int blas_threads();
+
+}  // namespace v0
+}  // namespace brigade::cpu
+
+namespace brigade::model {
+inline namespace v0 {
+struct LlamaConfig;
+struct DecoderWeights;
+}  // namespace v0
+}  // namespace brigade::model
+
+namespace brigade::cpu {
+inline namespace v0 {
+
+/// One sequence's rows in a packed micro-batch, with that sequence's KV cache for the layer.
+struct SequenceSlice {
+  std::int64_t offset = 0;  ///< first row of the sequence in the packed [tokens x dim] batch
+  std::int64_t tokens = 0;  ///< rows (new tokens) of this sequence
+  std::int64_t pos0 = 0;    ///< absolute position of its first new token
+  float* k_cache = nullptr; ///< [capacity x kv_dim] keys of this layer; rows pos0.. are written
+  float* v_cache = nullptr; ///< [capacity x kv_dim] values of this layer; likewise
+};
+
+/// Reusable work buffers of decoder_layer_forward, grown on demand (no allocation in steady
+/// state).
+struct DecoderScratch {
+  std::vector<float> xb, q, k, v, att, hb, hb2;
+};
+
+/// One Llama decoder layer over a packed micro-batch (prefill and decode alike), in place on the
+/// residual stream, as run.c's forward() for one layer:
+///   xb = rmsnorm(x, rms_att); q,k,v = xb Wq^T, xb Wk^T, xb Wv^T; RoPE(q, k, pos);
+///   K/V rows stored in each sequence's cache; att = causal GQA attention; x += att Wo^T;
+///   xb = rmsnorm(x, rms_ffn); x += (silu(xb W1^T) * (xb W3^T)) W2^T.
+/// The projections are GEMMs over all `tokens` rows at once.
+/// @param x      [tokens x dim] residual stream, updated in place
+/// @param pos    [tokens] absolute positions (sequence-major, matching `seqs`)
+/// @param seqs   the sequences, in row order, covering rows [0, tokens) exactly
+void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
+                           float* x, std::int64_t tokens, const std::int32_t* pos,
+                           std::span<const SequenceSlice> seqs, DecoderScratch& scratch);
 
 }  // namespace v0
 }  // namespace brigade::cpu

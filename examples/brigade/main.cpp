@@ -1,0 +1,41 @@
+// `brigade`: generate, simulate, train, ... Each subcommand lives in its own file.
+#include "cli.hpp"
+
+#include <brigade/config.hpp>
+#include <brigade/core/error.hpp>
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <memory>
+
+int main(int argc, char** argv) {
+  CLI::App app{"brigade " BRIGADE_VERSION_STRING ": pipeline parallelism for transformer models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(BRIGADE_VERSION_STRING));
+  auto& cmds = brigade::cli::commands();
+  std::sort(cmds.begin(), cmds.end(), [](auto& a, auto& b) { return a.name < b.name; });
+  std::vector<std::pair<CLI::App*, std::function<int()>>> runners;
+  for (auto& c : cmds) {
+    CLI::App* sub = app.add_subcommand(c.name, c.description);
+    runners.emplace_back(sub, c.setup(*sub));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto& [sub, run] : runners)
+      if (sub->parsed()) return run();
+  } catch (const brigade::Error& e) {
+    fmt::print(stderr, "brigade: error ({}): {}\n", brigade::to_string(e.code()), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "brigade: error: {}\n", e.what());
+    return 2;
+  }
+  return 1;
+}
