@@ -110,7 +110,8 @@ inline Partition from_bounds(int num_layers, std::span<const int> bounds) {
   std::vector<StageRange> st;
   for (std::size_t i = 0; i + 1 < bounds.size(); ++i)
     st.push_back({static_cast<int>(i), bounds[i], bounds[i + 1]});
-  return Partition(num_layers, static_cast<int>(st.size()), std::move(st));
+  const int ranks = static_cast<int>(st.size());
+  return Partition(num_layers, ranks, std::move(st));
 }
 
 /// Uniform by layer count (Megatron's default): the L decoder layers are split into `stages`

@@ -1,0 +1,192 @@
+// `brigade generate`: text generation with the model split into pipeline stages.
+#include "cli.hpp"
+
+#include <brigade/engine/inference.hpp>
+#include <brigade/io/trace.hpp>
+#include <brigade/model/text.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/model/weights.hpp>
+#include <brigade/partition/partition.hpp>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <sstream>
+
+namespace {
+
+struct GenerateArgs {
+  std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
+  std::vector<std::string> prompts;
+  int steps = 256, stages = 2, microbatches = 0, threads = 1;
+  float temperature = 1.0f, top_p = 0.9f;
+  std::uint64_t seed = 42, model_seed = 1234;
+  double timeout = 120.0;
+};
+
+std::vector<std::string> read_prompt_file(const std::string& path) {
+  std::ifstream in(path);
+  BRIGADE_CHECK(in.good(), brigade::Errc::BadFile, "{}: cannot open the prompt file", path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) out.push_back(line);
+  BRIGADE_CHECK(!out.empty(), brigade::Errc::BadFile, "{}: no prompts (one per non-empty line)",
+                path);
+  return out;
+}
+
+int run(const GenerateArgs& a) {
+  using namespace brigade;
+  // Model and tokenizer: real files, or a synthetic Llama of a named size.
+  model::LlamaWeights weights;
+  model::Tokenizer tok;
+  std::string model_name;
+  if (!a.model.empty()) {
+    BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
+                  "--model needs --tokenizer (the llama2.c tokenizer file)");
+    weights = model::load_llama2c_checkpoint(a.model);
+    tok = model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+    model_name = a.model;
+  } else {
+    weights = model::make_synthetic_weights(model::named_config(a.synthetic), a.model_seed);
+    tok = a.tokenizer.empty() ? model::Tokenizer::synthetic(weights.config.vocab_size, a.model_seed)
+                              : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+    model_name = "synthetic " + a.synthetic;
+  }
+  const model::ModelSpec spec(weights.config);
+
+  std::vector<std::string> prompts = a.prompts;
+  if (!a.prompt_file.empty()) {
+    auto more = read_prompt_file(a.prompt_file);
+    prompts.insert(prompts.end(), more.begin(), more.end());
+  }
+  if (prompts.empty()) prompts.emplace_back("");
+  std::vector<engine::GenerationRequest> requests;
+  for (const auto& p : prompts) requests.push_back({tok.encode(p, true, false), a.steps});
+
+  BRIGADE_CHECK(a.stages >= 1 && a.stages <= weights.config.n_layers + 4, Errc::InvalidArgument,
+                "--stages {} outside [1, {}] for a model of {} layers", a.stages,
+                weights.config.n_layers + 4, spec.num_layers());
+  partition::Partition part = [&] {
+    if (a.partition == "uniform") return partition::uniform(spec, a.stages);
+    // Balanced for the decode step that dominates generation: one token per sequence of a
+    // micro-batch, attending to half the run's positions on average.
+    const int groups = a.microbatches > 0 ? a.microbatches
+                                          : std::min<int>(static_cast<int>(requests.size()), a.stages);
+    model::WorkItem work;
+    work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
+    work.tokens = work.sequences;
+    work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
+    return partition::balanced(spec, a.stages, work);
+  }();
+
+  engine::InferenceOptions opt;
+  opt.microbatches = a.microbatches;
+  opt.sampler = {a.temperature, a.top_p, a.seed};
+  opt.blas_threads = a.threads;
+  opt.timeout_s = a.timeout;
+  const auto report = engine::generate(weights, part, requests, opt);
+
+  for (const auto& s : report.sequences) {
+    const auto text = model::render_like_run_c(tok, s.tokens);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+  }
+  std::fflush(stdout);
+
+  // Summary on stderr (and as JSON with --metrics).
+  double ttft = 0, tpot = 0;
+  int with_tpot = 0;
+  for (const auto& s : report.sequences) {
+    ttft += s.ttft_s;
+    if (s.generated > 1) {
+      tpot += s.tpot_s();
+      ++with_tpot;
+    }
+  }
+  ttft /= static_cast<double>(report.sequences.size());
+  if (with_tpot) tpot /= with_tpot;
+  const int S = part.num_stages();
+  fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
+             weights.config.n_layers, weights.config.dim, S, a.partition, part.to_string());
+  fmt::print(stderr,
+             "sequences: {}, prompt tokens: {}, generated tokens: {}, wall: {:.3f} s\n"
+             "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
+             report.sequences.size(), report.prompt_tokens, report.generated_tokens, report.wall_s,
+             report.tokens_per_s(), ttft * 1e3, tpot * 1e3);
+  nlohmann::json stages = nlohmann::json::array();
+  for (int s = 0; s < S; ++s) {
+    const auto& r = part.stage(s);
+    const double busy = report.wall_s > 0 ? report.timeline.busy(s) / report.wall_s : 0.0;
+    fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last, busy * 100);
+    stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
+                      {"busy_fraction", busy}});
+  }
+  if (!a.trace.empty()) io::write_chrome_trace(a.trace, report.timeline);
+  if (!a.metrics.empty()) {
+    nlohmann::json seqs = nlohmann::json::array();
+    for (const auto& s : report.sequences)
+      seqs.push_back({{"prompt_tokens", s.prompt_tokens}, {"generated", s.generated},
+                      {"stopped_on_bos", s.stopped_on_bos}, {"ttft_s", s.ttft_s},
+                      {"tpot_s", s.tpot_s()}, {"tokens", s.tokens}});
+    nlohmann::json m = {{"model", model_name},
+                        {"stages", S},
+                        {"partition", a.partition},
+                        {"microbatches", opt.microbatches},
+                        {"wall_s", report.wall_s},
+                        {"prompt_tokens", report.prompt_tokens},
+                        {"generated_tokens", report.generated_tokens},
+                        {"tokens_per_s", report.tokens_per_s()},
+                        {"ttft_s_mean", ttft},
+                        {"tpot_s_mean", tpot},
+                        {"stage_stats", stages},
+                        {"sequences", seqs}};
+    io::write_file_atomic(a.metrics, m.dump(1) + "\n");
+  }
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto a = std::make_shared<GenerateArgs>();
+  sub.add_option("--model", a->model, "llama2.c checkpoint (.bin); without it, a synthetic model")
+      ->check(CLI::ExistingFile);
+  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (.bin)")->check(CLI::ExistingFile);
+  sub.add_option("--synthetic", a->synthetic,
+                 "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
+      ->capture_default_str();
+  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
+  sub.add_option("--prompt", a->prompts, "a prompt; repeat for several sequences in flight");
+  sub.add_option("--prompt-file", a->prompt_file, "a file of prompts, one per line")
+      ->check(CLI::ExistingFile);
+  sub.add_option("--steps", a->steps, "positions per sequence, prompt included (run.c's -n); 0 = seq_len")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  sub.add_option("--temperature", a->temperature, "0 = greedy")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  sub.add_option("--top-p", a->top_p, "nucleus threshold; <= 0 or >= 1 samples the full distribution")
+      ->capture_default_str();
+  sub.add_option("--seed", a->seed, "sampler seed (sequence i uses seed + i)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--stages", a->stages, "pipeline stages (one thread each)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--partition", a->partition, "uniform (by layer count) or balanced (by cost)")
+      ->check(CLI::IsMember({"uniform", "balanced"}))->capture_default_str();
+  sub.add_option("--microbatches", a->microbatches,
+                 "sequence groups in flight; 0 = min(sequences, stages)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  sub.add_option("--threads", a->threads, "BLAS threads per stage")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--timeout", a->timeout, "seconds a stage waits for a peer before failing")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--trace", a->trace, "write the Timeline as Chrome trace JSON");
+  sub.add_option("--metrics", a->metrics, "write the summary as JSON");
+  return [a] { return run(*a); };
+}
+
+const brigade::cli::Registrar reg{
+    {"generate", "Generate text with the model split into pipeline stages", setup}};
+
+}  // namespace

@@ -1,0 +1,213 @@
+// InProcessTransport: the Transport concept between threads of one process.
+#pragma once
+
+#include "brigade/transport/transport.hpp"
+
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace brigade::transport {
+inline namespace v0 {
+
+/// The shared state of `world_size` in-process ranks: one FIFO channel per (source, destination,
+/// tag). Create one fabric, then one InProcessTransport per rank (thread) over it.
+///
+/// Sends are eager: the payload is copied into the channel, so a send completes at once and its
+/// buffer can be reused immediately. The k-th receive posted on a channel takes the k-th message
+/// sent on it, whatever order the waits come in.
+class InProcessFabric {
+ public:
+  /// @throws brigade::Error{InvalidArgument} if world_size < 1
+  explicit InProcessFabric(int world_size) : world_size_(world_size) {
+    BRIGADE_CHECK(world_size >= 1, Errc::InvalidArgument,
+                  "InProcessFabric: world_size = {}, expected >= 1", world_size);
+  }
+  InProcessFabric(const InProcessFabric&) = delete;
+  InProcessFabric& operator=(const InProcessFabric&) = delete;
+
+  [[nodiscard]] int world_size() const noexcept { return world_size_; }
+
+  /// Wakes every waiter with Error{Aborted, reason}; later waits fail the same way. Used when one
+  /// rank fails so the others stop instead of waiting for it.
+  void abort(std::string reason) {
+    {
+      std::lock_guard lock(mu_);
+      if (!aborted_) abort_reason_ = std::move(reason);
+      aborted_ = true;
+    }
+    cv_.notify_all();
+  }
+  /// True once abort() was called.
+  [[nodiscard]] bool aborted() const {
+    std::lock_guard lock(mu_);
+    return aborted_;
+  }
+
+ private:
+  friend class InProcessTransport;
+  struct Message {
+    MessageHeader header;
+    std::vector<std::byte> payload;
+  };
+  struct Channel {
+    std::map<std::uint64_t, Message> pending;  // by send sequence number, not yet received
+    std::uint64_t sent = 0;                    // messages sent so far
+    std::uint64_t posted = 0;                  // receives posted so far
+  };
+  using Key = std::tuple<int, int, int>;  // (source, destination, tag)
+
+  int world_size_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, Channel> channels_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+};
+
+/// One rank's endpoint on an InProcessFabric. Models brigade::transport::Transport.
+class InProcessTransport {
+ public:
+  /// @param fabric shared by all ranks; must outlive the transport
+  /// @param rank   this endpoint's rank in [0, fabric.world_size())
+  /// @throws brigade::Error{InvalidArgument} if rank is out of range
+  InProcessTransport(InProcessFabric& fabric, int rank) : fabric_(&fabric), rank_(rank) {
+    BRIGADE_CHECK(rank >= 0 && rank < fabric.world_size(), Errc::InvalidArgument,
+                  "InProcessTransport: rank {} outside [0, {})", rank, fabric.world_size());
+  }
+
+  [[nodiscard]] int rank() const { return rank_; }
+  [[nodiscard]] int world_size() const { return fabric_->world_size(); }
+
+  /// Sends `payload` (exactly header.nbytes() bytes) to `peer` with `tag`. Completes at once.
+  /// @throws brigade::Error{InvalidArgument} for a bad peer, a header with wildcards, or a
+  ///         payload whose size differs from the header's
+  Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
+    check_peer(peer);
+    for (int i = 0; i < header.ndim; ++i)
+      BRIGADE_CHECK(header.shape[static_cast<std::size_t>(i)] >= 0, Errc::InvalidArgument,
+                    "rank {}: send to rank {} with wildcard shape[{}]", rank_, peer, i);
+    BRIGADE_CHECK(payload.size() == header.nbytes(), Errc::InvalidArgument,
+                  "rank {}: send to rank {} (tag {}) of {} bytes, header {} says {} bytes", rank_,
+                  peer, tag, payload.size(), header.to_string(), header.nbytes());
+    {
+      std::lock_guard lock(fabric_->mu_);
+      auto& ch = fabric_->channels_[{rank_, peer, tag}];
+      ch.pending.emplace(ch.sent++, InProcessFabric::Message{
+                                        header, std::vector<std::byte>(payload.begin(), payload.end())});
+    }
+    fabric_->cv_.notify_all();
+    Request r;
+    r.done = true;
+    r.peer = peer;
+    r.tag = tag;
+    r.header = header;
+    return r;
+  }
+
+  /// Posts a receive of the next message from `peer` with `tag` into `buffer`.
+  /// @throws brigade::Error{InvalidArgument} for a bad peer
+  Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
+    check_peer(peer);
+    auto st = std::make_shared<RecvState>();
+    st->buffer = buffer;
+    {
+      std::lock_guard lock(fabric_->mu_);
+      st->sequence = fabric_->channels_[{peer, rank_, tag}].posted++;
+    }
+    Request r;
+    r.is_recv = true;
+    r.peer = peer;
+    r.tag = tag;
+    r.header = expected;
+    r.state = std::move(st);
+    return r;
+  }
+
+  /// Posts every op of `batch` (sends first, then receives, as one group).
+  /// @throws brigade::Error as isend / irecv
+  std::vector<Request> submit(std::span<const P2POp> batch) {
+    std::vector<Request> out;
+    out.reserve(batch.size());
+    for (const auto& op : batch)
+      out.push_back(op.is_send ? isend(op.peer, op.tag, op.header, op.send_buffer)
+                               : irecv(op.peer, op.tag, op.header, op.recv_buffer));
+    return out;
+  }
+
+  /// Blocks until `r` completes or `deadline` passes. For a receive, checks the header, copies
+  /// the payload into the buffer and stores the received header in `r.header`.
+  /// @throws brigade::Error{PeerTimeout} naming the peer when the deadline passes;
+  ///         Error{HeaderMismatch} when the header differs or the buffer is too small;
+  ///         Error{Aborted} when the fabric was aborted
+  void wait(Request& r, Deadline deadline) {
+    if (r.done) return;
+    BRIGADE_CHECK(r.state != nullptr, Errc::InvalidUsage, "rank {}: wait on an empty request",
+                  rank_);
+    std::unique_lock lock(fabric_->mu_);
+    auto& ch = fabric_->channels_[{r.peer, rank_, r.tag}];
+    auto* st = static_cast<RecvState*>(r.state.get());
+    auto ready = [&] { return fabric_->aborted_ || ch.pending.count(st->sequence) != 0; };
+    if (!fabric_->cv_.wait_until(lock, deadline.at, ready)) {
+      detail::fail(Errc::PeerTimeout,
+                   "rank {}: no message from rank {} (tag {}, expecting {}) before the deadline; "
+                   "rank {} stopped answering",
+                   rank_, r.peer, r.tag, r.header.to_string(), r.peer);
+    }
+    complete_locked(r, ch);
+  }
+
+  /// Completes `r` if its message has arrived; never blocks.
+  /// @return true when `r` is complete
+  /// @throws brigade::Error as wait()
+  bool test(Request& r) {
+    if (r.done) return true;
+    std::lock_guard lock(fabric_->mu_);
+    auto& ch = fabric_->channels_[{r.peer, rank_, r.tag}];
+    auto* st = static_cast<RecvState*>(r.state.get());
+    if (!fabric_->aborted_ && ch.pending.count(st->sequence) == 0) return false;
+    complete_locked(r, ch);
+    return true;
+  }
+
+ private:
+  struct RecvState {
+    std::uint64_t sequence = 0;
+    MutableBytes buffer;
+  };
+
+  void check_peer(int peer) const {
+    BRIGADE_CHECK(peer >= 0 && peer < world_size(), Errc::InvalidArgument,
+                  "rank {}: peer {} outside [0, {})", rank_, peer, world_size());
+  }
+
+  void complete_locked(Request& r, InProcessFabric::Channel& ch) {
+    if (fabric_->aborted_)
+      detail::fail(Errc::Aborted, "rank {}: transport aborted: {}", rank_, fabric_->abort_reason_);
+    auto* st = static_cast<RecvState*>(r.state.get());
+    auto it = ch.pending.find(st->sequence);
+    InProcessFabric::Message msg = std::move(it->second);
+    ch.pending.erase(it);
+    check_header(r.header, msg.header, rank_, r.peer, r.tag);
+    BRIGADE_CHECK(msg.payload.size() <= st->buffer.size(), Errc::HeaderMismatch,
+                  "rank {}: message from rank {} (tag {}, {}) has {} bytes, the receive buffer "
+                  "holds {}",
+                  rank_, r.peer, r.tag, msg.header.to_string(), msg.payload.size(),
+                  st->buffer.size());
+    if (!msg.payload.empty()) std::memcpy(st->buffer.data(), msg.payload.data(), msg.payload.size());
+    r.header = msg.header;
+    r.done = true;
+  }
+
+  InProcessFabric* fabric_;
+  int rank_;
+};
+
+static_assert(Transport<InProcessTransport>);
+
+}  // namespace v0
+}  // namespace brigade::transport

@@ -1,0 +1,181 @@
+// The Transport concept: non-blocking point-to-point messages between ranks, with a checked
+// header and deadlines. Models: InProcessTransport (threads); MpiTransport and NcclTransport
+// in their own components.
+#pragma once
+
+#include "brigade/core/error.hpp"
+
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace brigade::transport {
+inline namespace v0 {
+
+/// Element type of a message's payload.
+enum class DType : std::int32_t { F32 = 0, I32 = 1, Bytes = 2 };
+
+/// Size in bytes of one element of `t`.
+constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::Bytes ? 1 : 4; }
+
+/// Name of a dtype ("f32", "i32", "bytes").
+constexpr const char* to_string(DType t) noexcept {
+  return t == DType::F32 ? "f32" : t == DType::I32 ? "i32" : "bytes";
+}
+
+/// Wildcard value for MessageHeader fields in an expected (receive-side) header.
+inline constexpr std::int64_t kAny = -1;
+
+/// The header every message carries and every receive checks: micro-batch, the destination
+/// stage, dtype and shape (up to 4 dims, row-major). On the receive side, microbatch, stage or
+/// any shape dimension may be kAny to accept whatever arrives (the received header is then read
+/// with `received()`).
+struct MessageHeader {
+  std::int64_t microbatch = 0;            ///< micro-batch id, or kAny
+  std::int64_t stage = 0;                 ///< stage (virtual stage) the message is for, or kAny
+  DType dtype = DType::F32;               ///< element type
+  std::int32_t ndim = 0;                  ///< number of dimensions in `shape`
+  std::array<std::int64_t, 4> shape{};    ///< sizes, outermost first; kAny allowed when receiving
+
+  /// A header for a payload of the given dims.
+  static MessageHeader make(std::int64_t microbatch, std::int64_t stage, DType dtype,
+                            std::initializer_list<std::int64_t> dims) {
+    MessageHeader h;
+    h.microbatch = microbatch;
+    h.stage = stage;
+    h.dtype = dtype;
+    BRIGADE_CHECK(dims.size() <= 4, Errc::InvalidArgument, "MessageHeader: {} dims, at most 4",
+                  dims.size());
+    h.ndim = static_cast<std::int32_t>(dims.size());
+    std::size_t i = 0;
+    for (auto d : dims) h.shape[i++] = d;
+    return h;
+  }
+  /// Elements described by the shape (wildcards count as 0).
+  [[nodiscard]] std::int64_t numel() const noexcept {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[static_cast<std::size_t>(i)] < 0 ? 0 : shape[static_cast<std::size_t>(i)];
+    return n;
+  }
+  /// Payload bytes described by the header.
+  [[nodiscard]] std::size_t nbytes() const noexcept {
+    return static_cast<std::size_t>(numel()) * dtype_size(dtype);
+  }
+  /// Readable form: "mb 3 stage 1 f32[512, 64]".
+  [[nodiscard]] std::string to_string() const {
+    std::string s = fmt::format("mb {} stage {} {}[", microbatch, stage, transport::to_string(dtype));
+    for (int i = 0; i < ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", shape[static_cast<std::size_t>(i)]);
+    return s + "]";
+  }
+  friend bool operator==(const MessageHeader&, const MessageHeader&) = default;
+};
+
+/// Checks a received header against the expected one (kAny fields match anything).
+/// @throws brigade::Error{HeaderMismatch} naming the peer, the field, the value seen and the value
+///         expected
+inline void check_header(const MessageHeader& expected, const MessageHeader& got, int self,
+                         int peer, int tag) {
+  auto field = [&](const char* name, std::int64_t e, std::int64_t g) {
+    BRIGADE_CHECK(e == kAny || e == g, Errc::HeaderMismatch,
+                  "rank {}: message from rank {} (tag {}) has {} = {}, expected {} (received {}, "
+                  "expected {})",
+                  self, peer, tag, name, g, e, got.to_string(), expected.to_string());
+  };
+  field("microbatch", expected.microbatch, got.microbatch);
+  field("stage", expected.stage, got.stage);
+  field("dtype", static_cast<std::int64_t>(expected.dtype), static_cast<std::int64_t>(got.dtype));
+  field("ndim", expected.ndim, got.ndim);
+  for (int i = 0; i < expected.ndim; ++i) {
+    const auto ui = static_cast<std::size_t>(i);
+    BRIGADE_CHECK(expected.shape[ui] == kAny || expected.shape[ui] == got.shape[ui],
+                  Errc::HeaderMismatch,
+                  "rank {}: message from rank {} (tag {}) has shape[{}] = {}, expected {} "
+                  "(received {}, expected {})",
+                  self, peer, tag, i, got.shape[ui], expected.shape[ui], got.to_string(),
+                  expected.to_string());
+  }
+}
+
+/// Read-only payload bytes.
+using ConstBytes = std::span<const std::byte>;
+/// Writable payload bytes (a receive buffer; may be larger than the message).
+using MutableBytes = std::span<std::byte>;
+
+/// When a wait gives up.
+struct Deadline {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point at = Clock::time_point::max();
+
+  /// `seconds` from now.
+  static Deadline after(double seconds) {
+    Deadline d;
+    d.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(seconds));
+    return d;
+  }
+  /// Never: wait forever (use only where a peer cannot fail).
+  static Deadline never() { return Deadline{}; }
+};
+
+/// A handle on one posted send or receive. Opaque to users; each transport keeps its own state
+/// behind `state`. After a successful wait (or a test that returned true) `done` is true and,
+/// for a receive, `header` holds the header that arrived.
+struct Request {
+  bool done = false;                 ///< completed (and, for a receive, checked and copied)
+  bool is_recv = false;              ///< a receive (true) or a send (false)
+  int peer = -1;                     ///< the other rank
+  int tag = 0;                       ///< the tag it was posted with
+  MessageHeader header;              ///< expected header (receive) or sent header (send)
+  std::shared_ptr<void> state;       ///< transport-specific state
+};
+
+/// One entry of a batch submit: a send or a receive to post together with others.
+struct P2POp {
+  bool is_send = true;
+  int peer = 0;
+  int tag = 0;
+  MessageHeader header;
+  ConstBytes send_buffer{};   ///< for sends
+  MutableBytes recv_buffer{}; ///< for receives
+};
+
+/// Non-blocking point-to-point transport between the ranks of one pipeline.
+///
+/// Pairing and ordering rules, for every model: a message sent by rank a to rank b with tag t
+/// is received by the receive rank b posts for (a, t); messages between the same (a, b, t) are
+/// received in the order they were sent, by receives in the order they were posted. A send
+/// buffer may be reused as soon as the send's wait returns. The receive checks the arriving
+/// header against the expected one (check_header) and throws HeaderMismatch on a difference;
+/// a wait that passes its deadline throws PeerTimeout naming the peer.
+template <class T>
+concept Transport = requires(T& t, const T& ct, const MessageHeader& h, ConstBytes src,
+                             MutableBytes dst, Request& r, std::span<const P2POp> batch,
+                             Deadline d) {
+  { ct.rank() } -> std::same_as<int>;
+  { ct.world_size() } -> std::same_as<int>;
+  { t.isend(0, 0, h, src) } -> std::same_as<Request>;
+  { t.irecv(0, 0, h, dst) } -> std::same_as<Request>;
+  { t.submit(batch) } -> std::same_as<std::vector<Request>>;
+  { t.wait(r, d) } -> std::same_as<void>;
+  { t.test(r) } -> std::same_as<bool>;
+};
+
+/// The bytes of a contiguous span of trivially copyable values.
+template <class V>
+ConstBytes as_bytes(std::span<const V> v) noexcept {
+  return std::as_bytes(v);
+}
+/// The writable bytes of a contiguous span of trivially copyable values.
+template <class V>
+MutableBytes as_writable_bytes(std::span<V> v) noexcept {
+  return std::as_writable_bytes(v);
+}
+
+}  // namespace v0
+}  // namespace brigade::transport

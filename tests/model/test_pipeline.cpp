@@ -1,0 +1,179 @@
+// The main job on real data: stories260K split into 1..5 stages generates exactly the tokens and
+// the text of llama2.c's run.c (../shared/data/reference/stories260K_greedy.json).
+#include <brigade/engine/inference.hpp>
+#include <brigade/model/text.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/model/weights.hpp>
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kData = BRIGADE_DATA_DIR;
+
+struct Case {
+  std::string name, prompt, stdout_text;
+  int steps = 0;
+  std::vector<int> prompt_ids, generated_ids;
+};
+
+struct Reference {
+  model::LlamaWeights weights = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  model::Tokenizer tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
+  std::vector<Case> cases;
+  std::vector<float> logits16;
+  Reference() {
+    std::ifstream in(kData / "reference" / "stories260K_greedy.json");
+    REQUIRE(in.good());
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& c : j.at("cases")) {
+      Case k;
+      k.name = c.at("name");
+      k.prompt = c.at("prompt");
+      k.steps = c.at("steps");
+      k.stdout_text = c.at("stdout");
+      k.prompt_ids = c.at("prompt_ids").get<std::vector<int>>();
+      k.generated_ids = c.at("generated_ids").get<std::vector<int>>();
+      cases.push_back(std::move(k));
+    }
+    logits16 = j.at("logits_bos_pos0_first16").get<std::vector<float>>();
+  }
+  /// Expected token at every position: prompt, then generated (without a terminating BOS).
+  static std::vector<int> all_ids(const Case& c) {
+    std::vector<int> ids = c.prompt_ids;
+    for (int t : c.generated_ids)
+      if (t != model::Tokenizer::kBos) ids.push_back(t);
+    return ids;
+  }
+};
+
+const Reference& ref() {
+  static const Reference r;
+  return r;
+}
+
+partition::Partition make_partition(const std::string& kind, int stages, int sequences) {
+  const model::ModelSpec spec(ref().weights.config);
+  if (kind == "uniform") return partition::uniform(spec, stages);
+  return partition::balanced(spec, stages, model::WorkItem{sequences, sequences, 64.0});
+}
+
+void check_case_output(const Case& c, const engine::SequenceResult& r) {
+  CHECK(r.tokens == Reference::all_ids(c));
+  CHECK(r.generated == static_cast<int>(c.generated_ids.size()));
+  CHECK(model::render_like_run_c(ref().tok, r.tokens) == c.stdout_text);
+}
+
+}  // namespace
+
+TEST_CASE("pipeline.stories260K: greedy tokens and text equal run.c for 1-5 stages, both "
+          "partitions, each prompt alone and both in flight") {
+  const auto& R = ref();
+  REQUIRE(R.cases.size() == 2);
+  for (const std::string kind : {"uniform", "balanced"}) {
+    for (int stages = 1; stages <= 5; ++stages) {
+      CAPTURE(kind);
+      CAPTURE(stages);
+      for (const auto& c : R.cases) {
+        CAPTURE(c.name);
+        REQUIRE(R.tok.encode(c.prompt, true, false) == c.prompt_ids);
+        const std::vector<engine::GenerationRequest> req{{c.prompt_ids, c.steps}};
+        engine::InferenceOptions opt;
+        opt.sampler.temperature = 0.0f;
+        const auto rep = engine::generate(R.weights, make_partition(kind, stages, 1), req, opt);
+        REQUIRE(rep.sequences.size() == 1);
+        check_case_output(c, rep.sequences[0]);
+      }
+      // Both prompts at once: as two micro-batches in flight, and batched in one micro-batch.
+      for (int mbs : {1, 2}) {
+        CAPTURE(mbs);
+        std::vector<engine::GenerationRequest> req;
+        for (const auto& c : R.cases) req.push_back({c.prompt_ids, c.steps});
+        engine::InferenceOptions opt;
+        opt.sampler.temperature = 0.0f;
+        opt.microbatches = mbs;
+        const auto rep = engine::generate(R.weights, make_partition(kind, stages, 2), req, opt);
+        REQUIRE(rep.sequences.size() == 2);
+        for (std::size_t i = 0; i < 2; ++i) check_case_output(R.cases[i], rep.sequences[i]);
+        // Every stage did work, and the timeline has one row per stage.
+        CHECK(rep.timeline.num_ranks() == stages);
+        for (int s = 0; s < stages; ++s) CHECK(rep.timeline.busy(s) > 0.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("pipeline.stories260K: first logits of BOS at position 0 match run.c to 1e-5") {
+  const auto& R = ref();
+  const model::ModelSpec spec(R.weights.config);
+  // Everything but the sampler: the micro-batch leaves holding the logits.
+  runtime::InferenceStage stage(R.weights, {0, 0, spec.num_layers() - 1}, std::vector<int>{1},
+                                model::SamplerConfig{});
+  runtime::Microbatch mb;
+  mb.seqs = {{0, 0, 1}};
+  mb.token_ids = {model::Tokenizer::kBos};
+  stage.forward(mb);
+  REQUIRE(mb.width == 512);
+  for (std::size_t i = 0; i < R.logits16.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::abs(mb.act[i] - R.logits16[i]) <= 1e-5 * std::abs(R.logits16[i]));
+  }
+}
+
+TEST_CASE("pipeline.stories260K: --steps shorter than the prompt samples nothing, as run.c") {
+  const auto& R = ref();
+  const auto ids = R.tok.encode("Once upon a time", true, false);  // 5 ids
+  const std::vector<engine::GenerationRequest> req{{ids, 3}, {ids, 5}};
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  const auto rep = engine::generate(R.weights, make_partition("uniform", 2, 2), req, opt);
+  // steps 3: positions 0..2 fed, prints prompt tokens 1..3.
+  CHECK(rep.sequences[0].tokens == std::vector<int>(ids.begin(), ids.begin() + 4));
+  CHECK(rep.sequences[0].generated == 0);
+  // steps 5 = prompt length: one token sampled after the last prompt position.
+  CHECK(rep.sequences[1].generated == 1);
+  CHECK(rep.sequences[1].tokens.size() == 6);
+  CHECK(rep.sequences[1].tokens[5] == R.cases[1].generated_ids[0]);
+}
+
+TEST_CASE("pipeline.stories260K: sampling with a seed is reproducible and partition-independent") {
+  const auto& R = ref();
+  const std::vector<engine::GenerationRequest> req{{R.cases[1].prompt_ids, 80},
+                                                   {R.cases[0].prompt_ids, 80}};
+  engine::InferenceOptions opt;
+  opt.sampler = {0.9f, 0.9f, 1234};
+  const auto a = engine::generate(R.weights, make_partition("uniform", 1, 2), req, opt);
+  const auto b = engine::generate(R.weights, make_partition("balanced", 4, 2), req, opt);
+  for (std::size_t i = 0; i < 2; ++i) CHECK(a.sequences[i].tokens == b.sequences[i].tokens);
+  opt.sampler.seed = 99;
+  const auto c = engine::generate(R.weights, make_partition("uniform", 1, 2), req, opt);
+  CHECK(a.sequences[0].tokens != c.sequences[0].tokens);
+}
+
+TEST_CASE("pipeline.errors: bad requests and partitions fail with an Error, not a hang") {
+  const auto& R = ref();
+  const auto part = make_partition("uniform", 3, 1);
+  engine::InferenceOptions opt;
+  opt.timeout_s = 10;
+  std::vector<engine::GenerationRequest> empty{{{}, 10}};
+  CHECK_THROWS_WITH_AS(engine::generate(R.weights, part, empty, opt),
+                       doctest::Contains("empty prompt"), Error);
+  std::vector<engine::GenerationRequest> bad_token{{{1, 600}, 10}};
+  CHECK_THROWS_WITH_AS(engine::generate(R.weights, part, bad_token, opt),
+                       doctest::Contains("token id 600 outside the vocabulary [0, 512)"), Error);
+  std::vector<engine::GenerationRequest> ok{{{1}, 10}};
+  const partition::Partition wrong(5, 2, {{0, 0, 2}, {1, 2, 5}});
+  CHECK_THROWS_WITH_AS(engine::generate(R.weights, wrong, ok, opt),
+                       doctest::Contains("covers 5 layers, the model has 9"), Error);
+  const partition::Partition two_on_one(9, 1, {{0, 0, 4}, {0, 4, 9}});
+  CHECK_THROWS_WITH_AS(engine::generate(R.weights, two_on_one, ok, opt),
+                       doctest::Contains("one stage per rank"), Error);
+}
