@@ -15,6 +15,7 @@ inline namespace v0 {
 /// @param x      [tokens x dim]
 /// @param weight [dim]
 /// @param out    [tokens x dim]; may alias x
+/// @throws brigade::Error{InvalidArgument} if tokens < 0 or dim < 1
 void rmsnorm(const float* x, const float* weight, float* out, std::int64_t tokens, std::int64_t dim,
              float eps);
 
@@ -22,10 +23,12 @@ void rmsnorm(const float* x, const float* weight, float* out, std::int64_t token
 /// @param x   [tokens x in], row-major
 /// @param w   [out x in], row-major (llama2.c's layout)
 /// @param out [tokens x out], row-major; must not alias x
+/// @throws brigade::Error{InvalidArgument} if a size is negative
 void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
                std::int64_t out_dim);
 
-/// out += x * W^T (the residual-add form of matmul_wt).
+/// out += x * W^T (the residual-add form of matmul_wt), one GEMM with beta = 1.
+/// @throws brigade::Error{InvalidArgument} if a size is negative
 void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
                           std::int64_t in, std::int64_t out_dim);
 
@@ -35,6 +38,8 @@ void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64
 /// @param q   [tokens x n_heads*head_size], rotated in place
 /// @param k   [tokens x n_kv_heads*head_size], rotated in place
 /// @param pos [tokens] absolute position of each token
+/// @throws brigade::Error{InvalidArgument} if tokens < 0, a head count is < 1, n_heads is not a
+///         multiple of n_kv_heads, or head_size is not positive and even
 void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int n_heads,
           int n_kv_heads, int head_size, float theta);
 
@@ -47,6 +52,7 @@ void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int 
 /// @param k_cache [>= pos0+tokens rows x n_kv_heads*head_size], rows 0..pos0+tokens-1 filled
 /// @param v_cache same shape as k_cache
 /// @param out     [tokens x n_heads*head_size]; must not alias q
+/// @throws brigade::Error{InvalidArgument} for negative tokens or pos0, or heads as in rope()
 void attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads, int head_size);
 
@@ -63,6 +69,7 @@ void embedding(const float* table, const std::int32_t* ids, float* out, std::int
 
 /// Number of threads the BLAS behind matmul_wt uses in the calling process (OpenBLAS's
 /// setting is process-wide). brigade's pipeline sets 1 per stage thread unless told otherwise.
+/// @throws brigade::Error{InvalidArgument} if n < 1
 void set_blas_threads(int n);
 
 /// Current BLAS thread count.
@@ -105,6 +112,9 @@ struct DecoderScratch {
 /// @param x      [tokens x dim] residual stream, updated in place
 /// @param pos    [tokens] absolute positions (sequence-major, matching `seqs`)
 /// @param seqs   the sequences, in row order, covering rows [0, tokens) exactly
+/// @throws brigade::Error{InvalidArgument} if the config is invalid, a weight pointer is null,
+///         the slices do not cover [0, tokens) contiguously in order (or one has tokens < 1 or a
+///         null cache), pos[offset + t] != pos0 + t, or pos0 + tokens exceeds config.seq_len
 void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                            float* x, std::int64_t tokens, const std::int32_t* pos,
                            std::span<const SequenceSlice> seqs, DecoderScratch& scratch);

@@ -19,11 +19,14 @@ struct SamplerConfig {
 /// run.c's sampler, so that a seed gives the tokens llama2.c gives: argmax at temperature 0;
 /// otherwise softmax(logits / temperature) and either multinomial sampling (top_p outside
 /// (0, 1)) or nucleus sampling (Holtzman et al. 2019): candidates with p >= (1 - top_p)/(n - 1),
-/// sorted descending, truncated where the cumulative probability first exceeds top_p. The coin
+/// sorted descending (ties by index), truncated where the cumulative probability first exceeds
+/// top_p; if no token reaches the cutoff (only for near-uniform distributions with
+/// vocab_size * top_p < 1) all tokens are candidates. The coin
 /// is xorshift* (Marsaglia 2003; Vigna 2016), one draw per sampled token.
 class Sampler {
  public:
-  /// @throws brigade::Error{InvalidArgument} if vocab_size < 1, temperature < 0 or seed == 0
+  /// @throws brigade::Error{InvalidArgument} if vocab_size < 1, temperature < 0 (or NaN),
+  ///         top_p is NaN, or seed == 0
   Sampler(int vocab_size, SamplerConfig config);
 
   /// Picks a token from `logits` ([vocab_size]); overwrites logits with probabilities when

@@ -1,0 +1,304 @@
+// CPU kernels of the Llama decoder: run.c's float32 math, with the matrix products on Eigen
+// (which hands them to OpenBLAS's SGEMM/SGEMV: this file is compiled with EIGEN_USE_BLAS).
+//
+// Fidelity to llama2.c run.c: the element-wise kernels (RMSNorm, RoPE, softmax, SwiGLU) use
+// run.c's formulas, float accumulation and libm calls (sqrtf, powf, cosf, sinf, expf) in the
+// same order, so they give run.c's bits. Only the dot products inside GEMMs (projections and
+// the attention blocks) are summed in BLAS order instead of run.c's left-to-right order.
+#include "brigade/backend/cpu.hpp"
+
+#include "brigade/core/error.hpp"
+#include "brigade/model/config.hpp"
+#include "brigade/model/weights.hpp"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+// OpenBLAS's process-wide thread controls (declared here to avoid pulling in <cblas.h>).
+extern "C" {
+void openblas_set_num_threads(int num_threads);
+int openblas_get_num_threads(void);
+}
+
+namespace brigade::cpu {
+inline namespace v0 {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MapMat = Eigen::Map<RowMat>;
+using ConstMapMat = Eigen::Map<const RowMat>;
+using StridedMat = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
+using ConstStridedMat = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
+
+/// Query rows per attention block: S = Q_blk K^T is [kAttnBlock x context] floats.
+constexpr std::int64_t kAttnBlock = 64;
+
+std::size_t usize(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+/// Resizes `v` to at least `n` elements; never shrinks (no reallocation in steady state).
+template <class T>
+T* grow(std::vector<T>& v, std::int64_t n) {
+  if (v.size() < usize(n)) v.resize(usize(n));
+  return v.data();
+}
+
+void check_gemm_shape(const char* what, std::int64_t tokens, std::int64_t in,
+                      std::int64_t out_dim) {
+  BRIGADE_CHECK(tokens >= 0 && in >= 0 && out_dim >= 0, Errc::InvalidArgument,
+                "{}: shape tokens = {}, in = {}, out = {}; expected all >= 0", what, tokens, in,
+                out_dim);
+}
+
+void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
+  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+                Errc::InvalidArgument,
+                "{}: n_heads = {}, n_kv_heads = {}; expected both > 0 and n_heads a multiple "
+                "of n_kv_heads",
+                what, n_heads, n_kv_heads);
+  BRIGADE_CHECK(head_size > 0 && head_size % 2 == 0, Errc::InvalidArgument,
+                "{}: head_size = {}; expected a positive even number", what, head_size);
+}
+
+/// attention() with caller-owned score storage (grown on demand).
+void attention_impl(const float* q, const float* k_cache, const float* v_cache, float* out,
+                    std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads,
+                    int head_size, std::vector<float>& scores) {
+  const std::int64_t hs = head_size;
+  const std::int64_t dim = static_cast<std::int64_t>(n_heads) * hs;
+  const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * hs;
+  const int kv_mul = n_heads / n_kv_heads;
+  const float scale = std::sqrt(static_cast<float>(head_size));  // run.c: sqrtf(head_size)
+  const std::int64_t context = pos0 + tokens;
+  float* att = grow(scores, std::min(kAttnBlock, tokens) * context);
+
+  for (int h = 0; h < n_heads; ++h) {
+    const std::int64_t kv_off = static_cast<std::int64_t>(h / kv_mul) * hs;
+    for (std::int64_t r0 = 0; r0 < tokens; r0 += kAttnBlock) {
+      const std::int64_t rows = std::min(kAttnBlock, tokens - r0);
+      const std::int64_t keys = pos0 + r0 + rows;  // the block's last row sees keys 0..keys-1
+      ConstStridedMat qb(q + r0 * dim + h * hs, rows, hs, Eigen::OuterStride<>(dim));
+      ConstStridedMat kb(k_cache + kv_off, keys, hs, Eigen::OuterStride<>(kv_dim));
+      ConstStridedMat vb(v_cache + kv_off, keys, hs, Eigen::OuterStride<>(kv_dim));
+      MapMat s(att, rows, keys);
+      s.noalias() = qb * kb.transpose();
+      for (std::int64_t i = 0; i < rows; ++i) {
+        float* row = att + i * keys;
+        const std::int64_t visible = pos0 + r0 + i + 1;  // causal: keys 0..pos0+r0+i
+        for (std::int64_t j = 0; j < visible; ++j) row[j] /= scale;
+        softmax(row, visible);
+        std::fill(row + visible, row + keys, 0.0f);
+      }
+      StridedMat ob(out + r0 * dim + h * hs, rows, hs, Eigen::OuterStride<>(dim));
+      ob.noalias() = s * vb;
+    }
+  }
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* weight, float* out, std::int64_t tokens,
+             std::int64_t dim, float eps) {
+  BRIGADE_CHECK(tokens >= 0 && dim > 0, Errc::InvalidArgument,
+                "rmsnorm: tokens = {}, dim = {}; expected tokens >= 0 and dim > 0", tokens, dim);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const float* xr = x + t * dim;
+    float* o = out + t * dim;
+    float ss = 0.0f;
+    for (std::int64_t j = 0; j < dim; ++j) ss += xr[j] * xr[j];
+    ss /= static_cast<float>(dim);
+    ss += eps;
+    ss = 1.0f / std::sqrt(ss);
+    for (std::int64_t j = 0; j < dim; ++j) o[j] = weight[j] * (ss * xr[j]);
+  }
+}
+
+void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
+               std::int64_t out_dim) {
+  check_gemm_shape("matmul_wt", tokens, in, out_dim);
+  if (tokens == 0 || out_dim == 0) return;
+  MapMat o(out, tokens, out_dim);
+  if (in == 0) {
+    o.setZero();
+    return;
+  }
+  o.noalias() = ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+}
+
+void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
+                          std::int64_t in, std::int64_t out_dim) {
+  check_gemm_shape("matmul_wt_accumulate", tokens, in, out_dim);
+  if (tokens == 0 || out_dim == 0 || in == 0) return;
+  MapMat o(out, tokens, out_dim);
+  o.noalias() += ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+}
+
+void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int n_heads,
+          int n_kv_heads, int head_size, float theta) {
+  check_heads("rope", n_heads, n_kv_heads, head_size);
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "rope: tokens = {}; expected >= 0", tokens);
+  const int half = head_size / 2;
+  const std::int64_t dim = static_cast<std::int64_t>(n_heads) * head_size;
+  const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * head_size;
+  // run.c evaluates freq, cos and sin per element i of the row, but they depend only on
+  // i % head_size and pos: computing them once per (token, pair) gives the same bits.
+  std::vector<float> f(static_cast<std::size_t>(half));
+  for (int j = 0; j < half; ++j) {
+    const int head_dim = 2 * j;
+    f[usize(j)] =
+        1.0f / std::pow(theta, static_cast<float>(head_dim) / static_cast<float>(head_size));
+  }
+  std::vector<float> c(2 * static_cast<std::size_t>(half));  // cos, sin per pair
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const float p = static_cast<float>(pos[t]);
+    for (int j = 0; j < half; ++j) {
+      const float val = p * f[usize(j)];
+      c[usize(2 * j)] = std::cos(val);
+      c[usize(2 * j + 1)] = std::sin(val);
+    }
+    auto rotate = [&](float* row, std::int64_t width) {
+      for (std::int64_t i = 0; i < width; i += 2) {
+        const std::size_t j = usize(i % head_size);  // = 2 * pair index
+        const float fcr = c[j], fci = c[j + 1];
+        const float v0 = row[i], v1 = row[i + 1];
+        row[i] = v0 * fcr - v1 * fci;
+        row[i + 1] = v0 * fci + v1 * fcr;
+      }
+    };
+    rotate(q + t * dim, dim);
+    rotate(k + t * kv_dim, kv_dim);
+  }
+}
+
+void attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+               std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads,
+               int head_size) {
+  check_heads("attention", n_heads, n_kv_heads, head_size);
+  BRIGADE_CHECK(tokens >= 0 && pos0 >= 0, Errc::InvalidArgument,
+                "attention: tokens = {}, pos0 = {}; expected both >= 0", tokens, pos0);
+  if (tokens == 0) return;
+  std::vector<float> scores;
+  attention_impl(q, k_cache, v_cache, out, tokens, pos0, n_heads, n_kv_heads, head_size, scores);
+}
+
+void swiglu(float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    float val = gate[i];
+    val *= 1.0f / (1.0f + std::exp(-val));
+    val *= up[i];
+    gate[i] = val;
+  }
+}
+
+void softmax(float* x, std::int64_t n) {
+  if (n <= 0) return;
+  float max_val = x[0];
+  for (std::int64_t i = 1; i < n; ++i) max_val = x[i] > max_val ? x[i] : max_val;
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max_val);
+    sum += x[i];
+  }
+  for (std::int64_t i = 0; i < n; ++i) x[i] /= sum;
+}
+
+void embedding(const float* table, const std::int32_t* ids, float* out, std::int64_t tokens,
+               std::int64_t dim) {
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const float* row = table + static_cast<std::int64_t>(ids[t]) * dim;
+    std::copy(row, row + dim, out + t * dim);
+  }
+}
+
+void set_blas_threads(int n) {
+  BRIGADE_CHECK(n >= 1, Errc::InvalidArgument, "set_blas_threads: n = {}; expected >= 1", n);
+  openblas_set_num_threads(n);
+}
+
+int blas_threads() { return openblas_get_num_threads(); }
+
+void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
+                           float* x, std::int64_t tokens, const std::int32_t* pos,
+                           std::span<const SequenceSlice> seqs, DecoderScratch& scratch) {
+  config.validate("decoder_layer_forward");
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument,
+                "decoder_layer_forward: tokens = {}; expected >= 0", tokens);
+  BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,
+                Errc::InvalidArgument,
+                "decoder_layer_forward: a DecoderWeights pointer is null; expected all 9 set");
+  BRIGADE_CHECK(tokens == 0 || (x != nullptr && pos != nullptr), Errc::InvalidArgument,
+                "decoder_layer_forward: x or pos is null with tokens = {}", tokens);
+  std::int64_t next = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const SequenceSlice& s = seqs[i];
+    BRIGADE_CHECK(s.offset == next, Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} starts at row {}; expected row {} (slices "
+                  "must cover [0, tokens) contiguously, in order)",
+                  i, s.offset, next);
+    BRIGADE_CHECK(s.tokens >= 1, Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} has tokens = {}; expected >= 1", i,
+                  s.tokens);
+    BRIGADE_CHECK(s.pos0 >= 0 && s.pos0 + s.tokens <= config.seq_len, Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} spans positions [{}, {}); expected within "
+                  "[0, seq_len = {})",
+                  i, s.pos0, s.pos0 + s.tokens, config.seq_len);
+    BRIGADE_CHECK(s.k_cache != nullptr && s.v_cache != nullptr, Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} has a null k_cache or v_cache", i);
+    next = s.offset + s.tokens;
+    BRIGADE_CHECK(next <= tokens, Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} ends at row {}; expected <= tokens = {}", i,
+                  next, tokens);
+    for (std::int64_t t = 0; t < s.tokens; ++t) {
+      BRIGADE_CHECK(pos[s.offset + t] == s.pos0 + t, Errc::InvalidArgument,
+                    "decoder_layer_forward: pos[{}] = {}; expected {} (sequence {} has pos0 = {})",
+                    s.offset + t, pos[s.offset + t], s.pos0 + t, i, s.pos0);
+    }
+  }
+  BRIGADE_CHECK(next == tokens, Errc::InvalidArgument,
+                "decoder_layer_forward: the {} sequences cover rows [0, {}); expected [0, {})",
+                seqs.size(), next, tokens);
+  if (tokens == 0) return;
+
+  const std::int64_t dim = config.dim;
+  const std::int64_t kv_dim = config.kv_dim();
+  const std::int64_t hidden = config.hidden_dim;
+  const int hs = config.head_size();
+  float* xb = grow(scratch.xb, tokens * dim);
+  float* q = grow(scratch.q, tokens * dim);
+  float* k = grow(scratch.k, tokens * kv_dim);
+  float* v = grow(scratch.v, tokens * kv_dim);
+  float* hb = grow(scratch.hb, tokens * hidden);
+  float* hb2 = grow(scratch.hb2, tokens * hidden);
+
+  // Attention block: QKV projections as three GEMMs over every token of every sequence.
+  rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
+  matmul_wt(xb, w.wq, q, tokens, dim, dim);
+  matmul_wt(xb, w.wk, k, tokens, dim, kv_dim);
+  matmul_wt(xb, w.wv, v, tokens, dim, kv_dim);
+  rope(q, k, pos, tokens, config.n_heads, config.n_kv_heads, hs, config.rope_theta);
+  for (const SequenceSlice& s : seqs) {
+    std::copy(k + s.offset * kv_dim, k + (s.offset + s.tokens) * kv_dim,
+              s.k_cache + s.pos0 * kv_dim);
+    std::copy(v + s.offset * kv_dim, v + (s.offset + s.tokens) * kv_dim,
+              s.v_cache + s.pos0 * kv_dim);
+  }
+  for (const SequenceSlice& s : seqs) {
+    attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
+                   s.pos0, config.n_heads, config.n_kv_heads, hs, scratch.att);
+  }
+  matmul_wt_accumulate(xb, w.wo, x, tokens, dim, dim);
+
+  // FFN block: x += (silu(xb W1^T) * (xb W3^T)) W2^T.
+  rmsnorm(x, w.rms_ffn, xb, tokens, dim, config.norm_eps);
+  matmul_wt(xb, w.w1, hb, tokens, dim, hidden);
+  matmul_wt(xb, w.w3, hb2, tokens, dim, hidden);
+  swiglu(hb, hb2, tokens * hidden);
+  matmul_wt_accumulate(hb, w.w2, x, tokens, hidden, dim);
+}
+
+}  // namespace v0
+}  // namespace brigade::cpu
