@@ -1,0 +1,324 @@
+// llama2.c's tokenizer: the tokenizer.bin reader and run.c's encode/decode/safe_printf
+// semantics, written against a hash map from piece to id.
+#include "brigade/model/tokenizer.hpp"
+
+#include "brigade/core/error.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace brigade::model {
+inline namespace v0 {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "llama2.c tokenizer files are little-endian");
+
+/// Transparent hash so lookups by string_view do not allocate.
+struct PieceHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const noexcept {
+    return std::hash<std::string_view>{}(s);
+  }
+};
+
+/// run.c's starting best score: a merge whose score is not above it never happens.
+constexpr float kNoMergeScore = -1e10f;
+
+/// Value of one hex digit, or -1.
+int hex_value(char c) noexcept {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  return -1;
+}
+
+/// isprint / isspace of the "C" locale (what run.c sees: it never calls setlocale).
+bool printable_or_space(unsigned char b) noexcept {
+  return (b >= 0x20 && b <= 0x7E) || b == '\t' || b == '\n' || b == '\v' || b == '\f' ||
+         b == '\r';
+}
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::vector<std::string> pieces;
+  std::vector<float> scores;
+  int max_token_length = 0;
+  /// piece -> id; when a piece occurs twice, the lower id wins.
+  std::unordered_map<std::string, int, PieceHash, std::equal_to<>> ids;
+
+  void index() {
+    ids.clear();
+    ids.reserve(pieces.size());
+    for (std::size_t i = 0; i < pieces.size(); ++i) ids.emplace(pieces[i], static_cast<int>(i));
+  }
+
+  [[nodiscard]] int lookup(std::string_view s) const {
+    const auto it = ids.find(s);
+    return it == ids.end() ? -1 : it->second;
+  }
+
+  /// The vocabulary a default-constructed or moved-from Tokenizer behaves as.
+  static const Impl& empty() {
+    static const Impl impl;
+    return impl;
+  }
+
+  [[nodiscard]] int vocab() const noexcept { return static_cast<int>(pieces.size()); }
+
+  void check_id(int id, std::string_view what) const {
+    BRIGADE_CHECK(id >= 0 && id < vocab(), Errc::InvalidArgument,
+                  "Tokenizer::{}: token id {} outside [0, {})", what, id, vocab());
+  }
+
+  /// run.c's byte fallback: byte b is token b + 3 ("<0xXX>").
+  [[nodiscard]] int byte_token(unsigned char b) const {
+    const int id = static_cast<int>(b) + 3;
+    BRIGADE_CHECK(id < vocab(), Errc::InvalidArgument,
+                  "Tokenizer::encode: byte 0x{:02X} has no token in the vocabulary and its "
+                  "byte-fallback id {} is outside [0, {})",
+                  static_cast<unsigned>(b), id, vocab());
+    return id;
+  }
+};
+
+Tokenizer::Tokenizer() : impl_(std::make_unique<Impl>()) {}
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(const Tokenizer& other)
+    : impl_(std::make_unique<Impl>(other.impl_ ? *other.impl_ : Impl{})) {}
+Tokenizer& Tokenizer::operator=(const Tokenizer& other) {
+  if (this != &other) impl_ = std::make_unique<Impl>(other.impl_ ? *other.impl_ : Impl{});
+  return *this;
+}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+Tokenizer Tokenizer::load_llama2c(const std::filesystem::path& path, int vocab_size) {
+  const std::string name = path.string();
+  BRIGADE_CHECK(vocab_size > 0, Errc::InvalidArgument,
+                "Tokenizer::load_llama2c({}): vocab_size = {}, expected > 0", name, vocab_size);
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    detail::fail(Errc::BadFile, "{}: tokenizer file not found (no such file)", name);
+  std::ifstream in(path, std::ios::binary);
+  BRIGADE_CHECK(in.is_open(), Errc::BadFile, "{}: cannot open tokenizer file", name);
+  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  BRIGADE_CHECK(!in.bad(), Errc::BadFile, "{}: read error in tokenizer file", name);
+
+  const std::size_t size = bytes.size();
+  std::size_t at = 0;
+  auto read_u32 = [&](std::uint32_t& v) {
+    std::memcpy(&v, bytes.data() + at, sizeof v);
+    at += sizeof v;
+  };
+  BRIGADE_CHECK(size >= 4, Errc::BadFile,
+                "{}: file is {} bytes, shorter than the 4-byte max_token_length header", name,
+                size);
+  std::uint32_t max_len = 0;
+  read_u32(max_len);
+  BRIGADE_CHECK(max_len <= static_cast<std::uint32_t>(std::numeric_limits<int>::max()),
+                Errc::BadFile, "{}: max_token_length = {}, expected <= {}", name, max_len,
+                std::numeric_limits<int>::max());
+
+  Tokenizer t;
+  Impl& m = *t.impl_;
+  m.max_token_length = static_cast<int>(max_len);
+  m.pieces.reserve(static_cast<std::size_t>(vocab_size));
+  m.scores.reserve(static_cast<std::size_t>(vocab_size));
+  for (int id = 0; id < vocab_size; ++id) {
+    const std::size_t left = size - at;
+    if (left == 0)
+      detail::fail(Errc::BadFile,
+                   "{}: file ends after {} tokens, expected vocab_size = {} tokens (too few "
+                   "tokens: is vocab_size right?)",
+                   name, id, vocab_size);
+    if (left < 8)
+      detail::fail(Errc::BadFile,
+                   "{}: truncated in token {}: its score and length need 8 bytes at offset {}, "
+                   "{} remain (file is {} bytes)",
+                   name, id, at, left, size);
+    float score = 0.0f;
+    std::memcpy(&score, bytes.data() + at, sizeof score);
+    at += sizeof score;
+    std::int32_t len = 0;
+    std::memcpy(&len, bytes.data() + at, sizeof len);
+    at += sizeof len;
+    BRIGADE_CHECK(len >= 0, Errc::BadFile,
+                  "{}: token {} has length {} at offset {}, expected >= 0", name, id, len, at - 4);
+    BRIGADE_CHECK(static_cast<std::uint32_t>(len) <= max_len, Errc::BadFile,
+                  "{}: token {} has length {} at offset {}, expected <= max_token_length = {}",
+                  name, id, len, at - 4, max_len);
+    const auto n = static_cast<std::size_t>(len);
+    if (size - at < n)
+      detail::fail(Errc::BadFile,
+                   "{}: truncated in token {}: its {} bytes of text start at offset {}, {} remain "
+                   "(file is {} bytes)",
+                   name, id, n, at, size - at, size);
+    m.pieces.emplace_back(bytes.data() + at, n);
+    m.scores.push_back(score);
+    at += n;
+  }
+  if (at != size)
+    detail::fail(Errc::BadFile,
+                 "{}: {} bytes remain after token {} (offset {} of {}): the file holds more "
+                 "tokens than vocab_size = {}",
+                 name, size - at, vocab_size - 1, at, size, vocab_size);
+  m.index();
+  return t;
+}
+
+Tokenizer Tokenizer::synthetic(int vocab_size, std::uint64_t seed) {
+  BRIGADE_CHECK(vocab_size >= 259, Errc::InvalidArgument,
+                "Tokenizer::synthetic: vocab_size = {}, expected >= 259 (3 special tokens and "
+                "256 byte tokens)",
+                vocab_size);
+  Tokenizer t;
+  Impl& m = *t.impl_;
+  const auto n = static_cast<std::size_t>(vocab_size);
+  m.pieces.reserve(n);
+  m.pieces = {"<unk>", "\n<s>\n", "\n</s>\n"};
+  for (int b = 0; b < 256; ++b) m.pieces.push_back(fmt::format("<0x{:02X}>", b));
+  std::unordered_set<std::string> seen(m.pieces.begin(), m.pieces.end());
+  auto add = [&](std::string s) {
+    if (m.pieces.size() < n && seen.insert(s).second) m.pieces.push_back(std::move(s));
+  };
+  // The dummy prefix and every lowercase letter, alone and after a space, so that any
+  // lowercase text encodes without byte fallback; then words grown one letter at a time from
+  // an existing piece, so every word can be reached by merges.
+  add(" ");
+  for (char ch = 'a'; ch <= 'z'; ++ch) add(std::string(1, ch));
+  for (char ch = 'a'; ch <= 'z'; ++ch) add(std::string(" ") + ch);
+  const std::size_t first_word = 260;  // after " "
+  std::mt19937_64 rng(seed);
+  constexpr std::size_t kMaxWord = 12;
+  while (m.pieces.size() < n) {
+    const std::size_t from = first_word + static_cast<std::size_t>(rng() % (m.pieces.size() - first_word));
+    std::string s = m.pieces[from];
+    if (s.size() >= kMaxWord) continue;
+    s.push_back(static_cast<char>('a' + rng() % 26));
+    add(std::move(s));
+  }
+  m.scores.resize(n);
+  std::size_t longest = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    m.scores[i] = i < 259 ? 0.0f : -static_cast<float>(i - 259);
+    longest = std::max(longest, m.pieces[i].size());
+  }
+  m.max_token_length = static_cast<int>(longest);
+  m.index();
+  return t;
+}
+
+std::vector<int> Tokenizer::encode(std::string_view text, bool bos, bool eos) const {
+  const Impl& m = impl_ ? *impl_ : Impl::empty();
+  std::vector<int> tokens;
+  tokens.reserve(text.size() + 3);
+  if (bos) tokens.push_back(kBos);
+  if (!text.empty()) {
+    // run.c looks up " " for the dummy prefix; if a vocabulary lacks it, its byte token stands in.
+    const int space = m.lookup(" ");
+    tokens.push_back(space >= 0 ? space : m.byte_token(' '));
+  }
+
+  // One UTF-8 code point at a time (a lead byte and up to 3 continuation bytes), as run.c's
+  // byte loop does: stray continuation bytes are grouped up to 4 as well.
+  char buf[4];
+  std::size_t len = 0;
+  for (std::size_t k = 0; k < text.size(); ++k) {
+    const auto ch = static_cast<unsigned char>(text[k]);
+    if ((ch & 0xC0) != 0x80) len = 0;
+    buf[len++] = static_cast<char>(ch);
+    const bool next_continues =
+        k + 1 < text.size() && (static_cast<unsigned char>(text[k + 1]) & 0xC0) == 0x80;
+    if (next_continues && len < 4) continue;
+    const int id = m.lookup(std::string_view(buf, len));
+    if (id >= 0) {
+      tokens.push_back(id);
+    } else {
+      for (std::size_t i = 0; i < len; ++i)
+        tokens.push_back(m.byte_token(static_cast<unsigned char>(buf[i])));
+    }
+    len = 0;
+  }
+
+  // Merge loop: each round merges the adjacent pair whose concatenation is a piece with the
+  // highest score (the first such pair on ties: strictly greater wins). The id of each pair's
+  // concatenation is cached; a merge changes only the pairs on either side of it.
+  std::string joined;
+  auto pair_id = [&](std::size_t i) {
+    joined.assign(m.pieces[static_cast<std::size_t>(tokens[i])]);
+    joined.append(m.pieces[static_cast<std::size_t>(tokens[i + 1])]);
+    return m.lookup(joined);
+  };
+  std::vector<int> pairs(tokens.size() > 1 ? tokens.size() - 1 : 0);
+  for (std::size_t i = 0; i < pairs.size(); ++i) pairs[i] = pair_id(i);
+  while (true) {
+    float best_score = kNoMergeScore;
+    std::size_t best = pairs.size();
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+      const int id = pairs[i];
+      if (id >= 0 && m.scores[static_cast<std::size_t>(id)] > best_score) {
+        best_score = m.scores[static_cast<std::size_t>(id)];
+        best = i;
+      }
+    }
+    if (best == pairs.size()) break;
+    tokens[best] = pairs[best];
+    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    pairs.erase(pairs.begin() + static_cast<std::ptrdiff_t>(best));
+    if (best > 0) pairs[best - 1] = pair_id(best - 1);
+    if (best < pairs.size()) pairs[best] = pair_id(best);
+  }
+
+  if (eos) tokens.push_back(kEos);
+  return tokens;
+}
+
+std::string Tokenizer::decode(int prev, int token) const {
+  const Impl& m = impl_ ? *impl_ : Impl::empty();
+  m.check_id(token, "decode");
+  std::string_view p = m.pieces[static_cast<std::size_t>(token)];
+  if (prev == kBos && !p.empty() && p.front() == ' ') p.remove_prefix(1);
+  if (p.size() == 6 && p.starts_with("<0x") && p[5] == '>') {
+    const int hi = hex_value(p[3]), lo = hex_value(p[4]);
+    if (hi >= 0 && lo >= 0) return std::string(1, static_cast<char>(hi * 16 + lo));
+  }
+  return std::string(p);
+}
+
+void Tokenizer::append_printable(std::string& out, std::string_view piece) {
+  // run.c prints with printf("%s"): the piece ends at its first NUL byte.
+  piece = piece.substr(0, piece.find('\0'));
+  if (piece.empty()) return;
+  if (piece.size() == 1 && !printable_or_space(static_cast<unsigned char>(piece[0]))) return;
+  out.append(piece);
+}
+
+std::string_view Tokenizer::piece(int id) const {
+  const Impl& m = impl_ ? *impl_ : Impl::empty();
+  m.check_id(id, "piece");
+  return m.pieces[static_cast<std::size_t>(id)];
+}
+
+float Tokenizer::score(int id) const {
+  const Impl& m = impl_ ? *impl_ : Impl::empty();
+  m.check_id(id, "score");
+  return m.scores[static_cast<std::size_t>(id)];
+}
+
+int Tokenizer::vocab_size() const noexcept { return impl_ ? impl_->vocab() : 0; }
+
+int Tokenizer::max_token_length() const noexcept { return impl_ ? impl_->max_token_length : 0; }
+
+}  // namespace v0
+}  // namespace brigade::model
