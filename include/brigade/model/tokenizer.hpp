@@ -23,28 +23,42 @@ class Tokenizer {
   /// tokens a float32 merge score, an int32 length and that many UTF-8 bytes.
   /// @param vocab_size tokens to read (the model's vocab_size, as run.c does)
   /// @throws brigade::Error{BadFile} naming the file, the token id and the values when the file
-  ///         is missing or truncated, a length is negative or exceeds max_token_length, or
-  ///         bytes remain after the last token
+  ///         is missing or truncated, a length is negative or exceeds max_token_length, bytes
+  ///         remain after the last token (vocab_size too small), or the file holds fewer than
+  ///         vocab_size tokens
+  /// @throws brigade::Error{InvalidArgument} if vocab_size <= 0
   static Tokenizer load_llama2c(const std::filesystem::path& path, int vocab_size);
 
   /// A made-up vocabulary for synthetic models: ids 0..2 special, 3..258 byte fallback
-  /// "<0xXX>", the rest pseudo-words built from `seed` (scores descending with id).
+  /// "<0xXX>", the rest pseudo-words built from `seed` (scores descending with id). Id 259 is
+  /// " ", then "a".."z" and " a".." z" (as room allows), then unique lowercase words of up to 12
+  /// bytes, some with a leading space, each grown by one letter from an earlier piece so that
+  /// merges reach it. Scores are 0 below 259 and -(id - 259) from there, as in tok512.bin.
   /// @throws brigade::Error{InvalidArgument} if vocab_size < 259
   static Tokenizer synthetic(int vocab_size, std::uint64_t seed);
 
   /// Token ids of `text` as run.c's encode(): BOS if `bos`; a dummy-prefix " " token if the
   /// text is non-empty; each UTF-8 code point as its token or, if absent, its bytes as
   /// byte-fallback ids (byte + 3); then repeatedly the adjacent pair whose concatenation is in
-  /// the vocabulary with the highest score is merged; EOS if `eos`.
+  /// the vocabulary with the highest score is merged (the leftmost pair on ties; a score must
+  /// exceed -1e10, run.c's starting value); EOS if `eos`. Where run.c's C strings give no
+  /// answer: a NUL byte is encoded like any byte (run.c stops at it); a vocabulary without
+  /// " " gets the byte token of 0x20 as dummy prefix; a piece stored twice resolves to its
+  /// lower id.
+  /// @throws brigade::Error{InvalidArgument} if a byte needs its fallback token (byte + 3) and
+  ///         that id is outside [0, vocab_size)
   [[nodiscard]] std::vector<int> encode(std::string_view text, bool bos, bool eos) const;
 
   /// The text run.c prints for `token` after `prev`: the piece, with its leading space dropped
-  /// when prev is BOS, and a "<0xXX>" piece as that single raw byte.
+  /// when prev is BOS, and a "<0xXX>" piece (exactly 6 bytes, two hex digits of either case)
+  /// as that single raw byte.
   /// @throws brigade::Error{InvalidArgument} if token is outside [0, vocab_size)
   [[nodiscard]] std::string decode(int prev, int token) const;
 
   /// Appends `piece` to `out` as run.c's safe_printf prints it: an empty piece, or a single
   /// byte that is neither printable nor whitespace, is dropped.
+  /// As printf("%s") does, the piece ends at its first NUL byte. "Printable" and "whitespace"
+  /// are the "C" locale's isprint/isspace.
   static void append_printable(std::string& out, std::string_view piece);
 
   /// The stored piece of `id` ("<0x0A>", " Once", ...).
@@ -53,9 +67,12 @@ class Tokenizer {
   /// The merge score of `id`.
   /// @throws brigade::Error{InvalidArgument} if id is outside [0, vocab_size)
   [[nodiscard]] float score(int id) const;
+  /// Number of tokens (0 for a default-constructed Tokenizer).
   [[nodiscard]] int vocab_size() const noexcept;
+  /// Longest piece in bytes: the file's max_token_length header, or the longest synthetic piece.
   [[nodiscard]] int max_token_length() const noexcept;
 
+  /// An empty vocabulary (vocab_size() == 0); a moved-from Tokenizer is in this state too.
   Tokenizer();
   ~Tokenizer();
   Tokenizer(const Tokenizer&);

@@ -40,20 +40,32 @@ struct LlamaWeights {
 /// hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a negative vocab_size means a
 /// separate classifier; then float32 tensors token_embedding, rms_att, wq, wk, wv, wo, rms_ffn,
 /// w1, w2, w3, rms_final, freq_cis_real, freq_cis_imag [, wcls]). The file is mmap'd read-only;
-/// nothing is copied.
+/// nothing is copied. `storage` owns the mapping and its file descriptor (unmapped and closed
+/// when the last copy goes); the RoPE tables are mapped but not exposed. docs/formats.md has
+/// the byte layout.
 /// @throws brigade::Error{BadFile} naming the file, the field and the values when the file is
-///         missing, shorter than its header, has a non-positive or inconsistent header field, or
-///         its size differs from the size the header implies
+///         missing, shorter than its header, has a non-positive or inconsistent header field
+///         (LlamaConfig::validate's checks), implies more than 2^64 bytes, or its size differs
+///         from the size the header implies (bytes seen and expected)
 LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path);
 
-/// Writes `w` as a llama2.c legacy checkpoint (atomically: a temporary file, then rename).
-/// RoPE tables are written as run.c's export does (cos/sin of pos * freq).
-/// @throws brigade::Error{BadFile} if the file cannot be written
+/// Writes `w` as a llama2.c legacy checkpoint (atomically: `path` + ".tmp", then rename; the
+/// temporary is removed on failure). The header's vocab_size is negative when the classifier is
+/// not shared, and wcls then follows the RoPE tables. RoPE tables are written as llama2.c's
+/// export does: real[pos][i] = cos(float(pos) * theta^(-2i/head_size)), imag = sin, both
+/// [seq_len x head_size/2] (float32 angle; within 1 ulp of the PyTorch-made tables).
+/// @throws brigade::Error{InvalidArgument} if `w.config` is invalid, `w.layers.size()` differs
+///         from n_layers, or a tensor pointer is null
+/// @throws brigade::Error{BadFile} naming the file if it cannot be written or renamed
 void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeights& w);
 
 /// A randomly initialised model of the given shape, reproducible from `seed`: weights are
 /// N(0, 0.02^2) (output projections wo, w2 scaled by 1/sqrt(2 n_layers), as GPT-2 and llama2.c's
-/// train.py do), norm gains are 1.
+/// train.py do), norm gains are 1. One owned buffer holds every tensor in the checkpoint's
+/// order (RoPE tables included, wcls after them when not shared). Reproducible: the same seed
+/// gives the same bytes (each tensor is a counter-based stream, so the result does not depend
+/// on the number of threads used to fill it); different seeds give different weights. Runs on
+/// std::thread::hardware_concurrency() threads; the 110M config takes well under a second.
 /// @throws brigade::Error{InvalidArgument} if the config is invalid
 LlamaWeights make_synthetic_weights(const LlamaConfig& config, std::uint64_t seed);
 
