@@ -1,0 +1,150 @@
+// Pipelined decode throughput on this machine, with its ceilings measured in the same binary.
+//
+// Scenarios (docs/benchmarks.md, "Pipelined decode"):
+//   BM_Decode/stages:S/threads:T/seqs:N  `brigade generate --synthetic 42M` as a library call:
+//       N sequences (one-token prompts) decode 48 positions with S stages of T BLAS threads each;
+//       counters: tokens_per_s (generated tokens / wall), bubble (1 - mean stage busy fraction).
+//   BM_GemmCeiling/threads:T   T independent single-threaded SGEMMs at once (the compute-bound
+//       ceiling of T cores for independent work, which is what pipeline stages do).
+//   BM_TriadCeiling/threads:T  T threads running a STREAM triad on private arrays (the
+//       memory-bound ceiling).
+//   BM_Llama42M_Prefill / BM_Llama42M_Decode  the llama.cpp reference shape (dim 512, 8 layers,
+//       FFN 1376, vocab 32000, F32): one sequence, 1 stage, 1 thread: prefill of 512 tokens and
+//       decode tokens/s, for comparison with llama.cpp's ~900 and ~93 tokens/s on one thread.
+#include <brigade/backend/cpu.hpp>
+#include <brigade/engine/inference.hpp>
+#include <brigade/model/weights.hpp>
+#include <brigade/partition/partition.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+using namespace brigade;
+
+namespace {
+
+const model::LlamaWeights& weights42m() {
+  static const model::LlamaWeights w = model::make_synthetic_weights(model::named_config("42M"), 1234);
+  return w;
+}
+
+engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps, int prompt_len) {
+  const auto& w = weights42m();
+  const model::ModelSpec spec(w.config);
+  const int groups = std::min(seqs, std::max(stages, 1));
+  const model::WorkItem work{seqs / groups, seqs / groups, steps / 2.0};
+  const auto part = partition::balanced(spec, stages, work);
+  std::vector<engine::GenerationRequest> reqs;
+  for (int i = 0; i < seqs; ++i) {
+    std::vector<int> prompt{1};
+    for (int t = 1; t < prompt_len; ++t) prompt.push_back(300 + (i * 7 + t) % 1000);
+    reqs.push_back({prompt, steps});
+  }
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.blas_threads = threads;
+  return engine::generate(w, part, reqs, opt);
+}
+
+void BM_Decode(benchmark::State& state) {
+  const int stages = static_cast<int>(state.range(0));
+  const int threads = static_cast<int>(state.range(1));
+  const int seqs = static_cast<int>(state.range(2));
+  double tokens = 0, seconds = 0, busy = 0;
+  for (auto _ : state) {
+    const auto rep = decode_run(stages, threads, seqs, 48, 1);
+    tokens += static_cast<double>(rep.generated_tokens);
+    seconds += rep.wall_s;
+    double b = 0;
+    for (int s = 0; s < stages; ++s) b += rep.timeline.busy(s) / rep.wall_s;
+    busy += b / stages;
+    if (rep.generated_tokens != static_cast<std::int64_t>(seqs) * 48)
+      state.SkipWithError("wrong number of generated tokens");
+  }
+  state.counters["tokens_per_s"] = tokens / seconds;
+  state.counters["bubble"] = 1.0 - busy / static_cast<double>(state.iterations());
+  cpu::set_blas_threads(1);
+}
+BENCHMARK(BM_Decode)
+    ->ArgNames({"stages", "threads", "seqs"})
+    ->Args({1, 1, 8})->Args({1, 2, 8})->Args({2, 1, 8})
+    ->Args({1, 1, 32})->Args({1, 2, 32})->Args({2, 1, 32})
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+
+void BM_GemmCeiling(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  constexpr int T = 256, K = 512, N = 1376;
+  std::vector<std::vector<float>> x(threads, std::vector<float>(T * K, 0.5f)),
+      w(threads, std::vector<float>(N * K, 0.25f)), y(threads, std::vector<float>(T * N));
+  cpu::set_blas_threads(1);
+  for (auto _ : state) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        for (int r = 0; r < 8; ++r)
+          cpu::matmul_wt(x[t].data(), w[t].data(), y[t].data(), T, K, N);
+      });
+    for (auto& th : pool) th.join();
+    benchmark::DoNotOptimize(y[0][0]);
+    if (std::abs(y[0][7] - 0.125f * K) > 1e-2f) state.SkipWithError("wrong GEMM result");
+  }
+  state.counters["GFLOP_per_s"] = benchmark::Counter(
+      2.0 * T * K * N * 8 * threads * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_GemmCeiling)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_TriadCeiling(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  constexpr std::size_t n = 8u << 20;  // 3 arrays x 32 MiB per thread: far beyond the caches
+  std::vector<std::vector<float>> a(threads, std::vector<float>(n)), b(threads, std::vector<float>(n, 1.0f)),
+      c(threads, std::vector<float>(n, 2.0f));
+  for (auto _ : state) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        float* __restrict pa = a[t].data();
+        const float* __restrict pb = b[t].data();
+        const float* __restrict pc = c[t].data();
+        for (std::size_t i = 0; i < n; ++i) pa[i] = pb[i] + 3.0f * pc[i];
+      });
+    for (auto& th : pool) th.join();
+    benchmark::DoNotOptimize(a[0][n - 1]);
+  }
+  state.counters["GB_per_s"] = benchmark::Counter(
+      3.0 * sizeof(float) * n * threads * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_TriadCeiling)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_Llama42M_Prefill(benchmark::State& state) {
+  double tokens = 0, seconds = 0;
+  for (auto _ : state) {
+    // steps = prompt length: the prefill of 512 tokens and one sampled token.
+    const auto rep = decode_run(1, 1, 1, 512, 512);
+    tokens += 512;
+    seconds += rep.sequences[0].ttft_s;
+  }
+  state.counters["prefill_tokens_per_s"] = tokens / seconds;
+}
+BENCHMARK(BM_Llama42M_Prefill)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_Llama42M_Decode(benchmark::State& state) {
+  double tps = 0;
+  for (auto _ : state) {
+    const auto rep = decode_run(1, 1, 1, 129, 1);
+    tps += 1.0 / rep.sequences[0].tpot_s();
+  }
+  state.counters["decode_tokens_per_s"] = tps / static_cast<double>(state.iterations());
+}
+BENCHMARK(BM_Llama42M_Decode)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+}  // namespace
+
+BENCHMARK_MAIN();

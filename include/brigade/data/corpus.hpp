@@ -1,0 +1,110 @@
+// Text corpora for training: files or folders of text, split into samples, one task per file,
+// tokenized, and packed into micro-batches of a fixed token budget.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/model/tokenizer.hpp"
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace brigade::data {
+inline namespace v0 {
+
+/// One training sample: a token sequence (BOS first) and the task (source file) it came from.
+struct Sample {
+  int task = 0;             ///< index into Corpus::tasks
+  std::vector<int> tokens;  ///< BOS, then the text's tokens; length >= 2
+};
+
+/// Samples of every task. A task is one file: the fortunes package's ~40 files (art, computers,
+/// literature, ...) are ~40 tasks of very different sample lengths, the multi-task setting of
+/// DynaPipe (training).
+struct Corpus {
+  std::vector<std::string> tasks;  ///< task names (file names), in load order
+  std::vector<Sample> samples;     ///< every sample, task by task, in file order
+
+  /// Total tokens over all samples.
+  [[nodiscard]] std::int64_t num_tokens() const noexcept {
+    std::int64_t n = 0;
+    for (const auto& s : samples) n += static_cast<std::int64_t>(s.tokens.size());
+    return n;
+  }
+};
+
+/// Splits one file's text into samples: a file holding lines that are exactly "%" is in fortune
+/// format (samples between "%" lines); otherwise blank lines separate samples. Leading and
+/// trailing blank lines of a sample are dropped, and empty samples are skipped.
+std::vector<std::string> split_samples(std::string_view text);
+
+/// The default corpus: the Debian package `fortunes` (/usr/share/games/fortunes).
+std::filesystem::path default_corpus_path();
+
+/// Loads a text file or every regular text file of a folder (sorted by name; symbolic links,
+/// hidden files and fortune index files `*.dat` skipped), one task per file, and tokenizes each
+/// sample as Tokenizer::encode(text, bos = true, eos = false), truncated to `max_tokens`.
+/// @param max_tokens longest sample kept, in tokens (>= 2)
+/// @throws brigade::Error{BadFile} if the path does not exist, a file cannot be read, or no
+///         sample is found; Error{InvalidArgument} if max_tokens < 2
+Corpus load_corpus(const std::filesystem::path& path, const model::Tokenizer& tokenizer,
+                   int max_tokens);
+
+/// Holds out every `every`-th sample of each task (the 0th, every-th, ...) for evaluation.
+/// @return {training corpus, held-out corpus}; the task list is shared
+/// @throws brigade::Error{InvalidArgument} if every < 2
+std::pair<Corpus, Corpus> split_held_out(const Corpus& corpus, int every);
+
+/// A micro-batch for training: sequences packed one after another by offsets (cu_seqlens), never
+/// padded. Row t predicts targets[t]; the last row of each sequence has no target inside the
+/// sequence, so each sequence of n tokens contributes n - 1 rows (inputs = tokens[0..n-2],
+/// targets = tokens[1..n-1]).
+struct PackedBatch {
+  std::vector<std::int32_t> inputs;    ///< [rows] input token ids
+  std::vector<std::int32_t> targets;   ///< [rows] next-token targets
+  std::vector<std::int64_t> offsets;   ///< [n_seq + 1] row offsets of the sequences, 0 first
+  std::vector<std::int32_t> tasks;     ///< [n_seq] task of each sequence
+
+  [[nodiscard]] std::int64_t rows() const noexcept {
+    return static_cast<std::int64_t>(inputs.size());
+  }
+  [[nodiscard]] int num_sequences() const noexcept {
+    return static_cast<int>(offsets.size()) - 1;
+  }
+};
+
+/// Packs samples into micro-batches of at most `token_budget` rows each, in order, for a
+/// training stream: a sample that does not fit in the current micro-batch starts the next one;
+/// a sample longer than the budget is truncated to budget + 1 tokens.
+class Packer {
+ public:
+  /// @param samples the stream's samples (kept by reference; must outlive the packer)
+  /// @param token_budget rows per micro-batch (>= 1)
+  /// @param seed shuffles the sample order each epoch (epoch e uses seed + e); 0 = file order
+  /// @throws brigade::Error{InvalidArgument} if samples is empty or token_budget < 1
+  Packer(std::span<const Sample> samples, int token_budget, std::uint64_t seed);
+
+  /// The next micro-batch of the stream.
+  PackedBatch next();
+
+  /// Position in the stream (samples consumed since the start), for checkpoints.
+  [[nodiscard]] std::int64_t position() const noexcept { return position_; }
+  /// Moves to stream position `pos` (as if next() had consumed `pos` samples).
+  /// @throws brigade::Error{InvalidArgument} if pos < 0
+  void seek(std::int64_t pos);
+
+ private:
+  const Sample& sample_at(std::int64_t pos);
+
+  std::span<const Sample> samples_;
+  int budget_;
+  std::uint64_t seed_;
+  std::int64_t position_ = 0;
+  std::int64_t epoch_ = -1;
+  std::vector<std::int32_t> order_;
+};
+
+}  // namespace v0
+}  // namespace brigade::data

@@ -1,0 +1,178 @@
+// Text corpora: sample splitting, loading, held-out split and packing into micro-batches.
+#include "brigade/data/corpus.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+namespace brigade::data {
+inline namespace v0 {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string_view trim_blank_lines(std::string_view s) {
+  // Drop leading and trailing lines that hold only whitespace.
+  auto blank = [](std::string_view line) {
+    return std::all_of(line.begin(), line.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r'; });
+  };
+  while (!s.empty()) {
+    const auto nl = s.find('\n');
+    const auto line = s.substr(0, nl);
+    if (!blank(line)) break;
+    s.remove_prefix(nl == std::string_view::npos ? s.size() : nl + 1);
+  }
+  while (!s.empty()) {
+    const auto nl = s.rfind('\n', s.size() - 1);
+    const auto start = nl == std::string_view::npos ? 0 : nl + 1;
+    const auto line = s.substr(start);
+    if (!blank(line)) break;
+    s = s.substr(0, nl == std::string_view::npos ? 0 : nl);
+  }
+  return s;
+}
+
+std::vector<std::string_view> lines_of(std::string_view text) {
+  std::vector<std::string_view> out;
+  while (!text.empty()) {
+    const auto nl = text.find('\n');
+    out.push_back(text.substr(0, nl));
+    if (nl == std::string_view::npos) break;
+    text.remove_prefix(nl + 1);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> split_samples(std::string_view text) {
+  const auto lines = lines_of(text);
+  const bool fortune = std::any_of(lines.begin(), lines.end(), [](std::string_view l) {
+    return l == "%" || l == "%\r";
+  });
+  std::vector<std::string> out;
+  std::string cur;
+  auto flush = [&] {
+    const auto t = trim_blank_lines(cur);
+    if (!t.empty()) out.emplace_back(t);
+    cur.clear();
+  };
+  for (auto l : lines) {
+    const bool sep = fortune ? (l == "%" || l == "%\r")
+                             : std::all_of(l.begin(), l.end(), [](char c) {
+                                 return c == ' ' || c == '\t' || c == '\r';
+                               });
+    if (sep) {
+      flush();
+      continue;
+    }
+    cur.append(l);
+    cur.push_back('\n');
+  }
+  flush();
+  return out;
+}
+
+fs::path default_corpus_path() { return "/usr/share/games/fortunes"; }
+
+Corpus load_corpus(const fs::path& path, const model::Tokenizer& tokenizer, int max_tokens) {
+  BRIGADE_CHECK(max_tokens >= 2, Errc::InvalidArgument,
+                "load_corpus: max_tokens = {}, expected >= 2", max_tokens);
+  std::error_code ec;
+  BRIGADE_CHECK(fs::exists(path, ec), Errc::BadFile, "{}: no such file or folder", path.string());
+  std::vector<fs::path> files;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const auto name = e.path().filename().string();
+      if (e.is_symlink() || !e.is_regular_file() || name.empty() || name[0] == '.') continue;
+      if (e.path().extension() == ".dat") continue;
+      files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  Corpus c;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot be read", f.string());
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const auto samples = split_samples(ss.str());
+    if (samples.empty()) continue;
+    const int task = static_cast<int>(c.tasks.size());
+    c.tasks.push_back(f.filename().string());
+    for (const auto& s : samples) {
+      auto ids = tokenizer.encode(s, true, false);
+      if (ids.size() < 2) continue;
+      if (static_cast<int>(ids.size()) > max_tokens) ids.resize(static_cast<std::size_t>(max_tokens));
+      c.samples.push_back({task, std::move(ids)});
+    }
+  }
+  BRIGADE_CHECK(!c.samples.empty(), Errc::BadFile, "{}: no text samples found", path.string());
+  return c;
+}
+
+std::pair<Corpus, Corpus> split_held_out(const Corpus& corpus, int every) {
+  BRIGADE_CHECK(every >= 2, Errc::InvalidArgument, "split_held_out: every = {}, expected >= 2",
+                every);
+  Corpus train, held;
+  train.tasks = held.tasks = corpus.tasks;
+  std::vector<int> seen(corpus.tasks.size(), 0);
+  for (const auto& s : corpus.samples) {
+    auto& n = seen[static_cast<std::size_t>(s.task)];
+    (n++ % every == 0 ? held : train).samples.push_back(s);
+  }
+  return {std::move(train), std::move(held)};
+}
+
+Packer::Packer(std::span<const Sample> samples, int token_budget, std::uint64_t seed)
+    : samples_(samples), budget_(token_budget), seed_(seed) {
+  BRIGADE_CHECK(!samples.empty(), Errc::InvalidArgument, "Packer: no samples");
+  BRIGADE_CHECK(token_budget >= 1, Errc::InvalidArgument,
+                "Packer: token budget = {}, expected >= 1", token_budget);
+}
+
+const Sample& Packer::sample_at(std::int64_t pos) {
+  const auto n = static_cast<std::int64_t>(samples_.size());
+  const std::int64_t epoch = pos / n;
+  if (epoch != epoch_) {
+    order_.resize(samples_.size());
+    std::iota(order_.begin(), order_.end(), 0);
+    if (seed_ != 0) {
+      std::mt19937_64 rng(seed_ + static_cast<std::uint64_t>(epoch));
+      std::shuffle(order_.begin(), order_.end(), rng);
+    }
+    epoch_ = epoch;
+  }
+  return samples_[static_cast<std::size_t>(order_[static_cast<std::size_t>(pos % n)])];
+}
+
+void Packer::seek(std::int64_t pos) {
+  BRIGADE_CHECK(pos >= 0, Errc::InvalidArgument, "Packer::seek: position {} < 0", pos);
+  position_ = pos;
+}
+
+PackedBatch Packer::next() {
+  PackedBatch b;
+  b.offsets.push_back(0);
+  while (true) {
+    const Sample& s = sample_at(position_);
+    const auto rows = std::min<std::int64_t>(static_cast<std::int64_t>(s.tokens.size()) - 1, budget_);
+    if (b.rows() > 0 && b.rows() + rows > budget_) break;  // starts the next micro-batch
+    for (std::int64_t t = 0; t < rows; ++t) {
+      b.inputs.push_back(s.tokens[static_cast<std::size_t>(t)]);
+      b.targets.push_back(s.tokens[static_cast<std::size_t>(t) + 1]);
+    }
+    b.offsets.push_back(b.rows());
+    b.tasks.push_back(s.task);
+    ++position_;
+    if (b.rows() >= budget_) break;
+  }
+  return b;
+}
+
+}  // namespace v0
+}  // namespace brigade::data

@@ -1,0 +1,115 @@
+// Corpus splitting, loading and packing; the AdamW schedule.
+#include <brigade/data/corpus.hpp>
+#include <brigade/engine/optimizer.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+
+TEST_CASE("corpus.split: fortune files split on % lines, other text on blank lines") {
+  const auto f = data::split_samples("first one\nline two\n%\n\nsecond\n%\n%\nthird\n");
+  REQUIRE(f.size() == 3);
+  CHECK(f[0] == "first one\nline two");
+  CHECK(f[1] == "second");
+  CHECK(f[2] == "third");
+  const auto t = data::split_samples("\n\npara one\nstill one\n\n  \npara two\n");
+  REQUIRE(t.size() == 2);
+  CHECK(t[0] == "para one\nstill one");
+  CHECK(t[1] == "para two");
+  CHECK(data::split_samples("").empty());
+}
+
+TEST_CASE("corpus.packer: micro-batches hold whole samples within the budget, by offsets") {
+  std::vector<data::Sample> s{{0, {1, 10, 11, 12}}, {1, {1, 20}}, {0, {1, 30, 31}},
+                              {2, {1, 40, 41, 42, 43, 44, 45, 46}}};
+  data::Packer p(s, 5, 0);
+  auto a = p.next();  // 3 rows + 1 row; the next sample (2 rows) does not fit
+  CHECK(a.inputs == std::vector<std::int32_t>{1, 10, 11, 1});
+  CHECK(a.targets == std::vector<std::int32_t>{10, 11, 12, 20});
+  CHECK(a.offsets == std::vector<std::int64_t>{0, 3, 4});
+  CHECK(a.tasks == std::vector<std::int32_t>{0, 1});
+  auto b = p.next();  // 2 rows; the 7-row sample does not fit beside it
+  CHECK(b.offsets == std::vector<std::int64_t>{0, 2});
+  auto c = p.next();  // the long sample, truncated to the budget
+  CHECK(c.inputs == std::vector<std::int32_t>{1, 40, 41, 42, 43});
+  CHECK(c.targets == std::vector<std::int32_t>{40, 41, 42, 43, 44});
+  CHECK(p.position() == 4);
+  auto d = p.next();  // epoch 2 starts over
+  CHECK(d.inputs == a.inputs);
+  p.seek(1);
+  CHECK(p.next().inputs == std::vector<std::int32_t>{1, 1, 30});
+  CHECK_THROWS_AS(data::Packer({}, 5, 0), Error);
+  CHECK_THROWS_AS(data::Packer(s, 0, 0), Error);
+}
+
+TEST_CASE("corpus.packer: a seed shuffles each epoch reproducibly") {
+  std::vector<data::Sample> s;
+  for (int i = 0; i < 50; ++i) s.push_back({0, {1, 100 + i}});
+  data::Packer a(s, 1, 7), b(s, 1, 7), c(s, 1, 8);
+  std::vector<int> ra, rb, rc;
+  for (int i = 0; i < 50; ++i) {
+    ra.push_back(a.next().targets[0]);
+    rb.push_back(b.next().targets[0]);
+    rc.push_back(c.next().targets[0]);
+  }
+  CHECK(ra == rb);
+  CHECK(ra != rc);
+  auto sorted = ra;
+  std::sort(sorted.begin(), sorted.end());
+  for (int i = 0; i < 50; ++i) CHECK(sorted[static_cast<std::size_t>(i)] == 100 + i);
+}
+
+TEST_CASE("corpus.load: a folder is one task per file; errors name the path") {
+  const fs::path dir = fs::temp_directory_path() / "brigade_corpus_test";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "b_task") << "x y\n%\nz\n";
+  std::ofstream(dir / "a_task") << "hello\n\nworld\n";
+  std::ofstream(dir / "a_task.dat") << "binary index";
+  const auto tok = model::Tokenizer::synthetic(600, 3);
+  const auto c = data::load_corpus(dir, tok, 64);
+  CHECK(c.tasks == std::vector<std::string>{"a_task", "b_task"});
+  REQUIRE(c.samples.size() == 4);
+  CHECK(c.samples[0].task == 0);
+  CHECK(c.samples[2].task == 1);
+  CHECK(c.samples[0].tokens == tok.encode("hello", true, false));
+  const auto [train, held] = data::split_held_out(c, 2);
+  CHECK(held.samples.size() == 2);  // the 0th of each task
+  CHECK(train.samples.size() == 2);
+  CHECK_THROWS_WITH_AS(data::load_corpus(dir / "missing", tok, 64),
+                       doctest::Contains("missing: no such file or folder"), Error);
+  fs::create_directories(dir / "empty");
+  CHECK_THROWS_WITH_AS(data::load_corpus(dir / "empty", tok, 64),
+                       doctest::Contains("no text samples"), Error);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("optimizer.adamw: warm-up and cosine schedule, and one step by hand") {
+  engine::AdamWConfig cfg;
+  cfg.lr = 1e-3f;
+  cfg.min_lr = 1e-4f;
+  cfg.warmup_steps = 4;
+  cfg.decay_steps = 14;
+  CHECK(cfg.lr_at(0) == doctest::Approx(2.5e-4));
+  CHECK(cfg.lr_at(3) == doctest::Approx(1e-3));
+  CHECK(cfg.lr_at(9) == doctest::Approx(1e-4 + 0.5 * 9e-4));  // halfway: cos(pi/2) = 0
+  CHECK(cfg.lr_at(14) == doctest::Approx(1e-4));
+  CHECK(cfg.lr_at(100) == doctest::Approx(1e-4));
+
+  float w[2] = {1.0f, -2.0f};
+  float g[2] = {0.5f, 3.0f};
+  cfg.clip_norm = 1.0f;
+  engine::AdamW opt({{w, g, 2, true}}, cfg);
+  const double norm = std::sqrt(0.25 + 9.0);
+  const float lr = opt.step(norm);
+  // First step: m_hat = g', v_hat = g'^2, so the update is lr * (sign(g') + wd * w).
+  CHECK(lr == doctest::Approx(2.5e-4));
+  CHECK(w[0] == doctest::Approx(1.0 - 2.5e-4 * (1.0 + 0.1 * 1.0)).epsilon(1e-6));
+  CHECK(w[1] == doctest::Approx(-2.0 - 2.5e-4 * (1.0 + 0.1 * -2.0)).epsilon(1e-6));
+  CHECK(opt.steps() == 1);
+}
