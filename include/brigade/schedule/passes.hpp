@@ -1,0 +1,6 @@
+// The passes over the schedule IR: lower() adds communication, strip_communication() removes
+// it, validate() proves a lowered schedule completes or names why it cannot.
+#pragma once
+
+#include "brigade/schedule/lower.hpp"
+#include "brigade/schedule/validate.hpp"

@@ -1,0 +1,63 @@
+// The name-to-generator table the CLI (and anything else choosing a schedule by name) uses.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/schedule/generators.hpp"
+
+#include <array>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace brigade::schedule {
+inline namespace v0 {
+
+/// A generator: returns a compute-only Schedule for the given parameters.
+using GeneratorFn = Schedule (*)(const Params&);
+
+/// One entry of the generator table.
+struct GeneratorInfo {
+  std::string_view name;     ///< the CLI name, e.g. "1f1b"
+  std::string_view summary;  ///< one line: what it does and where it comes from
+  GeneratorFn make;          ///< the generator
+  bool supports_virtual;     ///< whether Params::virtual_stages may exceed 1
+};
+
+/// Every generator, in the order docs/schedules.md presents them: gpipe, 1f1b,
+/// interleaved-1f1b, zb-h1, inference.
+inline std::span<const GeneratorInfo> generators() noexcept {
+  static constexpr std::array<GeneratorInfo, 5> table = {{
+      {"gpipe", "all forwards, then all backwards (Huang et al. 2019)", &gpipe, false},
+      {"1f1b", "one forward one backward, PipeDream-Flush (Narayanan et al. 2021)", &one_f_one_b,
+       false},
+      {"interleaved-1f1b",
+       "V model chunks per rank in Megatron's order (Narayanan et al. 2021, PTD-P 2.2)",
+       &interleaved_1f1b, true},
+      {"zb-h1", "zero bubble H1: backward split into BI and BW (Qi et al. 2023, section 3)",
+       &zero_bubble_h1, false},
+      {"inference",
+       "prefill + decode rounds of M sequence groups; the sampled token returns to stage 0",
+       &inference, true},
+  }};
+  return table;
+}
+
+/// The generator called `name`.
+/// @throws brigade::Error{InvalidArgument} for an unknown name, listing the known ones
+inline const GeneratorInfo& find_generator(std::string_view name) {
+  for (const auto& g : generators())
+    if (g.name == name) return g;
+  std::string known;
+  for (const auto& g : generators()) known += (known.empty() ? "" : ", ") + std::string(g.name);
+  ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name, known);
+}
+
+/// Runs the generator called `name`: `find_generator(name).make(params)`.
+/// @throws brigade::Error{InvalidArgument} for an unknown name or parameters the generator
+///         rejects
+inline Schedule generate(std::string_view name, const Params& params) {
+  return find_generator(name).make(params);
+}
+
+}  // namespace v0
+}  // namespace brigade::schedule

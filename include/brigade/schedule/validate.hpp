@@ -1,0 +1,483 @@
+// validate(): symbolic execution of a lowered schedule. It proves that every rank's program
+// runs to the end, or names what stops it: the wait-for cycle of a deadlock, a receive whose
+// send does not exist, a backward before its forward, a micro-batch missing on a stage.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/schedule/action.hpp"
+#include "brigade/schedule/dataflow.hpp"
+#include "brigade/schedule/lower.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace brigade::schedule {
+inline namespace v0 {
+
+/// What validate() proved about a schedule that completes.
+struct ValidationResult {
+  std::size_t actions = 0;          ///< actions over all ranks
+  std::size_t compute_actions = 0;  ///< of which compute (non-SEND/RECV)
+  std::size_t messages = 0;         ///< SEND/RECV pairs matched
+  bool has_backward = false;        ///< whether the schedule holds B/BI/BW actions
+};
+
+namespace detail {
+
+/// Per-(virtual stage, micro-batch, chunk) flags of the symbolic run.
+enum KeyBits : std::uint32_t {
+  kSeenF = 1u << 0, kSeenB = 1u << 1, kSeenBI = 1u << 2, kSeenBW = 1u << 3, kSeenSample = 1u << 4,
+  kSeenRecompute = 1u << 5, kSeenSendF = 1u << 6, kSeenRecvF = 1u << 7, kSeenSendB = 1u << 8,
+  kSeenRecvB = 1u << 9,
+  kDoneF = 1u << 10, kDoneBI = 1u << 11 /* B or BI */, kDoneW = 1u << 12 /* B or BW */,
+  kDoneSample = 1u << 13, kDoneRecvF = 1u << 14, kDoneRecvB = 1u << 15,
+  kPostedF = 1u << 16 /* on the receiver's key */, kPostedB = 1u << 17,
+};
+
+inline std::uint32_t seen_bit(Op op) noexcept {
+  switch (op) {
+    case Op::F: return kSeenF;
+    case Op::B: return kSeenB;
+    case Op::BI: return kSeenBI;
+    case Op::BW: return kSeenBW;
+    case Op::Sample: return kSeenSample;
+    case Op::Recompute: return kSeenRecompute;
+    case Op::SendF: return kSeenSendF;
+    case Op::RecvF: return kSeenRecvF;
+    case Op::SendB: return kSeenSendB;
+    case Op::RecvB: return kSeenRecvB;
+    case Op::Opt: return 0;
+  }
+  return 0;
+}
+
+/// Where a SEND sits: rank and step; rank < 0 when absent.
+struct Where {
+  std::int32_t rank = -1;
+  std::int32_t index = -1;
+};
+
+class Validator {
+ public:
+  explicit Validator(const Schedule& s) : s_(s), sh_(s.shape) {
+    check_program_shape(s, "validate");
+    n_ = sh_.num_virtual_stages;
+    m_ = sh_.num_microbatches;
+    c_ = sh_.num_chunks;
+    const std::int64_t keys = static_cast<std::int64_t>(n_) * m_ * c_;
+    BRIGADE_CHECK(keys <= (std::int64_t{1} << 25), Errc::InvalidArgument,
+                  "validate: stages x micro-batches x chunks = {} exceeds the validator's limit 2^25",
+                  keys);
+    bits_.assign(static_cast<std::size_t>(keys), 0);
+    send_f_.assign(static_cast<std::size_t>(keys), Where{});
+    send_b_.assign(static_cast<std::size_t>(keys), Where{});
+  }
+
+  ValidationResult run() {
+    static_pass();
+    dynamic_pass();
+    return result_;
+  }
+
+ private:
+  [[nodiscard]] std::size_t key(const Action& a) const noexcept {
+    return static_cast<std::size_t>((static_cast<std::int64_t>(a.virtual_stage) * m_ + a.microbatch) * c_ +
+                                    a.chunk);
+  }
+  [[nodiscard]] std::size_t key(int v, int m, int c) const noexcept { return key(Action{Op::F, v, m, c}); }
+
+  [[nodiscard]] const Action& at(int r, std::size_t i) const {
+    return s_.ranks[static_cast<std::size_t>(r)][i];
+  }
+
+  /// Throws `code` with `msg` followed by the grid excerpt around `marks`.
+  [[noreturn]] void fail_grid(Errc code, std::string msg, std::vector<Step> marks) const {
+    GridOptions g;
+    g.marks = marks;
+    g.context = 3;
+    for (const auto& m : marks)
+      if (std::find(g.ranks.begin(), g.ranks.end(), m.rank) == g.ranks.end()) g.ranks.push_back(m.rank);
+    std::sort(g.ranks.begin(), g.ranks.end());
+    if (g.ranks.size() > 8) g.ranks.resize(8);
+    msg += "\n" + render_grid(s_, g);
+    throw Error(code, msg);
+  }
+
+  // ---- static pass: ranges, placement, pairing, duplicates, completeness ------------------
+  void static_pass() {
+    for (int r = 0; r < sh_.num_ranks; ++r) {
+      const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < prog.size(); ++i) {
+        const Action& a = prog[i];
+        ++result_.actions;
+        check_action_range(sh_, a, r, i, "validate");
+        const std::size_t k = key(a);
+        if (is_communication(a.op)) {
+          const auto peer = counterpart(sh_, a);
+          if (!peer)
+            fail_grid(Errc::InvalidArgument,
+                      fmt::format("validate: rank {} step {}: {} has no counterpart in a {} "
+                                  "schedule of {} virtual stages (nothing to send to or receive "
+                                  "from)",
+                                  r, i, to_string(a), to_string(sh_.mode), n_),
+                      {{r, static_cast<int>(i)}});
+          if (sh_.rank_of(peer->virtual_stage) == r)
+            fail_grid(Errc::InvalidArgument,
+                      fmt::format("validate: rank {} step {}: {} pairs with {} on the same rank; "
+                                  "edges within a rank need no communication",
+                                  r, i, to_string(a), to_string(*peer)),
+                      {{r, static_cast<int>(i)}});
+          if (a.op == Op::SendF || a.op == Op::SendB) {
+            auto& where = (a.op == Op::SendF ? send_f_ : send_b_)[key(*peer)];
+            where = {r, static_cast<std::int32_t>(i)};
+          }
+        } else {
+          ++result_.compute_actions;
+          if (a.op == Op::B || a.op == Op::BI || a.op == Op::BW) result_.has_backward = true;
+          if (a.op == Op::Sample && a.virtual_stage != n_ - 1)
+            fail_grid(Errc::InvalidArgument,
+                      fmt::format("validate: rank {} step {}: {} samples on virtual stage {}, but "
+                                  "only the last virtual stage ({}) samples",
+                                  r, i, to_string(a), a.virtual_stage, n_ - 1),
+                      {{r, static_cast<int>(i)}});
+        }
+        const std::uint32_t bit = seen_bit(a.op);
+        if (bit != 0) {
+          if (bits_[k] & bit)
+            fail_grid(Errc::InvalidArgument,
+                      fmt::format("validate: rank {} step {}: {} appears twice", r, i, to_string(a)),
+                      {{r, static_cast<int>(i)}});
+          bits_[k] |= bit;
+        }
+      }
+    }
+    BRIGADE_CHECK(!(result_.has_backward && sh_.mode == Mode::Inference), Errc::InvalidArgument,
+                  "validate: an inference schedule holds backward ops (B, BI or BW)");
+    // Completeness: every micro-batch and chunk on every virtual stage.
+    for (int v = 0; v < n_; ++v)
+      for (int m = 0; m < m_; ++m)
+        for (int c = 0; c < c_; ++c) {
+          const std::uint32_t b = bits_[key(v, m, c)];
+          auto missing = [&](std::string_view what) {
+            ::brigade::detail::fail(Errc::InvalidArgument,
+                         "validate: micro-batch {}{} is missing on virtual stage {} (rank {}): {}",
+                         m, c ? fmt::format(" (chunk {})", c) : std::string(), v, sh_.rank_of(v),
+                         what);
+          };
+          if (!(b & kSeenF)) missing(fmt::format("no forward {}", to_string(Action{Op::F, v, m, c})));
+          if (result_.has_backward) {
+            const bool full = b & kSeenB, in = b & kSeenBI, w = b & kSeenBW;
+            if (!full && !in && !w)
+              missing(fmt::format("no backward ({} or {} + {})", to_string(Action{Op::B, v, m, c}),
+                                  to_string(Action{Op::BI, v, m, c}),
+                                  to_string(Action{Op::BW, v, m, c})));
+            if (full && (in || w))
+              missing("both a full backward B and a split BI/BW; expected one or the other");
+            if (!full && in != w)
+              missing(in ? fmt::format("{} without {}", to_string(Action{Op::BI, v, m, c}),
+                                       to_string(Action{Op::BW, v, m, c}))
+                         : fmt::format("{} without {}", to_string(Action{Op::BW, v, m, c}),
+                                       to_string(Action{Op::BI, v, m, c})));
+          }
+          if (sh_.mode == Mode::Inference && v == n_ - 1 && !(b & kSeenSample))
+            missing(fmt::format("no {} (inference samples every round on the last stage)",
+                                to_string(Action{Op::Sample, v, m, c})));
+        }
+    // Every send has a receive (a receive without a send shows up as a deadlock instead).
+    for (int r = 0; r < sh_.num_ranks; ++r) {
+      const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < prog.size(); ++i) {
+        const Action& a = prog[i];
+        if (a.op != Op::SendF && a.op != Op::SendB) continue;
+        const Action peer = *counterpart(sh_, a);
+        if (!(bits_[key(peer)] & seen_bit(peer.op)))
+          fail_grid(Errc::InvalidArgument,
+                    fmt::format("validate: rank {} step {}: {} has no matching receive: {} is "
+                                "absent from rank {}",
+                                r, i, to_string(a), to_string(peer), sh_.rank_of(peer.virtual_stage)),
+                    {{r, static_cast<int>(i)}});
+      }
+    }
+  }
+
+  // ---- dynamic pass: eager sends, blocking receives, dependency checks ----------------------
+  [[noreturn]] void dependency_error(int r, std::size_t i, const std::string& why,
+                                     std::vector<Step> extra = {}) const {
+    std::vector<Step> marks{{r, static_cast<int>(i)}};
+    marks.insert(marks.end(), extra.begin(), extra.end());
+    fail_grid(Errc::InvalidArgument,
+              fmt::format("validate: rank {} step {}: {} {}", r, i, to_string(at(r, i)), why), marks);
+  }
+
+  void need(bool ok, int r, std::size_t i, const std::string& why) const {
+    if (!ok) dependency_error(r, i, why);
+  }
+
+  /// Checks the inputs of compute or send action `a` (rank r, step i) and records its effect.
+  void execute_local(int r, std::size_t i, const Action& a) {
+    const std::size_t k = key(a);
+    std::uint32_t& b = bits_[k];
+    switch (a.op) {
+      case Op::F: {
+        if (const auto up = upstream_input(sh_, a)) {
+          if (sh_.rank_of(up->virtual_stage) == r) {
+            const std::uint32_t want = up->op == Op::Sample ? kDoneSample : kDoneF;
+            need(bits_[key(*up)] & want, r, i,
+                 fmt::format("runs before its input {} on the same rank", to_string(*up)));
+          } else {
+            need(b & kDoneRecvF, r, i,
+                 fmt::format("runs before its input arrived: no earlier {} on rank {}",
+                             to_string(Action{Op::RecvF, a.virtual_stage, a.microbatch, a.chunk}), r));
+          }
+        }
+        if (sh_.mode == Mode::Inference && a.chunk > 0)
+          need(bits_[key(a.virtual_stage, a.microbatch, a.chunk - 1)] & kDoneF, r, i,
+               fmt::format("runs before round {} of the same micro-batch ({}): the KV cache is "
+                           "filled in round order",
+                           a.chunk - 1,
+                           to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk - 1})));
+        b |= kDoneF;
+        return;
+      }
+      case Op::B:
+      case Op::BI: {
+        need(b & kDoneF, r, i,
+             fmt::format("is a backward before its forward {}",
+                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        if (const auto up = upstream_input(sh_, a)) {
+          if (sh_.rank_of(up->virtual_stage) == r) {
+            need(bits_[key(*up)] & kDoneBI, r, i,
+                 fmt::format("runs before the backward of virtual stage {} (its output gradient) "
+                             "on the same rank",
+                             up->virtual_stage));
+          } else {
+            need(b & kDoneRecvB, r, i,
+                 fmt::format("runs before its output gradient arrived: no earlier {} on rank {}",
+                             to_string(Action{Op::RecvB, a.virtual_stage, a.microbatch, a.chunk}), r));
+          }
+        }
+        b |= kDoneBI;
+        if (a.op == Op::B) b |= kDoneW;
+        return;
+      }
+      case Op::BW:
+        need(b & kDoneBI, r, i,
+             fmt::format("runs before {}", to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk})));
+        b |= kDoneW;
+        return;
+      case Op::Recompute:
+        need(b & kDoneF, r, i,
+             fmt::format("recomputes before the forward {} stashed its input",
+                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        return;
+      case Op::Sample:
+        need(b & kDoneF, r, i,
+             fmt::format("samples before the forward {}",
+                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        b |= kDoneSample;
+        return;
+      case Op::Opt: {
+        need(result_.has_backward, r, i, "is an optimizer step in a schedule without backward ops");
+        for (int m = 0; m < m_; ++m)
+          for (int c = 0; c < c_; ++c)
+            need(bits_[key(a.virtual_stage, m, c)] & kDoneW, r, i,
+                 fmt::format("steps the optimizer before the weight gradient of micro-batch {}{} "
+                             "on virtual stage {}",
+                             m, c ? fmt::format(" chunk {}", c) : std::string(), a.virtual_stage));
+        return;
+      }
+      case Op::SendF: {
+        const bool token = sh_.mode == Mode::Inference && a.virtual_stage == n_ - 1;
+        const std::uint32_t want = token ? kDoneSample : kDoneF;
+        need(b & want, r, i,
+             fmt::format("sends before computing what it sends ({})",
+                         to_string(Action{token ? Op::Sample : Op::F, a.virtual_stage, a.microbatch,
+                                          a.chunk})));
+        return;
+      }
+      case Op::SendB:
+        need(b & kDoneBI, r, i,
+             fmt::format("sends before the backward {} produced the gradient",
+                         to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk})));
+        return;
+      case Op::RecvF:
+      case Op::RecvB:
+        return;
+    }
+  }
+
+  void dynamic_pass() {
+    const int P = sh_.num_ranks;
+    std::vector<std::size_t> pc(static_cast<std::size_t>(P), 0);
+    std::vector<char> blocked(static_cast<std::size_t>(P), 0);
+    std::vector<int> work;
+    work.reserve(static_cast<std::size_t>(P));
+    for (int r = P - 1; r >= 0; --r) work.push_back(r);
+    while (!work.empty()) {
+      const int r = work.back();
+      work.pop_back();
+      const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+      std::size_t& i = pc[static_cast<std::size_t>(r)];
+      blocked[static_cast<std::size_t>(r)] = 0;
+      while (i < prog.size()) {
+        const Action& a = prog[i];
+        if (a.op == Op::RecvF || a.op == Op::RecvB) {
+          std::uint32_t& b = bits_[key(a)];
+          const std::uint32_t posted = a.op == Op::RecvF ? kPostedF : kPostedB;
+          if (!(b & posted)) {
+            blocked[static_cast<std::size_t>(r)] = 1;
+            break;
+          }
+          b |= a.op == Op::RecvF ? kDoneRecvF : kDoneRecvB;
+          ++result_.messages;
+          ++i;
+          continue;
+        }
+        execute_local(r, i, a);
+        if (a.op == Op::SendF || a.op == Op::SendB) {
+          const Action peer = *counterpart(sh_, a);
+          bits_[key(peer)] |= a.op == Op::SendF ? kPostedF : kPostedB;
+          const int q = sh_.rank_of(peer.virtual_stage);
+          const auto& qprog = s_.ranks[static_cast<std::size_t>(q)];
+          const std::size_t qi = pc[static_cast<std::size_t>(q)];
+          if (blocked[static_cast<std::size_t>(q)] && qi < qprog.size() && qprog[qi] == peer) {
+            blocked[static_cast<std::size_t>(q)] = 0;
+            work.push_back(q);
+          }
+        }
+        ++i;
+      }
+    }
+    std::vector<int> stuck;
+    for (int r = 0; r < P; ++r)
+      if (pc[static_cast<std::size_t>(r)] < s_.ranks[static_cast<std::size_t>(r)].size()) stuck.push_back(r);
+    if (!stuck.empty()) report_deadlock(pc, stuck);
+  }
+
+  /// Every stuck rank waits on a RECV; its sender is blocked earlier in its own program, or the
+  /// send does not exist. Follows the wait-for edges and reports a cycle, else a chain that ends
+  /// at the missing send.
+  [[noreturn]] void report_deadlock(const std::vector<std::size_t>& pc,
+                                    const std::vector<int>& stuck) const {
+    const int P = sh_.num_ranks;
+    auto recv_of = [&](int r) -> const Action& { return at(r, pc[static_cast<std::size_t>(r)]); };
+    auto sender_of = [&](int r) -> Where {
+      if (pc[static_cast<std::size_t>(r)] >= s_.ranks[static_cast<std::size_t>(r)].size())
+        return Where{};  // cannot happen: a sender that finished has posted its sends
+      const Action& a = recv_of(r);
+      return (a.op == Op::RecvF ? send_f_ : send_b_)[key(a)];
+    };
+    // Functional graph r -> sender rank; find a cycle by walking from each stuck rank.
+    std::vector<int> color(static_cast<std::size_t>(P), 0);  // 0 new, 1 on path, 2 done
+    std::vector<int> cycle;
+    for (int start : stuck) {
+      if (color[static_cast<std::size_t>(start)] != 0) continue;
+      std::vector<int> path;
+      int r = start;
+      while (r >= 0 && color[static_cast<std::size_t>(r)] == 0) {
+        color[static_cast<std::size_t>(r)] = 1;
+        path.push_back(r);
+        r = sender_of(r).rank;
+      }
+      if (r >= 0 && color[static_cast<std::size_t>(r)] == 1) {
+        auto it = std::find(path.begin(), path.end(), r);
+        cycle.assign(it, path.end());
+      }
+      for (int p : path) color[static_cast<std::size_t>(p)] = 2;
+      if (!cycle.empty()) break;
+    }
+    auto step = [&](int r) { return static_cast<int>(pc[static_cast<std::size_t>(r)]); };
+    auto describe = [&](int r) {
+      const Action& a = recv_of(r);
+      const Where w = sender_of(r);
+      const Action peer = *counterpart(sh_, a);
+      if (w.rank < 0)
+        return fmt::format("  rank {} blocks at step {} on {}, but no rank sends it ({} is absent "
+                           "from rank {})\n",
+                           r, step(r), to_string(a), to_string(peer),
+                           sh_.rank_of(peer.virtual_stage));
+      return fmt::format("  rank {} blocks at step {} on {}, sent by {} at rank {} step {}\n", r,
+                         step(r), to_string(a), to_string(peer), w.rank, w.index);
+    };
+    std::vector<Step> marks;
+    std::string msg;
+    if (!cycle.empty()) {
+      msg = "validate: deadlock: wait-for cycle ";
+      for (int r : cycle) msg += fmt::format("rank {} -> ", r);
+      msg += fmt::format("rank {}\n", cycle.front());
+      for (int r : cycle) {
+        msg += describe(r);
+        marks.push_back({r, step(r)});
+      }
+      msg += "cycle: ";
+      for (int r : cycle) msg += fmt::format("rank {} waits {} <- ", r, to_string(recv_of(r)));
+      msg += fmt::format("rank {}", cycle.front());
+    } else {
+      // No cycle: follow the chain from the first stuck rank to the missing send.
+      std::vector<int> chain;
+      for (int r = stuck.front(); r >= 0; r = sender_of(r).rank) {
+        chain.push_back(r);
+        if (chain.size() > static_cast<std::size_t>(P)) break;
+      }
+      const int end = chain.back();
+      const Action peer = *counterpart(sh_, recv_of(end));
+      msg = fmt::format("validate: deadlock: rank {} waits on {}, which no rank sends (receive "
+                        "without send)\n",
+                        end, to_string(recv_of(end)));
+      for (int r : chain) {
+        msg += describe(r);
+        marks.push_back({r, step(r)});
+      }
+      msg += "wait-for chain: ";
+      for (int r : chain) msg += fmt::format("rank {} waits {} <- ", r, to_string(recv_of(r)));
+      msg += fmt::format("missing {} on rank {}", to_string(peer), sh_.rank_of(peer.virtual_stage));
+    }
+    if (stuck.size() > marks.size())
+      msg += fmt::format("\n{} of {} ranks are blocked in all", stuck.size(), P);
+    fail_grid(Errc::Deadlock, msg, marks);
+  }
+
+  const Schedule& s_;
+  const Shape& sh_;
+  int n_ = 0, m_ = 0, c_ = 0;
+  std::vector<std::uint32_t> bits_;
+  std::vector<Where> send_f_, send_b_;  // indexed by the receiver's key
+  ValidationResult result_;
+};
+
+}  // namespace detail
+
+/// Executes a lowered schedule symbolically and proves that every rank's program completes.
+///
+/// Semantics (the contract an executor must honour): sends are eager (buffered, they never
+/// block); a RECV blocks until its matching SEND (see counterpart()) has been issued; a compute
+/// action never blocks, so its inputs must already be present on its rank when it is reached.
+///
+/// Checks, in order:
+/// 1. the shape, every action's range, and that each action runs on its virtual stage's rank;
+/// 2. pairing: each SEND/RECV has a counterpart on another rank; no action appears twice;
+///    every SEND has its RECV somewhere;
+/// 3. completeness: every (virtual stage, micro-batch, chunk) has its F; if any backward op is
+///    present, exactly one B or one BI + BW each; inference samples every round;
+/// 4. the symbolic run: dependencies (a backward before its forward, a forward before its input
+///    arrived, BW before BI, OPT before the weight gradients) and termination.
+///
+/// Runs in O(actions + stages x micro-batches x chunks) time.
+///
+/// @param lowered a schedule with explicit communication (lower()'s output, or hand-written)
+/// @return counts of what was proved
+/// @throws brigade::Error{Errc::Deadlock} when the programs cannot all finish; the message names
+///         the wait-for cycle ("rank 1 waits 1RECV_F3 <- rank 0 waits 0RECV_B2 <- rank 1"), or
+///         the chain ending at a receive whose send is missing, followed by the render_grid()
+///         excerpt around the blocked steps
+/// @throws brigade::Error{Errc::InvalidArgument} for a failed check of 1-3 or a dependency
+///         violation, naming the rank, the step and the action, with a grid excerpt
+inline ValidationResult validate(const Schedule& lowered) {
+  detail::Validator v(lowered);
+  return v.run();
+}
+
+}  // namespace v0
+}  // namespace brigade::schedule
