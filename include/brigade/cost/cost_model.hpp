@@ -1,0 +1,339 @@
+// brigade::cost: what an action costs. The CostModel concept is what the simulator reads; a
+// roofline model prices real layers, a unit model checks closed forms.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/model/config.hpp"
+#include "brigade/model/layer_cost.hpp"
+#include "brigade/partition/partition.hpp"
+#include "brigade/schedule/action.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace brigade::cost {
+inline namespace v0 {
+
+/// A point-to-point link: a message of `bytes` occupies the link for bytes / bytes_per_s seconds
+/// (two messages on one link queue behind each other) and arrives latency_s after it leaves.
+struct Link {
+  double latency_s = 0.0;                                        ///< seconds, >= 0
+  double bytes_per_s = std::numeric_limits<double>::infinity();  ///< bytes per second, > 0
+
+  /// Seconds the link is busy with `bytes` (0 for an infinitely fast link or no bytes).
+  [[nodiscard]] double occupancy_seconds(double bytes) const noexcept {
+    return (bytes > 0.0 && std::isfinite(bytes_per_s)) ? bytes / bytes_per_s : 0.0;
+  }
+  /// Seconds from the start of a transfer of `bytes` to its arrival: latency + occupancy.
+  [[nodiscard]] double transfer_seconds(double bytes) const noexcept {
+    return latency_s + occupancy_seconds(bytes);
+  }
+  /// True when transfers cost nothing (no latency, infinite bandwidth).
+  [[nodiscard]] bool is_free() const noexcept {
+    return latency_s == 0.0 && !std::isfinite(bytes_per_s);
+  }
+  /// @throws brigade::Error{InvalidArgument} for a negative or NaN latency or a bandwidth <= 0
+  void check() const {
+    BRIGADE_CHECK(latency_s >= 0.0 && std::isfinite(latency_s), Errc::InvalidArgument,
+                  "Link: latency {} s, expected finite and >= 0", latency_s);
+    BRIGADE_CHECK(bytes_per_s > 0.0, Errc::InvalidArgument,
+                  "Link: bandwidth {} bytes/s, expected > 0", bytes_per_s);
+  }
+};
+
+/// What the simulator asks of a cost model, for actions of the schedule it was built for.
+///
+/// - `compute_seconds(a)`: seconds a compute action (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT) keeps
+///   its rank busy; 0 for communication actions.
+/// - `activation_bytes(a)`: bytes the forward `a` (op F) stashes on its rank until its backward
+///   (B, or BW after BI) frees them.
+/// - `message_bytes(a)`: bytes a SEND_F/SEND_B moves (see schedule::counterpart()).
+/// - `link(src, dst)`: the link from rank src to rank dst.
+template <class C>
+concept CostModel = requires(const C& c, const schedule::Action& a, int src, int dst) {
+  { c.compute_seconds(a) } -> std::convertible_to<double>;
+  { c.activation_bytes(a) } -> std::convertible_to<double>;
+  { c.message_bytes(a) } -> std::convertible_to<double>;
+  { c.link(src, dst) } -> std::convertible_to<Link>;
+};
+
+/// Extra knobs of UnitCostModel.
+struct UnitCostOptions {
+  double sample = 0.0;         ///< seconds of a SAMPLE
+  double message_bytes = 0.0;  ///< bytes of every SEND
+  Link link{};                 ///< every link (default: free)
+};
+
+/// Unit costs, for closed forms: `forward` and `backward` are the time of one rank's whole
+/// share of layers for one micro-batch, split evenly over the rank's virtual stages.
+///
+/// Without `weight`, `backward` is the full backward: op B costs backward, and a split BI or
+/// BW costs backward / 2. With `weight`, `backward` is the BI time and `weight` the BW time,
+/// and a full B costs backward + weight. RECOMPUTE costs a forward. SAMPLE costs `sample`
+/// (default 0), OPT 0. Activations: one unit per micro-batch and rank (1 / V per virtual
+/// stage). Messages carry UnitCostOptions::message_bytes (default 0) over its link (default free).
+class UnitCostModel {
+ public:
+
+  /// @param shape    the schedule's shape (its placement decides the split over virtual stages)
+  /// @param forward  seconds of one rank's forward share for one micro-batch, >= 0
+  /// @param backward seconds of the full backward share (or of BI when `weight` is given), >= 0
+  /// @param weight   seconds of the BW share, if the backward is split
+  /// @throws brigade::Error{InvalidArgument} for a negative or non-finite cost, or a bad link
+  UnitCostModel(const schedule::Shape& shape, double forward, double backward,
+                std::optional<double> weight = std::nullopt, UnitCostOptions options = {})
+      : forward_(forward), backward_(backward), weight_(weight), opt_(options) {
+    shape.check();
+    auto ok = [](double x) { return x >= 0.0 && std::isfinite(x); };
+    BRIGADE_CHECK(ok(forward) && ok(backward) && (!weight || ok(*weight)) && ok(options.sample) &&
+                      ok(options.message_bytes),
+                  Errc::InvalidArgument,
+                  "UnitCostModel: costs F={} B={} W={} sample={} message={}, expected finite and "
+                  ">= 0",
+                  forward, backward, weight ? *weight : 0.0, options.sample, options.message_bytes);
+    options.link.check();
+    share_.resize(static_cast<std::size_t>(shape.num_virtual_stages));
+    for (int v = 0; v < shape.num_virtual_stages; ++v)
+      share_[static_cast<std::size_t>(v)] = 1.0 / shape.stages_on(shape.rank_of(v));
+  }
+
+  /// Seconds of a compute action; 0 for SEND/RECV.
+  [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept {
+    const double s = share(a.virtual_stage);
+    using schedule::Op;
+    switch (a.op) {
+      case Op::F:
+      case Op::Recompute: return forward_ * s;
+      case Op::B: return (weight_ ? backward_ + *weight_ : backward_) * s;
+      case Op::BI: return (weight_ ? backward_ : backward_ / 2) * s;
+      case Op::BW: return (weight_ ? *weight_ : backward_ / 2) * s;
+      case Op::Sample: return opt_.sample;
+      default: return 0.0;
+    }
+  }
+  /// 1 / V units per forward (a rank's whole share for one micro-batch is one unit).
+  [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
+    return share(a.virtual_stage);
+  }
+  /// UnitCostOptions::message_bytes for every SEND.
+  [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept {
+    return opt_.message_bytes;
+  }
+  /// UnitCostOptions::link for every pair.
+  [[nodiscard]] Link link(int, int) const noexcept { return opt_.link; }
+
+ private:
+  [[nodiscard]] double share(int v) const noexcept {
+    return v >= 0 && static_cast<std::size_t>(v) < share_.size() ? share_[static_cast<std::size_t>(v)]
+                                                                 : 1.0;
+  }
+  double forward_, backward_;
+  std::optional<double> weight_;
+  UnitCostOptions opt_;
+  std::vector<double> share_;
+};
+
+/// The work of one micro-batch, from which RooflineCostModel derives each action's WorkItem.
+struct Workload {
+  int batch = 1;      ///< sequences per micro-batch, >= 1
+  int seq_len = 256;  ///< training: tokens per sequence; inference: prompt length; >= 1
+};
+
+/// Options of RooflineCostModel.
+struct RooflineOptions {
+  model::DeviceRates rates{};                  ///< every rank's rates...
+  std::vector<model::DeviceRates> rank_rates;  ///< ...unless given per rank (size P)
+  Link link{5e-6, 25e9};                       ///< every link: 5 us, 25 GB/s by default
+  Workload workload{};
+};
+
+/// Roofline costs (Williams et al. 2009) of a ModelSpec split by a Partition: each action's
+/// time is the sum over its virtual stage's layers of
+/// max(FLOPs / flops_per_s, bytes / bytes_per_s) from model::layer_cost() for its WorkItem.
+///
+/// WorkItems (B = workload.batch, S = workload.seq_len, C = shape.num_chunks):
+/// - training: tokens B*S/C per chunk, B sequences, context S/2 (causal mean); the final norm
+///   and LM head run on every token (training logits), not only the last;
+/// - inference round 0 (prefill): tokens B*S, context S/2; round c >= 1 (decode): tokens B,
+///   context S + c.
+///
+/// Phases: F and RECOMPUTE cost the forward; BI and BW each cost one forward's FLOPs and bytes
+/// (input and weight gradients are GEMMs of the forward's size), B = BI + BW; SAMPLE costs
+/// the stage's Sampler layers, which F excludes; OPT reads and writes the weights three times
+/// (AdamW: weights, two moments) at memory bandwidth.
+///
+/// Activations stashed by F (training only), per token, in float32: per decoder layer
+/// 6 dim + 2 kv_dim + 3 hidden + n_heads * context (attention probabilities); dim for the final
+/// norm; vocab for the LM head's logits. Messages: SEND_F/SEND_B move tokens x dim floats; the
+/// inference token edge moves one int32 per sequence.
+class RooflineCostModel {
+ public:
+  /// @param spec      the model
+  /// @param partition virtual stage v = partition stage v, on rank partition.stage(v).rank,
+  ///                  which must equal shape.rank_of(v)
+  /// @param shape     the shape of the schedules this model prices
+  /// @throws brigade::Error{InvalidArgument} if the partition does not match the shape, the
+  ///         workload or a rate is not positive, or rank_rates has the wrong size
+  RooflineCostModel(const model::ModelSpec& spec, const partition::Partition& partition,
+                    const schedule::Shape& shape, RooflineOptions options = {})
+      : shape_(shape), opt_(std::move(options)) {
+    shape_.check();
+    BRIGADE_CHECK(partition.num_stages() == shape_.num_virtual_stages &&
+                      partition.num_ranks() == shape_.num_ranks,
+                  Errc::InvalidArgument,
+                  "RooflineCostModel: partition has {} stages on {} ranks, the shape {} virtual "
+                  "stages on {} ranks",
+                  partition.num_stages(), partition.num_ranks(), shape_.num_virtual_stages,
+                  shape_.num_ranks);
+    for (int v = 0; v < shape_.num_virtual_stages; ++v)
+      BRIGADE_CHECK(partition.stage(v).rank == shape_.rank_of(v), Errc::InvalidArgument,
+                    "RooflineCostModel: partition stage {} is on rank {}, the shape places "
+                    "virtual stage {} on rank {}",
+                    v, partition.stage(v).rank, v, shape_.rank_of(v));
+    BRIGADE_CHECK(opt_.workload.batch >= 1 && opt_.workload.seq_len >= 1, Errc::InvalidArgument,
+                  "RooflineCostModel: batch {} and seq_len {}, expected both >= 1",
+                  opt_.workload.batch, opt_.workload.seq_len);
+    BRIGADE_CHECK(opt_.rank_rates.empty() ||
+                      opt_.rank_rates.size() == static_cast<std::size_t>(shape_.num_ranks),
+                  Errc::InvalidArgument, "RooflineCostModel: {} rank rates for {} ranks",
+                  opt_.rank_rates.size(), shape_.num_ranks);
+    auto check_rates = [](const model::DeviceRates& r) {
+      BRIGADE_CHECK(r.flops_per_s > 0.0 && r.bytes_per_s > 0.0, Errc::InvalidArgument,
+                    "RooflineCostModel: device rates {} FLOP/s and {} bytes/s, expected > 0",
+                    r.flops_per_s, r.bytes_per_s);
+    };
+    check_rates(opt_.rates);
+    for (const auto& r : opt_.rank_rates) check_rates(r);
+    opt_.link.check();
+    const auto& cfg = spec.config();
+    const int N = shape_.num_virtual_stages, C = shape_.num_chunks;
+    table_.resize(static_cast<std::size_t>(N) * static_cast<std::size_t>(C));
+    for (int v = 0; v < N; ++v) {
+      const auto& st = partition.stage(v);
+      const model::DeviceRates& rates = rates_of(st.rank);
+      for (int c = 0; c < C; ++c) {
+        const model::WorkItem w = work(c);
+        model::WorkItem every_token = w;  // training logits: every position
+        every_token.sequences = w.tokens;
+        Entry e;
+        double weight_bytes = 0.0;
+        for (int l = st.first; l < st.last; ++l) {
+          const auto kind = spec.layer(l).kind;
+          const bool training = shape_.mode == schedule::Mode::Training;
+          const bool per_token = training && (kind == model::LayerKind::FinalNorm ||
+                                              kind == model::LayerKind::LMHead);
+          const model::LayerCost lc = model::layer_cost(spec, l, per_token ? every_token : w);
+          const double t = model::roofline_seconds(lc, rates);
+          weight_bytes += lc.weight_bytes;
+          if (kind == model::LayerKind::Sampler) {
+            e.sample += t;
+            continue;
+          }
+          e.forward += t;
+          const double tok = static_cast<double>(w.tokens);
+          if (kind == model::LayerKind::Decoder)
+            e.activation += tok * (6.0 * cfg.dim + 2.0 * cfg.kv_dim() + 3.0 * cfg.hidden_dim +
+                                   cfg.n_heads * w.context) * 4.0;
+          else if (kind == model::LayerKind::FinalNorm)
+            e.activation += tok * cfg.dim * 4.0;
+          else if (kind == model::LayerKind::LMHead)
+            e.activation += tok * cfg.vocab_size * 4.0;
+        }
+        e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
+        e.message = static_cast<double>(w.tokens) * cfg.dim * 4.0;
+        e.token_message = static_cast<double>(w.sequences) * 4.0;
+        table_[index(v, c)] = e;
+      }
+    }
+  }
+
+  /// The WorkItem of one micro-batch's chunk (training) or round (inference) `chunk`.
+  [[nodiscard]] model::WorkItem work(int chunk) const noexcept {
+    const std::int64_t B = opt_.workload.batch, S = opt_.workload.seq_len;
+    model::WorkItem w;
+    w.sequences = B;
+    if (shape_.mode == schedule::Mode::Training) {
+      w.tokens = std::max<std::int64_t>(1, B * S / shape_.num_chunks);
+      w.context = static_cast<double>(S) / 2.0;
+    } else if (chunk == 0) {
+      w.tokens = B * S;
+      w.context = static_cast<double>(S) / 2.0;
+    } else {
+      w.tokens = B;
+      w.context = static_cast<double>(S + chunk);
+    }
+    return w;
+  }
+
+  /// Seconds of a compute action (see the class comment); 0 for SEND/RECV.
+  [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept {
+    const Entry& e = entry(a);
+    switch (a.op) {
+      case schedule::Op::F:
+      case schedule::Op::Recompute:
+      case schedule::Op::BI:
+      case schedule::Op::BW: return e.forward;
+      case schedule::Op::B: return 2.0 * e.forward;
+      case schedule::Op::Sample: return e.sample;
+      case schedule::Op::Opt: return e.optimizer;
+      default: return 0.0;
+    }
+  }
+  /// Bytes a forward stashes for its backward (training; 0 in inference).
+  [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
+    return shape_.mode == schedule::Mode::Training ? entry(a).activation : 0.0;
+  }
+  /// Bytes a SEND moves: the hidden state (or its gradient), or the sampled token ids.
+  [[nodiscard]] double message_bytes(const schedule::Action& a) const noexcept {
+    const bool token = shape_.mode == schedule::Mode::Inference &&
+                       a.virtual_stage == shape_.num_virtual_stages - 1;
+    return token ? entry(a).token_message : entry(a).message;
+  }
+  /// RooflineOptions::link for every pair.
+  [[nodiscard]] Link link(int, int) const noexcept { return opt_.link; }
+
+  /// A Partition for `shape`: the layers split uniformly (partition::uniform) into
+  /// shape.num_virtual_stages stages, stage v placed on shape.rank_of(v).
+  /// @throws brigade::Error{InvalidArgument} if the model has fewer decoder layers than stages
+  static partition::Partition placed_uniform(const model::ModelSpec& spec,
+                                             const schedule::Shape& shape) {
+    const partition::Partition u = partition::uniform(spec, shape.num_virtual_stages);
+    std::vector<partition::StageRange> st = u.stages();
+    for (int v = 0; v < shape.num_virtual_stages; ++v)
+      st[static_cast<std::size_t>(v)].rank = shape.rank_of(v);
+    return partition::Partition(spec.num_layers(), shape.num_ranks, std::move(st));
+  }
+
+ private:
+  struct Entry {
+    double forward = 0.0, sample = 0.0, optimizer = 0.0, activation = 0.0, message = 0.0,
+           token_message = 0.0;
+  };
+  [[nodiscard]] std::size_t index(int v, int c) const noexcept {
+    return static_cast<std::size_t>(v) * static_cast<std::size_t>(shape_.num_chunks) +
+           static_cast<std::size_t>(c);
+  }
+  [[nodiscard]] const Entry& entry(const schedule::Action& a) const noexcept {
+    const int v = std::clamp(a.virtual_stage, 0, shape_.num_virtual_stages - 1);
+    const int c = std::clamp(a.chunk, 0, shape_.num_chunks - 1);
+    return table_[index(v, c)];
+  }
+  [[nodiscard]] const model::DeviceRates& rates_of(int rank) const noexcept {
+    return opt_.rank_rates.empty() ? opt_.rates : opt_.rank_rates[static_cast<std::size_t>(rank)];
+  }
+
+  schedule::Shape shape_;
+  RooflineOptions opt_;
+  std::vector<Entry> table_;
+};
+
+static_assert(CostModel<UnitCostModel>, "UnitCostModel must model CostModel");
+static_assert(CostModel<RooflineCostModel>, "RooflineCostModel must model CostModel");
+
+}  // namespace v0
+}  // namespace brigade::cost
