@@ -1,0 +1,718 @@
+// CudaBackend: device memory, streams and events, and the decoder's forward pass on cuBLAS and
+// the kernels of kernels.cu. Host code (g++): validation and messages here, arithmetic on the GPU.
+#include "brigade/backend/cuda.hpp"
+
+#include "check.hpp"
+#include "gemm_plan.hpp"
+#include "kernels.cuh"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace brigade::cuda {
+inline namespace v0 {
+namespace {
+
+using detail::GemmPlan;
+using detail::SeqDesc;
+
+int code(DType t) { return t == DType::F32 ? detail::kF32 : detail::kBF16; }
+cudaDataType_t cuda_type(DType t) { return t == DType::F32 ? CUDA_R_32F : CUDA_R_16BF; }
+std::size_t usize(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+/// Makes `device` current for the calling thread for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    BRIGADE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) BRIGADE_CUDA_CHECK(cudaSetDevice(device));
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && previous_ != device_) static_cast<void>(cudaSetDevice(previous_));
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+  int device_ = -1;
+};
+
+void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
+  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+                Errc::InvalidArgument,
+                "{}: n_heads = {}, n_kv_heads = {}; expected both > 0 and n_heads a multiple "
+                "of n_kv_heads",
+                what, n_heads, n_kv_heads);
+  BRIGADE_CHECK(head_size > 0 && head_size % 2 == 0, Errc::InvalidArgument,
+                "{}: head_size = {}; expected a positive even number", what, head_size);
+}
+
+/// The slices must cover rows [0, tokens) contiguously, in order, each with >= 1 token, caches
+/// set, positions >= 0 (and within max_pos when max_pos > 0).
+void check_slices(const char* what, std::int64_t tokens, std::span<const SequenceSlice> seqs,
+                  std::int64_t max_pos) {
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "{}: tokens = {}; expected >= 0", what,
+                tokens);
+  std::int64_t next = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const SequenceSlice& s = seqs[i];
+    BRIGADE_CHECK(s.offset == next, Errc::InvalidArgument,
+                  "{}: sequence {} starts at row {}; expected row {} (slices must cover [0, "
+                  "tokens) contiguously, in order)",
+                  what, i, s.offset, next);
+    BRIGADE_CHECK(s.tokens >= 1, Errc::InvalidArgument,
+                  "{}: sequence {} has tokens = {}; expected >= 1", what, i, s.tokens);
+    BRIGADE_CHECK(s.pos0 >= 0 && (max_pos <= 0 || s.pos0 + s.tokens <= max_pos),
+                  Errc::InvalidArgument,
+                  "{}: sequence {} spans positions [{}, {}); expected within [0, seq_len = {})",
+                  what, i, s.pos0, s.pos0 + s.tokens, max_pos);
+    BRIGADE_CHECK(s.k_cache != nullptr && s.v_cache != nullptr, Errc::InvalidArgument,
+                  "{}: sequence {} has a null k_cache or v_cache", what, i);
+    next = s.offset + s.tokens;
+    BRIGADE_CHECK(next <= tokens, Errc::InvalidArgument,
+                  "{}: sequence {} ends at row {}; expected <= tokens = {}", what, i, next, tokens);
+  }
+  BRIGADE_CHECK(next == tokens, Errc::InvalidArgument,
+                "{}: the {} sequences cover rows [0, {}); expected [0, {})", what, seqs.size(),
+                next, tokens);
+}
+
+void check_int(const char* what, std::int64_t v) {
+  BRIGADE_CHECK(v >= 0 && v <= INT_MAX, Errc::InvalidArgument,
+                "{}: a GEMM dimension or leading dimension is {}; expected within [0, 2^31 - 1]",
+                what, v);
+}
+
+}  // namespace
+
+// --- devices, buffers, streams, events ---------------------------------------------------------
+
+DeviceInfo probe_devices() noexcept {
+  DeviceInfo info;
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    info.reason = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+    static_cast<void>(cudaGetLastError());  // clear the sticky-free error state
+    return info;
+  }
+  if (count <= 0) {
+    info.reason = "cudaGetDeviceCount reported 0 devices";
+    return info;
+  }
+  info.count = count;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    info.reason = "cudaGetDeviceProperties(0) failed";
+    info.count = 0;
+    return info;
+  }
+  info.available = true;
+  info.name = prop.name;
+  info.compute_major = prop.major;
+  info.compute_minor = prop.minor;
+  return info;
+}
+
+DeviceBuffer::DeviceBuffer(std::size_t bytes, int device) : size_(bytes) {
+  if (bytes == 0) return;
+  int previous = -1;
+  if (device >= 0) {
+    BRIGADE_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) BRIGADE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  const cudaError_t e = cudaMalloc(&data_, bytes);
+  if (device >= 0 && previous >= 0 && previous != device) static_cast<void>(cudaSetDevice(previous));
+  if (e != cudaSuccess) {
+    data_ = nullptr;
+    size_ = 0;
+    brigade::detail::fail(Errc::Cuda, "cudaMalloc of {} bytes failed: {} ({})", bytes,
+                          cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_) static_cast<void>(cudaFree(data_));
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_) static_cast<void>(cudaFree(data_));
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void DeviceBuffer::copy_from_host(const void* src, std::size_t bytes, std::size_t offset) {
+  BRIGADE_CHECK(offset <= size_ && bytes <= size_ - offset, Errc::InvalidArgument,
+                "DeviceBuffer::copy_from_host: bytes [{}, {}) outside the buffer's {} bytes",
+                offset, offset + bytes, size_);
+  if (bytes == 0) return;
+  BRIGADE_CUDA_CHECK(cudaMemcpy(static_cast<char*>(data_) + offset, src, bytes,
+                                cudaMemcpyHostToDevice));
+}
+
+void DeviceBuffer::copy_to_host(void* dst, std::size_t bytes, std::size_t offset) const {
+  BRIGADE_CHECK(offset <= size_ && bytes <= size_ - offset, Errc::InvalidArgument,
+                "DeviceBuffer::copy_to_host: bytes [{}, {}) outside the buffer's {} bytes",
+                offset, offset + bytes, size_);
+  if (bytes == 0) return;
+  BRIGADE_CUDA_CHECK(cudaMemcpy(dst, static_cast<const char*>(data_) + offset, bytes,
+                                cudaMemcpyDeviceToHost));
+}
+
+Stream::Stream() {
+  cudaStream_t s = nullptr;
+  BRIGADE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stream_ = s;
+}
+
+Stream::~Stream() {
+  if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+}
+
+Stream::Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    if (stream_) static_cast<void>(cudaStreamDestroy(stream_));
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+void Stream::synchronize() const { BRIGADE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+Event::Event() {
+  cudaEvent_t e = nullptr;
+  BRIGADE_CUDA_CHECK(cudaEventCreate(&e));
+  event_ = e;
+}
+
+Event::~Event() {
+  if (event_) static_cast<void>(cudaEventDestroy(event_));
+}
+
+Event::Event(Event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    if (event_) static_cast<void>(cudaEventDestroy(event_));
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+
+void Event::record(CUstream_st* stream) { BRIGADE_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+
+void Event::wait_on(CUstream_st* stream) const {
+  BRIGADE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
+}
+
+void Event::synchronize() const { BRIGADE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+
+bool Event::query() const {
+  const cudaError_t e = cudaEventQuery(event_);
+  if (e == cudaErrorNotReady) return false;
+  BRIGADE_CUDA_CHECK(e);
+  return true;
+}
+
+float Event::elapsed_ms_since(const Event& start) const {
+  float ms = 0.0f;
+  BRIGADE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.event_, event_));
+  return ms;
+}
+
+// --- the backend -------------------------------------------------------------------------------
+
+struct CudaBackend::Impl {
+  Options opt;
+  Stream stream;
+  cublasHandle_t blas = nullptr;
+  DeviceBuffer blas_workspace;
+  // Grow-only scratch.
+  DeviceBuffer meta;        // SeqDesc[n_seq] | tok_seq[tokens] | pos[tokens]
+  DeviceBuffer xb_buf, qkv_buf, q_buf, att_buf, h13_buf, hb_buf;
+  DeviceBuffer scores, probs;
+  DeviceBuffer coins;
+  DeviceBuffer freq;        // RoPE frequencies for (freq_head_size, freq_theta)
+  int freq_head_size = 0;
+  float freq_theta = 0.0f;
+  std::vector<std::byte> staging;
+  std::vector<float> freq_host;
+
+  explicit Impl(Options o) : opt(o) {}
+  ~Impl() {
+    if (blas) static_cast<void>(cublasDestroy(blas));
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  cudaStream_t s() const { return stream.native(); }
+
+  void* grow(DeviceBuffer& b, std::size_t bytes) {
+    if (b.size() < bytes) {
+      b = DeviceBuffer();
+      b = DeviceBuffer(std::max<std::size_t>(bytes, 256), opt.device);
+    }
+    return b.data();
+  }
+
+  /// Uploads the per-sequence descriptors, then each row's sequence index and position.
+  /// Returns {SeqDesc*, tok_seq*, pos*} in device memory.
+  struct Meta {
+    const SeqDesc* seqs;
+    const std::int32_t* tok_seq;
+    const std::int32_t* pos;
+  };
+  Meta upload_meta(std::int64_t tokens, std::span<const SequenceSlice> slices) {
+    const std::size_t n_seq = slices.size();
+    const std::size_t seq_bytes = n_seq * sizeof(SeqDesc);
+    const std::size_t ints = usize(tokens) * sizeof(std::int32_t);
+    const std::size_t total = seq_bytes + 2 * ints;
+    staging.resize(total);
+    auto* descs = reinterpret_cast<SeqDesc*>(staging.data());
+    auto* tok_seq = reinterpret_cast<std::int32_t*>(staging.data() + seq_bytes);
+    auto* pos = reinterpret_cast<std::int32_t*>(staging.data() + seq_bytes + ints);
+    for (std::size_t i = 0; i < n_seq; ++i) {
+      const SequenceSlice& sl = slices[i];
+      descs[i] = SeqDesc{sl.offset, sl.tokens, sl.pos0, sl.k_cache, sl.v_cache};
+      for (std::int64_t t = 0; t < sl.tokens; ++t) {
+        tok_seq[sl.offset + t] = static_cast<std::int32_t>(i);
+        pos[sl.offset + t] = static_cast<std::int32_t>(sl.pos0 + t);
+      }
+    }
+    auto* dev = static_cast<std::byte*>(grow(meta, total));
+    // Pageable source: the driver stages it before returning, so `staging` may be reused.
+    BRIGADE_CUDA_CHECK(cudaMemcpyAsync(dev, staging.data(), total, cudaMemcpyHostToDevice, s()));
+    return {reinterpret_cast<const SeqDesc*>(dev),
+            reinterpret_cast<const std::int32_t*>(dev + seq_bytes),
+            reinterpret_cast<const std::int32_t*>(dev + seq_bytes + ints)};
+  }
+
+  /// run.c's RoPE frequencies for (head_size, theta), computed with the CPU backend's expression.
+  const float* rope_freq(int head_size, float theta) {
+    if (freq_head_size != head_size || freq_theta != theta || freq.empty()) {
+      const int half = head_size / 2;
+      freq_host.resize(usize(half));
+      for (int j = 0; j < half; ++j) {
+        const int head_dim = 2 * j;
+        freq_host[usize(j)] =
+            1.0f / std::pow(theta, static_cast<float>(head_dim) / static_cast<float>(head_size));
+      }
+      grow(freq, freq_host.size() * sizeof(float));
+      BRIGADE_CUDA_CHECK(cudaMemcpyAsync(freq.data(), freq_host.data(),
+                                         freq_host.size() * sizeof(float),
+                                         cudaMemcpyHostToDevice, s()));
+      freq_head_size = head_size;
+      freq_theta = theta;
+    }
+    return freq.as<float>();
+  }
+
+  /// One cuBLAS GEMM (strided-batched when plan.batch > 1) with float32 accumulation.
+  void gemm(const GemmPlan& p, const void* a, const void* b, DType ab_type, void* c, DType c_type,
+            float alpha, float beta) {
+    for (std::int64_t v : {p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.batch}) check_int("gemm", v);
+    if (p.m == 0 || p.n == 0 || p.batch == 0) return;
+    const std::size_t ab = dtype_size(ab_type);
+    const std::size_t cb = dtype_size(c_type);
+    const auto* pa = static_cast<const char*>(a) + usize(p.offset_a) * ab;
+    const auto* pb = static_cast<const char*>(b) + usize(p.offset_b) * ab;
+    auto* pc = static_cast<char*>(c) + usize(p.offset_c) * cb;
+    const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const auto m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+    const auto lda = static_cast<int>(p.lda), ldb = static_cast<int>(p.ldb),
+               ldc = static_cast<int>(p.ldc);
+    if (p.batch == 1) {
+      BRIGADE_CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, m, n, k, &alpha, pa, cuda_type(ab_type), lda,
+                                        pb, cuda_type(ab_type), ldb, &beta, pc, cuda_type(c_type),
+                                        ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    } else {
+      BRIGADE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          blas, ta, tb, m, n, k, &alpha, pa, cuda_type(ab_type), lda, p.stride_a, pb,
+          cuda_type(ab_type), ldb, p.stride_b, &beta, pc, cuda_type(c_type), ldc, p.stride_c,
+          static_cast<int>(p.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+  }
+
+  /// Attention of the GEMM path for one sequence: blocks of query rows, S = Q K^T (batched over
+  /// KV heads, one call per member of a query group), causal softmax, O = P V.
+  void attention_gemm(DType dtype, const void* q, void* out, const SequenceSlice& sl, int n_heads,
+                      int n_kv_heads, int head_size) {
+    const std::int64_t dim = static_cast<std::int64_t>(n_heads) * head_size;
+    const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * head_size;
+    const int group = n_heads / n_kv_heads;
+    const std::size_t es = dtype_size(dtype);
+    const std::int64_t max_keys = sl.pos0 + sl.tokens;
+    const std::int64_t max_ld = (max_keys + 7) / 8 * 8;
+    const std::size_t per_row = static_cast<std::size_t>(n_heads) * usize(max_ld) *
+                                (sizeof(float) + (dtype == DType::F32 ? 0 : es));
+    std::int64_t block = static_cast<std::int64_t>(opt.attention_scratch_bytes / per_row);
+    if (block >= 64) block = block / 64 * 64;
+    block = std::clamp<std::int64_t>(block, 1, sl.tokens);
+    const float scale = std::sqrt(static_cast<float>(head_size));  // run.c: sqrtf(head_size)
+    for (std::int64_t r0 = 0; r0 < sl.tokens; r0 += block) {
+      const std::int64_t rows = std::min(block, sl.tokens - r0);
+      const std::int64_t keys = sl.pos0 + r0 + rows;
+      const std::int64_t ld = (keys + 7) / 8 * 8;
+      const std::size_t elems = static_cast<std::size_t>(n_heads) * usize(rows) * usize(ld);
+      auto* sc = static_cast<float*>(grow(scores, elems * sizeof(float)));
+      void* pr = dtype == DType::F32 ? static_cast<void*>(sc) : grow(probs, elems * es);
+      const auto* qb = static_cast<const char*>(q) + usize((sl.offset + r0) * dim) * es;
+      auto* ob = static_cast<char*>(out) + usize((sl.offset + r0) * dim) * es;
+      for (int member = 0; member < group; ++member)
+        gemm(detail::plan_scores(rows, keys, ld, n_heads, n_kv_heads, head_size, member, dim,
+                                 kv_dim),
+             sl.k_cache, qb, dtype, sc, DType::F32, 1.0f, 0.0f);
+      BRIGADE_CUDA_CHECK(detail::launch_causal_softmax(sc, pr, code(dtype), n_heads, rows, keys,
+                                                       ld, sl.pos0 + r0 + 1, scale, s()));
+      for (int member = 0; member < group; ++member)
+        gemm(detail::plan_pv(rows, keys, ld, n_heads, n_kv_heads, head_size, member, kv_dim, dim),
+             sl.v_cache, pr, dtype, ob, dtype, 1.0f, 0.0f);
+    }
+  }
+
+  /// Attention over packed sequences: Direct for runs of short sequences, Gemm for long ones.
+  void attention(DType dtype, const void* q, void* out, std::span<const SequenceSlice> seqs,
+                 const Meta& m, int n_heads, int n_kv_heads, int head_size, AttentionPath path) {
+    if (path == AttentionPath::Auto) path = opt.attention;
+    auto use_gemm = [&](const SequenceSlice& sl) {
+      if (path == AttentionPath::Gemm) return true;
+      if (path == AttentionPath::Direct) return false;
+      return sl.tokens >= opt.gemm_attention_min_tokens;
+    };
+    std::size_t i = 0;
+    while (i < seqs.size()) {
+      if (use_gemm(seqs[i])) {
+        attention_gemm(dtype, q, out, seqs[i], n_heads, n_kv_heads, head_size);
+        ++i;
+        continue;
+      }
+      const std::int64_t row0 = seqs[i].offset;
+      std::int64_t rows = 0;
+      while (i < seqs.size() && !use_gemm(seqs[i])) rows += seqs[i++].tokens;
+      BRIGADE_CUDA_CHECK(detail::launch_attention_direct(q, out, code(dtype), row0, rows,
+                                                         m.tok_seq, m.seqs, n_heads, n_kv_heads,
+                                                         head_size, s()));
+    }
+  }
+};
+
+CudaBackend::CudaBackend() : CudaBackend(Options{}) {}
+
+CudaBackend::CudaBackend(Options options) {
+  const DeviceInfo info = probe_devices();
+  BRIGADE_CHECK(info.available, Errc::Cuda, "CudaBackend: no usable CUDA device: {}", info.reason);
+  BRIGADE_CHECK(options.device >= 0 && options.device < info.count, Errc::Cuda,
+                "CudaBackend: device {} requested; this machine has {} device(s)", options.device,
+                info.count);
+  BRIGADE_CHECK(options.gemm_attention_min_tokens >= 1 && options.attention_scratch_bytes > 0,
+                Errc::InvalidArgument,
+                "CudaBackend: gemm_attention_min_tokens = {}, attention_scratch_bytes = {}; "
+                "expected >= 1 and > 0",
+                options.gemm_attention_min_tokens, options.attention_scratch_bytes);
+  BRIGADE_CUDA_CHECK(cudaSetDevice(options.device));
+  impl_ = std::make_unique<Impl>(options);
+  BRIGADE_CUBLAS_CHECK(cublasCreate(&impl_->blas));
+  BRIGADE_CUBLAS_CHECK(cublasSetStream(impl_->blas, impl_->s()));
+  // float32 GEMMs stay float32 (no TF32); bf16 operands use the tensor cores.
+  BRIGADE_CUBLAS_CHECK(cublasSetMathMode(impl_->blas, CUBLAS_DEFAULT_MATH));
+  constexpr std::size_t kWorkspace = std::size_t{32} << 20;
+  impl_->blas_workspace = DeviceBuffer(kWorkspace, options.device);
+  BRIGADE_CUBLAS_CHECK(cublasSetWorkspace(impl_->blas, impl_->blas_workspace.data(), kWorkspace));
+}
+
+CudaBackend::~CudaBackend() {
+  if (impl_) {
+    static_cast<void>(cudaSetDevice(impl_->opt.device));
+    static_cast<void>(cudaStreamSynchronize(impl_->s()));
+  }
+}
+
+CudaBackend::CudaBackend(CudaBackend&&) noexcept = default;
+CudaBackend& CudaBackend::operator=(CudaBackend&&) noexcept = default;
+
+int CudaBackend::device() const noexcept { return impl_->opt.device; }
+const CudaBackend::Options& CudaBackend::options() const noexcept { return impl_->opt; }
+CUstream_st* CudaBackend::stream() const noexcept { return impl_->s(); }
+
+void CudaBackend::synchronize() {
+  DeviceGuard g(impl_->opt.device);
+  impl_->stream.synchronize();
+}
+
+DeviceBuffer CudaBackend::allocate(std::size_t bytes) {
+  return DeviceBuffer(bytes, impl_->opt.device);
+}
+
+void CudaBackend::upload(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl_->s()));
+}
+
+void CudaBackend::download(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, impl_->s()));
+  impl_->stream.synchronize();
+}
+
+void CudaBackend::copy(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, impl_->s()));
+}
+
+void CudaBackend::convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                          std::int64_t n) {
+  BRIGADE_CHECK(n >= 0, Errc::InvalidArgument, "CudaBackend::convert: n = {}; expected >= 0", n);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(
+      detail::launch_convert(src, code(src_dtype), dst, code(dst_dtype), n, impl_->s()));
+}
+
+void CudaBackend::fill_random(void* dst, DType dtype, std::int64_t n, std::uint64_t seed,
+                              float scale) {
+  BRIGADE_CHECK(n >= 0, Errc::InvalidArgument, "CudaBackend::fill_random: n = {}; expected >= 0",
+                n);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(detail::launch_fill_random(dst, code(dtype), n, seed, scale, impl_->s()));
+}
+
+void CudaBackend::rmsnorm(const float* x, const float* w, void* out, DType out_dtype,
+                          std::int64_t tokens, std::int64_t dim, float eps) {
+  BRIGADE_CHECK(tokens >= 0 && dim > 0, Errc::InvalidArgument,
+                "CudaBackend::rmsnorm: tokens = {}, dim = {}; expected tokens >= 0 and dim > 0",
+                tokens, dim);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(
+      detail::launch_rmsnorm(x, w, out, code(out_dtype), tokens, dim, eps, impl_->s()));
+}
+
+void CudaBackend::matmul_wt(const void* x, const void* w, DType in_dtype, void* out,
+                            DType out_dtype, std::int64_t tokens, std::int64_t in,
+                            std::int64_t out_dim, bool accumulate) {
+  BRIGADE_CHECK(tokens >= 0 && in >= 0 && out_dim >= 0, Errc::InvalidArgument,
+                "CudaBackend::matmul_wt: shape tokens = {}, in = {}, out = {}; expected all >= 0",
+                tokens, in, out_dim);
+  BRIGADE_CHECK(!(in_dtype == DType::F32 && out_dtype == DType::BF16), Errc::InvalidArgument,
+                "CudaBackend::matmul_wt: float32 operands with a bf16 output; expected the "
+                "output float32");
+  if (tokens == 0 || out_dim == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  if (in == 0) {
+    if (!accumulate)
+      BRIGADE_CUDA_CHECK(cudaMemsetAsync(out, 0, usize(tokens * out_dim) * dtype_size(out_dtype),
+                                         impl_->s()));
+    return;
+  }
+  impl_->gemm(detail::plan_linear(tokens, in, out_dim), w, x, in_dtype, out, out_dtype, 1.0f,
+              accumulate ? 1.0f : 0.0f);
+}
+
+void CudaBackend::rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens,
+                       int n_heads, int n_kv_heads, int head_size, float theta) {
+  check_heads("CudaBackend::rope", n_heads, n_kv_heads, head_size);
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "CudaBackend::rope: tokens = {}; expected >= 0",
+                tokens);
+  if (tokens == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  const float* freq = impl_->rope_freq(head_size, theta);
+  BRIGADE_CUDA_CHECK(detail::launch_rope(
+      q, static_cast<std::int64_t>(n_heads) * head_size, k,
+      static_cast<std::int64_t>(n_kv_heads) * head_size, pos, freq, tokens, n_heads, n_kv_heads,
+      head_size, impl_->s()));
+}
+
+void CudaBackend::attention(DType dtype, const void* q, void* out, std::int64_t tokens,
+                            std::span<const SequenceSlice> seqs, int n_heads, int n_kv_heads,
+                            int head_size, AttentionPath path) {
+  check_heads("CudaBackend::attention", n_heads, n_kv_heads, head_size);
+  check_slices("CudaBackend::attention", tokens, seqs, 0);
+  if (tokens == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  const Impl::Meta m = impl_->upload_meta(tokens, seqs);
+  impl_->attention(dtype, q, out, seqs, m, n_heads, n_kv_heads, head_size, path);
+}
+
+void CudaBackend::swiglu(const float* gate, const float* up, void* out, DType out_dtype,
+                         std::int64_t n) {
+  BRIGADE_CHECK(n >= 0, Errc::InvalidArgument, "CudaBackend::swiglu: n = {}; expected >= 0", n);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(
+      detail::launch_swiglu(gate, up, n, out, code(out_dtype), 1, n, impl_->s()));
+}
+
+void CudaBackend::embedding(const float* table, const std::int32_t* ids, float* out,
+                            std::int64_t tokens, std::int64_t dim) {
+  BRIGADE_CHECK(tokens >= 0 && dim > 0, Errc::InvalidArgument,
+                "CudaBackend::embedding: tokens = {}, dim = {}; expected >= 0 and > 0", tokens,
+                dim);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(detail::launch_embedding(table, ids, out, tokens, dim, impl_->s()));
+}
+
+void CudaBackend::classifier(const float* x, const float* rms, const void* wcls, DType w_dtype,
+                             float* logits, std::int64_t rows, std::int64_t dim,
+                             std::int64_t vocab, float eps) {
+  BRIGADE_CHECK(rows >= 0 && dim > 0 && vocab > 0, Errc::InvalidArgument,
+                "CudaBackend::classifier: rows = {}, dim = {}, vocab = {}; expected >= 0, > 0, > 0",
+                rows, dim, vocab);
+  if (rows == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  void* xb = impl_->grow(impl_->xb_buf, usize(rows * dim) * dtype_size(w_dtype));
+  BRIGADE_CUDA_CHECK(
+      detail::launch_rmsnorm(x, rms, xb, code(w_dtype), rows, dim, eps, impl_->s()));
+  impl_->gemm(detail::plan_linear(rows, dim, vocab), wcls, xb, w_dtype, logits, DType::F32, 1.0f,
+              0.0f);
+}
+
+void CudaBackend::argmax(const float* logits, std::int32_t* out, std::int64_t rows,
+                         std::int64_t vocab) {
+  BRIGADE_CHECK(rows >= 0 && vocab > 0 && vocab <= INT_MAX, Errc::InvalidArgument,
+                "CudaBackend::argmax: rows = {}, vocab = {}; expected rows >= 0 and vocab in "
+                "[1, 2^31)",
+                rows, vocab);
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(detail::launch_argmax(logits, rows, vocab, out, impl_->s()));
+}
+
+void CudaBackend::sample(float* logits, std::int64_t rows, std::int64_t vocab, float temperature,
+                         float top_p, std::span<const float> coins, std::int32_t* out) {
+  BRIGADE_CHECK(temperature > 0.0f, Errc::InvalidArgument,
+                "CudaBackend::sample: temperature = {}; expected > 0 (use argmax for greedy)",
+                temperature);
+  BRIGADE_CHECK(!(top_p > 0.0f && top_p < 1.0f), Errc::InvalidArgument,
+                "CudaBackend::sample: top_p = {} asks for nucleus sampling, which runs on the "
+                "host (model::Sampler); expected top_p <= 0 or >= 1 (the full distribution)",
+                top_p);
+  BRIGADE_CHECK(rows >= 0 && vocab > 0 && vocab <= INT_MAX &&
+                    static_cast<std::int64_t>(coins.size()) == rows,
+                Errc::InvalidArgument,
+                "CudaBackend::sample: rows = {}, vocab = {}, {} coins; expected one coin per row "
+                "and vocab in [1, 2^31)",
+                rows, vocab, coins.size());
+  if (rows == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  auto* c = static_cast<float*>(impl_->grow(impl_->coins, coins.size() * sizeof(float)));
+  BRIGADE_CUDA_CHECK(cudaMemcpyAsync(c, coins.data(), coins.size() * sizeof(float),
+                                     cudaMemcpyHostToDevice, impl_->s()));
+  BRIGADE_CUDA_CHECK(
+      detail::launch_sample_multinomial(logits, rows, vocab, temperature, c, out, impl_->s()));
+}
+
+DeviceDecoderWeights CudaBackend::upload_decoder_weights(const model::LlamaConfig& config,
+                                                         const model::DecoderWeights& w,
+                                                         DType dtype) {
+  config.validate("CudaBackend::upload_decoder_weights");
+  BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,
+                Errc::InvalidArgument,
+                "CudaBackend::upload_decoder_weights: a DecoderWeights pointer is null; expected "
+                "all 9 set");
+  DeviceGuard g(impl_->opt.device);
+  const std::int64_t dim = config.dim, kv = config.kv_dim(), hidden = config.hidden_dim;
+  const std::size_t es = dtype_size(dtype);
+  DeviceDecoderWeights d;
+  d.dtype = dtype;
+  d.rms_att = allocate(usize(dim) * sizeof(float));
+  d.rms_ffn = allocate(usize(dim) * sizeof(float));
+  d.wqkv = allocate(usize((dim + 2 * kv) * dim) * es);
+  d.wo = allocate(usize(dim * dim) * es);
+  d.w13 = allocate(usize(2 * hidden * dim) * es);
+  d.w2 = allocate(usize(dim * hidden) * es);
+  upload(d.rms_att.data(), w.rms_att, usize(dim) * sizeof(float));
+  upload(d.rms_ffn.data(), w.rms_ffn, usize(dim) * sizeof(float));
+  // Matrices: float32 rows uploaded through a staging buffer, converted into place.
+  DeviceBuffer tmp;
+  auto put = [&](DeviceBuffer& dst, std::int64_t row0, const float* src, std::int64_t rows,
+                 std::int64_t cols) {
+    const std::int64_t n = rows * cols;
+    void* at = static_cast<char*>(dst.data()) + usize(row0 * cols) * es;
+    if (dtype == DType::F32) {
+      upload(at, src, usize(n) * sizeof(float));
+      return;
+    }
+    if (tmp.size() < usize(n) * sizeof(float)) {
+      synchronize();  // the previous conversion may still read tmp
+      tmp = allocate(usize(n) * sizeof(float));
+    }
+    upload(tmp.data(), src, usize(n) * sizeof(float));
+    convert(tmp.data(), DType::F32, at, dtype, n);
+  };
+  put(d.wqkv, 0, w.wq, dim, dim);
+  put(d.wqkv, dim, w.wk, kv, dim);
+  put(d.wqkv, dim + kv, w.wv, kv, dim);
+  put(d.wo, 0, w.wo, dim, dim);
+  put(d.w13, 0, w.w1, hidden, dim);
+  put(d.w13, hidden, w.w3, hidden, dim);
+  put(d.w2, 0, w.w2, dim, hidden);
+  synchronize();
+  return d;
+}
+
+void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
+                                        const DeviceDecoderWeights& w, float* x,
+                                        std::int64_t tokens, std::span<const SequenceSlice> seqs) {
+  config.validate("CudaBackend::decoder_layer_forward");
+  check_slices("CudaBackend::decoder_layer_forward", tokens, seqs, config.seq_len);
+  BRIGADE_CHECK(!w.wqkv.empty() && !w.wo.empty() && !w.w13.empty() && !w.w2.empty() &&
+                    !w.rms_att.empty() && !w.rms_ffn.empty(),
+                Errc::InvalidArgument,
+                "CudaBackend::decoder_layer_forward: the DeviceDecoderWeights are empty; expected "
+                "upload_decoder_weights' result");
+  BRIGADE_CHECK(tokens == 0 || x != nullptr, Errc::InvalidArgument,
+                "CudaBackend::decoder_layer_forward: x is null with tokens = {}", tokens);
+  if (tokens == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  const DType dt = w.dtype;
+  const std::size_t es = dtype_size(dt);
+  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  const std::int64_t qkv_n = dim + 2 * kv_dim;
+  const int hs = config.head_size();
+  const Impl::Meta meta = m.upload_meta(tokens, seqs);
+  void* xb = m.grow(m.xb_buf, usize(tokens * dim) * es);
+  auto* qkv = static_cast<float*>(m.grow(m.qkv_buf, usize(tokens * qkv_n) * sizeof(float)));
+  void* q = m.grow(m.q_buf, usize(tokens * dim) * es);
+  void* att = m.grow(m.att_buf, usize(tokens * dim) * es);
+  auto* h13 = static_cast<float*>(m.grow(m.h13_buf, usize(tokens * 2 * hidden) * sizeof(float)));
+  void* hb = m.grow(m.hb_buf, usize(tokens * hidden) * es);
+  const float* freq = m.rope_freq(hs, config.rope_theta);
+
+  // Attention block.
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm(x, w.rms_att.as<float>(), xb, code(dt), tokens, dim,
+                                            config.norm_eps, m.s()));
+  m.gemm(detail::plan_linear(tokens, dim, qkv_n), w.wqkv.data(), xb, dt, qkv, DType::F32, 1.0f,
+         0.0f);
+  BRIGADE_CUDA_CHECK(detail::launch_rope(qkv, qkv_n, qkv + dim, qkv_n, meta.pos, freq, tokens,
+                                         config.n_heads, config.n_kv_heads, hs, m.s()));
+  BRIGADE_CUDA_CHECK(detail::launch_qkv_scatter(qkv, qkv_n, tokens, dim, kv_dim, meta.tok_seq,
+                                                meta.seqs, q, code(dt), m.s()));
+  m.attention(dt, q, att, seqs, meta, config.n_heads, config.n_kv_heads, hs, AttentionPath::Auto);
+  m.gemm(detail::plan_linear(tokens, dim, dim), w.wo.data(), att, dt, x, DType::F32, 1.0f, 1.0f);
+
+  // FFN block.
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm(x, w.rms_ffn.as<float>(), xb, code(dt), tokens, dim,
+                                            config.norm_eps, m.s()));
+  m.gemm(detail::plan_linear(tokens, dim, 2 * hidden), w.w13.data(), xb, dt, h13, DType::F32,
+         1.0f, 0.0f);
+  BRIGADE_CUDA_CHECK(detail::launch_swiglu(h13, h13 + hidden, 2 * hidden, hb, code(dt), tokens,
+                                           hidden, m.s()));
+  m.gemm(detail::plan_linear(tokens, hidden, dim), w.w2.data(), hb, dt, x, DType::F32, 1.0f, 1.0f);
+}
+
+}  // namespace v0
+}  // namespace brigade::cuda
