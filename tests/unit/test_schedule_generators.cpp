@@ -31,7 +31,8 @@ std::string error_of(const std::string& name, const sch::Params& p) {
 }
 
 int count(const std::vector<Action>& prog, Op op) {
-  return static_cast<int>(std::count_if(prog.begin(), prog.end(), [&](const Action& a) { return a.op == op; }));
+  return static_cast<int>(
+      std::count_if(prog.begin(), prog.end(), [&](const Action& a) { return a.op == op; }));
 }
 
 }  // namespace
@@ -114,8 +115,9 @@ TEST_CASE("schedule.inference.p2.m2.v1.d2: rounds in chunk order with SAMPLE on 
   CHECK(s.shape.num_chunks == 3);
   std::string r1;
   for (const auto& a : s.ranks[1]) r1 += sch::to_string(a) + " ";
-  CHECK(r1 == "1F0 1SAMPLE0 1F1 1SAMPLE1 1F0.c1 1SAMPLE0.c1 1F1.c1 1SAMPLE1.c1 1F0.c2 1SAMPLE0.c2 "
-              "1F1.c2 1SAMPLE1.c2 ");
+  CHECK(r1 ==
+        "1F0 1SAMPLE0 1F1 1SAMPLE1 1F0.c1 1SAMPLE0.c1 1F1.c1 1SAMPLE1.c1 1F0.c2 1SAMPLE0.c2 "
+        "1F1.c2 1SAMPLE1.c2 ");
   CHECK(count(s.ranks[0], Op::Sample) == 0);
   // V = 2: the ring is walked twice per token; only virtual stage 3 samples.
   const auto ring = sch::inference({2, 2, 2, 0});

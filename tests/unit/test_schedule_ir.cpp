@@ -38,7 +38,7 @@ TEST_CASE("schedule.action.text: examples from the grammar") {
   CHECK(sch::to_string(Action{Op::BW, 5, 1, 2}) == "5BW1.c2");
   CHECK(sch::to_string(Action{Op::Recompute, 0, 0, 0}) == "0RECOMPUTE0");
   CHECK(sch::parse_action("5BW1.c2") == Action{Op::BW, 5, 1, 2});
-  CHECK(sch::parse_action("0F0.c0") == Action{Op::F, 0, 0, 0});  // accepted, printed as 0F0
+  CHECK(sch::parse_action("0F0.c0") == Action{Op::F, 0, 0, 0});       // accepted, printed as 0F0
   CHECK(sch::parse_action("12BI345") == Action{Op::BI, 12, 345, 0});  // BI, not B then I
 }
 
@@ -83,7 +83,8 @@ TEST_CASE("schedule.text: a hand-written schedule round-trips exactly") {
              {{Op::RecvF, 1, 0, 0}, {Op::F, 1, 0, 0}, {}}};
   s.ranks[1].pop_back();
   const std::string text = sch::to_text(s);
-  CHECK(contains(text, "shape ranks=2 stages=2 microbatches=2 chunks=1 mode=training placement=0,1\n"));
+  CHECK(contains(text,
+                 "shape ranks=2 stages=2 microbatches=2 chunks=1 mode=training placement=0,1\n"));
   CHECK(contains(text, "rank 0: 0F0 0SEND_F0 0F1\n"));
   CHECK(contains(text, "rank 1: 1RECV_F0 1F0\n"));
   CHECK(sch::parse_schedule(text) == s);
@@ -102,7 +103,8 @@ TEST_CASE("schedule.text: inference shape with chunks and a custom placement rou
 
 TEST_CASE("schedule.text: optional shape keys take their defaults; comments and blank lines") {
   const auto s = sch::parse_schedule(
-      "# a comment\n\n  shape ranks=3 microbatches=1\nrank 0: 0F0\n# middle\nrank 1:\nrank 2:   2F0 \n");
+      "# a comment\n\n  shape ranks=3 microbatches=1\nrank 0: 0F0\n# middle\nrank 1:\nrank 2:   "
+      "2F0 \n");
   CHECK(s.shape.num_virtual_stages == 3);
   CHECK(s.shape.num_chunks == 1);
   CHECK(s.shape.mode == sch::Mode::Training);
@@ -119,21 +121,27 @@ TEST_CASE("schedule.text.parse-errors: name the line the column and the token") 
   };
   const Bad cases[] = {
       {"rank 0: 0F0\n", "line 1, column 1: a rank line before the 'shape' line"},
-      {"shape ranks=2 microbatches=1\nrank 0: 0F0 0FX1\n", "line 2, column 14: action '0FX1': unknown op 'FX'"},
+      {"shape ranks=2 microbatches=1\nrank 0: 0F0 0FX1\n",
+       "line 2, column 14: action '0FX1': unknown op 'FX'"},
       {"shape ranks=2 microbatches=1\nrank 0: 0F0\nrank 1: 1F0 1F3\n",
        "line 3, column 13: action '1F3': micro-batch 3 outside [0, 1)"},
       {"shape ranks=2 microbatches=1\nrank 0: 5F0\n", "virtual stage 5 outside [0, 2)"},
       {"shape ranks=2 microbatches=1\nrank 0: 0F0.c1\n", "chunk 1 outside [0, 1)"},
-      {"shape ranks=2 microbatches=1\nrank 1: 1F0\n", "line 2, column 6: rank 1 where rank 0 was expected"},
+      {"shape ranks=2 microbatches=1\nrank 1: 1F0\n",
+       "line 2, column 6: rank 1 where rank 0 was expected"},
       {"shape ranks=2 microbatches=1\nrank 0: 0F0\n", "2 rank lines" /* unused */},
-      {"shape ranks=two microbatches=1\n", "line 1, column 13: ranks='two' is not a non-negative integer"},
+      {"shape ranks=two microbatches=1\n",
+       "line 1, column 13: ranks='two' is not a non-negative integer"},
       {"shape ranks=2 colour=blue microbatches=1\n", "unknown shape key 'colour'"},
-      {"shape ranks=2 microbatches=1 mode=serving\n", "mode='serving', expected training or inference"},
+      {"shape ranks=2 microbatches=1 mode=serving\n",
+       "mode='serving', expected training or inference"},
       {"shape ranks=2 microbatches=1 placement=0,0\n", "rank 1 holds no virtual stage"},
       {"shape ranks=2 microbatches=1 placement=0,7\n", "placement of virtual stage 1 is rank 7"},
       {"shape ranks=2\n", "needs microbatches=M"},
-      {"shape ranks=2 microbatches=1\nshape ranks=2 microbatches=1\n", "line 2, column 1: a second 'shape' line"},
-      {"shape ranks=2 microbatches=1\nrnak 0: 0F0\n", "line 2, column 1: expected 'shape' or 'rank <r>:', got 'rnak'"},
+      {"shape ranks=2 microbatches=1\nshape ranks=2 microbatches=1\n",
+       "line 2, column 1: a second 'shape' line"},
+      {"shape ranks=2 microbatches=1\nrnak 0: 0F0\n",
+       "line 2, column 1: expected 'shape' or 'rank <r>:', got 'rnak'"},
       {"shape ranks=2 microbatches=1\nrank 0 0F0\n", "expected 'rank <r>:'"},
       {"", "no 'shape' line"},
   };

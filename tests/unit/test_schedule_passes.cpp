@@ -86,10 +86,9 @@ TEST_CASE("schedule.lower: placement from a Partition") {
                  "names virtual stage 3, which is placed on rank 1"));
   const auto lowered = sch::lower(s, part);
   CHECK(lowered.shape.placement == std::vector<int>{0, 1, 1, 0});
-  CHECK(lowered.ranks[1] == std::vector<Action>{{Op::RecvF, 1, 0, 0},
-                                                {Op::F, 1, 0, 0},
-                                                {Op::F, 2, 0, 0},
-                                                {Op::SendF, 2, 0, 0}});
+  CHECK(lowered.ranks[1] ==
+        std::vector<Action>{
+            {Op::RecvF, 1, 0, 0}, {Op::F, 1, 0, 0}, {Op::F, 2, 0, 0}, {Op::SendF, 2, 0, 0}});
   CHECK(sch::validate(lowered).messages == 2);
 }
 
@@ -135,8 +134,9 @@ TEST_CASE("schedule.validate.missing-send.p2.m2: the chain ends at the send that
   const std::string msg = error_of([&] { sch::validate(s); }, Errc::Deadlock);
   CHECK(contains(msg, "rank 1 waits on 1RECV_F1, which no rank sends (receive without send)"));
   CHECK(contains(msg, "0SEND_F1 is absent from rank 0"));
-  CHECK(contains(msg, "wait-for chain: rank 0 waits 0RECV_B1 <- rank 1 waits 1RECV_F1 <- missing "
-                      "0SEND_F1 on rank 0"));
+  CHECK(contains(msg,
+                 "wait-for chain: rank 0 waits 0RECV_B1 <- rank 1 waits 1RECV_F1 <- missing "
+                 "0SEND_F1 on rank 0"));
   CHECK(contains(msg, "[1RECV_F1]"));
 }
 
@@ -157,7 +157,8 @@ TEST_CASE("schedule.validate.dependencies: backward before forward and other ord
        "0SEND_F0 sends before computing what it sends (0F0)"},
       {"shape ranks=1 microbatches=2\nrank 0: 0F0 0B0 0OPT0 0F1 0B1\n",
        "steps the optimizer before the weight gradient of micro-batch 1"},
-      {"shape ranks=1 microbatches=1 chunks=2 mode=inference\nrank 0: 0F0.c1 0SAMPLE0.c1 0F0 0SAMPLE0\n",
+      {"shape ranks=1 microbatches=1 chunks=2 mode=inference\nrank 0: 0F0.c1 0SAMPLE0.c1 0F0 "
+       "0SAMPLE0\n",
        "0F0.c1 runs before its input 0SAMPLE0 on the same rank"},
   };
   for (const auto& b : cases) {

@@ -36,7 +36,8 @@ TEST_CASE("sim.gpipe-1f1b.closed-form: bubble (P-1)/(M+P-1) and makespan (M+P-1)
           const auto r = run(sch::generate(name, {P, M}), f, b);
           CHECK(r.makespan == doctest::Approx((M + P - 1) * (f + b)).epsilon(1e-12));
           CHECK(r.bubble_ratio == doctest::Approx(double(P - 1) / (M + P - 1)).epsilon(1e-12));
-          for (int k = 0; k < P; ++k) CHECK(r.busy_seconds[static_cast<std::size_t>(k)] == doctest::Approx(M * (f + b)));
+          for (int k = 0; k < P; ++k)
+            CHECK(r.busy_seconds[static_cast<std::size_t>(k)] == doctest::Approx(M * (f + b)));
         }
       }
     }

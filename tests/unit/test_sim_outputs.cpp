@@ -24,7 +24,8 @@ bool contains(const std::string& haystack, const std::string& needle) {
 
 std::size_t occurrences(const std::string& haystack, const std::string& needle) {
   std::size_t n = 0;
-  for (auto p = haystack.find(needle); p != std::string::npos; p = haystack.find(needle, p + 1)) ++n;
+  for (auto p = haystack.find(needle); p != std::string::npos; p = haystack.find(needle, p + 1))
+    ++n;
   return n;
 }
 

@@ -79,7 +79,6 @@ struct UnitCostOptions {
 /// stage). Messages carry UnitCostOptions::message_bytes (default 0) over its link (default free).
 class UnitCostModel {
  public:
-
   /// @param shape    the schedule's shape (its placement decides the split over virtual stages)
   /// @param forward  seconds of one rank's forward share for one micro-batch, >= 0
   /// @param backward seconds of the full backward share (or of BI when `weight` is given), >= 0
@@ -108,12 +107,18 @@ class UnitCostModel {
     using schedule::Op;
     switch (a.op) {
       case Op::F:
-      case Op::Recompute: return forward_ * s;
-      case Op::B: return (weight_ ? backward_ + *weight_ : backward_) * s;
-      case Op::BI: return (weight_ ? backward_ : backward_ / 2) * s;
-      case Op::BW: return (weight_ ? *weight_ : backward_ / 2) * s;
-      case Op::Sample: return opt_.sample;
-      default: return 0.0;
+      case Op::Recompute:
+        return forward_ * s;
+      case Op::B:
+        return (weight_ ? backward_ + *weight_ : backward_) * s;
+      case Op::BI:
+        return (weight_ ? backward_ : backward_ / 2) * s;
+      case Op::BW:
+        return (weight_ ? *weight_ : backward_ / 2) * s;
+      case Op::Sample:
+        return opt_.sample;
+      default:
+        return 0.0;
     }
   }
   /// 1 / V units per forward (a rank's whole share for one micro-batch is one unit).
@@ -129,8 +134,9 @@ class UnitCostModel {
 
  private:
   [[nodiscard]] double share(int v) const noexcept {
-    return v >= 0 && static_cast<std::size_t>(v) < share_.size() ? share_[static_cast<std::size_t>(v)]
-                                                                 : 1.0;
+    return v >= 0 && static_cast<std::size_t>(v) < share_.size()
+               ? share_[static_cast<std::size_t>(v)]
+               : 1.0;
   }
   double forward_, backward_;
   std::optional<double> weight_;
@@ -225,8 +231,8 @@ class RooflineCostModel {
         for (int l = st.first; l < st.last; ++l) {
           const auto kind = spec.layer(l).kind;
           const bool training = shape_.mode == schedule::Mode::Training;
-          const bool per_token = training && (kind == model::LayerKind::FinalNorm ||
-                                              kind == model::LayerKind::LMHead);
+          const bool per_token =
+              training && (kind == model::LayerKind::FinalNorm || kind == model::LayerKind::LMHead);
           const model::LayerCost lc = model::layer_cost(spec, l, per_token ? every_token : w);
           const double t = model::roofline_seconds(lc, rates);
           weight_bytes += lc.weight_bytes;
@@ -237,8 +243,10 @@ class RooflineCostModel {
           e.forward += t;
           const double tok = static_cast<double>(w.tokens);
           if (kind == model::LayerKind::Decoder)
-            e.activation += tok * (6.0 * cfg.dim + 2.0 * cfg.kv_dim() + 3.0 * cfg.hidden_dim +
-                                   cfg.n_heads * w.context) * 4.0;
+            e.activation += tok *
+                            (6.0 * cfg.dim + 2.0 * cfg.kv_dim() + 3.0 * cfg.hidden_dim +
+                             cfg.n_heads * w.context) *
+                            4.0;
           else if (kind == model::LayerKind::FinalNorm)
             e.activation += tok * cfg.dim * 4.0;
           else if (kind == model::LayerKind::LMHead)
@@ -277,11 +285,16 @@ class RooflineCostModel {
       case schedule::Op::F:
       case schedule::Op::Recompute:
       case schedule::Op::BI:
-      case schedule::Op::BW: return e.forward;
-      case schedule::Op::B: return 2.0 * e.forward;
-      case schedule::Op::Sample: return e.sample;
-      case schedule::Op::Opt: return e.optimizer;
-      default: return 0.0;
+      case schedule::Op::BW:
+        return e.forward;
+      case schedule::Op::B:
+        return 2.0 * e.forward;
+      case schedule::Op::Sample:
+        return e.sample;
+      case schedule::Op::Opt:
+        return e.optimizer;
+      default:
+        return 0.0;
     }
   }
   /// Bytes a forward stashes for its backward (training; 0 in inference).

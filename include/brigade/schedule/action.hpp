@@ -32,9 +32,9 @@ constexpr bool is_compute(Op op) noexcept { return !is_communication(op); }
 /// Text form (see to_string(const Action&)): `<virtual_stage><OP><microbatch>[.c<chunk>]`,
 /// e.g. "3F7", "2SEND_B4", "5BW1.c2".
 struct Action {
-  Op op = Op::F;                  ///< what to do
-  std::int32_t virtual_stage = 0; ///< global virtual-stage index in [0, shape.num_virtual_stages)
-  std::int32_t microbatch = 0;    ///< in [0, shape.num_microbatches)
+  Op op = Op::F;                   ///< what to do
+  std::int32_t virtual_stage = 0;  ///< global virtual-stage index in [0, shape.num_virtual_stages)
+  std::int32_t microbatch = 0;     ///< in [0, shape.num_microbatches)
   /// In [0, shape.num_chunks). Training: the PACS/InfiniPipe chunk index (0 when unchunked).
   /// Inference (Mode::Inference): the round, 0 = prefill, r >= 1 = the r-th decode step.
   std::int32_t chunk = 0;
@@ -85,7 +85,8 @@ struct Shape {
     s.num_chunks = chunks;
     s.mode = mode;
     s.placement.resize(static_cast<std::size_t>(s.num_virtual_stages));
-    for (int v = 0; v < s.num_virtual_stages; ++v) s.placement[static_cast<std::size_t>(v)] = v % ranks;
+    for (int v = 0; v < s.num_virtual_stages; ++v)
+      s.placement[static_cast<std::size_t>(v)] = v % ranks;
     s.check();
     return s;
   }
@@ -259,7 +260,8 @@ inline ActionParse parse_action_token(std::string_view tok) {
 inline Action parse_action(std::string_view text) {
   auto r = detail::parse_action_token(text);
   if (!r.action)
-    ::brigade::detail::fail(Errc::InvalidArgument, "action '{}', column {}: {}", text, r.offset + 1, r.error);
+    ::brigade::detail::fail(Errc::InvalidArgument, "action '{}', column {}: {}", text, r.offset + 1,
+                            r.error);
   return *r.action;
 }
 
@@ -270,7 +272,8 @@ inline Action parse_action(std::string_view text) {
 ///     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
 ///     rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
 inline std::string to_text(const Schedule& s) {
-  std::string out = "# brigade schedule (text form v1): one line per rank, actions in issue order\n";
+  std::string out =
+      "# brigade schedule (text form v1): one line per rank, actions in issue order\n";
   out += fmt::format("shape ranks={} stages={} microbatches={} chunks={} mode={} placement=",
                      s.shape.num_ranks, s.shape.num_virtual_stages, s.shape.num_microbatches,
                      s.shape.num_chunks, to_string(s.shape.mode));
@@ -310,11 +313,12 @@ struct TextCursor {
 template <class... Args>
 [[noreturn]] void fail_at(int line, std::size_t col0, fmt::format_string<Args...> f,
                           Args&&... args) {
-  ::brigade::detail::fail(Errc::InvalidArgument, "schedule text, line {}, column {}: {}", line, col0 + 1,
-       fmt::format(f, std::forward<Args>(args)...));
+  ::brigade::detail::fail(Errc::InvalidArgument, "schedule text, line {}, column {}: {}", line,
+                          col0 + 1, fmt::format(f, std::forward<Args>(args)...));
 }
 
-inline int parse_int_field(std::string_view value, int line, std::size_t col, std::string_view key) {
+inline int parse_int_field(std::string_view value, int line, std::size_t col,
+                           std::string_view key) {
   std::int32_t v = 0;
   std::size_t p = 0;
   if (!parse_index(value, p, v) || p != value.size())
@@ -430,10 +434,12 @@ inline Schedule parse_schedule(std::string_view text) {
       const std::string_view num = cur.token(col);
       if (num.empty() || num.back() != ':')
         detail::fail_at(cur.line_no, col, "expected 'rank <r>:', got 'rank {}'", num);
-      const int r = detail::parse_int_field(num.substr(0, num.size() - 1), cur.line_no, col, "rank");
+      const int r =
+          detail::parse_int_field(num.substr(0, num.size() - 1), cur.line_no, col, "rank");
       if (r != next_rank)
-        detail::fail_at(cur.line_no, col, "rank {} where rank {} was expected (ranks 0..{} in order)",
-                        r, next_rank, s.shape.num_ranks - 1);
+        detail::fail_at(cur.line_no, col,
+                        "rank {} where rank {} was expected (ranks 0..{} in order)", r, next_rank,
+                        s.shape.num_ranks - 1);
       if (r >= s.shape.num_ranks)
         detail::fail_at(cur.line_no, col, "rank {} but the shape has ranks={}", r,
                         s.shape.num_ranks);
@@ -535,7 +541,8 @@ inline std::string render_grid(const Schedule& s, const GridOptions& opt = {}) {
     std::string note;
     for (std::size_t c = 0; c < cols.size(); ++c) {
       line += fmt::format("  {:<{}}", cell(cols[c], i), width[c]);
-      if (is_marked(cols[c], i)) note += fmt::format("{}rank {}", note.empty() ? "" : ", ", cols[c]);
+      if (is_marked(cols[c], i))
+        note += fmt::format("{}rank {}", note.empty() ? "" : ", ", cols[c]);
     }
     while (!line.empty() && line.back() == ' ') line.pop_back();
     if (!note.empty()) line += "   <-- " + note;

@@ -32,7 +32,8 @@ inline std::optional<Action> counterpart(const Shape& shape, const Action& a) no
   const bool inference = shape.mode == Mode::Inference;
   switch (a.op) {
     case Op::SendF:
-      if (a.virtual_stage < last) return Action{Op::RecvF, a.virtual_stage + 1, a.microbatch, a.chunk};
+      if (a.virtual_stage < last)
+        return Action{Op::RecvF, a.virtual_stage + 1, a.microbatch, a.chunk};
       if (inference && a.virtual_stage == last && a.chunk + 1 < shape.num_chunks)
         return Action{Op::RecvF, 0, a.microbatch, a.chunk + 1};
       return std::nullopt;

@@ -23,7 +23,8 @@ struct Params {
 namespace detail {
 
 inline void check_params(const Params& p, std::string_view name, bool allow_virtual) {
-  BRIGADE_CHECK(p.ranks >= 1, Errc::InvalidArgument, "{}: ranks = {}, expected >= 1", name, p.ranks);
+  BRIGADE_CHECK(p.ranks >= 1, Errc::InvalidArgument, "{}: ranks = {}, expected >= 1", name,
+                p.ranks);
   BRIGADE_CHECK(p.microbatches >= 1, Errc::InvalidArgument, "{}: microbatches = {}, expected >= 1",
                 name, p.microbatches);
   BRIGADE_CHECK(p.virtual_stages >= 1, Errc::InvalidArgument,

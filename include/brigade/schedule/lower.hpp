@@ -22,14 +22,13 @@ inline void check_program_shape(const Schedule& s, std::string_view pass) {
 
 inline void check_action_range(const Shape& sh, const Action& a, int rank, std::size_t index,
                                std::string_view pass) {
-  BRIGADE_CHECK(a.virtual_stage >= 0 && a.virtual_stage < sh.num_virtual_stages &&
-                    a.microbatch >= 0 && a.microbatch < sh.num_microbatches && a.chunk >= 0 &&
-                    a.chunk < sh.num_chunks,
-                Errc::InvalidArgument,
-                "{}: rank {} step {}: {} is outside the shape (stages {}, micro-batches {}, "
-                "chunks {})",
-                pass, rank, index, to_string(a), sh.num_virtual_stages, sh.num_microbatches,
-                sh.num_chunks);
+  BRIGADE_CHECK(
+      a.virtual_stage >= 0 && a.virtual_stage < sh.num_virtual_stages && a.microbatch >= 0 &&
+          a.microbatch < sh.num_microbatches && a.chunk >= 0 && a.chunk < sh.num_chunks,
+      Errc::InvalidArgument,
+      "{}: rank {} step {}: {} is outside the shape (stages {}, micro-batches {}, "
+      "chunks {})",
+      pass, rank, index, to_string(a), sh.num_virtual_stages, sh.num_microbatches, sh.num_chunks);
   BRIGADE_CHECK(sh.rank_of(a.virtual_stage) == rank, Errc::InvalidArgument,
                 "{}: rank {} step {}: {} names virtual stage {}, which is placed on rank {}", pass,
                 rank, index, to_string(a), a.virtual_stage, sh.rank_of(a.virtual_stage));
@@ -68,7 +67,8 @@ inline Schedule lower(const Schedule& compute) {
                     r, i, to_string(a));
       detail::check_action_range(sh, a, r, i, "lower");
       if (const auto up = upstream_input(sh, a); up && sh.rank_of(up->virtual_stage) != r)
-        prog.push_back({a.op == Op::F ? Op::RecvF : Op::RecvB, a.virtual_stage, a.microbatch, a.chunk});
+        prog.push_back(
+            {a.op == Op::F ? Op::RecvF : Op::RecvB, a.virtual_stage, a.microbatch, a.chunk});
       prog.push_back(a);
       if (const auto send = downstream_send(sh, a)) {
         const auto peer = counterpart(sh, *send);

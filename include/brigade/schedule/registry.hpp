@@ -49,7 +49,8 @@ inline const GeneratorInfo& find_generator(std::string_view name) {
     if (g.name == name) return g;
   std::string known;
   for (const auto& g : generators()) known += (known.empty() ? "" : ", ") + std::string(g.name);
-  ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name, known);
+  ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name,
+                          known);
 }
 
 /// Runs the generator called `name`: `find_generator(name).make(params)`.

@@ -28,27 +28,50 @@ namespace detail {
 
 /// Per-(virtual stage, micro-batch, chunk) flags of the symbolic run.
 enum KeyBits : std::uint32_t {
-  kSeenF = 1u << 0, kSeenB = 1u << 1, kSeenBI = 1u << 2, kSeenBW = 1u << 3, kSeenSample = 1u << 4,
-  kSeenRecompute = 1u << 5, kSeenSendF = 1u << 6, kSeenRecvF = 1u << 7, kSeenSendB = 1u << 8,
+  kSeenF = 1u << 0,
+  kSeenB = 1u << 1,
+  kSeenBI = 1u << 2,
+  kSeenBW = 1u << 3,
+  kSeenSample = 1u << 4,
+  kSeenRecompute = 1u << 5,
+  kSeenSendF = 1u << 6,
+  kSeenRecvF = 1u << 7,
+  kSeenSendB = 1u << 8,
   kSeenRecvB = 1u << 9,
-  kDoneF = 1u << 10, kDoneBI = 1u << 11 /* B or BI */, kDoneW = 1u << 12 /* B or BW */,
-  kDoneSample = 1u << 13, kDoneRecvF = 1u << 14, kDoneRecvB = 1u << 15,
-  kPostedF = 1u << 16 /* on the receiver's key */, kPostedB = 1u << 17,
+  kDoneF = 1u << 10,
+  kDoneBI = 1u << 11 /* B or BI */,
+  kDoneW = 1u << 12 /* B or BW */,
+  kDoneSample = 1u << 13,
+  kDoneRecvF = 1u << 14,
+  kDoneRecvB = 1u << 15,
+  kPostedF = 1u << 16 /* on the receiver's key */,
+  kPostedB = 1u << 17,
 };
 
 inline std::uint32_t seen_bit(Op op) noexcept {
   switch (op) {
-    case Op::F: return kSeenF;
-    case Op::B: return kSeenB;
-    case Op::BI: return kSeenBI;
-    case Op::BW: return kSeenBW;
-    case Op::Sample: return kSeenSample;
-    case Op::Recompute: return kSeenRecompute;
-    case Op::SendF: return kSeenSendF;
-    case Op::RecvF: return kSeenRecvF;
-    case Op::SendB: return kSeenSendB;
-    case Op::RecvB: return kSeenRecvB;
-    case Op::Opt: return 0;
+    case Op::F:
+      return kSeenF;
+    case Op::B:
+      return kSeenB;
+    case Op::BI:
+      return kSeenBI;
+    case Op::BW:
+      return kSeenBW;
+    case Op::Sample:
+      return kSeenSample;
+    case Op::Recompute:
+      return kSeenRecompute;
+    case Op::SendF:
+      return kSeenSendF;
+    case Op::RecvF:
+      return kSeenRecvF;
+    case Op::SendB:
+      return kSeenSendB;
+    case Op::RecvB:
+      return kSeenRecvB;
+    case Op::Opt:
+      return 0;
   }
   return 0;
 }
@@ -67,9 +90,9 @@ class Validator {
     m_ = sh_.num_microbatches;
     c_ = sh_.num_chunks;
     const std::int64_t keys = static_cast<std::int64_t>(n_) * m_ * c_;
-    BRIGADE_CHECK(keys <= (std::int64_t{1} << 25), Errc::InvalidArgument,
-                  "validate: stages x micro-batches x chunks = {} exceeds the validator's limit 2^25",
-                  keys);
+    BRIGADE_CHECK(
+        keys <= (std::int64_t{1} << 25), Errc::InvalidArgument,
+        "validate: stages x micro-batches x chunks = {} exceeds the validator's limit 2^25", keys);
     bits_.assign(static_cast<std::size_t>(keys), 0);
     send_f_.assign(static_cast<std::size_t>(keys), Where{});
     send_b_.assign(static_cast<std::size_t>(keys), Where{});
@@ -83,10 +106,12 @@ class Validator {
 
  private:
   [[nodiscard]] std::size_t key(const Action& a) const noexcept {
-    return static_cast<std::size_t>((static_cast<std::int64_t>(a.virtual_stage) * m_ + a.microbatch) * c_ +
-                                    a.chunk);
+    return static_cast<std::size_t>(
+        (static_cast<std::int64_t>(a.virtual_stage) * m_ + a.microbatch) * c_ + a.chunk);
   }
-  [[nodiscard]] std::size_t key(int v, int m, int c) const noexcept { return key(Action{Op::F, v, m, c}); }
+  [[nodiscard]] std::size_t key(int v, int m, int c) const noexcept {
+    return key(Action{Op::F, v, m, c});
+  }
 
   [[nodiscard]] const Action& at(int r, std::size_t i) const {
     return s_.ranks[static_cast<std::size_t>(r)][i];
@@ -98,7 +123,8 @@ class Validator {
     g.marks = marks;
     g.context = 3;
     for (const auto& m : marks)
-      if (std::find(g.ranks.begin(), g.ranks.end(), m.rank) == g.ranks.end()) g.ranks.push_back(m.rank);
+      if (std::find(g.ranks.begin(), g.ranks.end(), m.rank) == g.ranks.end())
+        g.ranks.push_back(m.rank);
     std::sort(g.ranks.begin(), g.ranks.end());
     if (g.ranks.size() > 8) g.ranks.resize(8);
     msg += "\n" + render_grid(s_, g);
@@ -146,9 +172,10 @@ class Validator {
         const std::uint32_t bit = seen_bit(a.op);
         if (bit != 0) {
           if (bits_[k] & bit)
-            fail_grid(Errc::InvalidArgument,
-                      fmt::format("validate: rank {} step {}: {} appears twice", r, i, to_string(a)),
-                      {{r, static_cast<int>(i)}});
+            fail_grid(
+                Errc::InvalidArgument,
+                fmt::format("validate: rank {} step {}: {} appears twice", r, i, to_string(a)),
+                {{r, static_cast<int>(i)}});
           bits_[k] |= bit;
         }
       }
@@ -161,12 +188,13 @@ class Validator {
         for (int c = 0; c < c_; ++c) {
           const std::uint32_t b = bits_[key(v, m, c)];
           auto missing = [&](std::string_view what) {
-            ::brigade::detail::fail(Errc::InvalidArgument,
-                         "validate: micro-batch {}{} is missing on virtual stage {} (rank {}): {}",
-                         m, c ? fmt::format(" (chunk {})", c) : std::string(), v, sh_.rank_of(v),
-                         what);
+            ::brigade::detail::fail(
+                Errc::InvalidArgument,
+                "validate: micro-batch {}{} is missing on virtual stage {} (rank {}): {}", m,
+                c ? fmt::format(" (chunk {})", c) : std::string(), v, sh_.rank_of(v), what);
           };
-          if (!(b & kSeenF)) missing(fmt::format("no forward {}", to_string(Action{Op::F, v, m, c})));
+          if (!(b & kSeenF))
+            missing(fmt::format("no forward {}", to_string(Action{Op::F, v, m, c})));
           if (result_.has_backward) {
             const bool full = b & kSeenB, in = b & kSeenBI, w = b & kSeenBW;
             if (!full && !in && !w)
@@ -193,11 +221,12 @@ class Validator {
         if (a.op != Op::SendF && a.op != Op::SendB) continue;
         const Action peer = *counterpart(sh_, a);
         if (!(bits_[key(peer)] & seen_bit(peer.op)))
-          fail_grid(Errc::InvalidArgument,
-                    fmt::format("validate: rank {} step {}: {} has no matching receive: {} is "
-                                "absent from rank {}",
-                                r, i, to_string(a), to_string(peer), sh_.rank_of(peer.virtual_stage)),
-                    {{r, static_cast<int>(i)}});
+          fail_grid(
+              Errc::InvalidArgument,
+              fmt::format("validate: rank {} step {}: {} has no matching receive: {} is "
+                          "absent from rank {}",
+                          r, i, to_string(a), to_string(peer), sh_.rank_of(peer.virtual_stage)),
+              {{r, static_cast<int>(i)}});
       }
     }
   }
@@ -208,11 +237,14 @@ class Validator {
     std::vector<Step> marks{{r, static_cast<int>(i)}};
     marks.insert(marks.end(), extra.begin(), extra.end());
     fail_grid(Errc::InvalidArgument,
-              fmt::format("validate: rank {} step {}: {} {}", r, i, to_string(at(r, i)), why), marks);
+              fmt::format("validate: rank {} step {}: {} {}", r, i, to_string(at(r, i)), why),
+              marks);
   }
 
-  void need(bool ok, int r, std::size_t i, const std::string& why) const {
-    if (!ok) dependency_error(r, i, why);
+  /// Fails with `why()` unless `ok`; the message is only formatted on failure.
+  template <class Why>
+  void need(bool ok, int r, std::size_t i, Why&& why) const {
+    if (!ok) dependency_error(r, i, std::string(why()));
   }
 
   /// Checks the inputs of compute or send action `a` (rank r, step i) and records its effect.
@@ -224,38 +256,47 @@ class Validator {
         if (const auto up = upstream_input(sh_, a)) {
           if (sh_.rank_of(up->virtual_stage) == r) {
             const std::uint32_t want = up->op == Op::Sample ? kDoneSample : kDoneF;
-            need(bits_[key(*up)] & want, r, i,
-                 fmt::format("runs before its input {} on the same rank", to_string(*up)));
+            need(bits_[key(*up)] & want, r, i, [&] {
+              return fmt::format("runs before its input {} on the same rank", to_string(*up));
+            });
           } else {
-            need(b & kDoneRecvF, r, i,
-                 fmt::format("runs before its input arrived: no earlier {} on rank {}",
-                             to_string(Action{Op::RecvF, a.virtual_stage, a.microbatch, a.chunk}), r));
+            need(b & kDoneRecvF, r, i, [&] {
+              return fmt::format(
+                  "runs before its input arrived: no earlier {} on rank {}",
+                  to_string(Action{Op::RecvF, a.virtual_stage, a.microbatch, a.chunk}), r);
+            });
           }
         }
         if (sh_.mode == Mode::Inference && a.chunk > 0)
-          need(bits_[key(a.virtual_stage, a.microbatch, a.chunk - 1)] & kDoneF, r, i,
-               fmt::format("runs before round {} of the same micro-batch ({}): the KV cache is "
-                           "filled in round order",
-                           a.chunk - 1,
-                           to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk - 1})));
+          need(bits_[key(a.virtual_stage, a.microbatch, a.chunk - 1)] & kDoneF, r, i, [&] {
+            return fmt::format(
+                "runs before round {} of the same micro-batch ({}): the KV cache is "
+                "filled in round order",
+                a.chunk - 1, to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk - 1}));
+          });
         b |= kDoneF;
         return;
       }
       case Op::B:
       case Op::BI: {
-        need(b & kDoneF, r, i,
-             fmt::format("is a backward before its forward {}",
-                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        need(b & kDoneF, r, i, [&] {
+          return fmt::format("is a backward before its forward {}",
+                             to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk}));
+        });
         if (const auto up = upstream_input(sh_, a)) {
           if (sh_.rank_of(up->virtual_stage) == r) {
-            need(bits_[key(*up)] & kDoneBI, r, i,
-                 fmt::format("runs before the backward of virtual stage {} (its output gradient) "
-                             "on the same rank",
-                             up->virtual_stage));
+            need(bits_[key(*up)] & kDoneBI, r, i, [&] {
+              return fmt::format(
+                  "runs before the backward of virtual stage {} (its output gradient) "
+                  "on the same rank",
+                  up->virtual_stage);
+            });
           } else {
-            need(b & kDoneRecvB, r, i,
-                 fmt::format("runs before its output gradient arrived: no earlier {} on rank {}",
-                             to_string(Action{Op::RecvB, a.virtual_stage, a.microbatch, a.chunk}), r));
+            need(b & kDoneRecvB, r, i, [&] {
+              return fmt::format(
+                  "runs before its output gradient arrived: no earlier {} on rank {}",
+                  to_string(Action{Op::RecvB, a.virtual_stage, a.microbatch, a.chunk}), r);
+            });
           }
         }
         b |= kDoneBI;
@@ -263,44 +304,53 @@ class Validator {
         return;
       }
       case Op::BW:
-        need(b & kDoneBI, r, i,
-             fmt::format("runs before {}", to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk})));
+        need(b & kDoneBI, r, i, [&] {
+          return fmt::format("runs before {}",
+                             to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk}));
+        });
         b |= kDoneW;
         return;
       case Op::Recompute:
-        need(b & kDoneF, r, i,
-             fmt::format("recomputes before the forward {} stashed its input",
-                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        need(b & kDoneF, r, i, [&] {
+          return fmt::format("recomputes before the forward {} stashed its input",
+                             to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk}));
+        });
         return;
       case Op::Sample:
-        need(b & kDoneF, r, i,
-             fmt::format("samples before the forward {}",
-                         to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk})));
+        need(b & kDoneF, r, i, [&] {
+          return fmt::format("samples before the forward {}",
+                             to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk}));
+        });
         b |= kDoneSample;
         return;
       case Op::Opt: {
-        need(result_.has_backward, r, i, "is an optimizer step in a schedule without backward ops");
+        need(result_.has_backward, r, i,
+             [&] { return "is an optimizer step in a schedule without backward ops"; });
         for (int m = 0; m < m_; ++m)
           for (int c = 0; c < c_; ++c)
-            need(bits_[key(a.virtual_stage, m, c)] & kDoneW, r, i,
-                 fmt::format("steps the optimizer before the weight gradient of micro-batch {}{} "
-                             "on virtual stage {}",
-                             m, c ? fmt::format(" chunk {}", c) : std::string(), a.virtual_stage));
+            need(bits_[key(a.virtual_stage, m, c)] & kDoneW, r, i, [&] {
+              return fmt::format(
+                  "steps the optimizer before the weight gradient of micro-batch {}{} "
+                  "on virtual stage {}",
+                  m, c ? fmt::format(" chunk {}", c) : std::string(), a.virtual_stage);
+            });
         return;
       }
       case Op::SendF: {
         const bool token = sh_.mode == Mode::Inference && a.virtual_stage == n_ - 1;
         const std::uint32_t want = token ? kDoneSample : kDoneF;
-        need(b & want, r, i,
-             fmt::format("sends before computing what it sends ({})",
-                         to_string(Action{token ? Op::Sample : Op::F, a.virtual_stage, a.microbatch,
-                                          a.chunk})));
+        need(b & want, r, i, [&] {
+          return fmt::format("sends before computing what it sends ({})",
+                             to_string(Action{token ? Op::Sample : Op::F, a.virtual_stage,
+                                              a.microbatch, a.chunk}));
+        });
         return;
       }
       case Op::SendB:
-        need(b & kDoneBI, r, i,
-             fmt::format("sends before the backward {} produced the gradient",
-                         to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk})));
+        need(b & kDoneBI, r, i, [&] {
+          return fmt::format("sends before the backward {} produced the gradient",
+                             to_string(Action{Op::BI, a.virtual_stage, a.microbatch, a.chunk}));
+        });
         return;
       case Op::RecvF:
       case Op::RecvB:
@@ -352,7 +402,8 @@ class Validator {
     }
     std::vector<int> stuck;
     for (int r = 0; r < P; ++r)
-      if (pc[static_cast<std::size_t>(r)] < s_.ranks[static_cast<std::size_t>(r)].size()) stuck.push_back(r);
+      if (pc[static_cast<std::size_t>(r)] < s_.ranks[static_cast<std::size_t>(r)].size())
+        stuck.push_back(r);
     if (!stuck.empty()) report_deadlock(pc, stuck);
   }
 
@@ -394,10 +445,10 @@ class Validator {
       const Where w = sender_of(r);
       const Action peer = *counterpart(sh_, a);
       if (w.rank < 0)
-        return fmt::format("  rank {} blocks at step {} on {}, but no rank sends it ({} is absent "
-                           "from rank {})\n",
-                           r, step(r), to_string(a), to_string(peer),
-                           sh_.rank_of(peer.virtual_stage));
+        return fmt::format(
+            "  rank {} blocks at step {} on {}, but no rank sends it ({} is absent "
+            "from rank {})\n",
+            r, step(r), to_string(a), to_string(peer), sh_.rank_of(peer.virtual_stage));
       return fmt::format("  rank {} blocks at step {} on {}, sent by {} at rank {} step {}\n", r,
                          step(r), to_string(a), to_string(peer), w.rank, w.index);
     };
@@ -423,9 +474,10 @@ class Validator {
       }
       const int end = chain.back();
       const Action peer = *counterpart(sh_, recv_of(end));
-      msg = fmt::format("validate: deadlock: rank {} waits on {}, which no rank sends (receive "
-                        "without send)\n",
-                        end, to_string(recv_of(end)));
+      msg = fmt::format(
+          "validate: deadlock: rank {} waits on {}, which no rank sends (receive "
+          "without send)\n",
+          end, to_string(recv_of(end)));
       for (int r : chain) {
         msg += describe(r);
         marks.push_back({r, step(r)});

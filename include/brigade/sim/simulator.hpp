@@ -30,8 +30,8 @@ struct SimOptions {
 /// What a simulation predicts. Times in seconds from the start of the run, memory in the cost
 /// model's bytes.
 struct SimResult {
-  Timeline timeline;  ///< every compute interval, plus SEND/RECV intervals of positive length
-  double makespan = 0.0;      ///< seconds from the first start to the last end
+  Timeline timeline;      ///< every compute interval, plus SEND/RECV intervals of positive length
+  double makespan = 0.0;  ///< seconds from the first start to the last end
   double bubble_ratio = 0.0;  ///< idle rank-time / (P x makespan) = 1 - sum busy / (P makespan)
   std::vector<double> busy_seconds;  ///< per rank: seconds in compute actions
   std::vector<double> utilization;   ///< per rank: busy_seconds / makespan, in [0, 1]
@@ -73,8 +73,8 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
   const std::size_t keys =
       static_cast<std::size_t>(static_cast<std::int64_t>(sh.num_virtual_stages) * M * C);
   auto key = [&](const Action& a) {
-    return static_cast<std::size_t>((static_cast<std::int64_t>(a.virtual_stage) * M + a.microbatch) * C +
-                                    a.chunk);
+    return static_cast<std::size_t>(
+        (static_cast<std::int64_t>(a.virtual_stage) * M + a.microbatch) * C + a.chunk);
   };
   const double never = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> arrival_f(keys, never), arrival_b(keys, never);
@@ -183,12 +183,13 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
     }
   }
   for (int r = 0; r < P; ++r)
-    BRIGADE_CHECK(pc[static_cast<std::size_t>(r)] == s.ranks[static_cast<std::size_t>(r)].size(),
-                  Errc::Deadlock,
-                  "simulate: rank {} is blocked at step {} ({}); run schedule::validate() for "
-                  "the wait-for cycle",
-                  r, pc[static_cast<std::size_t>(r)],
-                  schedule::to_string(s.ranks[static_cast<std::size_t>(r)][pc[static_cast<std::size_t>(r)]]));
+    BRIGADE_CHECK(
+        pc[static_cast<std::size_t>(r)] == s.ranks[static_cast<std::size_t>(r)].size(),
+        Errc::Deadlock,
+        "simulate: rank {} is blocked at step {} ({}); run schedule::validate() for "
+        "the wait-for cycle",
+        r, pc[static_cast<std::size_t>(r)],
+        schedule::to_string(s.ranks[static_cast<std::size_t>(r)][pc[static_cast<std::size_t>(r)]]));
   res.makespan = any ? t_end - t_begin : 0.0;
   res.utilization.assign(up, 0.0);
   double busy = 0.0;
@@ -205,12 +206,12 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
 /// Simulates a lowered schedule with the costs of `cost`.
 ///
 /// Model: each rank runs its program in order. A compute action keeps its rank busy for
-/// `cost_model.compute_seconds(a)`. A SEND does not block its rank (sends overlap compute); it holds
-/// the link `cost_model.link(src, dst)` for message_bytes / bandwidth, queueing behind earlier sends
-/// on that link, and arrives latency later. A RECV waits until its message has arrived.
-/// Activations: an F stashes `cost_model.activation_bytes(a)` until its B (or BW) frees them
-/// (training only). The metrics follow the Timeline's definitions: bubble ratio =
-/// idle rank-time / (P x makespan), where busy time counts compute actions only.
+/// `cost_model.compute_seconds(a)`. A SEND does not block its rank (sends overlap compute); it
+/// holds the link `cost_model.link(src, dst)` for message_bytes / bandwidth, queueing behind
+/// earlier sends on that link, and arrives latency later. A RECV waits until its message has
+/// arrived. Activations: an F stashes `cost_model.activation_bytes(a)` until its B (or BW) frees
+/// them (training only). The metrics follow the Timeline's definitions: bubble ratio = idle
+/// rank-time / (P x makespan), where busy time counts compute actions only.
 ///
 /// @param lowered a lowered schedule (lower()'s output or hand-written with SEND/RECV)
 /// @param cost_model a CostModel built for `lowered.shape`
@@ -265,8 +266,8 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
         if (a.op == Op::F) {
           c.activation = static_cast<double>(cost_model.activation_bytes(a));
           BRIGADE_CHECK(finite(c.activation), Errc::InvalidArgument,
-                        "simulate: the cost model gives {} activation bytes for {}",
-                        c.activation, schedule::to_string(a));
+                        "simulate: the cost model gives {} activation bytes for {}", c.activation,
+                        schedule::to_string(a));
         }
       }
     }
@@ -278,14 +279,10 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
 /// {"makespan_s", "bubble_ratio", "actions", "messages", "ranks": P, "busy_s": [...],
 ///  "utilization": [...], "peak_activation_bytes": [...], "peak_stash": [...]}.
 inline nlohmann::json metrics_json(const SimResult& r) {
-  return {{"makespan_s", r.makespan},
-          {"bubble_ratio", r.bubble_ratio},
-          {"actions", r.actions},
-          {"messages", r.messages},
-          {"ranks", r.busy_seconds.size()},
-          {"busy_s", r.busy_seconds},
-          {"utilization", r.utilization},
-          {"peak_activation_bytes", r.peak_activation_bytes},
+  return {{"makespan_s", r.makespan},       {"bubble_ratio", r.bubble_ratio},
+          {"actions", r.actions},           {"messages", r.messages},
+          {"ranks", r.busy_seconds.size()}, {"busy_s", r.busy_seconds},
+          {"utilization", r.utilization},   {"peak_activation_bytes", r.peak_activation_bytes},
           {"peak_stash", r.peak_stash}};
 }
 

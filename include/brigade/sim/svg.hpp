@@ -33,11 +33,20 @@ inline std::string xml_escape(std::string_view s) {
   std::string out;
   for (char ch : s) {
     switch (ch) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += ch;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += ch;
     }
   }
   return out;
@@ -47,14 +56,22 @@ inline std::string xml_escape(std::string_view s) {
 /// SAMPLE red, OPT grey, communication light grey.
 inline std::string_view op_color(Op op) noexcept {
   switch (op) {
-    case Op::F: return "#4e79a7";
-    case Op::B: return "#59a14f";
-    case Op::BI: return "#59a14f";
-    case Op::BW: return "#f28e2b";
-    case Op::Recompute: return "#b07aa1";
-    case Op::Sample: return "#e15759";
-    case Op::Opt: return "#555555";
-    default: return "#bab0ac";
+    case Op::F:
+      return "#4e79a7";
+    case Op::B:
+      return "#59a14f";
+    case Op::BI:
+      return "#59a14f";
+    case Op::BW:
+      return "#f28e2b";
+    case Op::Recompute:
+      return "#b07aa1";
+    case Op::Sample:
+      return "#e15759";
+    case Op::Opt:
+      return "#555555";
+    default:
+      return "#bab0ac";
   }
 }
 
@@ -85,8 +102,8 @@ inline std::string time_label(double t, double span, bool seconds) {
 /// @throws brigade::Error{InvalidArgument} for width < 200 or row_height < 8
 inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
   BRIGADE_CHECK(opt.width >= 200 && opt.row_height >= 8, Errc::InvalidArgument,
-                "render_svg: width {} px and row height {} px, expected >= 200 and >= 8",
-                opt.width, opt.row_height);
+                "render_svg: width {} px and row height {} px, expected >= 200 and >= 8", opt.width,
+                opt.row_height);
   const int P = tl.num_ranks();
   const double left = 64, right = 16, top = opt.title.empty() ? 12 : 36;
   const double row = opt.row_height, gap = 4;
@@ -131,12 +148,13 @@ inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
     }
     present[static_cast<std::size_t>(iv.op)] = true;
     const int chunk = iv.virtual_stage / P;
-    const std::string fill =
-        chunks > 1 ? detail::lighten(detail::op_color(iv.op), 0.55 * chunk / chunks)
-                   : std::string(detail::op_color(iv.op));
+    const std::string fill = chunks > 1
+                                 ? detail::lighten(detail::op_color(iv.op), 0.55 * chunk / chunks)
+                                 : std::string(detail::op_color(iv.op));
     svg += fmt::format(
         "<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"{}\" "
-        "stroke=\"white\" stroke-width=\"0.6\"{}><title>{} vs{} mb{}{} [{:g}, {:g}]</title></rect>\n",
+        "stroke=\"white\" stroke-width=\"0.6\"{}><title>{} vs{} mb{}{} [{:g}, "
+        "{:g}]</title></rect>\n",
         x, y, w, row, fill, iv.chunk > 0 && !iv.label.empty() ? " stroke-dasharray=\"2,1\"" : "",
         to_string(iv.op), iv.virtual_stage, iv.microbatch,
         iv.chunk ? fmt::format(" c{}", iv.chunk) : std::string(), iv.start, iv.end);
@@ -149,8 +167,9 @@ inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
   }
   // Time axis with 1-2-5 ticks.
   const double axis_y = top + rows_h + 4;
-  svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#333\"/>\n",
-                     left, axis_y, left + plot_w, axis_y);
+  svg +=
+      fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#333\"/>\n",
+                  left, axis_y, left + plot_w, axis_y);
   const double raw = span / 8.0;
   const double mag = std::pow(10.0, std::floor(std::log10(raw)));
   double step = mag;
