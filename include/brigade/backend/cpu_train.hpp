@@ -225,7 +225,8 @@ void head_forward(const model::LlamaConfig& config, const float* rms_final, cons
 /// @param acts    overwritten
 /// @param grad_denominator as cross_entropy
 /// @return the summed loss and the counted tokens
-/// @throws brigade::Error{InvalidArgument} as head_forward and cross_entropy
+/// @throws brigade::Error{InvalidArgument} if the config is invalid, tokens < 1, a pointer is
+///         null, or as cross_entropy (acts is left empty then)
 CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                              const float* rms_final, const float* wcls,
                                              const float* x, const std::int32_t* targets,
