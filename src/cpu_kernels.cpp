@@ -1,5 +1,6 @@
-// CPU kernels of the Llama decoder: run.c's float32 math, with the matrix products on Eigen
-// (which hands them to OpenBLAS's SGEMM/SGEMV: this file is compiled with EIGEN_USE_BLAS).
+// CPU kernels of the Llama decoder: run.c's float32 math, with the matrix products on Eigen's
+// own GEMM or, for large products, OpenBLAS's SGEMM when OpenBLAS has a kernel for this CPU
+// (see gemm_backend()).
 //
 // Fidelity to llama2.c run.c: the element-wise kernels (RMSNorm, RoPE, softmax, SwiGLU) use
 // run.c's formulas, float accumulation and libm calls (sqrtf, powf, cosf, sinf, expf) in the
@@ -12,18 +13,16 @@
 #include "brigade/model/weights.hpp"
 
 #include <Eigen/Core>
+#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
-// OpenBLAS's process-wide thread controls (declared here to avoid pulling in <cblas.h>).
-extern "C" {
-void openblas_set_num_threads(int num_threads);
-int openblas_get_num_threads(void);
-}
 
 namespace brigade::cpu {
 inline namespace v0 {
@@ -117,24 +116,61 @@ void rmsnorm(const float* x, const float* weight, float* out, std::int64_t token
   }
 }
 
+GemmBackend gemm_backend() {
+  static const GemmBackend chosen = [] {
+    if (const char* env = std::getenv("BRIGADE_GEMM")) {
+      if (std::string_view(env) == "eigen") return GemmBackend::Eigen;
+      if (std::string_view(env) == "blas") return GemmBackend::Blas;
+    }
+    // OpenBLAS's DYNAMIC_ARCH falls back to these generic kernels on CPUs it does not know
+    // (0.3.21 runs "Prescott" SSE3 code on Sapphire/Emerald Rapids: ~5x slower than Eigen's
+    // AVX-512 GEMM there). Use OpenBLAS only when it has a real kernel for this CPU.
+    const std::string_view core = openblas_get_corename();
+    for (std::string_view generic : {"Prescott", "Katmai", "Coppermine", "Northwood", "Banias",
+                                     "Core2", "Penryn", "Dunnington", "Atom", "Unknown"})
+      if (core == generic) return GemmBackend::Eigen;
+    return GemmBackend::Blas;
+  }();
+  return chosen;
+}
+
+namespace {
+// Products with fewer rows go to Eigen (a GEMV-like shape, where Eigen is faster than SGEMM).
+constexpr std::int64_t kBlasMinRows = 32;
+
+void gemm_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
+             std::int64_t out_dim, float beta) {
+  if (gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
+                static_cast<blasint>(out_dim), static_cast<blasint>(in), 1.0f, x,
+                static_cast<blasint>(in), w, static_cast<blasint>(in), beta, out,
+                static_cast<blasint>(out_dim));
+    return;
+  }
+  MapMat o(out, tokens, out_dim);
+  if (beta == 0.0f)
+    o.noalias() = ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+  else
+    o.noalias() += ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+}
+}  // namespace
+
 void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
                std::int64_t out_dim) {
   check_gemm_shape("matmul_wt", tokens, in, out_dim);
   if (tokens == 0 || out_dim == 0) return;
-  MapMat o(out, tokens, out_dim);
   if (in == 0) {
-    o.setZero();
+    MapMat(out, tokens, out_dim).setZero();
     return;
   }
-  o.noalias() = ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+  gemm_wt(x, w, out, tokens, in, out_dim, 0.0f);
 }
 
 void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
                           std::int64_t in, std::int64_t out_dim) {
   check_gemm_shape("matmul_wt_accumulate", tokens, in, out_dim);
   if (tokens == 0 || out_dim == 0 || in == 0) return;
-  MapMat o(out, tokens, out_dim);
-  o.noalias() += ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+  gemm_wt(x, w, out, tokens, in, out_dim, 1.0f);
 }
 
 void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int n_heads,
@@ -217,9 +253,10 @@ void embedding(const float* table, const std::int32_t* ids, float* out, std::int
 void set_blas_threads(int n) {
   BRIGADE_CHECK(n >= 1, Errc::InvalidArgument, "set_blas_threads: n = {}; expected >= 1", n);
   openblas_set_num_threads(n);
+  Eigen::setNbThreads(n);  // Eigen's GEMM splits its work over n OpenMP threads
 }
 
-int blas_threads() { return openblas_get_num_threads(); }
+int blas_threads() { return Eigen::nbThreads(); }
 
 void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                            float* x, std::int64_t tokens, const std::int32_t* pos,

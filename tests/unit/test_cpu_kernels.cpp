@@ -133,7 +133,7 @@ std::vector<std::int32_t> positions(std::int64_t pos0, std::int64_t tokens) {
 
 // ---- element-wise and GEMM kernels ----------------------------------------------------------
 
-TEST_CASE("cpu.rmsnorm: matches a double reference, in place too") {
+TEST_CASE("cpu_kernels.rmsnorm: matches a double reference, in place too") {
   std::mt19937 rng(1);
   using Shape = std::pair<std::int64_t, std::int64_t>;
   for (auto [tokens, dim] : {Shape{1, 7}, Shape{3, 64}, Shape{5, 33}, Shape{2, 1000}}) {
@@ -153,7 +153,7 @@ TEST_CASE("cpu.rmsnorm: matches a double reference, in place too") {
   CHECK_THROWS_AS(cpu::rmsnorm(one.data(), one.data(), one.data(), 1, 0, 1e-5f), Error);
 }
 
-TEST_CASE("cpu.matmul_wt: one GEMM for all rows matches a double reference") {
+TEST_CASE("cpu_kernels.matmul_wt: one GEMM for all rows matches a double reference") {
   std::mt19937 rng(2);
   struct Shape { std::int64_t t, in, out; };
   for (Shape s : {Shape{1, 7, 5}, Shape{3, 64, 48}, Shape{17, 33, 65}, Shape{64, 128, 96},
@@ -187,7 +187,7 @@ TEST_CASE("cpu.matmul_wt: one GEMM for all rows matches a double reference") {
   CHECK_THROWS_AS(cpu::matmul_wt(nullptr, nullptr, nullptr, -1, 2, 2), Error);
 }
 
-TEST_CASE("cpu.rope: adjacent pairs per head, q over all heads, k over kv heads") {
+TEST_CASE("cpu_kernels.rope: adjacent pairs per head, q over all heads, k over kv heads") {
   std::mt19937 rng(3);
   struct Case { int n_heads, n_kv_heads, head_size; std::int64_t tokens, pos0; };
   for (Case c : {Case{4, 4, 8, 1, 0}, Case{4, 2, 8, 5, 3}, Case{8, 2, 6, 7, 11},
@@ -228,7 +228,7 @@ TEST_CASE("cpu.rope: adjacent pairs per head, q over all heads, k over kv heads"
   CHECK_THROWS_AS(cpu::rope(q.data(), k.data(), &p0, 1, 2, 2, 3, 1e4f), Error);  // odd head
 }
 
-TEST_CASE("cpu.attention: causal GQA against cache rows 0..pos0+t") {
+TEST_CASE("cpu_kernels.attention: causal GQA against cache rows 0..pos0+t") {
   std::mt19937 rng(4);
   struct Case { int n_heads, n_kv_heads, head_size; std::int64_t tokens, pos0; };
   // GQA ratios 1, 2, 4 and 2; decode (1 token), prefill, prefill after a prefix, and a prompt
@@ -258,7 +258,7 @@ TEST_CASE("cpu.attention: causal GQA against cache rows 0..pos0+t") {
   }
 }
 
-TEST_CASE("cpu.swiglu, softmax, embedding: element-wise kernels") {
+TEST_CASE("cpu_kernels.swiglu, softmax, embedding: element-wise kernels") {
   std::mt19937 rng(5);
   for (std::int64_t n : {1, 7, 1000}) {
     Vec g = random_vec(rng, n, -10.0f, 10.0f);
@@ -288,7 +288,7 @@ TEST_CASE("cpu.swiglu, softmax, embedding: element-wise kernels") {
       CHECK(out[t * dim + sz(j)] == table[sz(ids[t] * dim + j)]);
 }
 
-TEST_CASE("cpu.blas_threads: set and read back") {
+TEST_CASE("cpu_kernels.blas_threads: set and read back") {
   const int before = cpu::blas_threads();
   CHECK(before >= 1);
   cpu::set_blas_threads(1);
@@ -427,7 +427,7 @@ Vec rows_of(const Vec& cache, std::int64_t rows, std::int64_t kv) {
 
 }  // namespace
 
-TEST_CASE("cpu.decoder_layer_forward: matches a double whole-layer reference") {
+TEST_CASE("cpu_kernels.decoder_layer_forward: matches a double whole-layer reference") {
   struct Case { int dim, hidden, n_heads, n_kv_heads; std::int64_t tokens, pos0; };
   // GQA ratios 1, 2, 4; odd hidden width; decode and prefill, with and without a cached prefix.
   for (Case c : {Case{32, 75, 4, 4, 1, 0}, Case{32, 75, 4, 2, 6, 0}, Case{64, 101, 8, 2, 5, 9},
@@ -455,7 +455,7 @@ TEST_CASE("cpu.decoder_layer_forward: matches a double whole-layer reference") {
   }
 }
 
-TEST_CASE("cpu.decoder_layer_forward: a 7-token prefill equals 7 one-token decode steps") {
+TEST_CASE("cpu_kernels.decoder_layer_forward: a 7-token prefill equals 7 one-token decode steps") {
   const Layer l = make_layer(64, 150, 8, 2, 32, 21);
   std::mt19937 rng(7);
   Seq prefill = make_seq(l, 7, 0, rng);
@@ -477,7 +477,7 @@ TEST_CASE("cpu.decoder_layer_forward: a 7-token prefill equals 7 one-token decod
   check_close(rows_of(decode.v_cache, 7, kv), rows_of(prefill.v_cache, 7, kv));
 }
 
-TEST_CASE("cpu.decoder_layer_forward: a packed batch of lengths 5,1,3 equals each alone") {
+TEST_CASE("cpu_kernels.decoder_layer_forward: a packed batch of lengths 5,1,3 equals each alone") {
   const Layer l = make_layer(48, 120, 6, 3, 40, 33);
   std::mt19937 rng(8);
   Seq a = make_seq(l, 5, 0, rng), b = make_seq(l, 1, 17, rng), c = make_seq(l, 3, 6, rng);
@@ -495,7 +495,7 @@ TEST_CASE("cpu.decoder_layer_forward: a packed batch of lengths 5,1,3 equals eac
   }
 }
 
-TEST_CASE("cpu.decoder_layer_forward: slices that do not cover the rows are refused") {
+TEST_CASE("cpu_kernels.decoder_layer_forward: slices that do not cover the rows are refused") {
   const Layer l = make_layer(32, 64, 4, 2, 16, 5);
   const std::int64_t kv = l.cfg.kv_dim();
   Vec x(6 * 32, 0.5f), kc(16 * sz(kv)), vc(16 * sz(kv));
