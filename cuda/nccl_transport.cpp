@@ -309,8 +309,13 @@ struct NcclTransport::Impl {
     queued.clear();
     if (r == ncclInProgress) {
       batch->state = Batch::State::Enqueuing;
+    } else if (r != ncclSuccess) {
+      const char* last = ncclGetLastError(comm);
+      abort_with(Errc::Nccl, fmt::format("rank {}: NCCL refused a group of {} operations: {}{}{} "
+                                         "(communicator aborted)",
+                                         rank, batch->used, ncclGetErrorString(r),
+                                         (last && *last) ? ": " : "", (last && *last) ? last : ""));
     } else {
-      BRIGADE_NCCL_CHECK(r, comm);
       finish_enqueue(*batch);
     }
     in_flight.push_back(std::move(batch));

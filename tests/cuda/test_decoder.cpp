@@ -1,0 +1,154 @@
+// Differential tests of CudaBackend::decoder_layer_forward against cpu::decoder_layer_forward on
+// a packed micro-batch (a prefill, a decode and a chunked prefill with pre-filled caches), in
+// float32 and bfloat16, through each attention path.
+#include "support.hpp"
+
+#include <brigade/backend/cpu.hpp>
+#include <brigade/model/weights.hpp>
+
+#include <cstdint>
+
+using namespace brigade;
+using namespace brigade::cuda::test;
+using cuda::AttentionPath;
+using cuda::CudaBackend;
+using cuda::DType;
+
+namespace {
+
+struct Seq {
+  std::int64_t tokens, pos0, capacity;
+};
+
+/// Runs one layer on the CPU and on the GPU over the same inputs and compares the change of the
+/// residual stream and the cache rows the layer wrote.
+void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DType dt,
+                 AttentionPath path, double f32_tol) {
+  CAPTURE(cuda::to_string(dt));
+  CAPTURE(static_cast<int>(path));
+  const auto weights = model::make_synthetic_weights(cfg, 42);
+  const model::DecoderWeights& lw = weights.layers[0];
+  const std::int64_t dim = cfg.dim, kv_dim = cfg.kv_dim();
+  std::int64_t tokens = 0;
+  for (const auto& s : seqs) tokens += s.tokens;
+  const auto x0 = random_floats(tokens * dim, 5);
+
+  // CPU reference: caches pre-filled with random rows below pos0 (earlier steps' keys/values).
+  std::vector<std::vector<float>> kc, vc;
+  std::vector<cpu::SequenceSlice> cslices;
+  std::vector<std::int32_t> pos;
+  std::int64_t off = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    kc.push_back(random_floats(seqs[i].capacity * kv_dim, 300 + static_cast<unsigned>(i)));
+    vc.push_back(random_floats(seqs[i].capacity * kv_dim, 400 + static_cast<unsigned>(i)));
+    for (std::int64_t t = 0; t < seqs[i].tokens; ++t) pos.push_back(static_cast<std::int32_t>(seqs[i].pos0 + t));
+    off += seqs[i].tokens;
+  }
+  auto kc0 = kc, vc0 = vc;  // the GPU starts from the same caches
+  off = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    cslices.push_back({off, seqs[i].tokens, seqs[i].pos0, kc[i].data(), vc[i].data()});
+    off += seqs[i].tokens;
+  }
+  std::vector<float> x_ref = x0;
+  cpu::DecoderScratch scratch;
+  cpu::decoder_layer_forward(cfg, lw, x_ref.data(), tokens, pos.data(), cslices, scratch);
+
+  CudaBackend::Options opt;
+  opt.attention = path;
+  opt.attention_scratch_bytes = 64 * 1024;  // several row blocks on the GEMM path
+  CudaBackend gpu(opt);
+  const auto dw = gpu.upload_decoder_weights(cfg, lw, dt);
+  auto gx = make_input(gpu, x0, DType::F32);
+  std::vector<Guarded> gk, gv;
+  std::vector<cuda::SequenceSlice> slices;
+  off = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    gk.push_back(make_input(gpu, kc0[i], dt));
+    gv.push_back(make_input(gpu, vc0[i], dt));
+    slices.push_back({off, seqs[i].tokens, seqs[i].pos0, gk.back().data(), gv.back().data()});
+    off += seqs[i].tokens;
+  }
+  gpu.decoder_layer_forward(cfg, dw, gx.as<float>(), tokens, slices);
+  const auto x_gpu = gx.floats(DType::F32);
+  gx.check_guards("x");
+
+  // The layer's contribution (x_after - x_before): the residual would hide its errors.
+  std::vector<float> d_ref(x0.size()), d_gpu(x0.size());
+  for (std::size_t i = 0; i < x0.size(); ++i) {
+    d_ref[i] = x_ref[i] - x0[i];
+    d_gpu[i] = x_gpu[i] - x0[i];
+  }
+  check_close("decoder delta x", d_gpu, d_ref, tolerance(dt, f32_tol));
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    CAPTURE(i);
+    const auto k_gpu = gk[i].floats(dt);
+    const auto v_gpu = gv[i].floats(dt);
+    const auto rows = static_cast<std::size_t>((seqs[i].pos0 + seqs[i].tokens) * kv_dim);
+    check_close("k cache", std::span<const float>(k_gpu).first(rows),
+                std::span<const float>(kc[i]).first(rows), tolerance(dt, f32_tol));
+    check_close("v cache", std::span<const float>(v_gpu).first(rows),
+                std::span<const float>(vc[i]).first(rows), tolerance(dt, f32_tol));
+    gk[i].check_guards("k cache");
+    gv[i].check_guards("v cache");
+  }
+}
+
+model::LlamaConfig small_config() {
+  model::LlamaConfig c;
+  c.dim = 64;
+  c.hidden_dim = 172;
+  c.n_layers = 1;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.vocab_size = 32;
+  c.seq_len = 128;
+  return c;
+}
+
+}  // namespace
+
+TEST_SUITE("decoder") {
+
+TEST_CASE("cuda.decoder_layer_forward: stories260K-shaped layer, prefill + decode + chunked "
+          "prefill packed, every attention path, f32 and bf16, vs the CPU layer") {
+  const auto cfg = small_config();
+  const std::vector<Seq> seqs = {{20, 0, 40}, {1, 30, 31}, {7, 5, 12}};
+  for (DType dt : {DType::F32, DType::BF16})
+    for (AttentionPath path : {AttentionPath::Direct, AttentionPath::Gemm, AttentionPath::Auto})
+      check_layer(cfg, seqs, dt, path, 2e-5);
+}
+
+TEST_CASE("cuda.decoder_layer_forward: wider layer (dim 256, 8 heads, 2 KV heads, head 32), "
+          "two long prefills") {
+  model::LlamaConfig cfg = small_config();
+  cfg.dim = 256;
+  cfg.hidden_dim = 688;
+  cfg.n_kv_heads = 2;
+  cfg.seq_len = 256;
+  const std::vector<Seq> seqs = {{100, 0, 100}, {90, 37, 200}};
+  for (DType dt : {DType::F32, DType::BF16})
+    check_layer(cfg, seqs, dt, AttentionPath::Auto, 2e-5);
+}
+
+TEST_CASE("cuda.decoder_layer_forward: bad slices and positions are refused like the CPU's") {
+  const auto cfg = small_config();
+  const auto weights = model::make_synthetic_weights(cfg, 1);
+  CudaBackend gpu;
+  const auto dw = gpu.upload_decoder_weights(cfg, weights.layers[0], DType::F32);
+  Guarded x(gpu, 4 * 64, 4), cache(gpu, 256 * 32, 4);
+  auto expect_invalid = [&](std::vector<cuda::SequenceSlice> s, std::int64_t tokens) {
+    try {
+      gpu.decoder_layer_forward(cfg, dw, x.as<float>(), tokens, s);
+      FAIL("expected brigade::Error{InvalidArgument}");
+    } catch (const brigade::Error& e) {
+      CHECK(e.code() == brigade::Errc::InvalidArgument);
+    }
+  };
+  expect_invalid({{0, 3, 0, cache.data(), cache.data()}}, 4);             // does not cover
+  expect_invalid({{0, 4, 126, cache.data(), cache.data()}}, 4);           // beyond seq_len
+  expect_invalid({{0, 4, 0, nullptr, cache.data()}}, 4);                  // null cache
+  expect_invalid({{0, 0, 0, cache.data(), cache.data()}, {0, 4, 0, cache.data(), cache.data()}}, 4);
+}
+
+}  // TEST_SUITE
