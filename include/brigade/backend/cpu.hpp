@@ -67,13 +67,25 @@ void softmax(float* x, std::int64_t n);
 void embedding(const float* table, const std::int32_t* ids, float* out, std::int64_t tokens,
                std::int64_t dim);
 
-/// Number of threads the BLAS behind matmul_wt uses in the calling process (OpenBLAS's
-/// setting is process-wide). brigade's pipeline sets 1 per stage thread unless told otherwise.
+/// Intra-op threads of the GEMMs behind matmul_wt (Eigen's OpenMP threads and OpenBLAS's
+/// threads; both settings are process-wide). brigade's pipeline sets 1 per stage thread unless
+/// told otherwise.
 /// @throws brigade::Error{InvalidArgument} if n < 1
 void set_blas_threads(int n);
 
-/// Current BLAS thread count.
+/// Current intra-op GEMM thread count.
 int blas_threads();
+
+/// Which library runs matmul_wt's products of 32 rows or more.
+enum class GemmBackend : std::uint8_t {
+  Eigen,  ///< Eigen's own GEMM (vectorised for this CPU with -march=native)
+  Blas,   ///< OpenBLAS SGEMM
+};
+
+/// The GEMM library in use, chosen once per process: the environment variable BRIGADE_GEMM
+/// (`eigen` or `blas`) if set, else OpenBLAS when it has a kernel for this CPU
+/// (openblas_get_corename() is not one of its generic fallbacks such as "Prescott"), else Eigen.
+GemmBackend gemm_backend();
 
 }  // namespace v0
 }  // namespace brigade::cpu
