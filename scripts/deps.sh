@@ -2,7 +2,8 @@
 # Installs the Debian packages brigade needs, only those missing (quick when all are present).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libeigen3-dev libfmt-dev doctest-dev libbenchmark-dev
-      libopenblas-dev libcli11-dev nlohmann-json3-dev fortunes)
+      libopenblas-dev libcli11-dev nlohmann-json3-dev fortunes
+      libopenmpi-dev openmpi-bin)
 pkgs+=("$@")
 missing=()
 for p in "${pkgs[@]}"; do
