@@ -1,12 +1,17 @@
 // `brigade generate`: text generation with the model split into pipeline stages.
 #include "cli.hpp"
 
+#include <brigade/config.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
+#if BRIGADE_HAS_MPI
+#include <brigade/engine/generate_mpi.hpp>
+#endif
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -16,6 +21,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 namespace {
@@ -27,6 +33,8 @@ struct GenerateArgs {
   float temperature = 1.0f, top_p = 0.9f;
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
+  int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
+  CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -42,6 +50,31 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
 
 int run(const GenerateArgs& a) {
   using namespace brigade;
+  // Under mpirun: one process per stage; rank 0 prints (README, "Several processes (MPI)").
+  const int mpi_world = transport::mpi_world_size_from_env();
+#if BRIGADE_HAS_MPI
+  std::optional<transport::MpiSession> mpi;
+  if (mpi_world > 0) mpi.emplace();
+  const bool under_mpi = mpi.has_value();
+#else
+  BRIGADE_CHECK(mpi_world <= 1, Errc::InvalidUsage,
+                "started by mpirun with {} processes, but this brigade was built without the mpi "
+                "component (install libopenmpi-dev and configure with BRIGADE_ENABLE_MPI=ON)",
+                mpi_world);
+  const bool under_mpi = false;
+#endif
+  BRIGADE_CHECK(a.fail_rank < 0 || under_mpi, Errc::InvalidArgument,
+                "--fail-rank is a fault-injection flag for runs under mpirun");
+  int num_stages = a.stages;
+  if (under_mpi) {
+    BRIGADE_CHECK(a.stages_option == nullptr || a.stages_option->count() == 0 ||
+                      a.stages == mpi_world,
+                  Errc::InvalidArgument,
+                  "--stages {} but mpirun started {} processes; under MPI every process runs one "
+                  "stage (omit --stages, or pass --stages {})",
+                  a.stages, mpi_world, mpi_world);
+    num_stages = mpi_world;
+  }
   // Model and tokenizer: real files, or a synthetic Llama of a named size.
   model::LlamaWeights weights;
   model::Tokenizer tok;
@@ -69,20 +102,20 @@ int run(const GenerateArgs& a) {
   std::vector<engine::GenerationRequest> requests;
   for (const auto& p : prompts) requests.push_back({tok.encode(p, true, false), a.steps});
 
-  BRIGADE_CHECK(a.stages >= 1 && a.stages <= weights.config.n_layers + 4, Errc::InvalidArgument,
-                "--stages {} outside [1, {}] for a model of {} layers", a.stages,
+  BRIGADE_CHECK(num_stages >= 1 && num_stages <= weights.config.n_layers + 4, Errc::InvalidArgument,
+                "--stages {} outside [1, {}] for a model of {} layers", num_stages,
                 weights.config.n_layers + 4, spec.num_layers());
   partition::Partition part = [&] {
-    if (a.partition == "uniform") return partition::uniform(spec, a.stages);
+    if (a.partition == "uniform") return partition::uniform(spec, num_stages);
     // Balanced for the decode step that dominates generation: one token per sequence of a
     // micro-batch, attending to half the run's positions on average.
     const int groups = a.microbatches > 0 ? a.microbatches
-                                          : std::min<int>(static_cast<int>(requests.size()), a.stages);
+                                          : std::min<int>(static_cast<int>(requests.size()), num_stages);
     model::WorkItem work;
     work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
     work.tokens = work.sequences;
     work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
-    return partition::balanced(spec, a.stages, work);
+    return partition::balanced(spec, num_stages, work);
   }();
 
   engine::InferenceOptions opt;
@@ -90,7 +123,14 @@ int run(const GenerateArgs& a) {
   opt.sampler = {a.temperature, a.top_p, a.seed};
   opt.blas_threads = a.threads;
   opt.timeout_s = a.timeout;
+#if BRIGADE_HAS_MPI
+  const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
+                                                       {a.fail_rank, a.fail_after_steps})
+                                : engine::generate(weights, part, requests, opt);
+  if (under_mpi && mpi->rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
+#else
   const auto report = engine::generate(weights, part, requests, opt);
+#endif
 
   for (const auto& s : report.sequences) {
     const auto text = model::render_like_run_c(tok, s.tokens);
@@ -113,6 +153,7 @@ int run(const GenerateArgs& a) {
   const int S = part.num_stages();
   fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
              weights.config.n_layers, weights.config.dim, S, a.partition, part.to_string());
+  if (under_mpi) fmt::print(stderr, "transport: MPI, {} processes (one stage each)\n", S);
   fmt::print(stderr,
              "sequences: {}, prompt tokens: {}, generated tokens: {}, wall: {:.3f} s\n"
              "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
@@ -170,7 +211,9 @@ std::function<int()> setup(CLI::App& sub) {
       ->capture_default_str();
   sub.add_option("--seed", a->seed, "sampler seed (sequence i uses seed + i)")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  sub.add_option("--stages", a->stages, "pipeline stages (one thread each)")
+  a->stages_option = sub.add_option("--stages", a->stages,
+                                    "pipeline stages (one thread each; under mpirun: one process "
+                                    "each, default the number of processes)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--partition", a->partition, "uniform (by layer count) or balanced (by cost)")
       ->check(CLI::IsMember({"uniform", "balanced"}))->capture_default_str();
@@ -183,6 +226,13 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--trace", a->trace, "write the Timeline as Chrome trace JSON");
   sub.add_option("--metrics", a->metrics, "write the summary as JSON");
+  // Fault injection for tests of runs under mpirun (hidden from --help).
+  sub.add_option("--fail-rank", a->fail_rank,
+                 "under mpirun: this rank exits with code 3 mid-run (fault injection)")
+      ->group("");
+  sub.add_option("--fail-after-steps", a->fail_after_steps,
+                 "the --fail-rank rank exits after receiving this many micro-batch inputs")
+      ->check(CLI::PositiveNumber)->group("");
   return [a] { return run(*a); };
 }
 

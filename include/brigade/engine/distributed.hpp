@@ -1,0 +1,269 @@
+// Distributed generation: every rank (thread or process) runs its own stage over any Transport,
+// then the Timeline is gathered to the rank of stage 0. The MPI driver (engine::generate_mpi, in
+// brigade::mpi) is this function over an MpiTransport.
+#pragma once
+
+#include "brigade/backend/cpu.hpp"
+#include "brigade/engine/inference.hpp"
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace brigade::engine {
+inline namespace v0 {
+
+/// Test-only fault injection for multi-process runs: rank `rank` ends its process with
+/// `std::_Exit(3)` (no cleanup, no MPI_Finalize, as a crash would) right after it has received
+/// its `after_steps`-th micro-batch input: activations for a stage > 0, sampled tokens for
+/// stage 0. It prints one line on stderr first. The CLI's `--fail-rank R --fail-after-steps K`.
+struct FaultInjection {
+  int rank = -1;        ///< the rank that exits; -1 = no fault
+  int after_steps = 1;  ///< micro-batch inputs it receives before exiting, >= 1
+};
+
+namespace detail {
+
+/// Message tags of the distributed driver (after the inference protocol's 1..3).
+inline constexpr int kTagRunStart = 4;   // Bytes [0]: the stage-0 rank starts every rank's clock
+inline constexpr int kTagGatherSize = 5; // Bytes [8]: size of the next message (uint64)
+inline constexpr int kTagGather = 6;     // Bytes [n]: one rank's timeline and end time (JSON)
+
+/// A Transport that forwards to `inner` and ends the process after `after_steps` completed
+/// receives of micro-batch inputs (kTagActivation or kTagToken); after_steps = 0 never does.
+template <transport::Transport T>
+class ExitAfterSteps {
+ public:
+  ExitAfterSteps(T& inner, int after_steps) : inner_(&inner), limit_(after_steps) {}
+
+  [[nodiscard]] int rank() const { return inner_->rank(); }
+  [[nodiscard]] int world_size() const { return inner_->world_size(); }
+  transport::Request isend(int peer, int tag, const transport::MessageHeader& h,
+                           transport::ConstBytes payload) {
+    return inner_->isend(peer, tag, h, payload);
+  }
+  transport::Request irecv(int peer, int tag, const transport::MessageHeader& h,
+                           transport::MutableBytes buffer) {
+    return inner_->irecv(peer, tag, h, buffer);
+  }
+  std::vector<transport::Request> submit(std::span<const transport::P2POp> batch) {
+    return inner_->submit(batch);
+  }
+  void wait(transport::Request& r, transport::Deadline d) {
+    const bool was_done = r.done;
+    inner_->wait(r, d);
+    if (!was_done) count(r);
+  }
+  bool test(transport::Request& r) {
+    const bool was_done = r.done;
+    const bool done = inner_->test(r);
+    if (done && !was_done) count(r);
+    return done;
+  }
+
+ private:
+  void count(const transport::Request& r) {
+    if (limit_ <= 0 || !r.is_recv || (r.tag != kTagActivation && r.tag != kTagToken)) return;
+    if (++steps_ < limit_) return;
+    fmt::print(stderr, "brigade: fault injection: rank {} exits (code 3) after {} step(s)\n",
+               inner_->rank(), steps_);
+    std::fflush(stderr);
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+
+  T* inner_;
+  int limit_;
+  int steps_ = 0;
+};
+
+/// One rank's Timeline intervals and end time as JSON text.
+inline std::string encode_rank_result(const Timeline& tl, double end_s) {
+  nlohmann::json iv = nlohmann::json::array();
+  for (const auto& i : tl.intervals())
+    iv.push_back({i.rank, static_cast<int>(i.op), i.virtual_stage, i.microbatch, i.chunk, i.start,
+                  i.end, i.tokens, i.label});
+  return nlohmann::json{{"end_s", end_s}, {"intervals", iv}}.dump();
+}
+
+/// Inverse of encode_rank_result: adds the intervals to `tl`, returns the end time.
+/// @throws brigade::Error{Internal} for text that is not encode_rank_result's output
+inline double decode_rank_result(const std::string& text, int from_rank, Timeline& tl) {
+  try {
+    const auto j = nlohmann::json::parse(text);
+    for (const auto& a : j.at("intervals")) {
+      Interval i;
+      i.rank = a.at(0).get<int>();
+      const int op = a.at(1).get<int>();
+      BRIGADE_CHECK(op >= 0 && op < kNumOps, Errc::Internal, "op {} out of range", op);
+      i.op = static_cast<Op>(op);
+      i.virtual_stage = a.at(2).get<int>();
+      i.microbatch = a.at(3).get<int>();
+      i.chunk = a.at(4).get<int>();
+      i.start = a.at(5).get<double>();
+      i.end = a.at(6).get<double>();
+      i.tokens = a.at(7).get<std::int64_t>();
+      i.label = a.at(8).get<std::string>();
+      tl.add(std::move(i));
+    }
+    return j.at("end_s").get<double>();
+  } catch (const Error& e) {
+    brigade::detail::fail(Errc::Internal, "generate_on: rank {} sent an unreadable timeline: {}", from_rank,
+                 e.what());
+  } catch (const std::exception& e) {
+    brigade::detail::fail(Errc::Internal, "generate_on: rank {} sent an unreadable timeline: {}", from_rank,
+                 e.what());
+  }
+}
+
+}  // namespace detail
+
+/// Runs this rank's part of a pipelined generation over `transport`, one stage per rank: the
+/// stage s with `partition.stage(s).rank == transport.rank()`. Every rank of the transport's world
+/// calls it with the same weights, partition, requests and options (the SPMD form of
+/// engine::generate; under MPI, one process per stage).
+///
+/// Protocol: the rank of stage 0 sends every other rank a start message (tag 4) and every rank
+/// starts its clock when it has it, so the Timelines of all ranks share one origin (to within one
+/// message latency); then each rank runs run_inference_stage; then every other rank sends its
+/// Timeline intervals and end time to the rank of stage 0 (tags 5 and 6), which merges them.
+/// Greedy output is token for token that of engine::generate for the same partition.
+///
+/// When this rank fails with an error other than PeerTimeout or Aborted, it calls
+/// `transport.abort(reason)` if the transport has one (MpiTransport does), so the other ranks
+/// stop with Error{Aborted} quoting the reason instead of waiting for their deadline.
+///
+/// @param fault test-only: makes rank `fault.rank` exit mid-run (see FaultInjection)
+/// @return on the rank of stage 0: the full report (every sequence; the Timeline of all stages;
+///         wall_s = the latest end over all ranks). On other ranks: no sequences, token counts 0,
+///         this stage's intervals only, wall_s = this rank's end.
+/// @throws brigade::Error{InvalidArgument} for the inputs engine::generate rejects, a partition
+///         whose rank count differs from transport.world_size(), or a bad FaultInjection;
+///         any error of the stage or the transport (PeerTimeout naming the rank that stopped
+///         answering, HeaderMismatch, Aborted, Mpi)
+template <transport::Transport T>
+InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
+                            const partition::Partition& partition,
+                            std::span<const GenerationRequest> requests,
+                            const InferenceOptions& options = {}, FaultInjection fault = {}) {
+  using transport::DType;
+  using transport::MessageHeader;
+  const model::ModelSpec spec(weights.config);
+  const int me = transport.rank();
+  const int world = transport.world_size();
+  BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
+                "generate_on: the partition covers {} layers, the model has {}",
+                partition.num_layers(), spec.num_layers());
+  BRIGADE_CHECK(partition.num_ranks() == partition.num_stages(), Errc::InvalidArgument,
+                "generate_on: {} stages on {} ranks; pipelined generation runs one stage per rank",
+                partition.num_stages(), partition.num_ranks());
+  BRIGADE_CHECK(partition.num_ranks() == world, Errc::InvalidArgument,
+                "generate_on: the partition has {} ranks, the transport's world has {} (run one "
+                "process per stage, e.g. mpirun -np {})",
+                partition.num_ranks(), world, partition.num_ranks());
+  BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "generate_on: no requests");
+  BRIGADE_CHECK(options.microbatches >= 0, Errc::InvalidArgument,
+                "generate_on: microbatches = {}, expected >= 0 (0 = automatic)",
+                options.microbatches);
+  BRIGADE_CHECK(options.blas_threads >= 1, Errc::InvalidArgument,
+                "generate_on: blas_threads = {}, expected >= 1", options.blas_threads);
+  BRIGADE_CHECK(fault.rank < world, Errc::InvalidArgument,
+                "generate_on: fault injection on rank {}, outside [0, {})", fault.rank, world);
+  BRIGADE_CHECK(fault.rank < 0 || fault.after_steps >= 1, Errc::InvalidArgument,
+                "generate_on: fault injection after {} steps, expected >= 1", fault.after_steps);
+
+  const int S = partition.num_stages();
+  int stage_index = 0;
+  while (partition.stage(stage_index).rank != me) ++stage_index;
+  const int root = partition.stage(0).rank;
+  const int n = static_cast<int>(requests.size());
+  const int groups = std::min(options.microbatches > 0 ? options.microbatches : std::min(n, S), n);
+
+  cpu::set_blas_threads(options.blas_threads);
+  detail::SequenceBook book(requests, weights.config.seq_len, groups);
+  const auto capacities = book.capacities();
+  runtime::InferenceStage stage(weights, partition.stage(stage_index), capacities,
+                                options.sampler);
+  detail::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
+  auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
+  const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
+    return MessageHeader::make(0, to_stage, DType::Bytes, {nbytes});
+  };
+
+  InferenceReport report;
+  report.timeline = Timeline(S);
+  try {
+    // A common clock origin.
+    if (me == root) {
+      std::vector<transport::Request> starts;
+      for (int s = 1; s < S; ++s)
+        starts.push_back(tp.isend(partition.stage(s).rank, detail::kTagRunStart,
+                                  bytes_header(s, 0), {}));
+      for (auto& r : starts) tp.wait(r, deadline());
+    } else {
+      auto r = tp.irecv(root, detail::kTagRunStart, bytes_header(stage_index, 0), {});
+      tp.wait(r, deadline());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    run_inference_stage(stage, stage_index, partition, groups, tp,
+                        stage_index == 0 ? &book : nullptr, t0, options.timeout_s,
+                        report.timeline);
+    double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    // Gather the Timeline to the rank of stage 0.
+    if (me != root) {
+      const std::string text = detail::encode_rank_result(report.timeline, end_s);
+      const std::uint64_t size = text.size();
+      auto rs = tp.isend(root, detail::kTagGatherSize, bytes_header(0, 8),
+                         std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
+      auto rt = tp.isend(root, detail::kTagGather,
+                         bytes_header(0, static_cast<std::int64_t>(text.size())),
+                         std::as_bytes(std::span<const char>(text.data(), text.size())));
+      tp.wait(rs, deadline());
+      tp.wait(rt, deadline());
+      report.wall_s = end_s;
+      return report;
+    }
+    for (int s = 1; s < S; ++s) {
+      const int from = partition.stage(s).rank;
+      std::uint64_t size = 0;
+      auto rs = tp.irecv(from, detail::kTagGatherSize, bytes_header(0, 8),
+                         std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
+      tp.wait(rs, deadline());
+      std::string text(static_cast<std::size_t>(size), '\0');
+      auto rt = tp.irecv(from, detail::kTagGather,
+                         bytes_header(0, static_cast<std::int64_t>(size)),
+                         std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+      tp.wait(rt, deadline());
+      end_s = std::max(end_s, detail::decode_rank_result(text, from, report.timeline));
+    }
+    report.wall_s = end_s;
+  } catch (const std::exception& e) {
+    if constexpr (requires(T& t, const std::string& s) { t.abort(s); }) {
+      // A timeout or an abort is someone else's failure, already announced.
+      const auto* err = dynamic_cast<const Error*>(&e);
+      if (err == nullptr || (err->code() != Errc::PeerTimeout && err->code() != Errc::Aborted))
+        transport.abort(fmt::format("stage {} (rank {}) failed: {}", stage_index, me, e.what()));
+    }
+    throw;
+  }
+  report.sequences = book.results();
+  for (const auto& r : report.sequences) {
+    report.generated_tokens += r.generated;
+    report.prompt_tokens += r.prompt_tokens;
+  }
+  return report;
+}
+
+}  // namespace v0
+}  // namespace brigade::engine

@@ -1,0 +1,35 @@
+// engine::generate_mpi: pipelined generation with one MPI process per stage (brigade::mpi).
+// Declaration only: this header compiles without MPI; linking needs brigade::mpi.
+#pragma once
+
+#include "brigade/engine/distributed.hpp"
+
+namespace brigade::engine {
+inline namespace v0 {
+
+/// Runs this process's stage of a pipelined generation over an MpiTransport on a duplicate of
+/// MPI_COMM_WORLD: engine::generate_on with one process per stage (stage s on the process of rank
+/// `partition.stage(s).rank`). Every process of the job calls it with the same arguments; the
+/// process of stage 0 gets the full report (sequences and the Timeline of every stage, gathered),
+/// the others their own stage's Timeline only. Greedy output is token for token that of
+/// engine::generate.
+///
+/// A process that stops answering (killed, hung, cut off) makes the others throw
+/// Error{PeerTimeout} naming it within about 1.25 x `options.timeout_s`; a process that fails
+/// with an error makes the others throw Error{Aborted} quoting it.
+///
+/// @code
+///   brigade::transport::MpiSession mpi(&argc, &argv);
+///   auto report = brigade::engine::generate_mpi(weights, partition, requests, options);
+///   if (mpi.rank() == 0) print(report);
+/// @endcode
+/// @throws brigade::Error{InvalidUsage} if no MpiSession is active (MPI not initialized);
+///         brigade::Error{InvalidArgument} if the partition's rank count differs from the MPI
+///         world size; the errors of engine::generate_on
+InferenceReport generate_mpi(const model::LlamaWeights& weights,
+                             const partition::Partition& partition,
+                             std::span<const GenerationRequest> requests,
+                             const InferenceOptions& options = {}, FaultInjection fault = {});
+
+}  // namespace v0
+}  // namespace brigade::engine
