@@ -14,3 +14,7 @@
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/schedule.hpp"
+#include "brigade/cost/cost_model.hpp"
+#include "brigade/sim/simulator.hpp"
+#include "brigade/sim/svg.hpp"

@@ -514,7 +514,7 @@ inline std::string render_grid(const Schedule& s, const GridOptions& opt = {}) {
     if (r < 0 || r >= static_cast<int>(s.ranks.size())) return "?";
     const auto& p = s.ranks[static_cast<std::size_t>(r)];
     std::string c = i < p.size() ? to_string(p[i]) : std::string(".");
-    return is_marked(r, i) ? "[" + c + "]" : c;
+    return is_marked(r, i) ? fmt::format("[{}]", c) : c;
   };
   std::vector<std::size_t> width;
   for (int r : cols) {
@@ -545,7 +545,7 @@ inline std::string render_grid(const Schedule& s, const GridOptions& opt = {}) {
         note += fmt::format("{}rank {}", note.empty() ? "" : ", ", cols[c]);
     }
     while (!line.empty() && line.back() == ' ') line.pop_back();
-    if (!note.empty()) line += "   <-- " + note;
+    if (!note.empty()) line += fmt::format("   <-- {}", note);
     out += line + '\n';
   }
   return out;

@@ -48,7 +48,10 @@ inline const GeneratorInfo& find_generator(std::string_view name) {
   for (const auto& g : generators())
     if (g.name == name) return g;
   std::string known;
-  for (const auto& g : generators()) known += (known.empty() ? "" : ", ") + std::string(g.name);
+  for (const auto& g : generators()) {
+    if (!known.empty()) known += ", ";
+    known += g.name;
+  }
   ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name,
                           known);
 }

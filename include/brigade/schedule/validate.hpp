@@ -127,7 +127,8 @@ class Validator {
         g.ranks.push_back(m.rank);
     std::sort(g.ranks.begin(), g.ranks.end());
     if (g.ranks.size() > 8) g.ranks.resize(8);
-    msg += "\n" + render_grid(s_, g);
+    msg += '\n';
+    msg += render_grid(s_, g);
     throw Error(code, msg);
   }
 

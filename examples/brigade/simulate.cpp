@@ -1,0 +1,310 @@
+// `brigade simulate`: generate (or read) a schedule, lower and validate it, simulate it over a
+// cost model, and print / write makespan, bubble ratio, utilization and peak memory.
+#include "cli.hpp"
+
+#include <brigade/core/error.hpp>
+#include <brigade/cost/cost_model.hpp>
+#include <brigade/io/trace.hpp>
+#include <brigade/model/config.hpp>
+#include <brigade/schedule.hpp>
+#include <brigade/sim/simulator.hpp>
+#include <brigade/sim/svg.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace sch = brigade::schedule;
+using brigade::Errc;
+
+struct Options {
+  std::string schedule = "1f1b";
+  std::string schedule_file;
+  int ranks = 4;
+  int microbatches = 8;
+  int virtual_stages = 1;
+  int decode_steps = 3;
+  std::string model;
+  std::string unit_costs;
+  int batch = 1;
+  int seq_len = 256;
+  double flops = brigade::model::DeviceRates{}.flops_per_s;
+  double mem_bandwidth = brigade::model::DeviceRates{}.bytes_per_s;
+  std::optional<double> link_latency;
+  std::optional<double> link_bandwidth;
+  std::string trace, svg, metrics, save_schedule;
+  int svg_width = 1000;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot open for reading", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/// F,B[,W] as non-negative numbers.
+std::vector<double> parse_unit_costs(const std::string& text) {
+  std::vector<double> out;
+  std::size_t p = 0;
+  while (p <= text.size()) {
+    std::size_t q = text.find(',', p);
+    if (q == std::string::npos) q = text.size();
+    const std::string item = text.substr(p, q - p);
+    std::size_t used = 0;
+    double v = -1.0;
+    try {
+      v = std::stod(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    BRIGADE_CHECK(
+        used == item.size() && !item.empty() && v >= 0.0 && std::isfinite(v), Errc::InvalidArgument,
+        "--unit-costs '{}': '{}' is not a non-negative number (expected F,B[,W])", text, item);
+    out.push_back(v);
+    p = q + 1;
+  }
+  BRIGADE_CHECK(out.size() == 2 || out.size() == 3, Errc::InvalidArgument,
+                "--unit-costs '{}': {} values, expected F,B or F,B,W", text, out.size());
+  return out;
+}
+
+/// A named size (brigade::model::named_config) or a JSON file with LlamaConfig's fields.
+brigade::model::LlamaConfig load_model(const std::string& what) {
+  namespace fs = std::filesystem;
+  const bool is_file = what.find('/') != std::string::npos || fs::path(what).extension() == ".json";
+  if (!is_file) return brigade::model::named_config(what);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text(what));
+  } catch (const nlohmann::json::exception& e) {
+    brigade::detail::fail(Errc::BadFile, "{}: not a JSON model config ({})", what, e.what());
+  }
+  BRIGADE_CHECK(j.is_object(), Errc::BadFile, "{}: expected a JSON object of config fields", what);
+  brigade::model::LlamaConfig c;
+  auto field = [&](const char* name, int& out, bool required) {
+    if (!j.contains(name)) {
+      BRIGADE_CHECK(!required, Errc::BadFile, "{}: field '{}' is missing", what, name);
+      return;
+    }
+    BRIGADE_CHECK(j[name].is_number_integer(), Errc::BadFile,
+                  "{}: field '{}' = {}, expected an integer", what, name, j[name].dump());
+    out = j[name].get<int>();
+  };
+  field("dim", c.dim, true);
+  field("hidden_dim", c.hidden_dim, true);
+  field("n_layers", c.n_layers, true);
+  field("n_heads", c.n_heads, true);
+  c.n_kv_heads = c.n_heads;
+  field("n_kv_heads", c.n_kv_heads, false);
+  field("vocab_size", c.vocab_size, true);
+  field("seq_len", c.seq_len, true);
+  c.validate(what);
+  return c;
+}
+
+int run(const Options& o) {
+  // 1. The schedule: generated, or read from a file (lowered there if it is compute-only).
+  sch::Schedule compute, lowered;
+  std::string name = o.schedule;
+  if (!o.schedule_file.empty()) {
+    name = o.schedule_file;
+    sch::Schedule s;
+    try {
+      s = sch::parse_schedule(read_text(o.schedule_file));
+    } catch (const brigade::Error& e) {
+      if (e.code() != Errc::InvalidArgument) throw;
+      brigade::detail::fail(Errc::InvalidArgument, "{}: {}", o.schedule_file, e.what());
+    }
+    bool has_comm = false;
+    for (const auto& prog : s.ranks)
+      for (const auto& a : prog) has_comm |= brigade::is_communication(a.op);
+    lowered = has_comm ? s : sch::lower(s);
+    compute = sch::strip_communication(lowered);
+  } else {
+    compute =
+        sch::generate(o.schedule, {o.ranks, o.microbatches, o.virtual_stages, o.decode_steps});
+    lowered = sch::lower(compute);
+  }
+  const auto& shape = lowered.shape;
+  const auto proof = sch::validate(lowered);
+  if (!o.save_schedule.empty())
+    brigade::io::write_file_atomic(o.save_schedule, sch::to_text(lowered));
+
+  // 2. The cost model and the simulation.
+  brigade::sim::SimResult r;
+  std::string costs;
+  nlohmann::json cost_json;
+  brigade::sim::SimOptions sim_opt;
+  sim_opt.validate = false;  // done above
+  const bool use_model = !o.model.empty();
+  if (use_model) {
+    const brigade::model::ModelSpec spec(load_model(o.model));
+    brigade::cost::RooflineOptions ro;
+    ro.rates = {o.flops, o.mem_bandwidth};
+    ro.workload = {o.batch, o.seq_len};
+    if (o.link_latency) ro.link.latency_s = *o.link_latency;
+    if (o.link_bandwidth) ro.link.bytes_per_s = *o.link_bandwidth;
+    const auto part = brigade::cost::RooflineCostModel::placed_uniform(spec, shape);
+    const brigade::cost::RooflineCostModel cm(spec, part, shape, ro);
+    r = brigade::sim::simulate(lowered, cm, sim_opt);
+    costs = fmt::format(
+        "roofline, model {} ({} decoder layers), batch {} x {} tokens, "
+        "{:g} FLOP/s, {:g} B/s, link {:g} s + bytes / {:g} B/s; partition {}",
+        o.model, spec.config().n_layers, o.batch, o.seq_len, o.flops, o.mem_bandwidth,
+        ro.link.latency_s, ro.link.bytes_per_s, part.to_string());
+    cost_json = {{"kind", "roofline"},
+                 {"model", o.model},
+                 {"batch", o.batch},
+                 {"seq_len", o.seq_len},
+                 {"flops_per_s", o.flops},
+                 {"bytes_per_s", o.mem_bandwidth},
+                 {"link_latency_s", ro.link.latency_s},
+                 {"link_bytes_per_s", ro.link.bytes_per_s},
+                 {"partition", part.to_string()}};
+  } else {
+    const auto u = parse_unit_costs(o.unit_costs.empty() ? "1,2" : o.unit_costs);
+    const std::optional<double> w = u.size() == 3 ? std::optional<double>(u[2]) : std::nullopt;
+    brigade::cost::UnitCostOptions uo;
+    if (o.link_latency) uo.link.latency_s = *o.link_latency;
+    if (o.link_bandwidth) {
+      uo.link.bytes_per_s = *o.link_bandwidth;
+      uo.message_bytes = 1.0;  // one unit message per SEND
+    }
+    const brigade::cost::UnitCostModel cm(shape, u[0], u[1], w, uo);
+    r = brigade::sim::simulate(lowered, cm, sim_opt);
+    costs = w ? fmt::format("unit F={:g} B(BI)={:g} W(BW)={:g} per rank and micro-batch", u[0],
+                            u[1], *w)
+              : fmt::format("unit F={:g} B={:g} per rank and micro-batch", u[0], u[1]);
+    costs += uo.link.is_free() ? ", links free"
+                               : fmt::format(", link {:g} s + {:g} unit/s", uo.link.latency_s,
+                                             uo.link.bytes_per_s);
+    cost_json = {{"kind", "unit"}, {"F", u[0]}, {"B", u[1]}};
+    if (w) cost_json["W"] = *w;
+  }
+
+  // 3. Report.
+  const int P = shape.num_ranks;
+  const int V = shape.num_virtual_stages / P;
+  auto per_rank = [&](auto const& values, auto fmt_one) {
+    std::string s;
+    if (P <= 16) {
+      for (int k = 0; k < P; ++k)
+        s += fmt::format("{}{}", k ? " " : "", fmt_one(values[static_cast<std::size_t>(k)]));
+    } else {
+      const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+      s = fmt::format("min {} max {} (rank 0: {})", fmt_one(*lo), fmt_one(*hi), fmt_one(values[0]));
+    }
+    return s;
+  };
+  fmt::print("schedule     {}: P={} M={} V={} stages={}{} ({} mode)\n", name, P,
+             shape.num_microbatches, V, shape.num_virtual_stages,
+             shape.mode == sch::Mode::Inference ? fmt::format(" rounds={}", shape.num_chunks) : "",
+             sch::to_string(shape.mode));
+  fmt::print("validated    {} actions ({} compute), {} messages, completes without deadlock\n",
+             proof.actions, proof.compute_actions, proof.messages);
+  fmt::print("costs        {}\n", costs);
+  fmt::print("makespan     {:.6g} s\n", r.makespan);
+  fmt::print("bubble       {:.6f} ({:.2f}% idle rank-time)\n", r.bubble_ratio,
+             100 * r.bubble_ratio);
+  fmt::print("utilization  {}\n",
+             per_rank(r.utilization, [](double x) { return fmt::format("{:.4f}", x); }));
+  if (shape.mode == sch::Mode::Training) {
+    fmt::print("peak stash   {} micro-batch activations per rank\n",
+               per_rank(r.peak_stash, [](int x) { return fmt::format("{}", x); }));
+    fmt::print("peak memory  {} {}\n",
+               per_rank(r.peak_activation_bytes, [](double x) { return fmt::format("{:.4g}", x); }),
+               use_model ? "bytes of activations per rank"
+                         : "units (1 = a rank's activations for one micro-batch)");
+  }
+
+  if (!o.trace.empty()) brigade::io::write_chrome_trace(o.trace, r.timeline);
+  if (!o.svg.empty()) {
+    brigade::sim::SvgOptions so;
+    so.title = fmt::format("{}  P={} M={}{}  bubble {:.1f}%", name, P, shape.num_microbatches,
+                           V > 1 ? fmt::format(" V={}", V) : "", 100 * r.bubble_ratio);
+    so.seconds = use_model;
+    so.width = o.svg_width;
+    brigade::sim::write_svg(o.svg, r.timeline, so);
+  }
+  if (!o.metrics.empty()) {
+    nlohmann::json j = brigade::sim::metrics_json(r);
+    j["schedule"] = name;
+    j["microbatches"] = shape.num_microbatches;
+    j["virtual_stages_per_rank"] = V;
+    j["mode"] = std::string(sch::to_string(shape.mode));
+    j["costs"] = cost_json;
+    brigade::io::write_file_atomic(o.metrics, j.dump(2) + "\n");
+  }
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto o = std::make_shared<Options>();
+  std::string names;
+  for (const auto& g : sch::generators()) {
+    if (!names.empty()) names += ", ";
+    names += g.name;
+  }
+  auto* sched =
+      sub.add_option("--schedule", o->schedule, "Generator: " + names)->capture_default_str();
+  auto* file = sub.add_option("--schedule-file", o->schedule_file,
+                              "Read a schedule in the text form (docs/schedules.md), lower it if "
+                              "it is compute-only, validate and simulate it");
+  auto* ranks = sub.add_option("--ranks", o->ranks, "Pipeline ranks P")->capture_default_str();
+  auto* mbs = sub.add_option("--microbatches", o->microbatches,
+                             "Micro-batches M (inference: sequence groups)")
+                  ->capture_default_str();
+  auto* virt = sub.add_option("--virtual", o->virtual_stages, "Virtual stages per rank V")
+                   ->capture_default_str();
+  auto* dec = sub.add_option("--decode-steps", o->decode_steps,
+                             "Inference: decode rounds after the prefill")
+                  ->capture_default_str();
+  file->excludes(sched)->excludes(ranks)->excludes(mbs)->excludes(virt)->excludes(dec);
+  auto* model = sub.add_option("--model", o->model,
+                               "Roofline costs for a named size (260K, 15M, 42M, 110M, 1.1B) or a "
+                               "JSON config file with dim, hidden_dim, n_layers, n_heads, "
+                               "[n_kv_heads], vocab_size, seq_len");
+  auto* unit = sub.add_option("--unit-costs", o->unit_costs,
+                              "F,B[,W]: seconds of one rank's share of layers for one micro-batch, "
+                              "split evenly over its virtual stages; without W, B is the full "
+                              "backward (default 1,2 when --model is absent)");
+  model->excludes(unit);
+  sub.add_option("--batch", o->batch, "Roofline: sequences per micro-batch")->capture_default_str();
+  sub.add_option("--seq-len", o->seq_len,
+                 "Roofline: tokens per sequence (inference: prompt length)")
+      ->capture_default_str();
+  sub.add_option("--flops", o->flops, "Roofline: device FLOP/s")->capture_default_str();
+  sub.add_option("--mem-bandwidth", o->mem_bandwidth, "Roofline: device memory bytes/s")
+      ->capture_default_str();
+  sub.add_option("--link-latency", o->link_latency,
+                 "Link latency in seconds (default: 5e-6 with --model, 0 with unit costs)");
+  sub.add_option("--link-bandwidth", o->link_bandwidth,
+                 "Link bytes/s (default: 25e9 with --model, infinite with unit costs; with unit "
+                 "costs every message is 1 unit)");
+  sub.add_option("--trace", o->trace, "Write a Chrome trace (chrome://tracing, Perfetto) JSON");
+  sub.add_option("--svg", o->svg, "Write an SVG timeline (ranks as rows)");
+  sub.add_option("--svg-width", o->svg_width, "SVG width in px")->capture_default_str();
+  sub.add_option("--metrics", o->metrics,
+                 "Write makespan, bubble ratio, utilization and peak memory as JSON");
+  sub.add_option("--save-schedule", o->save_schedule,
+                 "Write the lowered schedule in the text form");
+  return [o] { return run(*o); };
+}
+
+const brigade::cli::Registrar registrar{
+    {"simulate", "Simulate a pipeline schedule: makespan, bubble ratio, peak memory", setup}};
+
+}  // namespace

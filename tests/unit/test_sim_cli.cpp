@@ -1,0 +1,154 @@
+// `brigade simulate` end to end: the printed metrics, the files it writes, and the one-line
+// refusals for bad flags and inputs.
+#include <brigade/io/trace.hpp>
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Run {
+  int status = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Run brigade_cli(const std::string& args) {
+  Run r;
+  const std::string cmd = std::string(BRIGADE_CLI) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), static_cast<int>(buf.size()), pipe)) r.output += buf.data();
+  const int raw = pclose(pipe);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  return r;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / "brigade_test_sim_cli";
+  fs::create_directories(dir);
+  return dir / name;
+}
+
+bool have_cli() { return std::string(BRIGADE_CLI).size() > 0 && fs::exists(BRIGADE_CLI); }
+
+}  // namespace
+
+TEST_CASE("sim.cli.1f1b.p4.m8: prints the closed-form bubble and writes trace svg metrics") {
+  if (!have_cli()) return;
+  const auto trace = scratch("t.json"), svg = scratch("t.svg"), metrics = scratch("m.json");
+  const Run r = brigade_cli(
+      "simulate --schedule 1f1b --ranks 4 --microbatches 8 --unit-costs 1,2 "
+      "--trace " +
+      trace.string() + " --svg " + svg.string() + " --metrics " + metrics.string());
+  CAPTURE(r.output);
+  CHECK(r.status == 0);
+  CHECK(contains(r.output, "makespan     33 s"));
+  CHECK(contains(r.output, "bubble       0.272727"));  // 3 / 11
+  CHECK(contains(r.output, "peak stash   4 3 2 1"));
+  const auto j = nlohmann::json::parse(slurp(metrics));
+  CHECK(j["bubble_ratio"].get<double>() == doctest::Approx(3.0 / 11.0));
+  CHECK(j["schedule"] == "1f1b");
+  CHECK(j["costs"]["kind"] == "unit");
+  CHECK(j["peak_stash"][0] == 4);
+  CHECK(nlohmann::json::parse(slurp(trace))["traceEvents"].size() > 60);
+  CHECK(contains(slurp(svg), "<svg"));
+}
+
+TEST_CASE("sim.cli.interleaved-and-model: V and a named model size") {
+  if (!have_cli()) return;
+  const Run r = brigade_cli(
+      "simulate --schedule interleaved-1f1b --ranks 2 --microbatches 4 "
+      "--virtual 2 --unit-costs 1,2");
+  CAPTURE(r.output);
+  CHECK(r.status == 0);
+  CHECK(contains(r.output, "bubble       0.111111"));  // 1 / (2*4 + 1)
+  const Run m = brigade_cli("simulate --schedule zb-h1 --ranks 4 --microbatches 8 --model 110M");
+  CAPTURE(m.output);
+  CHECK(m.status == 0);
+  CHECK(contains(m.output, "roofline, model 110M"));
+  CHECK(contains(m.output, "bytes of activations per rank"));
+  const Run inf =
+      brigade_cli("simulate --schedule inference --ranks 2 --microbatches 2 --model 260K");
+  CAPTURE(inf.output);
+  CHECK(inf.status == 0);
+  CHECK(contains(inf.output, "rounds=4 (inference mode)"));
+}
+
+TEST_CASE("sim.cli.schedule-file: reads validates and rejects a deadlocking file") {
+  if (!have_cli()) return;
+  const auto good = scratch("good.txt");
+  brigade::io::write_file_atomic(good,
+                                 "shape ranks=2 microbatches=2\n"
+                                 "rank 0: 0F0 0F1 0B0 0B1\n"
+                                 "rank 1: 1F0 1B0 1F1 1B1\n");
+  const Run ok = brigade_cli("simulate --schedule-file " + good.string() + " --unit-costs 1,1");
+  CAPTURE(ok.output);
+  CHECK(ok.status == 0);
+  CHECK(contains(ok.output, "bubble       0.333333"));
+  const auto bad = scratch("bad.txt");
+  brigade::io::write_file_atomic(bad,
+                                 "shape ranks=2 microbatches=2\n"
+                                 "rank 0: 0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1\n"
+                                 "rank 1: 1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1\n");
+  const Run dead = brigade_cli("simulate --schedule-file " + bad.string());
+  CAPTURE(dead.output);
+  CHECK(dead.status == 2);
+  CHECK(contains(dead.output, "brigade: error (Deadlock): validate: deadlock: wait-for cycle"));
+  const auto typo = scratch("typo.txt");
+  brigade::io::write_file_atomic(typo, "shape ranks=1 microbatches=1\nrank 0: 0F0 0Q0\n");
+  const Run t = brigade_cli("simulate --schedule-file " + typo.string());
+  CHECK(t.status == 2);
+  CHECK(contains(t.output,
+                 "typo.txt: schedule text, line 2, column 14: action '0Q0': unknown op 'Q'"));
+}
+
+TEST_CASE("sim.cli.errors: bad flags and inputs give one line and a non-zero exit") {
+  if (!have_cli()) return;
+  struct Bad {
+    const char* args;
+    const char* needle;
+  };
+  const Bad cases[] = {
+      {"simulate --schedule pipedream", "unknown schedule 'pipedream'"},
+      {"simulate --ranks 0", "1f1b: ranks = 0, expected >= 1"},
+      {"simulate --schedule interleaved-1f1b --ranks 4 --microbatches 6 --virtual 2",
+       "microbatches = 6 is not a multiple of ranks = 4"},
+      {"simulate --unit-costs 1", "--unit-costs '1': 1 values, expected F,B or F,B,W"},
+      {"simulate --unit-costs 1,x", "'x' is not a non-negative number"},
+      {"simulate --model 7B", "unknown model size '7B'"},
+      {"simulate --model 260K --ranks 8", "partition::uniform: 8 stages for 5 decoder layers"},
+      {"simulate --model /nonexistent/cfg.json", "/nonexistent/cfg.json: cannot open for reading"},
+      {"simulate --schedule-file /nonexistent/s.txt", "/nonexistent/s.txt: cannot open"},
+      {"simulate --model 110M --unit-costs 1,2", "excludes"},
+      {"simulate --schedule-file x --ranks 2", "excludes"},
+  };
+  for (const auto& b : cases) {
+    const Run r = brigade_cli(b.args);
+    CAPTURE(b.args);
+    CAPTURE(r.output);
+    CHECK(r.status != 0);
+    CHECK(contains(r.output, b.needle));
+  }
+}
