@@ -3,6 +3,7 @@
 #include <brigade/schedule.hpp>
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <string>
@@ -39,33 +40,33 @@ int count(const std::vector<Action>& prog, Op op) {
 
 TEST_CASE("schedule.generators.grid: validate and round-trip for P 1-8 M 1-16 V 1-4") {
   for (const auto& g : sch::generators()) {
-    for (int P : {1, 2, 3, 4, 8}) {
-      for (int M : {1, 2, 3, 4, 8, 16}) {
-        for (int V : {1, 2, 4}) {
-          if (V > 1 && !g.supports_virtual) continue;
-          if (g.name == "interleaved-1f1b" && V > 1 && M % P != 0) continue;
-          const sch::Params p{P, M, V, 2};
-          CAPTURE(g.name);
-          CAPTURE(P);
-          CAPTURE(M);
-          CAPTURE(V);
-          const sch::Schedule compute = g.make(p);
-          CHECK(compute.shape.num_ranks == P);
-          CHECK(compute.shape.num_virtual_stages == P * V);
-          CHECK(compute.shape.num_microbatches == M);
-          for (const auto& prog : compute.ranks)
-            for (const auto& a : prog) CHECK(sch::is_compute(a.op));
-          CHECK(sch::parse_schedule(sch::to_text(compute)) == compute);
-          const sch::Schedule lowered = sch::lower(compute);
-          CHECK(sch::parse_schedule(sch::to_text(lowered)) == lowered);
-          CHECK(sch::strip_communication(lowered) == compute);
-          const auto v = sch::validate(lowered);
-          CHECK(v.actions == lowered.num_actions());
-          CHECK(v.compute_actions == compute.num_actions());
-          CHECK(v.messages * 2 == lowered.num_actions() - compute.num_actions());
+    for (int P : {1, 2, 3, 4, 8}) SUBCASE(fmt::format("{}.p{}", g.name, P).c_str()) {
+        for (int M : {1, 2, 3, 4, 8, 16}) {
+          for (int V : {1, 2, 4}) {
+            if (V > 1 && !g.supports_virtual) continue;
+            if (g.name == "interleaved-1f1b" && V > 1 && M % P != 0) continue;
+            const sch::Params p{P, M, V, 2};
+            CAPTURE(g.name);
+            CAPTURE(P);
+            CAPTURE(M);
+            CAPTURE(V);
+            const sch::Schedule compute = g.make(p);
+            CHECK(compute.shape.num_ranks == P);
+            CHECK(compute.shape.num_virtual_stages == P * V);
+            CHECK(compute.shape.num_microbatches == M);
+            for (const auto& prog : compute.ranks)
+              for (const auto& a : prog) CHECK(sch::is_compute(a.op));
+            CHECK(sch::parse_schedule(sch::to_text(compute)) == compute);
+            const sch::Schedule lowered = sch::lower(compute);
+            CHECK(sch::parse_schedule(sch::to_text(lowered)) == lowered);
+            CHECK(sch::strip_communication(lowered) == compute);
+            const auto v = sch::validate(lowered);
+            CHECK(v.actions == lowered.num_actions());
+            CHECK(v.compute_actions == compute.num_actions());
+            CHECK(v.messages * 2 == lowered.num_actions() - compute.num_actions());
+          }
         }
       }
-    }
   }
 }
 
