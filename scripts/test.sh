@@ -14,7 +14,8 @@ if [[ "${1:-}" == "--tsan" ]]; then
   cd "$build"
   # OpenBLAS's own thread pool is not instrumented; brigade runs it with one thread per stage.
   export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
-  exec ctest --output-on-failure -j"$jobs" -R 'pipeline|transport'
+  # OpenMPI is not instrumented either: the mpi-labelled tests run in the normal build only.
+  exec ctest --output-on-failure -j"$jobs" -R 'pipeline|transport' -LE mpi
 fi
 build="${BRIGADE_BUILD_DIR:-$root/build}"
 werror=OFF

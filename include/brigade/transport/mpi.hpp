@@ -128,7 +128,10 @@ class MpiTransport {
   explicit MpiTransport(const void* native_comm);
   /// Cancels receives still pending, frees the duplicated communicator. Never throws.
   ~MpiTransport();
+  /// Takes over `other`'s communicator and pending requests; every member of the moved-from
+  /// transport then throws Error{InvalidUsage}.
   MpiTransport(MpiTransport&& other) noexcept;
+  /// As the move constructor; the communicator held before is freed first.
   MpiTransport& operator=(MpiTransport&& other) noexcept;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
