@@ -1,6 +1,7 @@
 // cuda_generate: a llama2.c checkpoint generating on one GPU with brigade::cuda, the way a user
 // would call the library. With --check it replays the reference cases of
 // <data>/reference/stories260K_greedy.json and exits 1 unless every token matches run.c's.
+// Without a usable GPU it exits 77 (the tests' "skipped" code).
 //
 //   cuda_generate --data ../shared/data --check              # stories260K, f32, token-exact
 //   cuda_generate --data DIR --prompt "Once upon a time" -n 64 --dtype bf16
@@ -73,7 +74,7 @@ int main(int argc, char** argv) {
     const auto info = brigade::cuda::probe_devices();
     if (!info.available) {
       std::fprintf(stderr, "cuda_generate: no CUDA device: %s\n", info.reason.c_str());
-      return 2;
+      return 77;  // "skipped", as the cuda tests
     }
     const fs::path dir = data;
     const auto weights = brigade::model::load_llama2c_checkpoint(dir / model_name);
