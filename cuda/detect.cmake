@@ -35,13 +35,15 @@ if(_brigade_cuda_mode STREQUAL "OFF")
   set(_brigade_cuda_ok FALSE)
 endif()
 
-# 1. nvcc. The PATH of a clean environment may lack /usr/local/cuda/bin: look there too.
+# 1. nvcc. The PATH of a clean environment may lack /usr/local/cuda/bin: look there too. The
+#    candidate goes through check_language (via CUDACXX), which tries it on a test project, so a
+#    broken nvcc turns the component off instead of failing the configure.
 if(_brigade_cuda_ok)
   if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
     find_program(BRIGADE_NVCC nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH PATH_SUFFIXES bin
                  PATHS /usr/local/cuda/bin)
     if(BRIGADE_NVCC)
-      set(CMAKE_CUDA_COMPILER "${BRIGADE_NVCC}")
+      set(ENV{CUDACXX} "${BRIGADE_NVCC}")
     endif()
   endif()
   include(CheckLanguage)
