@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -37,6 +38,55 @@ using ConstMapArr = Eigen::Map<const Eigen::ArrayXf>;
 
 /// Query rows per attention block: the score block is [kAttnBlock x keys] floats.
 constexpr std::int64_t kAttnBlock = 128;
+
+// Alignment-independent reductions and exp. Eigen peels an unaligned head of a dynamic-size Map
+// with scalar code, so the order of a sum, and whether an element's exp takes the vector or the
+// scalar path, would depend on where a buffer happens to start: two runs of the same step could
+// differ in the last bits. These walk fixed 16-float blocks from index 0 (the tail padded into
+// one block), so every result is bitwise reproducible. (Element-wise +, -, *, / are exact either
+// way; the library is built with -ffp-contract=off so no path fuses them differently.)
+using Block = Eigen::Array<float, 16, 1>;
+constexpr std::int64_t kBlock = 16;
+
+float dot_fixed(const float* a, const float* b, std::int64_t n) {
+  Block acc = Block::Zero();
+  std::int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    acc += Eigen::Map<const Block>(a + i) * Eigen::Map<const Block>(b + i);
+  for (std::int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
+  return acc.sum();
+}
+
+float dot3_fixed(const float* a, const float* b, const float* c, std::int64_t n) {
+  Block acc = Block::Zero();
+  std::int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    acc += Eigen::Map<const Block>(a + i) * Eigen::Map<const Block>(b + i) *
+           Eigen::Map<const Block>(c + i);
+  for (std::int64_t j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j] * c[i + j];
+  return acc.sum();
+}
+
+/// out[i] = exp(in[i] / div - sub) for i < n (out may alias in); every element through the
+/// vector exp. @return the sum of the outputs (fixed order)
+float exp_affine_fixed(const float* in, float* out, std::int64_t n, float div, float sub) {
+  Block acc = Block::Zero();
+  std::int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    const Block e = (Eigen::Map<const Block>(in + i) / div - sub).exp();
+    if (out != nullptr) Eigen::Map<Block>(out + i) = e;
+    acc += e;
+  }
+  if (i < n) {
+    Block t = Block::Constant(-std::numeric_limits<float>::infinity());
+    for (std::int64_t j = 0; i + j < n; ++j) t[j] = in[i + j] / div - sub;
+    t = t.exp();  // padding: exp(-inf) = 0
+    for (std::int64_t j = 0; i + j < n; ++j)
+      if (out != nullptr) out[i + j] = t[j];
+    acc += t;
+  }
+  return acc.sum();
+}
 
 std::size_t usize(std::int64_t n) { return static_cast<std::size_t>(n); }
 
@@ -221,7 +271,8 @@ void rmsnorm_backward(const float* x, const float* weight, const float* inv_rms,
     const float r = inv_rms[t];
     if (dweight != nullptr) MapArr(dweight, dim) += g * xr * r;
     // d/dx of w * r * x: r * w * dy - x * r^3 * mean(w * dy * x).
-    const float c = r * r * r * (w * g * xr).sum() / static_cast<float>(dim);
+    const float c = r * r * r * dot3_fixed(weight, dy + t * dim, x + t * dim, dim) /
+                    static_cast<float>(dim);
     // The reduction above is complete before dx is written, so dx may alias x or dy.
     MapArr d(dx + t * dim, dim);
     if (store == Store::Overwrite) {
@@ -310,8 +361,7 @@ void attention_varlen_forward(const float* q, const float* k, const float* v, fl
           MapArr row(scores.data() + i * keys, visible);
           row /= scale;
           const float mx = row.maxCoeff();
-          row = (row - mx).exp();
-          const float sum = row.sum();
+          const float sum = exp_affine_fixed(row.data(), row.data(), visible, 1.0f, mx);
           row /= sum;
           if (lse != nullptr) lse[(o + r0 + i) * n_heads + h] = mx + std::log(sum);
           std::fill(scores.data() + i * keys + visible, scores.data() + (i + 1) * keys, 0.0f);
@@ -370,9 +420,9 @@ void attention_varlen_backward(const float* q, const float* k, const float* v, c
           const std::int64_t visible = r0 + i + 1;
           MapArr row(pbuf.data() + i * keys, visible);
           const float l = lse[(o + r0 + i) * n_heads + h];
-          row = (row / scale - l).exp();
+          exp_affine_fixed(row.data(), row.data(), visible, scale, l);
           std::fill(pbuf.data() + i * keys + visible, pbuf.data() + (i + 1) * keys, 0.0f);
-          dsum[usize(i)] = gob.row(i).dot(ob.row(i));  // D_i = dO_i . O_i
+          dsum[usize(i)] = dot_fixed(gob.data() + i * dim, ob.data() + i * dim, hs);  // dO_i . O_i
         }
         dvb.noalias() += pm.transpose() * gob;
         MapMat dsm(dpbuf.data(), rows, keys);
@@ -434,12 +484,11 @@ CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
     float sum = 0.0f;
     if (dlogits != nullptr) {
       MapArr d(dlogits + t * vocab, vocab);
-      d = (row - mx).exp();
-      sum = d.sum();
+      sum = exp_affine_fixed(logits + t * vocab, dlogits + t * vocab, vocab, 1.0f, mx);
       d *= inv_denom / sum;
       d[y] -= inv_denom;
     } else {
-      sum = (row - mx).exp().sum();
+      sum = exp_affine_fixed(logits + t * vocab, nullptr, vocab, 1.0f, mx);
     }
     loss.sum += static_cast<double>(mx) + std::log(static_cast<double>(sum)) -
                 static_cast<double>(target_logit);

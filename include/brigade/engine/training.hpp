@@ -1,0 +1,312 @@
+// Pipeline training: one executor that runs any lowered Schedule over TrainStages and a
+// Transport, and the TrainingEngine around it (micro-batches, loss, AdamW, checkpoints).
+#pragma once
+
+#include "brigade/core/timeline.hpp"
+#include "brigade/cost/cost_model.hpp"
+#include "brigade/data/corpus.hpp"
+#include "brigade/engine/optimizer.hpp"
+#include "brigade/model/weights.hpp"
+#include "brigade/partition/partition.hpp"
+#include "brigade/runtime/train_stage.hpp"
+#include "brigade/schedule/action.hpp"
+#include "brigade/schedule/dataflow.hpp"
+#include "brigade/transport/transport.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace brigade::engine {
+inline namespace v0 {
+
+namespace detail {
+inline constexpr int kTagActivation = 11;  // SEND_F -> RECV_F: F32 [rows, dim]
+inline constexpr int kTagGradient = 12;    // SEND_B -> RECV_B: F32 [rows, dim]
+}  // namespace detail
+
+/// Runs one rank's lowered program for one training step.
+///
+/// The executor is the same for every generator (GPipe, 1F1B, interleaved, ZB-H1, hand-written):
+/// it walks the action list in order. All receives of the program are posted at the start, in
+/// program order (the lowered IR pairs each channel's sends and receives in order, so early
+/// posting is safe); a RECV_F/RECV_B action waits for its message. Sends are asynchronous and
+/// completed at the end. F of the first virtual stage reads the micro-batch's token ids; F of
+/// another reads the received (or, when the previous virtual stage is on this rank, the local)
+/// activations. B is BI then BW. RECOMPUTE rebuilds a stage's activations from its stashed input:
+/// an F whose (virtual stage, micro-batch) has a RECOMPUTE later in the program keeps only its
+/// input. OPT and SAMPLE are not executed here (the engine steps the optimizer after the step).
+///
+/// @param program   rank `rank`'s lowered actions
+/// @param shape     the schedule's shape (placement: virtual stage -> rank)
+/// @param stages    stages[v] is virtual stage v's TrainStage (non-null for those on this rank)
+/// @param batches   the step's micro-batches (every rank sees all of them)
+/// @param grad_denominator the step's total target rows (the loss is their mean)
+/// @param timeline  receives one interval per compute action (and RECV waits), rank = `rank`
+/// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
+template <transport::Transport T>
+void run_training_program(std::span<const schedule::Action> program, const schedule::Shape& shape,
+                          int rank, std::span<runtime::TrainStage* const> stages,
+                          std::span<const data::PackedBatch> batches, double grad_denominator,
+                          T& transport, std::chrono::steady_clock::time_point t0,
+                          double timeout_s, Timeline& timeline, int dim) {
+  using schedule::Op;
+  using transport::DType;
+  using transport::MessageHeader;
+  auto now = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto key = [&](int v, int mb) { return static_cast<std::int64_t>(v) * shape.num_microbatches + mb; };
+  auto stage = [&](int v) -> runtime::TrainStage& {
+    BRIGADE_CHECK(v >= 0 && v < static_cast<int>(stages.size()) && stages[static_cast<std::size_t>(v)],
+                  Errc::InvalidArgument, "executor: rank {} has no stage for virtual stage {}",
+                  rank, v);
+    return *stages[static_cast<std::size_t>(v)];
+  };
+  auto rows_of = [&](int mb) {
+    BRIGADE_CHECK(mb >= 0 && mb < static_cast<int>(batches.size()), Errc::InvalidArgument,
+                  "executor: micro-batch {} outside the step's {} micro-batches", mb,
+                  batches.size());
+    return batches[static_cast<std::size_t>(mb)].rows();
+  };
+
+  // Which (virtual stage, micro-batch) pairs are recomputed later: their F keeps only its input.
+  std::map<std::int64_t, bool> recomputed;
+  for (const auto& a : program)
+    if (a.op == Op::Recompute) recomputed[key(a.virtual_stage, a.microbatch)] = true;
+
+  // Post every receive now, in program order.
+  struct Pending {
+    std::vector<float> buffer;
+    transport::Request request;
+  };
+  std::map<std::int64_t, Pending> recv_f, recv_b;
+  for (const auto& a : program) {
+    if (a.op != Op::RecvF && a.op != Op::RecvB) continue;
+    const bool fwd = a.op == Op::RecvF;
+    auto& slot = (fwd ? recv_f : recv_b)[key(a.virtual_stage, a.microbatch)];
+    const std::int64_t rows = rows_of(a.microbatch);
+    slot.buffer.resize(static_cast<std::size_t>(rows * dim));
+    slot.request = transport.irecv(
+        schedule::peer_rank(shape, a), fwd ? detail::kTagActivation : detail::kTagGradient,
+        MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {rows, dim}),
+        transport::as_writable_bytes(std::span<float>(slot.buffer)));
+  }
+  std::vector<transport::Request> sends;
+  std::vector<std::vector<float>> send_buffers;
+
+  auto record = [&](Op op, int v, int mb, double a, double b) {
+    Interval iv;
+    iv.rank = rank;
+    iv.op = op;
+    iv.virtual_stage = v;
+    iv.microbatch = mb;
+    iv.start = a;
+    iv.end = b;
+    iv.tokens = rows_of(mb);
+    timeline.add(std::move(iv));
+  };
+  auto take_recv = [&](std::map<std::int64_t, Pending>& m, const schedule::Action& a) -> Pending& {
+    auto it = m.find(key(a.virtual_stage, a.microbatch));
+    BRIGADE_CHECK(it != m.end(), Errc::Internal, "executor: rank {}: {} was not posted", rank,
+                  schedule::to_string(a));
+    return it->second;
+  };
+  // The input activation of F(v, mb): received, or the local output of v - 1.
+  auto forward_input = [&](int v, int mb) -> const float* {
+    if (v == 0) return nullptr;
+    if (auto it = recv_f.find(key(v, mb)); it != recv_f.end()) {
+      BRIGADE_CHECK(it->second.request.done, Errc::Internal,
+                    "executor: rank {}: F({}, {}) before its RECV_F", rank, v, mb);
+      return it->second.buffer.data();
+    }
+    return stage(v - 1).output(mb).data();
+  };
+  auto output_grad = [&](int v, int mb) -> const float* {
+    if (v == shape.num_virtual_stages - 1) return nullptr;
+    if (auto it = recv_b.find(key(v, mb)); it != recv_b.end()) {
+      BRIGADE_CHECK(it->second.request.done, Errc::Internal,
+                    "executor: rank {}: backward({}, {}) before its RECV_B", rank, v, mb);
+      return it->second.buffer.data();
+    }
+    return stage(v + 1).grad_input(mb).data();
+  };
+  auto backward_input = [&](int v, int mb) {
+    stage(v).backward_input(mb, output_grad(v, mb));
+    if (auto it = recv_b.find(key(v, mb)); it != recv_b.end()) {
+      it->second.buffer.clear();
+      it->second.buffer.shrink_to_fit();
+    } else if (v + 1 < shape.num_virtual_stages) {
+      stage(v + 1).release_grad_input(mb);
+    }
+  };
+
+  for (const auto& a : program) {
+    const int v = a.virtual_stage, mb = a.microbatch;
+    const double start = now();
+    switch (a.op) {
+      case Op::RecvF:
+      case Op::RecvB: {
+        auto& p = take_recv(a.op == Op::RecvF ? recv_f : recv_b, a);
+        transport.wait(p.request, transport::Deadline::after(timeout_s));
+        record(a.op, v, mb, start, now());
+        break;
+      }
+      case Op::F: {
+        const float* x = forward_input(v, mb);
+        stage(v).forward(mb, batches[static_cast<std::size_t>(mb)], x, grad_denominator,
+                         !recomputed.count(key(v, mb)));
+        if (auto it = recv_f.find(key(v, mb)); it != recv_f.end() && !recomputed.count(key(v, mb))) {
+          it->second.buffer.clear();
+          it->second.buffer.shrink_to_fit();
+        }
+        record(Op::F, v, mb, start, now());
+        break;
+      }
+      case Op::Recompute:
+        stage(v).recompute(mb);
+        record(Op::Recompute, v, mb, start, now());
+        break;
+      case Op::B:
+        backward_input(v, mb);
+        stage(v).backward_weight(mb);
+        record(Op::B, v, mb, start, now());
+        break;
+      case Op::BI:
+        backward_input(v, mb);
+        record(Op::BI, v, mb, start, now());
+        break;
+      case Op::BW:
+        stage(v).backward_weight(mb);
+        record(Op::BW, v, mb, start, now());
+        break;
+      case Op::SendF:
+      case Op::SendB: {
+        const bool fwd = a.op == Op::SendF;
+        auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
+        const auto peer = schedule::counterpart(shape, a);
+        send_buffers.emplace_back(src.begin(), src.end());
+        const std::int64_t rows = rows_of(mb);
+        sends.push_back(transport.isend(
+            schedule::peer_rank(shape, a), fwd ? detail::kTagActivation : detail::kTagGradient,
+            MessageHeader::make(mb, peer->virtual_stage, DType::F32, {rows, dim}),
+            transport::as_bytes(std::span<const float>(send_buffers.back()))));
+        if (fwd)
+          stage(v).release_output(mb);
+        else
+          stage(v).release_grad_input(mb);
+        break;
+      }
+      case Op::Sample:
+      case Op::Opt:
+        break;
+    }
+  }
+  for (auto& s : sends) transport.wait(s, transport::Deadline::after(timeout_s));
+}
+
+/// How a TrainingEngine splits the model and orders its work.
+struct TrainingConfig {
+  std::string schedule = "1f1b";  ///< a training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1
+  int ranks = 1;                  ///< P: pipeline ranks (threads)
+  int virtual_stages = 1;         ///< V: virtual stages per rank (interleaved-1f1b)
+  int microbatches = 1;           ///< M: micro-batches per step
+  AdamWConfig optimizer;          ///< AdamW and its learning-rate schedule
+  double timeout_s = 120.0;       ///< a rank waiting longer on a peer fails (PeerTimeout)
+};
+
+/// What one step did.
+struct StepResult {
+  double loss = 0.0;             ///< mean cross-entropy over the step's target rows (nats)
+  std::int64_t tokens = 0;       ///< target rows in the step
+  double seconds = 0.0;          ///< wall time of forward + backward (+ optimizer)
+  double lr = 0.0;               ///< learning rate used (0 when no optimizer step was taken)
+  double grad_norm = 0.0;        ///< global gradient norm before clipping
+  Timeline timeline{1};          ///< measured intervals, one row per rank
+};
+
+/// Trains a Llama split into pipeline stages, one thread per rank over an InProcessTransport,
+/// driven by a lowered Schedule from the generator table.
+///
+/// Partition: the decoder layers are split uniformly over the P x V virtual stages
+/// (partition::uniform), virtual stage v on rank v mod P; the embedding joins the first virtual
+/// stage, the final norm, LM head and loss the last. A shared classifier is held by both the
+/// first and the last virtual stage: their two gradients are summed after each step and both
+/// copies take the same update, so they stay equal (Megatron's embedding group).
+class TrainingEngine {
+ public:
+  /// @throws brigade::Error{InvalidArgument} for an unknown or inference schedule, a
+  ///         configuration the generator rejects, or more virtual stages than decoder layers
+  TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config);
+  ~TrainingEngine();
+  TrainingEngine(const TrainingEngine&) = delete;
+  TrainingEngine& operator=(const TrainingEngine&) = delete;
+
+  /// Forward and backward of every micro-batch (config.microbatches of them) by the schedule;
+  /// gradients of the mean loss are left in the stages (tied copies summed). No update.
+  /// @throws brigade::Error{InvalidArgument} if the batch count differs from the configuration
+  ///         or a batch is empty; any rank's error (the others are stopped)
+  StepResult compute_gradients(std::span<const data::PackedBatch> batches);
+  /// Global-norm clipping and one AdamW update of every stage, from the gradients left by
+  /// compute_gradients(). @return {learning rate, gradient norm before clipping}
+  std::pair<double, double> optimizer_step();
+  /// compute_gradients() then optimizer_step().
+  StepResult train_step(std::span<const data::PackedBatch> batches);
+  /// Mean cross-entropy of `batches` under the current parameters (forward only, no gradients).
+  /// @throws brigade::Error{InvalidArgument} if batches is empty
+  double evaluate(std::span<const data::PackedBatch> batches);
+
+  /// Every parameter's gradient by name (the tied embedding once), after compute_gradients().
+  [[nodiscard]] std::map<std::string, std::vector<float>> gradients() const;
+  /// The current parameters as a model (owned storage), for saving or generating.
+  [[nodiscard]] model::LlamaWeights export_weights() const;
+
+  /// Writes `dir/model.bin` (llama2.c format, loadable by `brigade generate`) and
+  /// `dir/optimizer.bin` (AdamW moments, step, `data_position`), each atomically.
+  /// @throws brigade::Error{BadFile} if a file cannot be written
+  void save_checkpoint(const std::filesystem::path& dir, std::int64_t data_position) const;
+  /// Restores the optimizer state written by save_checkpoint (the weights come from
+  /// `dir/model.bin`, passed to the constructor). @return the saved data position
+  /// @throws brigade::Error{BadFile} if the file is missing, truncated, or was written for another
+  ///         model or split
+  std::int64_t load_optimizer_state(const std::filesystem::path& dir);
+
+  /// The lowered schedule every step runs.
+  [[nodiscard]] const schedule::Schedule& schedule() const noexcept;
+  [[nodiscard]] const partition::Partition& partition() const noexcept;
+  /// Optimizer steps taken.
+  [[nodiscard]] std::int64_t steps() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A cost model that replays measured timings: the mean duration of each (op, virtual stage)
+/// in a Timeline, free links, no activation accounting. Simulating a schedule with it predicts
+/// the bubble of a run whose actions took those times, for the measured-vs-simulated comparison.
+class MeasuredCostModel {
+ public:
+  /// @param timeline a measured run (executor output) of a schedule of `shape`
+  MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline);
+  [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept;
+  [[nodiscard]] double activation_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
+
+ private:
+  int num_virtual_stages_;
+  std::vector<double> mean_;  // [op * N + v]
+};
+
+/// Bubble ratio the simulator predicts for `lowered` with the costs measured in `timeline`.
+/// @throws brigade::Error as sim::simulate
+double simulated_bubble(const schedule::Schedule& lowered, const Timeline& timeline);
+
+}  // namespace v0
+}  // namespace brigade::engine

@@ -1,0 +1,290 @@
+// TrainStage: a stage's parameters, gradients and per-micro-batch stashes for training.
+#include "brigade/runtime/train_stage.hpp"
+
+#include <algorithm>
+#include <array>
+
+namespace brigade::runtime {
+inline namespace v0 {
+
+using model::LayerKind;
+
+namespace {
+
+constexpr std::array<const char*, 9> kDecoderNames = {"attention_norm", "wq", "wk", "wv", "wo",
+                                                      "ffn_norm", "w1", "w2", "w3"};
+
+std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
+  const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
+  return {d, d * d, kv * d, kv * d, d * d, d, h * d, d * h, h * d};
+}
+
+std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
+  return {w.rms_att, w.wq, w.wk, w.wv, w.wo, w.rms_ffn, w.w1, w.w2, w.w3};
+}
+
+}  // namespace
+
+TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange range)
+    : config_(init.config), range_(range) {
+  const model::ModelSpec spec(config_);
+  const int n = spec.num_layers();
+  BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= n,
+                Errc::InvalidArgument, "TrainStage: layers [{}, {}) outside the model's [0, {})",
+                range.first, range.last, n);
+  const int L = config_.n_layers;
+  const int tail_first = L + 1;  // FinalNorm
+  const bool any_tail = range.last > tail_first;
+  BRIGADE_CHECK(!any_tail || (range.first <= tail_first && range.last == n), Errc::InvalidArgument,
+                "TrainStage: layers [{}, {}) split the final norm, LM head and loss (layers "
+                "[{}, {})) across stages; training keeps them on one stage",
+                range.first, range.last, tail_first, n);
+  has_head_ = any_tail;
+  const auto d = static_cast<std::size_t>(config_.dim);
+  const auto vd = static_cast<std::size_t>(config_.vocab_size) * d;
+  if (has_embedding()) {
+    embedding_.assign(init.token_embedding, init.token_embedding + vd);
+    d_embedding_.assign(vd, 0.0f);
+  }
+  first_decoder_ = std::max(0, range.first - 1);
+  num_decoders_ = std::max(0, std::min(range.last, L + 1) - std::max(range.first, 1));
+  const auto sizes = decoder_sizes(config_);
+  for (int i = 0; i < num_decoders_; ++i) {
+    const auto& src = init.layers[static_cast<std::size_t>(first_decoder_ + i)];
+    const auto ptrs = decoder_ptrs(src);
+    std::vector<float> flat;
+    for (std::size_t t = 0; t < 9; ++t)
+      flat.insert(flat.end(), ptrs[t], ptrs[t] + sizes[t]);
+    decoder_params_.push_back(std::move(flat));
+  }
+  for (auto& flat : decoder_params_) {
+    model::DecoderWeights w;
+    const float* p = flat.data();
+    std::array<const float**, 9> dst = {&w.rms_att, &w.wq, &w.wk, &w.wv, &w.wo,
+                                        &w.rms_ffn, &w.w1, &w.w2, &w.w3};
+    for (std::size_t t = 0; t < 9; ++t) {
+      *dst[t] = p;
+      p += sizes[t];
+    }
+    decoders_.push_back(w);
+    cpu::DecoderGrads g;
+    g.zero(config_);
+    d_decoders_.push_back(std::move(g));
+  }
+  if (has_head_) {
+    rms_final_.assign(init.rms_final, init.rms_final + d);
+    d_rms_final_.assign(d, 0.0f);
+    if (!(config_.shared_classifier && has_embedding())) {
+      wcls_.assign(init.wcls, init.wcls + vd);
+      d_wcls_.assign(vd, 0.0f);
+    }
+  }
+}
+
+TrainStage::Micro& TrainStage::micro(int mb, const char* what) {
+  auto it = micro_.find(mb);
+  BRIGADE_CHECK(it != micro_.end() && it->second.forwarded, Errc::InvalidUsage,
+                "TrainStage [{}, {}): {} of micro-batch {} before its forward", range_.first,
+                range_.last, what, mb);
+  return it->second;
+}
+
+const TrainStage::Micro& TrainStage::micro(int mb, const char* what) const {
+  return const_cast<TrainStage*>(this)->micro(mb, what);
+}
+
+void TrainStage::run_forward(Micro& m, const float* x_in) {
+  const auto& b = *m.batch;
+  const std::int64_t rows = b.rows();
+  const auto dim = static_cast<std::int64_t>(config_.dim);
+  m.output.resize(static_cast<std::size_t>(rows * dim));
+  if (has_embedding()) {
+    cpu::embedding(embedding_.data(), b.inputs.data(), m.output.data(), rows, dim);
+  } else {
+    std::copy_n(x_in, rows * dim, m.output.data());
+  }
+  m.acts.resize(static_cast<std::size_t>(num_decoders_));
+  for (int i = 0; i < num_decoders_; ++i)
+    cpu::decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], m.output.data(),
+                               m.output.data(), rows, b.offsets,
+                               m.acts[static_cast<std::size_t>(i)], &scratch_);
+  if (has_head_) {
+    const float* wcls = wcls_.empty() ? embedding_.data() : wcls_.data();
+    // The tail runs its head backward-input right away: output() then holds the gradient of the
+    // head's input, and the loss is known after F, as on Megatron's last stage.
+    m.loss = cpu::head_forward_backward_input(config_, rms_final_.data(), wcls, m.output.data(),
+                                              b.targets.data(), rows, m.output.data(), m.head,
+                                              m.denominator);
+  }
+  m.full = true;
+}
+
+void TrainStage::forward(int mb, const data::PackedBatch& batch, const float* x_in,
+                         double grad_denominator, bool keep_activations) {
+  BRIGADE_CHECK(has_embedding() || x_in != nullptr, Errc::InvalidArgument,
+                "TrainStage [{}, {}): forward of micro-batch {} without an input activation",
+                range_.first, range_.last, mb);
+  BRIGADE_CHECK(batch.rows() >= 1 && batch.targets.size() == batch.inputs.size() &&
+                    batch.offsets.size() >= 2 && batch.offsets.back() == batch.rows(),
+                Errc::InvalidArgument,
+                "TrainStage: micro-batch {} is malformed ({} inputs, {} targets, offsets ending "
+                "at {})",
+                mb, batch.inputs.size(), batch.targets.size(),
+                batch.offsets.empty() ? -1 : batch.offsets.back());
+  BRIGADE_CHECK(grad_denominator > 0, Errc::InvalidArgument,
+                "TrainStage: gradient denominator {} <= 0", grad_denominator);
+  Micro& m = micro_[mb];
+  m = Micro{};
+  m.batch = &batch;
+  m.denominator = grad_denominator;
+  m.forwarded = true;
+  if (!keep_activations && !has_embedding())
+    m.input.assign(x_in, x_in + batch.rows() * config_.dim);
+  run_forward(m, x_in);
+  if (!keep_activations) {
+    for (auto& a : m.acts) a.clear();
+    m.head = {};
+    m.full = false;
+    if (has_head_) m.output.clear();  // the head's gradient is rebuilt by the recompute
+  }
+}
+
+void TrainStage::recompute(int mb) {
+  Micro& m = micro(mb, "RECOMPUTE");
+  BRIGADE_CHECK(has_embedding() || !m.input.empty(), Errc::InvalidUsage,
+                "TrainStage [{}, {}): RECOMPUTE of micro-batch {} without a stashed input",
+                range_.first, range_.last, mb);
+  const std::vector<float> out = m.output;  // a non-tail output may already be released
+  run_forward(m, has_embedding() ? nullptr : m.input.data());
+  if (!has_head_) m.output = out;
+  m.input.clear();
+  m.input.shrink_to_fit();
+}
+
+void TrainStage::backward_input(int mb, const float* dy) {
+  Micro& m = micro(mb, "BI");
+  BRIGADE_CHECK(m.full, Errc::InvalidUsage,
+                "TrainStage [{}, {}): BI of micro-batch {} whose activations were dropped and "
+                "not recomputed",
+                range_.first, range_.last, mb);
+  BRIGADE_CHECK(has_head_ || dy != nullptr, Errc::InvalidArgument,
+                "TrainStage [{}, {}): BI of micro-batch {} without an output gradient",
+                range_.first, range_.last, mb);
+  const std::int64_t rows = m.batch->rows();
+  std::vector<float> g;
+  if (has_head_) {
+    g = std::move(m.output);
+  } else {
+    g.assign(dy, dy + rows * config_.dim);
+  }
+  m.output = {};
+  for (int i = num_decoders_ - 1; i >= 0; --i)
+    cpu::decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
+                                m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
+                                &scratch_);
+  (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
+  m.bi_done = true;
+}
+
+void TrainStage::backward_weight(int mb) {
+  Micro& m = micro(mb, "BW");
+  BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
+                "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
+                range_.last, mb);
+  for (int i = 0; i < num_decoders_; ++i)
+    cpu::decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
+                                 d_decoders_[static_cast<std::size_t>(i)]);
+  if (has_head_) {
+    float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
+    cpu::head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
+  }
+  if (has_embedding())
+    cpu::embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
+                            m.batch->rows(), config_.dim, config_.vocab_size);
+  const auto loss = m.loss;
+  const auto* batch = m.batch;
+  auto grad_in = std::move(m.grad_in);
+  m = Micro{};
+  m.loss = loss;
+  m.batch = batch;
+  m.grad_in = std::move(grad_in);
+  m.forwarded = true;  // keeps loss() and grad_input() readable until zero_grad()
+}
+
+std::span<const float> TrainStage::output(int mb) const { return micro(mb, "output").output; }
+std::span<const float> TrainStage::grad_input(int mb) const { return micro(mb, "grad_input").grad_in; }
+
+void TrainStage::release_output(int mb) {
+  Micro& m = micro(mb, "release_output");
+  if (!has_head_) {
+    m.output.clear();
+    m.output.shrink_to_fit();
+  }
+}
+
+void TrainStage::release_grad_input(int mb) {
+  Micro& m = micro(mb, "release_grad_input");
+  m.grad_in.clear();
+  m.grad_in.shrink_to_fit();
+}
+
+cpu::CrossEntropyLoss TrainStage::loss(int mb) const { return micro(mb, "loss").loss; }
+
+cpu::CrossEntropyLoss TrainStage::total_loss() const {
+  cpu::CrossEntropyLoss t;
+  for (const auto& [mb, m] : micro_) {
+    t.sum += m.loss.sum;
+    t.count += m.loss.count;
+  }
+  return t;
+}
+
+void TrainStage::zero_grad() {
+  micro_.clear();
+  std::fill(d_embedding_.begin(), d_embedding_.end(), 0.0f);
+  std::fill(d_rms_final_.begin(), d_rms_final_.end(), 0.0f);
+  std::fill(d_wcls_.begin(), d_wcls_.end(), 0.0f);
+  for (auto& g : d_decoders_) g.zero(config_);
+}
+
+std::vector<ParamRef> TrainStage::params() {
+  std::vector<ParamRef> out;
+  const auto vd = static_cast<std::int64_t>(config_.vocab_size) * config_.dim;
+  if (has_embedding())
+    out.push_back({"tok_embeddings", embedding_.data(), d_embedding_.data(), vd, true});
+  const auto sizes = decoder_sizes(config_);
+  for (int i = 0; i < num_decoders_; ++i) {
+    float* p = decoder_params_[static_cast<std::size_t>(i)].data();
+    auto grads = d_decoders_[static_cast<std::size_t>(i)].tensors();
+    for (std::size_t t = 0; t < 9; ++t) {
+      out.push_back({fmt::format("layers.{}.{}", first_decoder_ + i, kDecoderNames[t]), p,
+                     grads[t]->data(), sizes[t], t != 0 && t != 5});
+      p += sizes[t];
+    }
+  }
+  if (has_head_) {
+    out.push_back({"norm", rms_final_.data(), d_rms_final_.data(), config_.dim, false});
+    if (!wcls_.empty())
+      out.push_back({config_.shared_classifier ? "tok_embeddings" : "output", wcls_.data(),
+                     d_wcls_.data(), vd, true});
+  }
+  return out;
+}
+
+void TrainStage::export_to(std::map<std::string, std::vector<float>>& out) const {
+  for (auto& p : const_cast<TrainStage*>(this)->params())
+    out[p.name].assign(p.value, p.value + p.size);
+}
+
+std::size_t TrainStage::stashed_bytes() const {
+  std::size_t b = 0;
+  for (const auto& [mb, m] : micro_) {
+    b += (m.input.size() + m.output.size() + m.grad_in.size() + m.emb_dy.size()) * sizeof(float);
+    b += m.head.bytes();
+    for (const auto& a : m.acts) b += a.bytes();
+  }
+  return b;
+}
+
+}  // namespace v0
+}  // namespace brigade::runtime

@@ -1,0 +1,390 @@
+// TrainingEngine: in-process pipeline training over the schedule IR.
+#include "brigade/engine/training.hpp"
+
+#include "brigade/io/trace.hpp"
+#include "brigade/schedule/lower.hpp"
+#include "brigade/schedule/registry.hpp"
+#include "brigade/schedule/validate.hpp"
+#include "brigade/sim/simulator.hpp"
+#include "brigade/transport/in_process.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace brigade::engine {
+inline namespace v0 {
+namespace fs = std::filesystem;
+
+struct TrainingEngine::Impl {
+  model::LlamaConfig config;
+  TrainingConfig cfg;
+  schedule::Schedule lowered;
+  partition::Partition part{1, 1, {{0, 0, 1}}};
+  std::vector<std::unique_ptr<runtime::TrainStage>> stages;  // by virtual stage
+  std::vector<std::unique_ptr<AdamW>> optimizers;            // by virtual stage
+  std::int64_t steps = 0;
+
+  /// Index of the tail stage's tied classifier copy in its params(), or -1.
+  [[nodiscard]] bool tied_across_stages() const {
+    return config.shared_classifier && stages.size() > 1;
+  }
+};
+
+namespace {
+
+template <class F>
+void run_ranks(int P, transport::InProcessFabric& fabric, F&& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < P; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          body(r);
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+          fabric.abort(fmt::format("rank {} failed: {}", r, e.what()));
+        }
+      });
+  }
+  std::exception_ptr aborted;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (err.code() != Errc::Aborted) std::rethrow_exception(e);
+      if (!aborted) aborted = e;
+    } catch (...) {
+      std::rethrow_exception(e);
+    }
+  }
+  if (aborted) std::rethrow_exception(aborted);
+}
+
+runtime::ParamRef find_param(runtime::TrainStage& s, const std::string& name) {
+  for (auto& p : s.params())
+    if (p.name == name) return p;
+  brigade::detail::fail(Errc::Internal, "TrainingEngine: stage has no parameter {}", name);
+}
+
+}  // namespace
+
+TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config)
+    : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.config = init.config;
+  I.cfg = config;
+  const auto& gen = schedule::find_generator(config.schedule);
+  schedule::Params params;
+  params.ranks = config.ranks;
+  params.microbatches = config.microbatches;
+  params.virtual_stages = config.virtual_stages;
+  const schedule::Schedule compute = gen.make(params);
+  BRIGADE_CHECK(compute.shape.mode == schedule::Mode::Training, Errc::InvalidArgument,
+                "TrainingEngine: schedule '{}' is an inference schedule", config.schedule);
+  const model::ModelSpec spec(init.config);
+  const int N = compute.shape.num_virtual_stages;
+  BRIGADE_CHECK(N <= init.config.n_layers, Errc::InvalidArgument,
+                "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers",
+                N, config.ranks, config.virtual_stages, init.config.n_layers);
+  std::vector<partition::StageRange> st = partition::uniform(spec, N).stages();
+  for (int v = 0; v < N; ++v) st[static_cast<std::size_t>(v)].rank = compute.shape.rank_of(v);
+  I.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
+  I.lowered = schedule::lower(compute, I.part);
+  schedule::validate(I.lowered);
+  for (int v = 0; v < N; ++v) {
+    I.stages.push_back(std::make_unique<runtime::TrainStage>(init, I.part.stage(v)));
+    std::vector<ParamSlot> slots;
+    for (auto& p : I.stages.back()->params()) slots.push_back({p.value, p.grad, p.size, p.decay});
+    I.optimizers.push_back(std::make_unique<AdamW>(std::move(slots), config.optimizer));
+  }
+}
+
+TrainingEngine::~TrainingEngine() = default;
+
+const schedule::Schedule& TrainingEngine::schedule() const noexcept { return impl_->lowered; }
+const partition::Partition& TrainingEngine::partition() const noexcept { return impl_->part; }
+std::int64_t TrainingEngine::steps() const noexcept { return impl_->steps; }
+
+StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
+  auto& I = *impl_;
+  const auto& shape = I.lowered.shape;
+  BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches, Errc::InvalidArgument,
+                "TrainingEngine: {} micro-batches for a schedule of {}", batches.size(),
+                shape.num_microbatches);
+  std::int64_t rows = 0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
+                  "TrainingEngine: micro-batch {} is empty", i);
+    rows += batches[i].rows();
+  }
+  for (auto& s : I.stages) s->zero_grad();
+  const int P = shape.num_ranks;
+  transport::InProcessFabric fabric(P);
+  std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
+  std::vector<runtime::TrainStage*> ptrs;
+  for (auto& s : I.stages) ptrs.push_back(s.get());
+  const auto t0 = std::chrono::steady_clock::now();
+  run_ranks(P, fabric, [&](int r) {
+    std::vector<runtime::TrainStage*> mine(ptrs.size(), nullptr);
+    for (std::size_t v = 0; v < ptrs.size(); ++v)
+      if (shape.rank_of(static_cast<int>(v)) == r) mine[v] = ptrs[v];
+    transport::InProcessTransport tp(fabric, r);
+    run_training_program(I.lowered.ranks[static_cast<std::size_t>(r)], shape, r, mine, batches,
+                         static_cast<double>(rows), tp, t0, I.cfg.timeout_s,
+                         tls[static_cast<std::size_t>(r)], I.config.dim);
+  });
+  StepResult res;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.timeline = Timeline(P);
+  for (const auto& tl : tls) res.timeline.merge(tl);
+  const auto loss = I.stages.back()->total_loss();
+  res.tokens = loss.count;
+  res.loss = loss.mean();
+  // The tied classifier: both copies get the summed gradient.
+  if (I.tied_across_stages()) {
+    auto a = find_param(*I.stages.front(), "tok_embeddings");
+    auto b = find_param(*I.stages.back(), "tok_embeddings");
+    for (std::int64_t i = 0; i < a.size; ++i) {
+      const float g = a.grad[i] + b.grad[i];
+      a.grad[i] = g;
+      b.grad[i] = g;
+    }
+  }
+  return res;
+}
+
+std::pair<double, double> TrainingEngine::optimizer_step() {
+  auto& I = *impl_;
+  double sq = 0.0;
+  for (auto& o : I.optimizers) sq += o->grad_square_sum();
+  if (I.tied_across_stages()) {
+    // The tail's copy of the tied embedding was counted twice.
+    auto b = find_param(*I.stages.back(), "tok_embeddings");
+    double t = 0.0;
+    for (std::int64_t i = 0; i < b.size; ++i) t += static_cast<double>(b.grad[i]) * b.grad[i];
+    sq -= t;
+  }
+  const double norm = std::sqrt(std::max(0.0, sq));
+  double lr = 0.0;
+  for (auto& o : I.optimizers) lr = o->step(norm);
+  ++I.steps;
+  return {lr, norm};
+}
+
+StepResult TrainingEngine::train_step(std::span<const data::PackedBatch> batches) {
+  const auto t0 = std::chrono::steady_clock::now();
+  StepResult r = compute_gradients(batches);
+  const auto [lr, norm] = optimizer_step();
+  r.lr = lr;
+  r.grad_norm = norm;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+double TrainingEngine::evaluate(std::span<const data::PackedBatch> batches) {
+  auto& I = *impl_;
+  BRIGADE_CHECK(!batches.empty(), Errc::InvalidArgument, "TrainingEngine::evaluate: no batches");
+  double sum = 0.0;
+  std::int64_t count = 0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    const int mb = static_cast<int>(i);
+    const float* x = nullptr;
+    for (auto& s : I.stages) {
+      s->forward(mb, batches[i], x, 1.0, false);
+      x = s->has_head() ? nullptr : s->output(mb).data();
+    }
+    const auto l = I.stages.back()->loss(mb);
+    sum += l.sum;
+    count += l.count;
+  }
+  for (auto& s : I.stages) s->clear_microbatches();
+  return count > 0 ? sum / static_cast<double>(count) : 0.0;
+}
+
+std::map<std::string, std::vector<float>> TrainingEngine::gradients() const {
+  std::map<std::string, std::vector<float>> out;
+  for (auto& s : impl_->stages)
+    for (auto& p : s->params())
+      if (!out.count(p.name)) out[p.name].assign(p.grad, p.grad + p.size);
+  return out;
+}
+
+model::LlamaWeights TrainingEngine::export_weights() const {
+  std::map<std::string, std::vector<float>> t;
+  for (auto it = impl_->stages.rbegin(); it != impl_->stages.rend(); ++it) (*it)->export_to(t);
+  // Stage 0's embedding wins (written last); the tail's tied copy is identical anyway.
+  const auto& c = impl_->config;
+  const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim, v = c.vocab_size;
+  const std::int64_t per_layer = 2 * d + 2 * d * d + 2 * kv * d + 3 * d * h;
+  const std::int64_t total = v * d + c.n_layers * per_layer + d + (c.shared_classifier ? 0 : v * d);
+  auto buf = std::shared_ptr<float[]>(new float[static_cast<std::size_t>(total)]);
+  float* p = buf.get();
+  auto put = [&](const std::string& name, std::int64_t size) -> const float* {
+    auto it = t.find(name);
+    BRIGADE_CHECK(it != t.end() && static_cast<std::int64_t>(it->second.size()) == size,
+                  Errc::Internal, "export_weights: tensor {} missing or of the wrong size", name);
+    std::memcpy(p, it->second.data(), static_cast<std::size_t>(size) * sizeof(float));
+    const float* at = p;
+    p += size;
+    return at;
+  };
+  model::LlamaWeights w;
+  w.config = c;
+  w.token_embedding = put("tok_embeddings", v * d);
+  w.layers.resize(static_cast<std::size_t>(c.n_layers));
+  for (int l = 0; l < c.n_layers; ++l) {
+    auto& L = w.layers[static_cast<std::size_t>(l)];
+    const std::string pre = fmt::format("layers.{}.", l);
+    L.rms_att = put(pre + "attention_norm", d);
+    L.wq = put(pre + "wq", d * d);
+    L.wk = put(pre + "wk", kv * d);
+    L.wv = put(pre + "wv", kv * d);
+    L.wo = put(pre + "wo", d * d);
+    L.rms_ffn = put(pre + "ffn_norm", d);
+    L.w1 = put(pre + "w1", h * d);
+    L.w2 = put(pre + "w2", d * h);
+    L.w3 = put(pre + "w3", h * d);
+  }
+  w.rms_final = put("norm", d);
+  w.wcls = c.shared_classifier ? w.token_embedding : put("output", v * d);
+  w.storage = std::shared_ptr<const void>(buf, buf.get());
+  return w;
+}
+
+namespace {
+constexpr char kOptMagic[8] = {'B', 'R', 'G', 'D', 'O', 'P', 'T', '1'};
+
+template <class V>
+void put_raw(std::string& out, const V& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(V));
+}
+}  // namespace
+
+void TrainingEngine::save_checkpoint(const fs::path& dir, std::int64_t data_position) const {
+  auto& I = *impl_;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}", dir.string(),
+                ec.message());
+  model::save_llama2c_checkpoint(dir / "model.bin", export_weights());
+  std::string out(kOptMagic, 8);
+  put_raw(out, I.steps);
+  put_raw(out, data_position);
+  std::int64_t entries = 0;
+  for (auto& s : I.stages) entries += static_cast<std::int64_t>(s->params().size());
+  put_raw(out, entries);
+  for (std::size_t si = 0; si < I.stages.size(); ++si) {
+    auto params = I.stages[si]->params();
+    auto state = I.optimizers[si]->state();
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      put_raw(out, static_cast<std::int32_t>(si));
+      put_raw(out, static_cast<std::int32_t>(params[k].name.size()));
+      out += params[k].name;
+      put_raw(out, params[k].size);
+      for (auto span : {state[k], state[params.size() + k]})
+        out.append(reinterpret_cast<const char*>(span.data()), span.size_bytes());
+    }
+  }
+  io::write_file_atomic(dir / "optimizer.bin", out);
+}
+
+std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
+  auto& I = *impl_;
+  const fs::path path = dir / "optimizer.bin";
+  std::ifstream in(path, std::ios::binary);
+  BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot open the optimizer state", path.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string data = ss.str();
+  std::size_t pos = 0;
+  auto need = [&](std::size_t n, const char* what) {
+    BRIGADE_CHECK(pos + n <= data.size(), Errc::BadFile,
+                  "{}: truncated at byte {} while reading {} ({} bytes needed, file has {})",
+                  path.string(), pos, what, n, data.size());
+  };
+  auto get = [&](auto& v, const char* what) {
+    need(sizeof(v), what);
+    std::memcpy(&v, data.data() + pos, sizeof(v));
+    pos += sizeof(v);
+  };
+  need(8, "the magic");
+  BRIGADE_CHECK(std::memcmp(data.data(), kOptMagic, 8) == 0, Errc::BadFile,
+                "{}: bad magic, expected BRGDOPT1", path.string());
+  pos = 8;
+  std::int64_t steps = 0, position = 0, entries = 0;
+  get(steps, "the step count");
+  get(position, "the data position");
+  get(entries, "the entry count");
+  std::int64_t expect = 0;
+  for (auto& s : I.stages) expect += static_cast<std::int64_t>(s->params().size());
+  BRIGADE_CHECK(entries == expect, Errc::BadFile,
+                "{}: {} parameter entries, this model and split have {}", path.string(), entries,
+                expect);
+  for (std::size_t si = 0; si < I.stages.size(); ++si) {
+    auto params = I.stages[si]->params();
+    auto state = I.optimizers[si]->state();
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      std::int32_t stage = 0, len = 0;
+      std::int64_t size = 0;
+      get(stage, "a stage index");
+      get(len, "a name length");
+      need(static_cast<std::size_t>(std::max(0, len)), "a name");
+      const std::string name = data.substr(pos, static_cast<std::size_t>(std::max(0, len)));
+      pos += static_cast<std::size_t>(std::max(0, len));
+      get(size, "a tensor size");
+      BRIGADE_CHECK(stage == static_cast<std::int32_t>(si) && name == params[k].name &&
+                        size == params[k].size,
+                    Errc::BadFile,
+                    "{}: entry (stage {}, {}, {} floats), expected (stage {}, {}, {} floats): "
+                    "written for another model or split",
+                    path.string(), stage, name, size, si, params[k].name, params[k].size);
+      for (auto span : {state[k], state[params.size() + k]}) {
+        need(span.size_bytes(), "moments");
+        std::memcpy(span.data(), data.data() + pos, span.size_bytes());
+        pos += span.size_bytes();
+      }
+    }
+    I.optimizers[si]->set_steps(steps);
+  }
+  BRIGADE_CHECK(pos == data.size(), Errc::BadFile, "{}: {} bytes after the last entry",
+                path.string(), data.size() - pos);
+  I.steps = steps;
+  return position;
+}
+
+MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline)
+    : num_virtual_stages_(shape.num_virtual_stages),
+      mean_(static_cast<std::size_t>(kNumOps * shape.num_virtual_stages), 0.0) {
+  std::vector<int> n(mean_.size(), 0);
+  for (const auto& iv : timeline.intervals()) {
+    if (is_communication(iv.op) || iv.virtual_stage < 0 || iv.virtual_stage >= num_virtual_stages_)
+      continue;
+    const auto i = static_cast<std::size_t>(static_cast<int>(iv.op) * num_virtual_stages_ + iv.virtual_stage);
+    mean_[i] += iv.duration();
+    ++n[i];
+  }
+  for (std::size_t i = 0; i < mean_.size(); ++i)
+    if (n[i]) mean_[i] /= n[i];
+}
+
+double MeasuredCostModel::compute_seconds(const schedule::Action& a) const noexcept {
+  if (is_communication(a.op) || a.virtual_stage < 0 || a.virtual_stage >= num_virtual_stages_)
+    return 0.0;
+  return mean_[static_cast<std::size_t>(static_cast<int>(a.op) * num_virtual_stages_ + a.virtual_stage)];
+}
+
+double simulated_bubble(const schedule::Schedule& lowered, const Timeline& timeline) {
+  const MeasuredCostModel model(lowered.shape, timeline);
+  sim::SimOptions opt;
+  opt.record_timeline = false;
+  return sim::simulate(lowered, model, opt).bubble_ratio;
+}
+
+}  // namespace v0
+}  // namespace brigade::engine
