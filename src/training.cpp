@@ -79,6 +79,8 @@ TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingCo
   auto& I = *impl_;
   I.config = init.config;
   I.cfg = config;
+  BRIGADE_CHECK(config.threads_per_rank >= 1, Errc::InvalidArgument,
+                "TrainingEngine: threads_per_rank = {}, expected >= 1", config.threads_per_rank);
   const auto& gen = schedule::find_generator(config.schedule);
   schedule::Params params;
   params.ranks = config.ranks;
@@ -124,6 +126,7 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
     rows += batches[i].rows();
   }
   for (auto& s : I.stages) s->zero_grad();
+  cpu::set_blas_threads(I.cfg.threads_per_rank);
   const int P = shape.num_ranks;
   transport::InProcessFabric fabric(P);
   std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
@@ -190,6 +193,7 @@ StepResult TrainingEngine::train_step(std::span<const data::PackedBatch> batches
 double TrainingEngine::evaluate(std::span<const data::PackedBatch> batches) {
   auto& I = *impl_;
   BRIGADE_CHECK(!batches.empty(), Errc::InvalidArgument, "TrainingEngine::evaluate: no batches");
+  cpu::set_blas_threads(I.cfg.threads_per_rank);
   double sum = 0.0;
   std::int64_t count = 0;
   for (std::size_t i = 0; i < batches.size(); ++i) {

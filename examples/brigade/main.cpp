@@ -24,8 +24,16 @@ int main(int argc, char** argv) {
   }
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // One line: what was wrong. `--help` lists the flags.
+    fmt::print(stderr, "brigade: {} (see --help)\n", e.what());
+    return e.get_exit_code() != 0 ? e.get_exit_code() : 2;
   }
   try {
     for (auto& [sub, run] : runners)

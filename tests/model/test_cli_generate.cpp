@@ -126,3 +126,47 @@ TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   }
 }
+
+TEST_CASE("cli.train: a short run checkpoints a model that generate loads; metrics per step" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const fs::path dir = fs::temp_directory_path() / "brigade_cli_train";
+  fs::remove_all(dir);
+  const fs::path metrics = dir / "metrics.jsonl";
+  fs::create_directories(dir);
+  auto r = run_cli("train " + model_flags() + " --stages 2 --schedule zb-h1 --microbatches 2 " +
+                   "--tokens-per-microbatch 64 --steps 4 --checkpoint-dir " + dir.string() +
+                   " --metrics " + metrics.string());
+  REQUIRE(r.rc == 0);
+  CHECK(r.err.find("bubble ratio measured") != std::string::npos);
+  std::ifstream mf(metrics);
+  int lines = 0;
+  for (std::string line; std::getline(mf, line); ++lines) {
+    const auto j = nlohmann::json::parse(line);
+    CHECK(j["step"] == lines + 1);
+    CHECK(j["loss"].get<double>() > 0.0);
+    CHECK(j["tokens"].get<int>() > 0);
+  }
+  CHECK(lines == 4);
+  auto g = run_cli("generate --model " + (dir / "model.bin").string() + " --tokenizer " +
+                   (kData / "tok512.bin").string() + " --steps 8 --temperature 0");
+  CHECK(g.rc == 0);
+  CHECK(!g.out.empty());
+  fs::remove_all(dir);
+}
+
+TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  auto r = run_cli("train --schedule nope");
+  CHECK(r.rc != 0);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find("nope") != std::string::npos);
+  auto r2 = run_cli("train --resume");
+  CHECK(r2.rc != 0);
+  CHECK(r2.err.find("--resume needs --checkpoint-dir") != std::string::npos);
+  auto r3 = run_cli("train " + model_flags() + " --stages 9");
+  CHECK(r3.rc != 0);
+  CHECK(r3.err.find("9 virtual stages") != std::string::npos);
+  auto r4 = run_cli("train " + model_flags() + " --data /nonexistent/corpus");
+  CHECK(r4.rc != 0);
+  CHECK(r4.err.find("/nonexistent/corpus") != std::string::npos);
+}

@@ -218,6 +218,7 @@ struct TrainingConfig {
   int microbatches = 1;           ///< M: micro-batches per step
   AdamWConfig optimizer;          ///< AdamW and its learning-rate schedule
   double timeout_s = 120.0;       ///< a rank waiting longer on a peer fails (PeerTimeout)
+  int threads_per_rank = 1;       ///< intra-op GEMM threads of each rank (cpu::set_blas_threads)
 };
 
 /// What one step did.

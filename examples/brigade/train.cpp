@@ -1,0 +1,211 @@
+// `brigade train`: pipeline training of a Llama on text, driven by a schedule of the IR.
+#include "cli.hpp"
+
+#include <brigade/data/corpus.hpp>
+#include <brigade/engine/training.hpp>
+#include <brigade/io/trace.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/model/weights.hpp>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <unistd.h>
+
+namespace {
+namespace fs = std::filesystem;
+
+struct TrainArgs {
+  std::string model, tokenizer, synthetic = "260K", data, schedule = "1f1b", checkpoint_dir,
+      trace, metrics;
+  int stages = 2, virtual_stages = 1, microbatches = 4, tokens_per_microbatch = 256, steps = 50,
+      warmup = 10, checkpoint_every = 0, eval_every = 0;
+  float lr = 1e-3f, weight_decay = 0.1f, clip = 1.0f;
+  std::uint64_t seed = 42, model_seed = 1234;
+  bool resume = false;
+  double timeout = 120.0;
+};
+
+std::string format_eta(double s) {
+  const int t = static_cast<int>(s + 0.5);
+  return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, t % 3600 / 60)
+                   : fmt::format("{}m{:02}s", t / 60, t % 60);
+}
+
+int run(const TrainArgs& a) {
+  using namespace brigade;
+  // Model: a checkpoint (or the last checkpoint with --resume), or a synthetic Llama.
+  model::LlamaWeights weights;
+  const fs::path ckpt = a.checkpoint_dir;
+  if (a.resume) {
+    BRIGADE_CHECK(!a.checkpoint_dir.empty(), Errc::InvalidArgument,
+                  "--resume needs --checkpoint-dir (the folder of a previous run's checkpoint)");
+    weights = model::load_llama2c_checkpoint(ckpt / "model.bin");
+  } else if (!a.model.empty()) {
+    weights = model::load_llama2c_checkpoint(a.model);
+  } else {
+    weights = model::make_synthetic_weights(model::named_config(a.synthetic), a.model_seed);
+  }
+  const model::Tokenizer tok =
+      a.tokenizer.empty() ? model::Tokenizer::synthetic(weights.config.vocab_size, a.model_seed)
+                          : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+  const fs::path data = a.data.empty() ? data::default_corpus_path() : fs::path(a.data);
+  const int max_tokens = std::min(weights.config.seq_len, a.tokens_per_microbatch + 1);
+  const auto corpus = data::load_corpus(data, tok, max_tokens);
+  const auto [train, held] = data::split_held_out(corpus, 20);
+  BRIGADE_CHECK(!train.samples.empty() && !held.samples.empty(), Errc::BadFile,
+                "{}: too few samples to hold out 1 in 20 for evaluation ({} found)", data.string(),
+                corpus.samples.size());
+
+  engine::TrainingConfig cfg;
+  cfg.schedule = a.schedule;
+  cfg.ranks = a.stages;
+  cfg.virtual_stages = a.virtual_stages;
+  cfg.microbatches = a.microbatches;
+  cfg.optimizer.lr = a.lr;
+  cfg.optimizer.min_lr = a.lr / 10;
+  cfg.optimizer.warmup_steps = std::max(1, std::min(a.warmup, a.steps));
+  cfg.optimizer.decay_steps = a.steps;
+  cfg.optimizer.weight_decay = a.weight_decay;
+  cfg.optimizer.clip_norm = a.clip;
+  cfg.timeout_s = a.timeout;
+  engine::TrainingEngine eng(weights, cfg);
+
+  data::Packer packer(train.samples, a.tokens_per_microbatch, a.seed);
+  if (a.resume) packer.seek(eng.load_optimizer_state(ckpt));
+  data::Packer eval_packer(held.samples, a.tokens_per_microbatch, 0);
+  std::vector<data::PackedBatch> eval;
+  for (int i = 0; i < std::max(1, std::min<int>(8, static_cast<int>(held.samples.size()) / 4)); ++i)
+    eval.push_back(eval_packer.next());
+
+  fmt::print(stderr,
+             "model: {} layers, dim {}, vocab {} | data: {} ({} tasks, {} train / {} held-out "
+             "samples, {} tokens)\n"
+             "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens\n",
+             weights.config.n_layers, weights.config.dim, weights.config.vocab_size,
+             data.string(), corpus.tasks.size(), train.samples.size(), held.samples.size(),
+             corpus.num_tokens(), a.schedule, a.stages, a.virtual_stages, a.microbatches,
+             a.tokens_per_microbatch);
+  const double eval_before = eng.evaluate(eval);
+  fmt::print(stderr, "held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);
+
+  std::unique_ptr<std::ofstream> metrics;
+  if (!a.metrics.empty()) {
+    metrics = std::make_unique<std::ofstream>(a.metrics, a.resume ? std::ios::app : std::ios::trunc);
+    BRIGADE_CHECK(metrics->good(), Errc::BadFile, "{}: cannot open for writing", a.metrics);
+  }
+  const bool tty = isatty(fileno(stderr)) != 0;
+  Timeline trace_tl(a.stages);
+  double measured_sum = 0, simulated_sum = 0, seconds = 0;
+  std::int64_t tokens = 0;
+  int done = 0;
+  const std::int64_t first = eng.steps();
+  for (std::int64_t step = first; step < a.steps; ++step) {
+    std::vector<data::PackedBatch> batches;
+    for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
+    const auto r = eng.train_step(batches);
+    measured_sum += r.timeline.bubble_ratio();
+    simulated_sum += engine::simulated_bubble(eng.schedule(), r.timeline);
+    seconds += r.seconds;
+    tokens += r.tokens;
+    ++done;
+    if (step == first && !a.trace.empty()) trace_tl = r.timeline;
+    const double tps = static_cast<double>(tokens) / seconds;
+    const double eta = seconds / done * static_cast<double>(a.steps - step - 1);
+    const int width = 24, filled = static_cast<int>(width * (step + 1) / a.steps);
+    const std::string bar = std::string(static_cast<std::size_t>(filled), '#') +
+                            std::string(static_cast<std::size_t>(width - filled), '.');
+    const std::string line = fmt::format("[{}] step {}/{} loss {:.4f} lr {:.2e} {:.0f} tokens/s ETA {}",
+                                         bar, step + 1, a.steps, r.loss, r.lr, tps, format_eta(eta));
+    if (tty)
+      fmt::print(stderr, "\r{}", line);
+    else if ((step + 1) % 10 == 0 || step + 1 == a.steps || step == first)
+      fmt::print(stderr, "{}\n", line);
+    if (metrics) {
+      *metrics << nlohmann::json{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
+                                 {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+                                 {"bubble_measured", r.timeline.bubble_ratio()}}
+                      .dump()
+               << "\n";
+      metrics->flush();
+    }
+    const bool last = step + 1 == a.steps;
+    if (!a.checkpoint_dir.empty() && (last || (a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0)))
+      eng.save_checkpoint(ckpt, packer.position());
+    if (a.eval_every > 0 && (step + 1) % a.eval_every == 0 && !last) {
+      if (tty) fmt::print(stderr, "\n");
+      fmt::print(stderr, "held-out loss at step {}: {:.4f}\n", step + 1, eng.evaluate(eval));
+    }
+  }
+  if (tty && done) fmt::print(stderr, "\n");
+  const double eval_after = eng.evaluate(eval);
+  fmt::print(stderr, "held-out loss at step {}: {:.4f} (was {:.4f})\n", eng.steps(), eval_after,
+             eval_before);
+  if (done) {
+    fmt::print(stderr,
+               "{} steps, {} tokens, {:.1f} tokens/s; bubble ratio measured {:.3f}, simulated "
+               "{:.3f} for the same schedule and measured action costs\n",
+               done, tokens, static_cast<double>(tokens) / seconds, measured_sum / done,
+               simulated_sum / done);
+  }
+  if (!a.checkpoint_dir.empty())
+    fmt::print(stderr, "checkpoint: {} (brigade generate --model {})\n",
+               (ckpt / "model.bin").string(), (ckpt / "model.bin").string());
+  if (!a.trace.empty()) io::write_chrome_trace(a.trace, trace_tl, "rank");
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto a = std::make_shared<TrainArgs>();
+  sub.add_option("--model", a->model, "initial llama2.c checkpoint; without it, a synthetic model")
+      ->check(CLI::ExistingFile);
+  sub.add_option("--synthetic", a->synthetic, "size of the synthetic Llama without --model")
+      ->capture_default_str();
+  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
+  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)")
+      ->check(CLI::ExistingFile);
+  sub.add_option("--data", a->data,
+                 "text file or folder (one task per file; '%' lines or blank lines separate "
+                 "samples); default: the fortunes package")
+      ->check(CLI::ExistingPath);
+  sub.add_option("--seed", a->seed, "data-order seed")->capture_default_str();
+  sub.add_option("--stages", a->stages, "pipeline ranks (threads)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--schedule", a->schedule, "gpipe, 1f1b, interleaved-1f1b or zb-h1")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))->capture_default_str();
+  sub.add_option("--virtual", a->virtual_stages, "virtual stages per rank (interleaved-1f1b)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--microbatches", a->microbatches, "micro-batches per step")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--tokens-per-microbatch", a->tokens_per_microbatch,
+                 "token budget of a micro-batch (sequences packed by offsets)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--steps", a->steps, "optimizer steps (the total, when resuming)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--lr", a->lr, "peak learning rate (warm-up, then cosine to lr/10)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--warmup", a->warmup, "warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  sub.add_option("--weight-decay", a->weight_decay, "AdamW weight decay")->capture_default_str();
+  sub.add_option("--clip", a->clip, "global gradient-norm clip (0 = off)")->capture_default_str();
+  sub.add_option("--checkpoint-dir", a->checkpoint_dir,
+                 "folder for model.bin (llama2.c) and optimizer.bin, written at the end");
+  sub.add_option("--checkpoint-every", a->checkpoint_every, "also checkpoint every N steps")
+      ->check(CLI::NonNegativeNumber);
+  sub.add_flag("--resume", a->resume, "continue from --checkpoint-dir");
+  sub.add_option("--eval-every", a->eval_every, "held-out loss every N steps")
+      ->check(CLI::NonNegativeNumber);
+  sub.add_option("--timeout", a->timeout, "seconds a rank waits for a peer before failing")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
+  sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
+  return [a] { return run(*a); };
+}
+
+const brigade::cli::Registrar reg{
+    {"train", "Train a Llama split into pipeline stages with a schedule of the IR", setup}};
+
+}  // namespace
