@@ -5,6 +5,9 @@
 //   BM_PingPong/in_process/S   two threads of this process over an InProcessTransport (always)
 //   BM_PingPong/mpi/S          rank 0 and rank 1 of an MpiTransport, one process each (only under
 //                              `mpirun -np 2 bench_transport`; rank 0 reports, rank 1 echoes)
+//   BM_PingPong/raw_mpi/S      the same two processes with bare MPI_Isend/MPI_Irecv/MPI_Waitall
+//                              on MPI_COMM_WORLD: the floor MpiTransport adds its record, header
+//                              check and polling to (only under mpirun -np 2)
 // Each iteration sends S bytes to the echo rank and waits for the same S bytes back.
 // Counters: one_way = iteration time / 2 (seconds); bandwidth = S / one_way, bytes per second
 // (the message bandwidth of one direction, binary prefixes). After the timed loop the echoed bytes are checked; a wrong
@@ -18,6 +21,9 @@
 
 #include <benchmark/benchmark.h>
 #include <fmt/core.h>
+#if BRIGADE_HAS_MPI
+#include <mpi.h>
+#endif
 
 #include <cstdint>
 #include <cstdio>
@@ -103,6 +109,45 @@ struct InProcessPair {
   ~InProcessPair() { stop_echo(client); }
 };
 
+#if BRIGADE_HAS_MPI
+constexpr int kRawTag = 7, kRawStop = 8;
+
+/// Rank 1's side of the bare-MPI ping-pong: echoes every message with its tag until kRawStop.
+void raw_echo_loop() {
+  std::vector<std::byte> buf(static_cast<std::size_t>(kMaxBytes));
+  for (;;) {
+    MPI_Status st;
+    MPI_Recv(buf.data(), static_cast<int>(buf.size()), MPI_BYTE, 0, MPI_ANY_TAG, MPI_COMM_WORLD,
+             &st);
+    if (st.MPI_TAG == kRawStop) return;
+    int n = 0;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    MPI_Send(buf.data(), n, MPI_BYTE, 0, kRawTag, MPI_COMM_WORLD);
+  }
+}
+
+/// Rank 0's side of the bare-MPI ping-pong of state.range(0) bytes.
+void raw_ping_pong(benchmark::State& state) {
+  const auto bytes = state.range(0);
+  std::vector<std::byte> out(static_cast<std::size_t>(bytes)), back(out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::byte>(i * 131 + 7);
+  const int n = static_cast<int>(bytes);
+  for (auto _ : state) {
+    MPI_Request req[2];
+    MPI_Irecv(back.data(), n, MPI_BYTE, 1, kRawTag, MPI_COMM_WORLD, &req[0]);
+    MPI_Isend(out.data(), n, MPI_BYTE, 1, kRawTag, MPI_COMM_WORLD, &req[1]);
+    MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
+  }
+  if (back != out) state.SkipWithError("the echoed bytes differ from the ones sent");
+  state.counters["one_way"] = benchmark::Counter(
+      2.0 * static_cast<double>(state.iterations()),
+      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["bandwidth"] = benchmark::Counter(
+      2.0 * static_cast<double>(state.iterations() * bytes), benchmark::Counter::kIsRate,
+      benchmark::Counter::kIs1024);
+}
+#endif
+
 void args(benchmark::internal::Benchmark* b) {
   b->ArgName("bytes")->RangeMultiplier(4)->Range(4 << 10, kMaxBytes)->UseRealTime();
 }
@@ -120,6 +165,7 @@ int main(int argc, char** argv) {
 #if BRIGADE_HAS_MPI
   std::optional<MpiSession> mpi;
   std::optional<MpiTransport> mt;
+  bool raw_mode = false;
   if (mpi_world_size_from_env() > 0) {
     mpi.emplace(&argc, &argv);
     if (mpi->world_size() != 2) {
@@ -131,7 +177,8 @@ int main(int argc, char** argv) {
     mt.emplace();
     if (mt->rank() == 1) {
       in_process.reset();
-      echo_loop(*mt);
+      echo_loop(*mt);  // until rank 0 moves on to the bare-MPI benchmarks (or ends)
+      raw_echo_loop();
       mt->barrier(Deadline::after(600));
       return 0;
     }
@@ -139,13 +186,21 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("BM_PingPong/mpi", [&](benchmark::State& s) {
       ping_pong(s, *mt);
     })->Apply(args);
+    benchmark::RegisterBenchmark("BM_PingPong/raw_mpi", [&](benchmark::State& s) {
+      if (!raw_mode) {  // switch rank 1 from the transport echo to the bare one
+        stop_echo(*mt);
+        raw_mode = true;
+      }
+      raw_ping_pong(s);
+    })->Apply(args);
   }
 #endif
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
 #if BRIGADE_HAS_MPI
   if (mt) {
-    stop_echo(*mt);
+    if (!raw_mode) stop_echo(*mt);
+    MPI_Send(nullptr, 0, MPI_BYTE, 1, kRawStop, MPI_COMM_WORLD);
     mt->barrier(Deadline::after(600));
   }
 #endif
