@@ -157,8 +157,11 @@ void DeviceBuffer::copy_from_host(const void* src, std::size_t bytes, std::size_
                 "DeviceBuffer::copy_from_host: bytes [{}, {}) outside the buffer's {} bytes",
                 offset, offset + bytes, size_);
   if (bytes == 0) return;
-  BRIGADE_CUDA_CHECK(cudaMemcpy(static_cast<char*>(data_) + offset, src, bytes,
-                                cudaMemcpyHostToDevice));
+  // cudaMemcpy from pageable memory may return before the DMA lands, and kernels on
+  // non-blocking streams do not wait for the legacy stream: wait for the copy itself.
+  BRIGADE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(data_) + offset, src, bytes,
+                                     cudaMemcpyHostToDevice, cudaStreamLegacy));
+  BRIGADE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 void DeviceBuffer::copy_to_host(void* dst, std::size_t bytes, std::size_t offset) const {

@@ -98,11 +98,13 @@ class DeviceBuffer {
   [[nodiscard]] bool empty() const noexcept { return data_ == nullptr; }
 
   /// Copies `bytes` bytes from host memory `src` to offset `offset` of this buffer and waits
-  /// for the copy (cudaMemcpy).
+  /// until the data is on the device. Not ordered with any stream: work enqueued earlier that
+  /// reads or writes the buffer must have finished (synchronize its stream first).
   /// @throws brigade::Error{InvalidArgument} if [offset, offset + bytes) exceeds size();
   ///         Error{Cuda} if the copy fails
   void copy_from_host(const void* src, std::size_t bytes, std::size_t offset = 0);
   /// Copies `bytes` bytes from offset `offset` of this buffer to host memory `dst` and waits.
+  /// Not ordered with any stream: synchronize the stream that wrote the buffer first.
   /// @throws as copy_from_host
   void copy_to_host(void* dst, std::size_t bytes, std::size_t offset = 0) const;
 
