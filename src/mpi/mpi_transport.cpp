@@ -345,9 +345,6 @@ struct MpiTransport::Impl {
     for (int i = 0; i < header.ndim; ++i)
       BRIGADE_CHECK(header.shape[static_cast<std::size_t>(i)] >= 0, Errc::InvalidArgument,
                     "rank {}: send to rank {} with wildcard shape[{}]", rank, peer, i);
-    BRIGADE_CHECK(header.microbatch != kAny && header.stage != kAny, Errc::InvalidArgument,
-                  "rank {}: send to rank {} with a wildcard micro-batch or stage ({})", rank, peer,
-                  header.to_string());
     BRIGADE_CHECK(payload.size() == header.nbytes(), Errc::InvalidArgument,
                   "rank {}: send to rank {} (tag {}) of {} bytes, header {} says {} bytes", rank,
                   peer, tag, payload.size(), header.to_string(), header.nbytes());
@@ -597,7 +594,10 @@ struct MpiTransport::Impl {
         detail::fail(Errc::PeerTimeout, "{}",
                      attribute(r, std::chrono::duration<double>(now - start).count()));
       }
-      backoff(now - start, r.is_recv && !static_cast<RecvState*>(r.state.get())->body.empty());
+      // Data in flight (payload pieces posted): keep polling closely, MPI may need the calls.
+      const bool moving = r.is_recv ? !static_cast<RecvState*>(r.state.get())->body.empty()
+                                    : static_cast<SendState*>(r.state.get())->reqs.size() > 1;
+      backoff(now - start, moving);
     }
   }
 
@@ -645,8 +645,11 @@ struct MpiTransport::Impl {
 
 MpiTransport::MpiTransport() : impl_(std::make_unique<Impl>(MPI_COMM_WORLD)) {}
 
-MpiTransport::MpiTransport(const void* native_comm)
-    : impl_(std::make_unique<Impl>(*static_cast<const MPI_Comm*>(native_comm))) {}
+MpiTransport::MpiTransport(const void* native_comm) {
+  BRIGADE_CHECK(native_comm != nullptr, Errc::InvalidArgument,
+                "MpiTransport: native_comm is null; pass the address of an MPI_Comm");
+  impl_ = std::make_unique<Impl>(*static_cast<const MPI_Comm*>(native_comm));
+}
 
 MpiTransport::~MpiTransport() = default;
 MpiTransport::MpiTransport(MpiTransport&& other) noexcept = default;

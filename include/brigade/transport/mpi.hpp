@@ -124,7 +124,7 @@ class MpiTransport {
   ///         brigade::Error{Mpi} if duplicating the communicator fails
   MpiTransport();
   /// Duplicates the communicator `*native_comm` points to (an `MPI_Comm*`; collective over it).
-  /// @throws as MpiTransport()
+  /// @throws brigade::Error{InvalidArgument} if native_comm is null; as MpiTransport()
   explicit MpiTransport(const void* native_comm);
   /// Cancels receives still pending, frees the duplicated communicator. Never throws.
   ~MpiTransport();
