@@ -94,9 +94,17 @@ TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingCo
   BRIGADE_CHECK(N <= init.config.n_layers, Errc::InvalidArgument,
                 "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers",
                 N, config.ranks, config.virtual_stages, init.config.n_layers);
-  std::vector<partition::StageRange> st = partition::uniform(spec, N).stages();
-  for (int v = 0; v < N; ++v) st[static_cast<std::size_t>(v)].rank = compute.shape.rank_of(v);
-  I.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
+  BRIGADE_CHECK(config.partition == "balanced" || config.partition == "uniform",
+                Errc::InvalidArgument,
+                "TrainingEngine: partition '{}', expected 'balanced' or 'uniform'", config.partition);
+  if (config.partition == "uniform") {
+    std::vector<partition::StageRange> st = partition::uniform(spec, N).stages();
+    for (int v = 0; v < N; ++v) st[static_cast<std::size_t>(v)].rank = compute.shape.rank_of(v);
+    I.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
+  } else {
+    I.part = training_partition(spec, compute.shape.placement, compute.shape.num_ranks,
+                                config.seq_len_hint);
+  }
   I.lowered = schedule::lower(compute, I.part);
   schedule::validate(I.lowered);
   for (int v = 0; v < N; ++v) {
@@ -360,6 +368,31 @@ std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
                 path.string(), data.size() - pos);
   I.steps = steps;
   return position;
+}
+
+partition::Partition training_partition(const model::ModelSpec& spec,
+                                        std::span<const int> placement, int num_ranks,
+                                        int seq_len_hint) {
+  const int L = spec.config().n_layers;
+  const int N = static_cast<int>(placement.size());
+  BRIGADE_CHECK(seq_len_hint >= 1, Errc::InvalidArgument,
+                "training_partition: seq_len_hint = {}, expected >= 1", seq_len_hint);
+  // Every row reaches the LM head in training: price it with sequences = tokens.
+  const model::WorkItem work{seq_len_hint, seq_len_hint, seq_len_hint / 2.0};
+  const auto layer = partition::layer_seconds(spec, work);
+  std::vector<double> units(layer.begin(), layer.begin() + L + 1);  // embedding, decoders
+  double tail = 0.0;
+  for (int l = L + 1; l < spec.num_layers(); ++l) tail += layer[static_cast<std::size_t>(l)];
+  units.push_back(tail);  // final norm + LM head + loss: one unit
+  const auto unit_part = partition::balanced(static_cast<int>(units.size()), N, units);
+  std::vector<partition::StageRange> st;
+  for (int v = 0; v < N; ++v) {
+    auto r = unit_part.stage(v);
+    r.rank = placement[static_cast<std::size_t>(v)];
+    if (v + 1 == N) r.last = spec.num_layers();
+    st.push_back(r);
+  }
+  return partition::Partition(spec.num_layers(), num_ranks, std::move(st));
 }
 
 MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline)

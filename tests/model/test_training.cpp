@@ -240,3 +240,17 @@ TEST_CASE("training.errors: bad configurations and inputs are refused") {
   CHECK_THROWS_WITH_AS(eng.load_optimizer_state("/nonexistent"),
                        doctest::Contains("cannot open the optimizer state"), Error);
 }
+
+TEST_CASE("training.partition: the balanced split keeps the head together and lightens the tail") {
+  const model::ModelSpec spec(model::named_config("42M"));  // LM head ~5 decoder layers of work
+  const std::vector<int> placement{0, 1};
+  const auto p = engine::training_partition(spec, placement, 2, 256);
+  CHECK(p.stage(1).last == spec.num_layers());
+  CHECK(p.stage(1).first > partition::uniform(spec, 2).stage(1).first);
+  CHECK(p.stage(1).first <= spec.config().n_layers + 1);  // the head unit is whole
+  const std::vector<int> interleaved{0, 1, 0, 1};
+  const auto q = engine::training_partition(spec, interleaved, 2, 256);
+  CHECK(q.num_stages() == 4);
+  CHECK(q.stage(2).rank == 0);
+  CHECK(q.stage(3).last == spec.num_layers());
+}

@@ -219,7 +219,22 @@ struct TrainingConfig {
   AdamWConfig optimizer;          ///< AdamW and its learning-rate schedule
   double timeout_s = 120.0;       ///< a rank waiting longer on a peer fails (PeerTimeout)
   int threads_per_rank = 1;       ///< intra-op GEMM threads of each rank (cpu::set_blas_threads)
+  /// How layers are split over the P x V virtual stages: "balanced" (training_partition()) or
+  /// "uniform" (partition::uniform: decoder layers evenly, the head on the last stage).
+  std::string partition = "balanced";
+  int seq_len_hint = 256;         ///< typical sequence length, for the balanced split's attention cost
 };
+
+/// The balanced split for training: partition::balanced over the roofline cost of a training
+/// step's forward for `seq_len_hint`-token sequences (the backward is about twice the forward for
+/// every layer, so the forward's proportions decide), with the LM head priced for every token
+/// (training computes logits and the loss at every position, not only the last) and the final
+/// norm, LM head and loss kept together as one unit on the last stage. Virtual stage v goes to
+/// rank `placement[v]`.
+/// @throws brigade::Error{InvalidArgument} if there are more stages than embedding + decoder
+///         layers + 1, or the placement is malformed
+partition::Partition training_partition(const model::ModelSpec& spec, std::span<const int> placement,
+                                        int num_ranks, int seq_len_hint);
 
 /// What one step did.
 struct StepResult {
