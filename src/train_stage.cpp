@@ -131,6 +131,13 @@ void TrainStage::forward(int mb, const data::PackedBatch& batch, const float* x_
                 "at {})",
                 mb, batch.inputs.size(), batch.targets.size(),
                 batch.offsets.empty() ? -1 : batch.offsets.back());
+  if (has_embedding())
+    for (std::size_t i = 0; i < batch.inputs.size(); ++i)
+      BRIGADE_CHECK(batch.inputs[i] >= 0 && batch.inputs[i] < config_.vocab_size,
+                    Errc::InvalidArgument,
+                    "TrainStage: micro-batch {} row {} has token id {}, outside the vocabulary "
+                    "[0, {})",
+                    mb, i, batch.inputs[i], config_.vocab_size);
   BRIGADE_CHECK(grad_denominator > 0, Errc::InvalidArgument,
                 "TrainStage: gradient denominator {} <= 0", grad_denominator);
   Micro& m = micro_[mb];
