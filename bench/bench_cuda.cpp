@@ -84,17 +84,17 @@ void BM_GemmBf16(benchmark::State& state) {
   });
   gpu().convert(c.data(), DType::BF16, c32.data(), DType::F32, m * n);
   if (!finite_sample(c32.as<float>(), m * n)) state.SkipWithError("non-finite GEMM output");
-  const double tflops = 2.0 * static_cast<double>(m) * static_cast<double>(n) *
-                        static_cast<double>(k) / s * 1e-12;
+  const double tflops =
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / s * 1e-12;
   g_peak_tflops = std::max(g_peak_tflops, tflops);
   state.counters["TFLOP_per_s"] = tflops;
 }
 BENCHMARK(BM_GemmBf16)
     ->ArgNames({"M", "N", "K"})
     ->Args({8192, 8192, 8192})
-    ->Args({2048, 6144, 4096})    // the layer's fused QKV projection
-    ->Args({2048, 28672, 4096})   // W1|W3
-    ->Args({2048, 4096, 14336})   // W2
+    ->Args({2048, 6144, 4096})   // the layer's fused QKV projection
+    ->Args({2048, 28672, 4096})  // W1|W3
+    ->Args({2048, 4096, 14336})  // W2
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
@@ -194,9 +194,8 @@ void BM_LayerDecodeBf16(benchmark::State& state) {
     gpu().decoder_layer_forward(c, w, x.as<float>(), seqs, slices);
   });
   if (!finite_sample(x.as<float>(), seqs * c.dim)) state.SkipWithError("non-finite layer output");
-  const double weight_bytes =
-      2.0 * (static_cast<double>(c.dim) * (c.dim + 2.0 * kv_dim) + 1.0 * c.dim * c.dim +
-             3.0 * c.dim * c.hidden_dim);
+  const double weight_bytes = 2.0 * (static_cast<double>(c.dim) * (c.dim + 2.0 * kv_dim) +
+                                     1.0 * c.dim * c.dim + 3.0 * c.dim * c.hidden_dim);
   const double kv_bytes = 2.0 * 2.0 * static_cast<double>(seqs) * (context + 1.0) * kv_dim;
   g_decode_ms = s * 1e3;
   state.counters["GB_per_s_weights_and_kv"] = (weight_bytes + kv_bytes) / s * 1e-9;
@@ -224,10 +223,11 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   std::printf("\nsummary: measured bf16 GEMM peak %.1f TFLOP/s\n", g_peak_tflops);
   if (g_prefill_tflops > 0)
-    std::printf("summary: 8B-shaped layer, 2048-token bf16 prefill: %.3f ms, %.1f TFLOP/s = %.1f%% "
-                "of the measured peak (target >= 50%%)\n",
-                g_prefill_ms, g_prefill_tflops,
-                g_peak_tflops > 0 ? 100.0 * g_prefill_tflops / g_peak_tflops : 0.0);
+    std::printf(
+        "summary: 8B-shaped layer, 2048-token bf16 prefill: %.3f ms, %.1f TFLOP/s = %.1f%% "
+        "of the measured peak (target >= 50%%)\n",
+        g_prefill_ms, g_prefill_tflops,
+        g_peak_tflops > 0 ? 100.0 * g_prefill_tflops / g_peak_tflops : 0.0);
   if (g_decode_ms > 0)
     std::printf("summary: 8B-shaped layer, 64-sequence decode at context 2048: %.3f ms per step\n",
                 g_decode_ms);

@@ -43,8 +43,7 @@ class DeviceGuard {
 };
 
 void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
-  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-                Errc::InvalidArgument,
+  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, Errc::InvalidArgument,
                 "{}: n_heads = {}, n_kv_heads = {}; expected both > 0 and n_heads a multiple "
                 "of n_kv_heads",
                 what, n_heads, n_kv_heads);
@@ -56,8 +55,7 @@ void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
 /// set, positions >= 0 (and within max_pos when max_pos > 0).
 void check_slices(const char* what, std::int64_t tokens, std::span<const SequenceSlice> seqs,
                   std::int64_t max_pos) {
-  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "{}: tokens = {}; expected >= 0", what,
-                tokens);
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "{}: tokens = {}; expected >= 0", what, tokens);
   std::int64_t next = 0;
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     const SequenceSlice& s = seqs[i];
@@ -127,7 +125,8 @@ DeviceBuffer::DeviceBuffer(std::size_t bytes, int device) : size_(bytes) {
     if (previous != device) BRIGADE_CUDA_CHECK(cudaSetDevice(device));
   }
   const cudaError_t e = cudaMalloc(&data_, bytes);
-  if (device >= 0 && previous >= 0 && previous != device) static_cast<void>(cudaSetDevice(previous));
+  if (device >= 0 && previous >= 0 && previous != device)
+    static_cast<void>(cudaSetDevice(previous));
   if (e != cudaSuccess) {
     data_ = nullptr;
     size_ = 0;
@@ -166,11 +165,11 @@ void DeviceBuffer::copy_from_host(const void* src, std::size_t bytes, std::size_
 
 void DeviceBuffer::copy_to_host(void* dst, std::size_t bytes, std::size_t offset) const {
   BRIGADE_CHECK(offset <= size_ && bytes <= size_ - offset, Errc::InvalidArgument,
-                "DeviceBuffer::copy_to_host: bytes [{}, {}) outside the buffer's {} bytes",
-                offset, offset + bytes, size_);
+                "DeviceBuffer::copy_to_host: bytes [{}, {}) outside the buffer's {} bytes", offset,
+                offset + bytes, size_);
   if (bytes == 0) return;
-  BRIGADE_CUDA_CHECK(cudaMemcpy(dst, static_cast<const char*>(data_) + offset, bytes,
-                                cudaMemcpyDeviceToHost));
+  BRIGADE_CUDA_CHECK(
+      cudaMemcpy(dst, static_cast<const char*>(data_) + offset, bytes, cudaMemcpyDeviceToHost));
 }
 
 Stream::Stream() {
@@ -244,11 +243,11 @@ struct CudaBackend::Impl {
   cublasHandle_t blas = nullptr;
   DeviceBuffer blas_workspace;
   // Grow-only scratch.
-  DeviceBuffer meta;        // SeqDesc[n_seq] | tok_seq[tokens] | pos[tokens]
+  DeviceBuffer meta;  // SeqDesc[n_seq] | tok_seq[tokens] | pos[tokens]
   DeviceBuffer xb_buf, qkv_buf, q_buf, att_buf, h13_buf, hb_buf;
   DeviceBuffer scores, probs;
   DeviceBuffer coins;
-  DeviceBuffer freq;        // RoPE frequencies for (freq_head_size, freq_theta)
+  DeviceBuffer freq;  // RoPE frequencies for (freq_head_size, freq_theta)
   int freq_head_size = 0;
   float freq_theta = 0.0f;
   std::vector<std::byte> staging;
@@ -315,8 +314,8 @@ struct CudaBackend::Impl {
       }
       grow(freq, freq_host.size() * sizeof(float));
       BRIGADE_CUDA_CHECK(cudaMemcpyAsync(freq.data(), freq_host.data(),
-                                         freq_host.size() * sizeof(float),
-                                         cudaMemcpyHostToDevice, s()));
+                                         freq_host.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                         s()));
       freq_head_size = head_size;
       freq_theta = theta;
     }
@@ -379,8 +378,8 @@ struct CudaBackend::Impl {
         gemm(detail::plan_scores(rows, keys, ld, n_heads, n_kv_heads, head_size, member, dim,
                                  kv_dim),
              sl.k_cache, qb, dtype, sc, DType::F32, 1.0f, 0.0f);
-      BRIGADE_CUDA_CHECK(detail::launch_causal_softmax(sc, pr, code(dtype), n_heads, rows, keys,
-                                                       ld, sl.pos0 + r0 + 1, scale, s()));
+      BRIGADE_CUDA_CHECK(detail::launch_causal_softmax(sc, pr, code(dtype), n_heads, rows, keys, ld,
+                                                       sl.pos0 + r0 + 1, scale, s()));
       for (int member = 0; member < group; ++member)
         gemm(detail::plan_pv(rows, keys, ld, n_heads, n_kv_heads, head_size, member, kv_dim, dim),
              sl.v_cache, pr, dtype, ob, dtype, 1.0f, 0.0f);
@@ -406,9 +405,8 @@ struct CudaBackend::Impl {
       const std::int64_t row0 = seqs[i].offset;
       std::int64_t rows = 0;
       while (i < seqs.size() && !use_gemm(seqs[i])) rows += seqs[i++].tokens;
-      BRIGADE_CUDA_CHECK(detail::launch_attention_direct(q, out, code(dtype), row0, rows,
-                                                         m.tok_seq, m.seqs, n_heads, n_kv_heads,
-                                                         head_size, s()));
+      BRIGADE_CUDA_CHECK(detail::launch_attention_direct(
+          q, out, code(dtype), row0, rows, m.tok_seq, m.seqs, n_heads, n_kv_heads, head_size, s()));
     }
   }
 };
@@ -518,8 +516,8 @@ void CudaBackend::matmul_wt(const void* x, const void* w, DType in_dtype, void* 
   DeviceGuard g(impl_->opt.device);
   if (in == 0) {
     if (!accumulate)
-      BRIGADE_CUDA_CHECK(cudaMemsetAsync(out, 0, usize(tokens * out_dim) * dtype_size(out_dtype),
-                                         impl_->s()));
+      BRIGADE_CUDA_CHECK(
+          cudaMemsetAsync(out, 0, usize(tokens * out_dim) * dtype_size(out_dtype), impl_->s()));
     return;
   }
   impl_->gemm(detail::plan_linear(tokens, in, out_dim), w, x, in_dtype, out, out_dtype, 1.0f,
@@ -534,10 +532,9 @@ void CudaBackend::rope(float* q, float* k, const std::int32_t* pos, std::int64_t
   if (tokens == 0) return;
   DeviceGuard g(impl_->opt.device);
   const float* freq = impl_->rope_freq(head_size, theta);
-  BRIGADE_CUDA_CHECK(detail::launch_rope(
-      q, static_cast<std::int64_t>(n_heads) * head_size, k,
-      static_cast<std::int64_t>(n_kv_heads) * head_size, pos, freq, tokens, n_heads, n_kv_heads,
-      head_size, impl_->s()));
+  BRIGADE_CUDA_CHECK(detail::launch_rope(q, static_cast<std::int64_t>(n_heads) * head_size, k,
+                                         static_cast<std::int64_t>(n_kv_heads) * head_size, pos,
+                                         freq, tokens, n_heads, n_kv_heads, head_size, impl_->s()));
 }
 
 void CudaBackend::attention(DType dtype, const void* q, void* out, std::int64_t tokens,
@@ -555,8 +552,7 @@ void CudaBackend::swiglu(const float* gate, const float* up, void* out, DType ou
                          std::int64_t n) {
   BRIGADE_CHECK(n >= 0, Errc::InvalidArgument, "CudaBackend::swiglu: n = {}; expected >= 0", n);
   DeviceGuard g(impl_->opt.device);
-  BRIGADE_CUDA_CHECK(
-      detail::launch_swiglu(gate, up, n, out, code(out_dtype), 1, n, impl_->s()));
+  BRIGADE_CUDA_CHECK(detail::launch_swiglu(gate, up, n, out, code(out_dtype), 1, n, impl_->s()));
 }
 
 void CudaBackend::embedding(const float* table, const std::int32_t* ids, float* out,
@@ -569,16 +565,15 @@ void CudaBackend::embedding(const float* table, const std::int32_t* ids, float* 
 }
 
 void CudaBackend::classifier(const float* x, const float* rms, const void* wcls, DType w_dtype,
-                             float* logits, std::int64_t rows, std::int64_t dim,
-                             std::int64_t vocab, float eps) {
+                             float* logits, std::int64_t rows, std::int64_t dim, std::int64_t vocab,
+                             float eps) {
   BRIGADE_CHECK(rows >= 0 && dim > 0 && vocab > 0, Errc::InvalidArgument,
                 "CudaBackend::classifier: rows = {}, dim = {}, vocab = {}; expected >= 0, > 0, > 0",
                 rows, dim, vocab);
   if (rows == 0) return;
   DeviceGuard g(impl_->opt.device);
   void* xb = impl_->grow(impl_->xb_buf, usize(rows * dim) * dtype_size(w_dtype));
-  BRIGADE_CUDA_CHECK(
-      detail::launch_rmsnorm(x, rms, xb, code(w_dtype), rows, dim, eps, impl_->s()));
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm(x, rms, xb, code(w_dtype), rows, dim, eps, impl_->s()));
   impl_->gemm(detail::plan_linear(rows, dim, vocab), wcls, xb, w_dtype, logits, DType::F32, 1.0f,
               0.0f);
 }
@@ -602,12 +597,12 @@ void CudaBackend::sample(float* logits, std::int64_t rows, std::int64_t vocab, f
                 "CudaBackend::sample: top_p = {} asks for nucleus sampling, which runs on the "
                 "host (model::Sampler); expected top_p <= 0 or >= 1 (the full distribution)",
                 top_p);
-  BRIGADE_CHECK(rows >= 0 && vocab > 0 && vocab <= INT_MAX &&
-                    static_cast<std::int64_t>(coins.size()) == rows,
-                Errc::InvalidArgument,
-                "CudaBackend::sample: rows = {}, vocab = {}, {} coins; expected one coin per row "
-                "and vocab in [1, 2^31)",
-                rows, vocab, coins.size());
+  BRIGADE_CHECK(
+      rows >= 0 && vocab > 0 && vocab <= INT_MAX && static_cast<std::int64_t>(coins.size()) == rows,
+      Errc::InvalidArgument,
+      "CudaBackend::sample: rows = {}, vocab = {}, {} coins; expected one coin per row "
+      "and vocab in [1, 2^31)",
+      rows, vocab, coins.size());
   if (rows == 0) return;
   DeviceGuard g(impl_->opt.device);
   auto* c = static_cast<float*>(impl_->grow(impl_->coins, coins.size() * sizeof(float)));
@@ -710,10 +705,10 @@ void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
   // FFN block.
   BRIGADE_CUDA_CHECK(detail::launch_rmsnorm(x, w.rms_ffn.as<float>(), xb, code(dt), tokens, dim,
                                             config.norm_eps, m.s()));
-  m.gemm(detail::plan_linear(tokens, dim, 2 * hidden), w.w13.data(), xb, dt, h13, DType::F32,
-         1.0f, 0.0f);
-  BRIGADE_CUDA_CHECK(detail::launch_swiglu(h13, h13 + hidden, 2 * hidden, hb, code(dt), tokens,
-                                           hidden, m.s()));
+  m.gemm(detail::plan_linear(tokens, dim, 2 * hidden), w.w13.data(), xb, dt, h13, DType::F32, 1.0f,
+         0.0f);
+  BRIGADE_CUDA_CHECK(
+      detail::launch_swiglu(h13, h13 + hidden, 2 * hidden, hb, code(dt), tokens, hidden, m.s()));
   m.gemm(detail::plan_linear(tokens, hidden, dim), w.w2.data(), hb, dt, x, DType::F32, 1.0f, 1.0f);
 }
 

@@ -35,26 +35,26 @@ namespace brigade::cuda::detail {
 }  // namespace brigade::cuda::detail
 
 /// Evaluates a CUDA runtime call; throws brigade::Error{Cuda} unless it returns cudaSuccess.
-#define BRIGADE_CUDA_CHECK(expr)                                                      \
-  do {                                                                                \
-    const cudaError_t brigade_cuda_status_ = (expr);                                  \
-    if (brigade_cuda_status_ != cudaSuccess)                                          \
+#define BRIGADE_CUDA_CHECK(expr)                                                           \
+  do {                                                                                     \
+    const cudaError_t brigade_cuda_status_ = (expr);                                       \
+    if (brigade_cuda_status_ != cudaSuccess)                                               \
       ::brigade::cuda::detail::fail_cuda(brigade_cuda_status_, #expr, __FILE__, __LINE__); \
   } while (false)
 
 /// Evaluates a cuBLAS call; throws brigade::Error{Cuda} unless it returns CUBLAS_STATUS_SUCCESS.
-#define BRIGADE_CUBLAS_CHECK(expr)                                                        \
-  do {                                                                                    \
-    const cublasStatus_t brigade_cublas_status_ = (expr);                                 \
-    if (brigade_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                  \
+#define BRIGADE_CUBLAS_CHECK(expr)                                                             \
+  do {                                                                                         \
+    const cublasStatus_t brigade_cublas_status_ = (expr);                                      \
+    if (brigade_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                       \
       ::brigade::cuda::detail::fail_cublas(brigade_cublas_status_, #expr, __FILE__, __LINE__); \
   } while (false)
 
 /// Evaluates an NCCL call on `comm` (may be nullptr); throws brigade::Error{Nccl} unless it
 /// returns ncclSuccess or, for a non-blocking communicator, ncclInProgress.
-#define BRIGADE_NCCL_CHECK(expr, comm)                                                         \
-  do {                                                                                         \
-    const ncclResult_t brigade_nccl_status_ = (expr);                                          \
-    if (brigade_nccl_status_ != ncclSuccess && brigade_nccl_status_ != ncclInProgress)         \
+#define BRIGADE_NCCL_CHECK(expr, comm)                                                             \
+  do {                                                                                             \
+    const ncclResult_t brigade_nccl_status_ = (expr);                                              \
+    if (brigade_nccl_status_ != ncclSuccess && brigade_nccl_status_ != ncclInProgress)             \
       ::brigade::cuda::detail::fail_nccl(brigade_nccl_status_, (comm), #expr, __FILE__, __LINE__); \
   } while (false)

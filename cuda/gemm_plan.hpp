@@ -106,8 +106,8 @@ constexpr GemmPlan plan_pv(std::int64_t rows, std::int64_t keys, std::int64_t ke
 
 /// Evaluates a plan on the host with cuBLAS's column-major semantics (float, double
 /// accumulation): the reference the unit tests hold the plans to.
-inline void reference_gemm(const GemmPlan& p, const float* a, const float* b, float* c,
-                           float alpha, float beta) {
+inline void reference_gemm(const GemmPlan& p, const float* a, const float* b, float* c, float alpha,
+                           float beta) {
   for (std::int64_t bt = 0; bt < p.batch; ++bt) {
     const float* ab = a + p.offset_a + bt * p.stride_a;
     const float* bb = b + p.offset_b + bt * p.stride_b;

@@ -19,9 +19,9 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kBlock = 256;       // threads of the row-wise kernels
+constexpr int kBlock = 256;        // threads of the row-wise kernels
 constexpr int kAttnThreads = 128;  // threads of the direct attention kernel
-constexpr int kAttnTile = 256;    // keys per tile of the direct attention kernel
+constexpr int kAttnTile = 256;     // keys per tile of the direct attention kernel
 constexpr int kSampleThreads = 1024;
 
 template <class T>
@@ -109,7 +109,8 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   ss += eps;
   const float inv = 1.0f / sqrtf(ss);
   OutT* o = out + row * dim;
-  for (std::int64_t j = threadIdx.x; j < dim; j += blockDim.x) o[j] = from_float<OutT>(w[j] * (inv * xr[j]));
+  for (std::int64_t j = threadIdx.x; j < dim; j += blockDim.x)
+    o[j] = from_float<OutT>(w[j] * (inv * xr[j]));
 }
 
 // --- RoPE -----------------------------------------------------------------------------------
@@ -256,8 +257,8 @@ __global__ void causal_softmax_kernel(const float* s, PT* p, std::int64_t rows, 
 // --- SwiGLU, embedding, conversion, random fill -------------------------------------------
 
 template <class OutT>
-__global__ void swiglu_kernel(const float* gate, const float* up, std::int64_t in_stride,
-                              OutT* out, std::int64_t rows, std::int64_t width) {
+__global__ void swiglu_kernel(const float* gate, const float* up, std::int64_t in_stride, OutT* out,
+                              std::int64_t rows, std::int64_t width) {
   const std::int64_t n = rows * width;
   for (std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -270,8 +271,9 @@ __global__ void swiglu_kernel(const float* gate, const float* up, std::int64_t i
   }
 }
 
-__global__ void embedding_kernel(const float* __restrict__ table, const std::int32_t* __restrict__ ids,
-                                 float* __restrict__ out, std::int64_t dim) {
+__global__ void embedding_kernel(const float* __restrict__ table,
+                                 const std::int32_t* __restrict__ ids, float* __restrict__ out,
+                                 std::int64_t dim) {
   const std::int64_t t = blockIdx.x;
   const float* row = table + static_cast<std::int64_t>(ids[t]) * dim;
   for (std::int64_t j = threadIdx.x; j < dim; j += blockDim.x) out[t * dim + j] = row[j];
@@ -318,7 +320,8 @@ __global__ void argmax_kernel(const float* __restrict__ logits, std::int64_t voc
   const float* row = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
   float best = -INFINITY;
   int best_i = INT_MAX;
-  for (std::int64_t j = threadIdx.x; j < vocab; j += blockDim.x) better(best, best_i, row[j], static_cast<int>(j));
+  for (std::int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
+    better(best, best_i, row[j], static_cast<int>(j));
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(kFullMask, best, o);
     const int oi = __shfl_xor_sync(kFullMask, best_i, o);
@@ -408,7 +411,8 @@ __global__ void sample_multinomial_kernel(float* logits, std::int64_t vocab, flo
     if (found != INT_MAX) break;
     carry += total;
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = found == INT_MAX ? static_cast<std::int32_t>(vocab - 1) : found;
+  if (threadIdx.x == 0)
+    out[blockIdx.x] = found == INT_MAX ? static_cast<std::int32_t>(vocab - 1) : found;
 }
 
 /// Blocks for a grid-stride loop over n elements.
@@ -434,9 +438,8 @@ cudaError_t launch_rope(float* q, std::int64_t q_stride, float* k, std::int64_t 
                         const std::int32_t* pos, const float* freq, std::int64_t tokens,
                         int n_heads, int n_kv_heads, int head_size, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
-  rope_kernel<<<static_cast<unsigned>(tokens), 128, 0, stream>>>(q, q_stride, k, k_stride, pos,
-                                                                 freq, n_heads, n_kv_heads,
-                                                                 head_size);
+  rope_kernel<<<static_cast<unsigned>(tokens), 128, 0, stream>>>(
+      q, q_stride, k, k_stride, pos, freq, n_heads, n_kv_heads, head_size);
   return cudaGetLastError();
 }
 
@@ -456,8 +459,8 @@ cudaError_t launch_qkv_scatter(const float* qkv, std::int64_t qkv_stride, std::i
 
 cudaError_t launch_attention_direct(const void* q, void* out, int dtype, std::int64_t row_begin,
                                     std::int64_t rows, const std::int32_t* tok_seq,
-                                    const SeqDesc* seqs, int n_heads, int n_kv_heads,
-                                    int head_size, cudaStream_t stream) {
+                                    const SeqDesc* seqs, int n_heads, int n_kv_heads, int head_size,
+                                    cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(n_heads));
   const std::size_t smem = (2 * static_cast<std::size_t>(head_size) + kAttnTile) * sizeof(float);
@@ -480,8 +483,8 @@ cudaError_t launch_causal_softmax(const float* s, void* p, int p_dtype, int n_he
   if (rows <= 0 || n_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(n_heads));
   if (p_dtype == kF32)
-    causal_softmax_kernel<float><<<grid, kBlock, 0, stream>>>(s, static_cast<float*>(p), rows,
-                                                              keys, ld, first_visible, scale);
+    causal_softmax_kernel<float><<<grid, kBlock, 0, stream>>>(s, static_cast<float*>(p), rows, keys,
+                                                              ld, first_visible, scale);
   else
     causal_softmax_kernel<bf16><<<grid, kBlock, 0, stream>>>(s, static_cast<bf16*>(p), rows, keys,
                                                              ld, first_visible, scale);
@@ -509,22 +512,22 @@ cudaError_t launch_embedding(const float* table, const std::int32_t* ids, float*
   return cudaGetLastError();
 }
 
-cudaError_t launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype,
-                           std::int64_t n, cudaStream_t stream) {
+cudaError_t launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype, std::int64_t n,
+                           cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const unsigned grid = grid_for(n, kBlock);
   if (src_dtype == kF32 && dst_dtype == kF32)
-    convert_kernel<float, float><<<grid, kBlock, 0, stream>>>(static_cast<const float*>(src),
-                                                              static_cast<float*>(dst), n);
+    convert_kernel<float, float>
+        <<<grid, kBlock, 0, stream>>>(static_cast<const float*>(src), static_cast<float*>(dst), n);
   else if (src_dtype == kF32)
-    convert_kernel<float, bf16><<<grid, kBlock, 0, stream>>>(static_cast<const float*>(src),
-                                                             static_cast<bf16*>(dst), n);
+    convert_kernel<float, bf16>
+        <<<grid, kBlock, 0, stream>>>(static_cast<const float*>(src), static_cast<bf16*>(dst), n);
   else if (dst_dtype == kF32)
-    convert_kernel<bf16, float><<<grid, kBlock, 0, stream>>>(static_cast<const bf16*>(src),
-                                                             static_cast<float*>(dst), n);
+    convert_kernel<bf16, float>
+        <<<grid, kBlock, 0, stream>>>(static_cast<const bf16*>(src), static_cast<float*>(dst), n);
   else
-    convert_kernel<bf16, bf16><<<grid, kBlock, 0, stream>>>(static_cast<const bf16*>(src),
-                                                            static_cast<bf16*>(dst), n);
+    convert_kernel<bf16, bf16>
+        <<<grid, kBlock, 0, stream>>>(static_cast<const bf16*>(src), static_cast<bf16*>(dst), n);
   return cudaGetLastError();
 }
 
@@ -533,7 +536,8 @@ cudaError_t launch_fill_random(void* dst, int dtype, std::int64_t n, std::uint64
   if (n <= 0) return cudaSuccess;
   const unsigned grid = grid_for(n, kBlock);
   if (dtype == kF32)
-    fill_random_kernel<float><<<grid, kBlock, 0, stream>>>(static_cast<float*>(dst), n, seed, scale);
+    fill_random_kernel<float>
+        <<<grid, kBlock, 0, stream>>>(static_cast<float*>(dst), n, seed, scale);
   else
     fill_random_kernel<bf16><<<grid, kBlock, 0, stream>>>(static_cast<bf16*>(dst), n, seed, scale);
   return cudaGetLastError();

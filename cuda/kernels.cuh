@@ -46,8 +46,8 @@ cudaError_t launch_qkv_scatter(const float* qkv, std::int64_t qkv_stride, std::i
 /// dtype (whole batch; only the given rows are read and written); caches in dtype.
 cudaError_t launch_attention_direct(const void* q, void* out, int dtype, std::int64_t row_begin,
                                     std::int64_t rows, const std::int32_t* tok_seq,
-                                    const SeqDesc* seqs, int n_heads, int n_kv_heads,
-                                    int head_size, cudaStream_t stream);
+                                    const SeqDesc* seqs, int n_heads, int n_kv_heads, int head_size,
+                                    cudaStream_t stream);
 
 /// Causal softmax of score rows: s is [n_heads][rows][ld] float32 (raw q.k in the first `keys`
 /// columns); row i of each head sees keys 0..first_visible - 1 + i. p[h][i][j] =
@@ -68,8 +68,8 @@ cudaError_t launch_embedding(const float* table, const std::int32_t* ids, float*
                              std::int64_t tokens, std::int64_t dim, cudaStream_t stream);
 
 /// dst[i] = convert(src[i]).
-cudaError_t launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype,
-                           std::int64_t n, cudaStream_t stream);
+cudaError_t launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype, std::int64_t n,
+                           cudaStream_t stream);
 
 /// dst[i] = uniform [-scale, scale) from a hash of (seed, i).
 cudaError_t launch_fill_random(void* dst, int dtype, std::int64_t n, std::uint64_t seed,

@@ -85,7 +85,8 @@ struct CudaLlama::Impl {
     auto* d_last = static_cast<float*>(grow(last, usize(n * dim) * sizeof(float)));
     for (std::int64_t i = 0; i < n; ++i) {
       const SequenceSlice& s = slices[static_cast<std::size_t>(i)];
-      gpu->copy(d_last + i * dim, d_x + (s.offset + s.tokens - 1) * dim, usize(dim) * sizeof(float));
+      gpu->copy(d_last + i * dim, d_x + (s.offset + s.tokens - 1) * dim,
+                usize(dim) * sizeof(float));
     }
     auto* d_logits = static_cast<float*>(grow(logits, usize(n * c.vocab_size) * sizeof(float)));
     gpu->classifier(d_last, rms_final.as<float>(), wcls.data(), dtype, d_logits, n, dim,
@@ -102,8 +103,8 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   m.dtype = dtype;
   const auto& c = m.config;
   c.validate("CudaLlama");
-  BRIGADE_CHECK(static_cast<int>(weights.layers.size()) == c.n_layers &&
-                    weights.token_embedding && weights.rms_final && weights.wcls,
+  BRIGADE_CHECK(static_cast<int>(weights.layers.size()) == c.n_layers && weights.token_embedding &&
+                    weights.rms_final && weights.wcls,
                 Errc::InvalidArgument,
                 "CudaLlama: the weights have {} layers for n_layers = {} (or a null tensor)",
                 weights.layers.size(), c.n_layers);
@@ -131,8 +132,7 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   }
   for (const auto& lw : weights.layers) {
     m.layers.push_back(backend.upload_decoder_weights(c, lw, dtype));
-    m.kv.push_back(
-        backend.allocate(usize(2 * m.cache_rows * c.kv_dim()) * dtype_size(dtype)));
+    m.kv.push_back(backend.allocate(usize(2 * m.cache_rows * c.kv_dim()) * dtype_size(dtype)));
   }
   backend.synchronize();
 }
@@ -165,9 +165,9 @@ std::vector<int> CudaLlama::generate_greedy(std::span<const int> prompt, int ste
   constexpr int kBos = 1;
   BRIGADE_CHECK(!prompt.empty(), Errc::InvalidArgument,
                 "CudaLlama::generate_greedy: empty prompt; expected at least BOS");
-  BRIGADE_CHECK(seq >= 0 && seq < static_cast<int>(impl_->capacities.size()),
-                Errc::InvalidArgument, "CudaLlama::generate_greedy: sequence {} outside [0, {})",
-                seq, impl_->capacities.size());
+  BRIGADE_CHECK(seq >= 0 && seq < static_cast<int>(impl_->capacities.size()), Errc::InvalidArgument,
+                "CudaLlama::generate_greedy: sequence {} outside [0, {})", seq,
+                impl_->capacities.size());
   const int plen = static_cast<int>(prompt.size());
   BRIGADE_CHECK(steps >= plen && steps <= impl_->capacities[static_cast<std::size_t>(seq)],
                 Errc::InvalidArgument,

@@ -19,8 +19,8 @@ namespace brigade::transport {
 inline namespace v0 {
 namespace {
 
-constexpr std::size_t kSlot = 128;              // bytes of one wire header
-constexpr std::uint32_t kMagic = 0x44475242u;   // "BRGD"
+constexpr std::size_t kSlot = 128;             // bytes of one wire header
+constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
 constexpr std::uint32_t kWireVersion = 1;
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
@@ -42,10 +42,10 @@ static_assert(sizeof(WireHeader) <= kSlot, "the wire header must fit its 128-byt
 struct Batch {
   enum class State { Enqueuing, InFlight, Done };
   State state = State::Done;
-  std::size_t slots = 0;        // capacity, in headers
-  std::size_t used = 0;         // headers in the current use
-  std::byte* host = nullptr;    // pinned [slots x kSlot]
-  void* device = nullptr;       // [slots x kSlot]
+  std::size_t slots = 0;      // capacity, in headers
+  std::size_t used = 0;       // headers in the current use
+  std::byte* host = nullptr;  // pinned [slots x kSlot]
+  void* device = nullptr;     // [slots x kSlot]
   cudaEvent_t done = nullptr;
   int device_id = 0;
 
@@ -74,11 +74,11 @@ struct OpState {
   bool is_send = false;
   int peer = 0;
   int tag = 0;
-  MessageHeader header;               // sent, or expected
+  MessageHeader header;  // sent, or expected
   const void* send_ptr = nullptr;
   void* recv_ptr = nullptr;
-  std::size_t nbytes = 0;             // payload bytes posted
-  std::shared_ptr<Batch> batch;       // null while queued
+  std::size_t nbytes = 0;        // payload bytes posted
+  std::shared_ptr<Batch> batch;  // null while queued
   std::size_t slot = 0;
 };
 
@@ -106,7 +106,7 @@ struct NcclTransport::Impl {
   std::string abort_reason;
   std::vector<std::shared_ptr<OpState>> queued;
   std::deque<std::shared_ptr<Batch>> in_flight;  // in flush order
-  std::vector<std::shared_ptr<Batch>> pool;       // finished batches for reuse
+  std::vector<std::shared_ptr<Batch>> pool;      // finished batches for reuse
 
   ~Impl() {
     if (comm && !is_aborted) {
@@ -202,8 +202,8 @@ struct NcclTransport::Impl {
   /// Enqueues what follows a group once NCCL has put it on the stream: the copy of the received
   /// headers back to the host, and the completion event.
   void finish_enqueue(Batch& b) {
-    BRIGADE_CUDA_CHECK(cudaMemcpyAsync(b.host, b.device, b.used * kSlot, cudaMemcpyDeviceToHost,
-                                       stream));
+    BRIGADE_CUDA_CHECK(
+        cudaMemcpyAsync(b.host, b.device, b.used * kSlot, cudaMemcpyDeviceToHost, stream));
     BRIGADE_CUDA_CHECK(cudaEventRecord(b.done, stream));
     b.state = Batch::State::InFlight;
   }
@@ -361,10 +361,10 @@ struct NcclTransport::Impl {
   }
 
   std::string describe(const OpState& op) const {
-    return op.is_send ? fmt::format("send to rank {} (tag {}, {})", op.peer, op.tag,
-                                    op.header.to_string())
-                      : fmt::format("receive from rank {} (tag {}, expecting {})", op.peer, op.tag,
-                                    op.header.to_string());
+    return op.is_send
+               ? fmt::format("send to rank {} (tag {}, {})", op.peer, op.tag, op.header.to_string())
+               : fmt::format("receive from rank {} (tag {}, expecting {})", op.peer, op.tag,
+                             op.header.to_string());
   }
 };
 
@@ -444,7 +444,8 @@ Request NcclTransport::isend(int peer, int tag, const MessageHeader& header, Con
   return r;
 }
 
-Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
+Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected,
+                             MutableBytes buffer) {
   Impl& m = *impl_;
   m.check_alive();
   m.check_peer(peer);

@@ -103,18 +103,20 @@ int main(int argc, char** argv) {
           if (t != brigade::model::Tokenizer::kBos) expected.push_back(t);
         const auto t0 = std::chrono::steady_clock::now();
         const auto got = model.generate_greedy(prompt_ids, c.at("steps").get<int>());
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const bool tokens_ok = got == expected;
         const bool text_ok =
             brigade::model::render_like_run_c(tok, got) == c.at("stdout").get<std::string>();
         std::size_t same = 0;
         while (same < std::min(got.size(), expected.size()) && got[same] == expected[same]) ++same;
-        std::printf("case %s: %zu positions, %.1f tokens/s; tokens %s (first %zu of %zu agree), "
-                    "text %s\n",
-                    c.at("name").get<std::string>().c_str(), got.size(),
-                    static_cast<double>(got.size() - prompt_ids.size()) / s,
-                    tokens_ok ? "EQUAL run.c" : "DIFFER", same, expected.size(),
-                    text_ok ? "EQUAL" : "DIFFERS");
+        std::printf(
+            "case %s: %zu positions, %.1f tokens/s; tokens %s (first %zu of %zu agree), "
+            "text %s\n",
+            c.at("name").get<std::string>().c_str(), got.size(),
+            static_cast<double>(got.size() - prompt_ids.size()) / s,
+            tokens_ok ? "EQUAL run.c" : "DIFFER", same, expected.size(),
+            text_ok ? "EQUAL" : "DIFFERS");
         failures += !(tokens_ok && text_ok);
       }
       std::printf("%s\n", failures == 0 ? "stories260K on the GPU: token-exact with run.c"

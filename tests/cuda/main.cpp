@@ -13,8 +13,8 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device: %s; skipping\n", info.reason.c_str());
     return 77;
   }
-  std::printf("CUDA device 0 of %d: %s (compute capability %d.%d)\n", info.count,
-              info.name.c_str(), info.compute_major, info.compute_minor);
+  std::printf("CUDA device 0 of %d: %s (compute capability %d.%d)\n", info.count, info.name.c_str(),
+              info.compute_major, info.compute_minor);
   doctest::Context context(argc, argv);
   return context.run();
 }

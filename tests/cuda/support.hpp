@@ -22,7 +22,8 @@ namespace brigade::cuda::test {
 inline std::uint16_t to_bf16(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<std::uint16_t>((u >> 16) | 0x40);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
+    return static_cast<std::uint16_t>((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
 }
@@ -50,8 +51,7 @@ inline std::vector<float> random_floats(std::size_t n, std::uint32_t seed, float
 class Guarded {
  public:
   Guarded(CudaBackend& gpu, std::size_t n, std::size_t elem, std::size_t guard = 256)
-      : gpu_(&gpu), n_(n), elem_(elem), guard_(guard),
-        buf_(gpu.allocate((n + 2 * guard) * elem)) {
+      : gpu_(&gpu), n_(n), elem_(elem), guard_(guard), buf_(gpu.allocate((n + 2 * guard) * elem)) {
     poison();
   }
   /// Device address of element 0 of the payload.

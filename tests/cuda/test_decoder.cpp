@@ -41,7 +41,8 @@ void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DT
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     kc.push_back(random_floats(seqs[i].capacity * kv_dim, 300 + static_cast<unsigned>(i)));
     vc.push_back(random_floats(seqs[i].capacity * kv_dim, 400 + static_cast<unsigned>(i)));
-    for (std::int64_t t = 0; t < seqs[i].tokens; ++t) pos.push_back(static_cast<std::int32_t>(seqs[i].pos0 + t));
+    for (std::int64_t t = 0; t < seqs[i].tokens; ++t)
+      pos.push_back(static_cast<std::int32_t>(seqs[i].pos0 + t));
     off += seqs[i].tokens;
   }
   auto kc0 = kc, vc0 = vc;  // the GPU starts from the same caches
@@ -109,46 +110,48 @@ model::LlamaConfig small_config() {
 }  // namespace
 
 TEST_SUITE("decoder") {
+  TEST_CASE(
+      "cuda.decoder_layer_forward: stories260K-shaped layer, prefill + decode + chunked "
+      "prefill packed, every attention path, f32 and bf16, vs the CPU layer") {
+    const auto cfg = small_config();
+    const std::vector<Seq> seqs = {{20, 0, 40}, {1, 30, 31}, {7, 5, 12}};
+    for (DType dt : {DType::F32, DType::BF16})
+      for (AttentionPath path : {AttentionPath::Direct, AttentionPath::Gemm, AttentionPath::Auto})
+        check_layer(cfg, seqs, dt, path, 2e-5);
+  }
 
-TEST_CASE("cuda.decoder_layer_forward: stories260K-shaped layer, prefill + decode + chunked "
-          "prefill packed, every attention path, f32 and bf16, vs the CPU layer") {
-  const auto cfg = small_config();
-  const std::vector<Seq> seqs = {{20, 0, 40}, {1, 30, 31}, {7, 5, 12}};
-  for (DType dt : {DType::F32, DType::BF16})
-    for (AttentionPath path : {AttentionPath::Direct, AttentionPath::Gemm, AttentionPath::Auto})
-      check_layer(cfg, seqs, dt, path, 2e-5);
-}
+  TEST_CASE(
+      "cuda.decoder_layer_forward: wider layer (dim 256, 8 heads, 2 KV heads, head 32), "
+      "two long prefills") {
+    model::LlamaConfig cfg = small_config();
+    cfg.dim = 256;
+    cfg.hidden_dim = 688;
+    cfg.n_kv_heads = 2;
+    cfg.seq_len = 256;
+    const std::vector<Seq> seqs = {{100, 0, 100}, {90, 37, 200}};
+    for (DType dt : {DType::F32, DType::BF16})
+      check_layer(cfg, seqs, dt, AttentionPath::Auto, 2e-5);
+  }
 
-TEST_CASE("cuda.decoder_layer_forward: wider layer (dim 256, 8 heads, 2 KV heads, head 32), "
-          "two long prefills") {
-  model::LlamaConfig cfg = small_config();
-  cfg.dim = 256;
-  cfg.hidden_dim = 688;
-  cfg.n_kv_heads = 2;
-  cfg.seq_len = 256;
-  const std::vector<Seq> seqs = {{100, 0, 100}, {90, 37, 200}};
-  for (DType dt : {DType::F32, DType::BF16})
-    check_layer(cfg, seqs, dt, AttentionPath::Auto, 2e-5);
-}
-
-TEST_CASE("cuda.decoder_layer_forward: bad slices and positions are refused like the CPU's") {
-  const auto cfg = small_config();
-  const auto weights = model::make_synthetic_weights(cfg, 1);
-  CudaBackend gpu;
-  const auto dw = gpu.upload_decoder_weights(cfg, weights.layers[0], DType::F32);
-  Guarded x(gpu, 4 * 64, 4), cache(gpu, 256 * 32, 4);
-  auto expect_invalid = [&](std::vector<cuda::SequenceSlice> s, std::int64_t tokens) {
-    try {
-      gpu.decoder_layer_forward(cfg, dw, x.as<float>(), tokens, s);
-      FAIL("expected brigade::Error{InvalidArgument}");
-    } catch (const brigade::Error& e) {
-      CHECK(e.code() == brigade::Errc::InvalidArgument);
-    }
-  };
-  expect_invalid({{0, 3, 0, cache.data(), cache.data()}}, 4);             // does not cover
-  expect_invalid({{0, 4, 126, cache.data(), cache.data()}}, 4);           // beyond seq_len
-  expect_invalid({{0, 4, 0, nullptr, cache.data()}}, 4);                  // null cache
-  expect_invalid({{0, 0, 0, cache.data(), cache.data()}, {0, 4, 0, cache.data(), cache.data()}}, 4);
-}
+  TEST_CASE("cuda.decoder_layer_forward: bad slices and positions are refused like the CPU's") {
+    const auto cfg = small_config();
+    const auto weights = model::make_synthetic_weights(cfg, 1);
+    CudaBackend gpu;
+    const auto dw = gpu.upload_decoder_weights(cfg, weights.layers[0], DType::F32);
+    Guarded x(gpu, 4 * 64, 4), cache(gpu, 256 * 32, 4);
+    auto expect_invalid = [&](std::vector<cuda::SequenceSlice> s, std::int64_t tokens) {
+      try {
+        gpu.decoder_layer_forward(cfg, dw, x.as<float>(), tokens, s);
+        FAIL("expected brigade::Error{InvalidArgument}");
+      } catch (const brigade::Error& e) {
+        CHECK(e.code() == brigade::Errc::InvalidArgument);
+      }
+    };
+    expect_invalid({{0, 3, 0, cache.data(), cache.data()}}, 4);    // does not cover
+    expect_invalid({{0, 4, 126, cache.data(), cache.data()}}, 4);  // beyond seq_len
+    expect_invalid({{0, 4, 0, nullptr, cache.data()}}, 4);         // null cache
+    expect_invalid({{0, 0, 0, cache.data(), cache.data()}, {0, 4, 0, cache.data(), cache.data()}},
+                   4);
+  }
 
 }  // TEST_SUITE

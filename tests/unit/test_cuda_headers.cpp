@@ -75,15 +75,16 @@ TEST_CASE("cuda.gemm_plan: plan_linear is x W^T (cpu::matmul_wt), plain and stri
   // Output rows inside a wider buffer (the fused QKV GEMM's layout).
   const std::int64_t stride = out + 5;
   std::vector<float> wide(tokens * stride, 0.0f);
-  cuda::detail::reference_gemm(cuda::detail::plan_linear(tokens, in, out, in, in, stride),
-                               w.data(), x.data(), wide.data(), 1.0f, 0.0f);
+  cuda::detail::reference_gemm(cuda::detail::plan_linear(tokens, in, out, in, in, stride), w.data(),
+                               x.data(), wide.data(), 1.0f, 0.0f);
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t n = 0; n < out; ++n)
       CHECK(std::abs(wide[t * stride + n] - ref[t * out + n]) < 1e-5f);
 }
 
-TEST_CASE("cuda.gemm_plan: scores, causal softmax and PV plans reproduce cpu::attention "
-          "(GQA, padded score rows, a block of rows inside a sequence)") {
+TEST_CASE(
+    "cuda.gemm_plan: scores, causal softmax and PV plans reproduce cpu::attention "
+    "(GQA, padded score rows, a block of rows inside a sequence)") {
   const int n_heads = 6, n_kv = 2, hs = 4;
   const std::int64_t dim = n_heads * hs, kv_dim = n_kv * hs;
   const std::int64_t tokens = 5, pos0 = 3, keys_total = pos0 + tokens;
@@ -99,8 +100,8 @@ TEST_CASE("cuda.gemm_plan: scores, causal softmax and PV plans reproduce cpu::at
   const int group = n_heads / n_kv;
   for (int member = 0; member < group; ++member)
     cuda::detail::reference_gemm(
-        cuda::detail::plan_scores(rows, keys, ld, n_heads, n_kv, hs, member, dim, kv_dim),
-        k.data(), q.data() + r0 * dim, s.data(), 1.0f, 0.0f);
+        cuda::detail::plan_scores(rows, keys, ld, n_heads, n_kv, hs, member, dim, kv_dim), k.data(),
+        q.data() + r0 * dim, s.data(), 1.0f, 0.0f);
   for (int h = 0; h < n_heads; ++h)
     for (std::int64_t i = 0; i < rows; ++i) {
       float* row = s.data() + (h * rows + i) * ld;

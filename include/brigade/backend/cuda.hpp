@@ -167,12 +167,12 @@ class Event {
 /// One sequence's rows in a packed micro-batch, with its KV cache for the layer (device memory).
 /// The device analogue of brigade::cpu::SequenceSlice.
 struct SequenceSlice {
-  std::int64_t offset = 0;   ///< first row of the sequence in the packed [tokens x dim] batch
-  std::int64_t tokens = 0;   ///< rows (new tokens) of this sequence
-  std::int64_t pos0 = 0;     ///< absolute position of its first new token
-  void* k_cache = nullptr;   ///< [capacity x kv_dim] keys, in the layer's dtype; rows pos0.. are
-                             ///< written by decoder_layer_forward
-  void* v_cache = nullptr;   ///< [capacity x kv_dim] values, likewise
+  std::int64_t offset = 0;  ///< first row of the sequence in the packed [tokens x dim] batch
+  std::int64_t tokens = 0;  ///< rows (new tokens) of this sequence
+  std::int64_t pos0 = 0;    ///< absolute position of its first new token
+  void* k_cache = nullptr;  ///< [capacity x kv_dim] keys, in the layer's dtype; rows pos0.. are
+                            ///< written by decoder_layer_forward
+  void* v_cache = nullptr;  ///< [capacity x kv_dim] values, likewise
 };
 
 /// One decoder layer's weights on the device, packed for fewer, larger GEMMs.
@@ -211,11 +211,14 @@ class CudaBackend {
  public:
   /// Construction settings.
   struct Options {
-    int device = 0;                           ///< CUDA device ordinal
-    AttentionPath attention = AttentionPath::Auto;  ///< attention algorithm
-    std::int64_t gemm_attention_min_tokens = 16;    ///< Auto's threshold (new tokens of a sequence)
-    std::size_t attention_scratch_bytes = std::size_t{256} << 20;  ///< bound on the Gemm path's
-                                              ///< score matrices; sets its query-row block size
+    /// CUDA device ordinal.
+    int device = 0;
+    /// Attention algorithm.
+    AttentionPath attention = AttentionPath::Auto;
+    /// Auto's threshold: sequences with at least this many new tokens take the Gemm path.
+    std::int64_t gemm_attention_min_tokens = 16;
+    /// Bound on the Gemm path's score matrices (bytes); sets its query-row block size.
+    std::size_t attention_scratch_bytes = std::size_t{256} << 20;
   };
 
   /// Selects the device and creates the stream and the cuBLAS handle.
@@ -300,8 +303,8 @@ class CudaBackend {
   /// @throws brigade::Error{InvalidArgument} for bad head counts (as cpu::attention) or slices
   ///         that do not cover [0, tokens)
   void attention(DType dtype, const void* q, void* out, std::int64_t tokens,
-                 std::span<const SequenceSlice> seqs, int n_heads, int n_kv_heads,
-                 int head_size, AttentionPath path = AttentionPath::Auto);
+                 std::span<const SequenceSlice> seqs, int n_heads, int n_kv_heads, int head_size,
+                 AttentionPath path = AttentionPath::Auto);
 
   /// SwiGLU, as cpu::swiglu: out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
   /// @param gate [n] float32
@@ -322,9 +325,8 @@ class CudaBackend {
   /// @param rms    [dim] float32
   /// @param wcls   [vocab x dim] in `w_dtype`
   /// @param logits [rows x vocab] float32
-  void classifier(const float* x, const float* rms, const void* wcls, DType w_dtype,
-                  float* logits, std::int64_t rows, std::int64_t dim, std::int64_t vocab,
-                  float eps);
+  void classifier(const float* x, const float* rms, const void* wcls, DType w_dtype, float* logits,
+                  std::int64_t rows, std::int64_t dim, std::int64_t vocab, float eps);
 
   /// Greedy sampling on the GPU: out[r] = argmax(logits[r, :]), the first index on ties (run.c's
   /// argmax).
@@ -343,8 +345,8 @@ class CudaBackend {
   /// @param out    [rows] int32 (device memory)
   /// @throws brigade::Error{InvalidArgument} if temperature <= 0 or NaN, top_p is inside (0, 1),
   ///         or coins.size() != rows
-  void sample(float* logits, std::int64_t rows, std::int64_t vocab, float temperature,
-              float top_p, std::span<const float> coins, std::int32_t* out);
+  void sample(float* logits, std::int64_t rows, std::int64_t vocab, float temperature, float top_p,
+              std::span<const float> coins, std::int32_t* out);
 
   // --- the decoder layer -----------------------------------------------------------------------
 

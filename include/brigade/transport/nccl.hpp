@@ -72,10 +72,12 @@ class NcclTransport {
  public:
   /// Construction settings.
   struct Options {
-    int device = 0;                       ///< CUDA device of this rank
-    double init_timeout_s = 120.0;        ///< deadline for all ranks to join the communicator
-    CUstream_st* compute_stream = nullptr;  ///< stream whose work every group waits for first
-                                          ///< (nullptr: the legacy default stream)
+    /// CUDA device of this rank.
+    int device = 0;
+    /// Seconds for all ranks to join the communicator (also bounds flush's wait for NCCL).
+    double init_timeout_s = 120.0;
+    /// Stream whose work every group waits for first (nullptr: the legacy default stream).
+    CUstream_st* compute_stream = nullptr;
   };
 
   /// Joins the communicator `id` as `rank` of `world_size` (ncclCommInitRankConfig, non-blocking)
