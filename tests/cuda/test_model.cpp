@@ -26,7 +26,7 @@ fs::path data_dir() {
 }  // namespace
 
 TEST_SUITE("model") {
-  TEST_CASE("cuda.stories260K: f32 greedy tokens and text equal run.c's; first logits match") {
+  TEST_CASE("cuda.stories260K: f32 greedy tokens and text equal run.c's, first logits match") {
     const fs::path dir = data_dir();
     INFO("data folder: " << dir.string());
     REQUIRE_MESSAGE(fs::exists(dir / "stories260K.bin"),

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <sys/wait.h>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 
@@ -24,7 +25,11 @@ struct Run {
 
 /// Runs the CLI with `args`, capturing stdout and stderr.
 Run run_cli(const std::string& args) {
-  const fs::path err_file = fs::temp_directory_path() / "brigade_cli_test_stderr.txt";
+  // One stderr file per call: ctest runs test cases in parallel processes.
+  static int calls = 0;
+  const fs::path err_file = fs::temp_directory_path() /
+                            ("brigade_cli_stderr_" + std::to_string(::getpid()) + "_" +
+                             std::to_string(calls++) + ".txt");
   const std::string cmd = std::string(BRIGADE_CLI) + " " + args + " 2>" + err_file.string();
   Run r;
   FILE* p = popen(cmd.c_str(), "r");
@@ -34,8 +39,11 @@ Run run_cli(const std::string& args) {
   while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
   const int status = pclose(p);
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream e(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(e), {});
+  {
+    std::ifstream e(err_file);
+    r.err.assign(std::istreambuf_iterator<char>(e), {});
+  }
+  fs::remove(err_file);
   return r;
 }
 
@@ -57,8 +65,9 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
   const auto& c0 = ref["cases"][0];  // empty prompt, 256 steps
   const auto& c1 = ref["cases"][1];  // "Once upon a time", 64 steps
   // Same --steps for both prompts: run the 64-step case with both, compare each separately.
-  const fs::path metrics = fs::temp_directory_path() / "brigade_cli_metrics.json";
-  const fs::path trace = fs::temp_directory_path() / "brigade_cli_trace.json";
+  const auto tag = std::to_string(::getpid());
+  const fs::path metrics = fs::temp_directory_path() / ("brigade_cli_metrics_" + tag + ".json");
+  const fs::path trace = fs::temp_directory_path() / ("brigade_cli_trace_" + tag + ".json");
   auto r = run_cli("generate " + model_flags() + " --temperature 0 --stages 3 --steps 64 " +
                    "--prompt \"Once upon a time\" --prompt \"Once upon a time\" --metrics " +
                    metrics.string() + " --trace " + trace.string());
@@ -111,7 +120,8 @@ TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
     CHECK(r.err.find("unknown model size '7B'") != std::string::npos);
   }
   SUBCASE("a truncated checkpoint") {
-    const fs::path bad = fs::temp_directory_path() / "brigade_truncated.bin";
+    const fs::path bad =
+        fs::temp_directory_path() / ("brigade_truncated_" + std::to_string(::getpid()) + ".bin");
     {
       std::ifstream in(kData / "stories260K.bin", std::ios::binary);
       std::string bytes(1000, '\0');
@@ -127,9 +137,10 @@ TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
   }
 }
 
-TEST_CASE("cli.train: a short run checkpoints a model that generate loads; metrics per step" *
+TEST_CASE("cli.train: a short run checkpoints a model that generate loads, with metrics per step" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
-  const fs::path dir = fs::temp_directory_path() / "brigade_cli_train";
+  const fs::path dir =
+      fs::temp_directory_path() / ("brigade_cli_train_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   const fs::path metrics = dir / "metrics.jsonl";
   fs::create_directories(dir);

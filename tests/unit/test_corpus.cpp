@@ -64,7 +64,7 @@ TEST_CASE("corpus.packer: a seed shuffles each epoch reproducibly") {
   for (int i = 0; i < 50; ++i) CHECK(sorted[static_cast<std::size_t>(i)] == 100 + i);
 }
 
-TEST_CASE("corpus.load: a folder is one task per file; errors name the path") {
+TEST_CASE("corpus.load: a folder is one task per file, errors name the path") {
   const fs::path dir = fs::temp_directory_path() / "brigade_corpus_test";
   fs::remove_all(dir);
   fs::create_directories(dir);

@@ -121,7 +121,7 @@ TEST_CASE("cost.roofline.110M.p4: each action sums layer_cost rooflines over its
   CHECK(r.peak_activation_bytes[0] > r.peak_activation_bytes[3]);
 }
 
-TEST_CASE("cost.roofline.260K.inference: prefill costs more than a decode step; tokens are small") {
+TEST_CASE("cost.roofline.260K.inference: prefill costs more than a decode step, tokens are small") {
   const model::ModelSpec spec(model::named_config("260K"));
   const auto s = sch::inference({2, 2, 1, 3});
   const auto part = RooflineCostModel::placed_uniform(spec, s.shape);

@@ -101,7 +101,7 @@ TEST_CASE("schedule.text: inference shape with chunks and a custom placement rou
   CHECK(back.shape.mode == sch::Mode::Inference);
 }
 
-TEST_CASE("schedule.text: optional shape keys take their defaults; comments and blank lines") {
+TEST_CASE("schedule.text: optional shape keys take their defaults, comments and blank lines") {
   const auto s = sch::parse_schedule(
       "# a comment\n\n  shape ranks=3 microbatches=1\nrank 0: 0F0\n# middle\nrank 1:\nrank 2:   "
       "2F0 \n");
