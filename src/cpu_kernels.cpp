@@ -9,6 +9,7 @@
 #include "brigade/backend/cpu.hpp"
 
 #include "brigade/core/error.hpp"
+#include "cpu_checks.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -46,22 +47,8 @@ T* grow(std::vector<T>& v, std::int64_t n) {
   return v.data();
 }
 
-void check_gemm_shape(const char* what, std::int64_t tokens, std::int64_t in,
-                      std::int64_t out_dim) {
-  BRIGADE_CHECK(tokens >= 0 && in >= 0 && out_dim >= 0, Errc::InvalidArgument,
-                "{}: shape tokens = {}, in = {}, out = {}; expected all >= 0", what, tokens, in,
-                out_dim);
-}
-
-void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
-  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-                Errc::InvalidArgument,
-                "{}: n_heads = {}, n_kv_heads = {}; expected both > 0 and n_heads a multiple "
-                "of n_kv_heads",
-                what, n_heads, n_kv_heads);
-  BRIGADE_CHECK(head_size > 0 && head_size % 2 == 0, Errc::InvalidArgument,
-                "{}: head_size = {}; expected a positive even number", what, head_size);
-}
+using detail::check_gemm_shape;
+using detail::check_heads;
 
 /// attention() with caller-owned score storage (grown on demand).
 void attention_impl(const float* q, const float* k_cache, const float* v_cache, float* out,

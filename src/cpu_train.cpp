@@ -6,6 +6,7 @@
 
 #include "brigade/backend/cpu.hpp"
 #include "brigade/core/error.hpp"
+#include "cpu_checks.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -112,22 +113,8 @@ void release(std::vector<T>& v) noexcept {
   std::vector<T>().swap(v);
 }
 
-void check_gemm_shape(const char* what, std::int64_t tokens, std::int64_t in,
-                      std::int64_t out_dim) {
-  BRIGADE_CHECK(tokens >= 0 && in >= 0 && out_dim >= 0, Errc::InvalidArgument,
-                "{}: shape tokens = {}, in = {}, out = {}; expected all >= 0", what, tokens, in,
-                out_dim);
-}
-
-void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
-  BRIGADE_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-                Errc::InvalidArgument,
-                "{}: n_heads = {}, n_kv_heads = {}; expected both > 0 and n_heads a multiple "
-                "of n_kv_heads",
-                what, n_heads, n_kv_heads);
-  BRIGADE_CHECK(head_size > 0 && head_size % 2 == 0, Errc::InvalidArgument,
-                "{}: head_size = {}; expected a positive even number", what, head_size);
-}
+using detail::check_gemm_shape;
+using detail::check_heads;
 
 void check_weights(const char* what, const model::DecoderWeights& w) {
   BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,

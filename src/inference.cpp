@@ -2,6 +2,7 @@
 #include "brigade/engine/inference.hpp"
 
 #include "brigade/backend/cpu.hpp"
+#include "brigade/engine/threads.hpp"
 #include "brigade/transport/in_process.hpp"
 
 #include <exception>
@@ -105,38 +106,13 @@ InferenceReport generate(const model::LlamaWeights& weights, const partition::Pa
 
   transport::InProcessFabric fabric(S);
   std::vector<Timeline> timelines(static_cast<std::size_t>(S), Timeline(S));
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(S));
   const auto t0 = std::chrono::steady_clock::now();
-  {
-    std::vector<std::jthread> threads;
-    for (int s = 0; s < S; ++s) {
-      threads.emplace_back([&, s] {
-        try {
-          runtime::InferenceStage stage(weights, partition.stage(s), capacities, options.sampler);
-          transport::InProcessTransport tp(fabric, partition.stage(s).rank);
-          run_inference_stage(stage, s, partition, groups, tp, s == 0 ? &book : nullptr, t0,
-                              options.timeout_s, timelines[static_cast<std::size_t>(s)]);
-        } catch (const std::exception& e) {
-          errors[static_cast<std::size_t>(s)] = std::current_exception();
-          fabric.abort(fmt::format("stage {} failed: {}", s, e.what()));
-        }
-      });
-    }
-  }
-  // Rethrow the root cause: the first error that is not another stage's abort.
-  std::exception_ptr first;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (err.code() != Errc::Aborted) std::rethrow_exception(e);
-      if (!first) first = e;
-    } catch (...) {
-      std::rethrow_exception(e);
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  detail::run_on_threads(S, fabric, "stage", [&](int s) {
+    runtime::InferenceStage stage(weights, partition.stage(s), capacities, options.sampler);
+    transport::InProcessTransport tp(fabric, partition.stage(s).rank);
+    run_inference_stage(stage, s, partition, groups, tp, s == 0 ? &book : nullptr, t0,
+                        options.timeout_s, timelines[static_cast<std::size_t>(s)]);
+  });
 
   InferenceReport report;
   report.timeline = Timeline(S);

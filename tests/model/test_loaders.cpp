@@ -5,6 +5,8 @@
 #include "brigade/model/weights.hpp"
 
 #include <doctest/doctest.h>
+
+#include "test_util.hpp"
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
@@ -55,22 +57,9 @@ float float_at(const std::vector<char>& bytes, std::size_t k) {
 /// Bitwise equality of two floats (so -0 and 0 differ, as bytes do).
 bool same_bits(float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b); }
 
-/// A fresh directory under the system temp dir, removed with its contents at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() /
-           fmt::format("brigade-loaders-{}-{}", ::getpid(), counter.fetch_add(1));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
+/// A temp directory for this file's cases.
+struct TempDir : brigade::test::TempDir {
+  TempDir() : brigade::test::TempDir("brigade-loaders") {}
 };
 
 // stories260K: dim 64, hidden 172, 5 layers, 8 heads, 4 kv heads (kv_dim 32), vocab 512,

@@ -4,6 +4,8 @@
 #include "brigade/model/weights.hpp"
 
 #include <doctest/doctest.h>
+
+#include "test_util.hpp"
 #include <unistd.h>
 
 #include <array>
@@ -27,23 +29,9 @@ using brigade::model::LlamaWeights;
 
 namespace {
 
-/// A fresh directory under the system temp dir, removed with its contents at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() /
-           fmt::format("brigade-weights-{}-{}", ::getpid(), counter.fetch_add(1));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  [[nodiscard]] fs::path operator/(std::string_view name) const { return path / name; }
+/// A temp directory for this file's cases.
+struct TempDir : brigade::test::TempDir {
+  TempDir() : brigade::test::TempDir("brigade-weights") {}
 };
 
 void write_bytes(const fs::path& p, const std::vector<char>& bytes) {
