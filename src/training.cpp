@@ -1,6 +1,7 @@
 // TrainingEngine: in-process pipeline training over the schedule IR.
 #include "brigade/engine/training.hpp"
 
+#include "brigade/engine/threads.hpp"
 #include "brigade/io/trace.hpp"
 #include "brigade/schedule/lower.hpp"
 #include "brigade/schedule/registry.hpp"
@@ -8,6 +9,7 @@
 #include "brigade/sim/simulator.hpp"
 #include "brigade/transport/in_process.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -34,51 +36,15 @@ struct TrainingEngine::Impl {
   }
 };
 
-namespace {
+namespace detail {
 
-template <class F>
-void run_ranks(int P, transport::InProcessFabric& fabric, F&& body) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
-  {
-    std::vector<std::jthread> threads;
-    for (int r = 0; r < P; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          body(r);
-        } catch (const std::exception& e) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-          fabric.abort(fmt::format("rank {} failed: {}", r, e.what()));
-        }
-      });
-  }
-  std::exception_ptr aborted;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (err.code() != Errc::Aborted) std::rethrow_exception(e);
-      if (!aborted) aborted = e;
-    } catch (...) {
-      std::rethrow_exception(e);
-    }
-  }
-  if (aborted) std::rethrow_exception(aborted);
-}
-
-runtime::ParamRef find_param(runtime::TrainStage& s, const std::string& name) {
-  for (auto& p : s.params())
+runtime::ParamRef find_param(runtime::TrainStage& stage, const std::string& name) {
+  for (auto& p : stage.params())
     if (p.name == name) return p;
   brigade::detail::fail(Errc::Internal, "TrainingEngine: stage has no parameter {}", name);
 }
 
-}  // namespace
-
-TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config)
-    : impl_(std::make_unique<Impl>()) {
-  auto& I = *impl_;
-  I.config = init.config;
-  I.cfg = config;
+TrainingPlan make_training_plan(const model::LlamaConfig& model, const TrainingConfig& config) {
   BRIGADE_CHECK(config.threads_per_rank >= 1, Errc::InvalidArgument,
                 "TrainingEngine: threads_per_rank = {}, expected >= 1", config.threads_per_rank);
   const auto& gen = schedule::find_generator(config.schedule);
@@ -89,29 +55,74 @@ TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingCo
   const schedule::Schedule compute = gen.make(params);
   BRIGADE_CHECK(compute.shape.mode == schedule::Mode::Training, Errc::InvalidArgument,
                 "TrainingEngine: schedule '{}' is an inference schedule", config.schedule);
-  const model::ModelSpec spec(init.config);
+  const model::ModelSpec spec(model);
   const int N = compute.shape.num_virtual_stages;
-  BRIGADE_CHECK(N <= init.config.n_layers, Errc::InvalidArgument,
+  BRIGADE_CHECK(N <= model.n_layers, Errc::InvalidArgument,
                 "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers",
-                N, config.ranks, config.virtual_stages, init.config.n_layers);
+                N, config.ranks, config.virtual_stages, model.n_layers);
   BRIGADE_CHECK(config.partition == "balanced" || config.partition == "uniform",
                 Errc::InvalidArgument,
                 "TrainingEngine: partition '{}', expected 'balanced' or 'uniform'", config.partition);
+  TrainingPlan plan;
   if (config.partition == "uniform") {
     std::vector<partition::StageRange> st = partition::uniform(spec, N).stages();
     for (int v = 0; v < N; ++v) st[static_cast<std::size_t>(v)].rank = compute.shape.rank_of(v);
-    I.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
+    plan.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
   } else {
-    I.part = training_partition(spec, compute.shape.placement, compute.shape.num_ranks,
-                                config.seq_len_hint);
+    plan.part = training_partition(spec, compute.shape.placement, compute.shape.num_ranks,
+                                   config.seq_len_hint);
   }
-  I.lowered = schedule::lower(compute, I.part);
-  schedule::validate(I.lowered);
-  for (int v = 0; v < N; ++v) {
+  plan.lowered = schedule::lower(compute, plan.part);
+  schedule::validate(plan.lowered);
+  return plan;
+}
+
+std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage& stage, const AdamWConfig& config) {
+  std::vector<ParamSlot> slots;
+  for (auto& p : stage.params()) slots.push_back({p.value, p.grad, p.size, p.decay});
+  return std::make_unique<AdamW>(std::move(slots), config);
+}
+
+double tied_square_sum(runtime::TrainStage& tail) {
+  auto b = find_param(tail, "tok_embeddings");
+  double t = 0.0;
+  for (std::int64_t i = 0; i < b.size; ++i) t += static_cast<double>(b.grad[i]) * b.grad[i];
+  return t;
+}
+
+std::vector<double> grad_square_sums(std::span<AdamW* const> optimizers) {
+  std::vector<double> out;
+  for (auto* o : optimizers) out.push_back(o ? o->grad_square_sum() : 0.0);
+  return out;
+}
+
+double step_optimizers(std::span<AdamW* const> optimizers, double norm) {
+  double lr = 0.0;
+  for (auto* o : optimizers)
+    if (o) lr = o->step(norm);
+  return lr;
+}
+
+double global_grad_norm(std::span<const double> per_stage, double tied) {
+  double sq = 0.0;
+  for (double x : per_stage) sq += x;
+  sq -= tied;
+  return std::sqrt(std::max(0.0, sq));
+}
+
+}  // namespace detail
+
+TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config)
+    : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.config = init.config;
+  I.cfg = config;
+  auto plan = detail::make_training_plan(init.config, config);
+  I.lowered = std::move(plan.lowered);
+  I.part = std::move(plan.part);
+  for (int v = 0; v < I.lowered.shape.num_virtual_stages; ++v) {
     I.stages.push_back(std::make_unique<runtime::TrainStage>(init, I.part.stage(v)));
-    std::vector<ParamSlot> slots;
-    for (auto& p : I.stages.back()->params()) slots.push_back({p.value, p.grad, p.size, p.decay});
-    I.optimizers.push_back(std::make_unique<AdamW>(std::move(slots), config.optimizer));
+    I.optimizers.push_back(detail::make_stage_optimizer(*I.stages.back(), config.optimizer));
   }
 }
 
@@ -141,7 +152,7 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
   std::vector<runtime::TrainStage*> ptrs;
   for (auto& s : I.stages) ptrs.push_back(s.get());
   const auto t0 = std::chrono::steady_clock::now();
-  run_ranks(P, fabric, [&](int r) {
+  detail::run_on_threads(P, fabric, "rank", [&](int r) {
     std::vector<runtime::TrainStage*> mine(ptrs.size(), nullptr);
     for (std::size_t v = 0; v < ptrs.size(); ++v)
       if (shape.rank_of(static_cast<int>(v)) == r) mine[v] = ptrs[v];
@@ -159,8 +170,8 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
   res.loss = loss.mean();
   // The tied classifier: both copies get the summed gradient.
   if (I.tied_across_stages()) {
-    auto a = find_param(*I.stages.front(), "tok_embeddings");
-    auto b = find_param(*I.stages.back(), "tok_embeddings");
+    auto a = detail::find_param(*I.stages.front(), "tok_embeddings");
+    auto b = detail::find_param(*I.stages.back(), "tok_embeddings");
     for (std::int64_t i = 0; i < a.size; ++i) {
       const float g = a.grad[i] + b.grad[i];
       a.grad[i] = g;
@@ -172,18 +183,13 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
 
 std::pair<double, double> TrainingEngine::optimizer_step() {
   auto& I = *impl_;
-  double sq = 0.0;
-  for (auto& o : I.optimizers) sq += o->grad_square_sum();
-  if (I.tied_across_stages()) {
-    // The tail's copy of the tied embedding was counted twice.
-    auto b = find_param(*I.stages.back(), "tok_embeddings");
-    double t = 0.0;
-    for (std::int64_t i = 0; i < b.size; ++i) t += static_cast<double>(b.grad[i]) * b.grad[i];
-    sq -= t;
-  }
-  const double norm = std::sqrt(std::max(0.0, sq));
-  double lr = 0.0;
-  for (auto& o : I.optimizers) lr = o->step(norm);
+  std::vector<AdamW*> opts;
+  for (auto& o : I.optimizers) opts.push_back(o.get());
+  // The tail's copy of the tied embedding is counted once.
+  const double norm = detail::global_grad_norm(
+      detail::grad_square_sums(opts),
+      I.tied_across_stages() ? detail::tied_square_sum(*I.stages.back()) : 0.0);
+  const double lr = detail::step_optimizers(opts, norm);
   ++I.steps;
   return {lr, norm};
 }
@@ -231,7 +237,13 @@ model::LlamaWeights TrainingEngine::export_weights() const {
   std::map<std::string, std::vector<float>> t;
   for (auto it = impl_->stages.rbegin(); it != impl_->stages.rend(); ++it) (*it)->export_to(t);
   // Stage 0's embedding wins (written last); the tail's tied copy is identical anyway.
-  const auto& c = impl_->config;
+  return detail::weights_from_tensors(impl_->config, t);
+}
+
+namespace detail {
+
+model::LlamaWeights weights_from_tensors(const model::LlamaConfig& c,
+                                         const std::map<std::string, std::vector<float>>& t) {
   const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim, v = c.vocab_size;
   const std::int64_t per_layer = 2 * d + 2 * d * d + 2 * kv * d + 3 * d * h;
   const std::int64_t total = v * d + c.n_layers * per_layer + d + (c.shared_classifier ? 0 : v * d);
@@ -269,6 +281,8 @@ model::LlamaWeights TrainingEngine::export_weights() const {
   return w;
 }
 
+}  // namespace detail
+
 namespace {
 constexpr char kOptMagic[8] = {'B', 'R', 'G', 'D', 'O', 'P', 'T', '1'};
 
@@ -278,36 +292,38 @@ void put_raw(std::string& out, const V& v) {
 }
 }  // namespace
 
-void TrainingEngine::save_checkpoint(const fs::path& dir, std::int64_t data_position) const {
-  auto& I = *impl_;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}", dir.string(),
-                ec.message());
-  model::save_llama2c_checkpoint(dir / "model.bin", export_weights());
+namespace detail {
+
+std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position,
+                                  std::int64_t entries) {
   std::string out(kOptMagic, 8);
-  put_raw(out, I.steps);
+  put_raw(out, steps);
   put_raw(out, data_position);
-  std::int64_t entries = 0;
-  for (auto& s : I.stages) entries += static_cast<std::int64_t>(s->params().size());
   put_raw(out, entries);
-  for (std::size_t si = 0; si < I.stages.size(); ++si) {
-    auto params = I.stages[si]->params();
-    auto state = I.optimizers[si]->state();
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      put_raw(out, static_cast<std::int32_t>(si));
-      put_raw(out, static_cast<std::int32_t>(params[k].name.size()));
-      out += params[k].name;
-      put_raw(out, params[k].size);
-      for (auto span : {state[k], state[params.size() + k]})
-        out.append(reinterpret_cast<const char*>(span.data()), span.size_bytes());
-    }
-  }
-  io::write_file_atomic(dir / "optimizer.bin", out);
+  return out;
 }
 
-std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
-  auto& I = *impl_;
+std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStage& stage,
+                                      AdamW& optimizer) {
+  auto params = stage.params();
+  auto state = optimizer.state();
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    put_raw(out, static_cast<std::int32_t>(v));
+    put_raw(out, static_cast<std::int32_t>(params[k].name.size()));
+    out += params[k].name;
+    put_raw(out, params[k].size);
+    for (auto span : {state[k], state[params.size() + k]})
+      out.append(reinterpret_cast<const char*>(span.data()), span.size_bytes());
+  }
+  return static_cast<std::int64_t>(params.size());
+}
+
+std::pair<std::int64_t, std::int64_t> read_optimizer_file(
+    const fs::path& dir, std::span<runtime::TrainStage* const> stages,
+    std::span<AdamW* const> optimizers) {
+  BRIGADE_CHECK(stages.size() == optimizers.size(), Errc::InvalidArgument,
+                "read_optimizer_file: {} stages but {} optimizers", stages.size(),
+                optimizers.size());
   const fs::path path = dir / "optimizer.bin";
   std::ifstream in(path, std::ios::binary);
   BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot open the optimizer state", path.string());
@@ -333,39 +349,99 @@ std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   get(steps, "the step count");
   get(position, "the data position");
   get(entries, "the entry count");
-  std::int64_t expect = 0;
-  for (auto& s : I.stages) expect += static_cast<std::int64_t>(s->params().size());
-  BRIGADE_CHECK(entries == expect, Errc::BadFile,
-                "{}: {} parameter entries, this model and split have {}", path.string(), entries,
-                expect);
-  for (std::size_t si = 0; si < I.stages.size(); ++si) {
-    auto params = I.stages[si]->params();
-    auto state = I.optimizers[si]->state();
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      std::int32_t stage = 0, len = 0;
-      std::int64_t size = 0;
-      get(stage, "a stage index");
-      get(len, "a name length");
-      need(static_cast<std::size_t>(std::max(0, len)), "a name");
-      const std::string name = data.substr(pos, static_cast<std::size_t>(std::max(0, len)));
-      pos += static_cast<std::size_t>(std::max(0, len));
-      get(size, "a tensor size");
-      BRIGADE_CHECK(stage == static_cast<std::int32_t>(si) && name == params[k].name &&
-                        size == params[k].size,
-                    Errc::BadFile,
-                    "{}: entry (stage {}, {}, {} floats), expected (stage {}, {}, {} floats): "
-                    "written for another model or split",
-                    path.string(), stage, name, size, si, params[k].name, params[k].size);
-      for (auto span : {state[k], state[params.size() + k]}) {
-        need(span.size_bytes(), "moments");
-        std::memcpy(span.data(), data.data() + pos, span.size_bytes());
-        pos += span.size_bytes();
-      }
+  const bool all_here = std::all_of(stages.begin(), stages.end(), [](auto* s) { return s; });
+  if (all_here) {
+    std::int64_t expect = 0;
+    for (auto* s : stages) expect += static_cast<std::int64_t>(s->params().size());
+    BRIGADE_CHECK(entries == expect, Errc::BadFile,
+                  "{}: {} parameter entries, this model and split have {}", path.string(), entries,
+                  expect);
+  }
+  const int N = static_cast<int>(stages.size());
+  std::vector<std::vector<runtime::ParamRef>> params(stages.size());
+  std::vector<std::vector<std::span<float>>> state(stages.size());
+  std::vector<std::size_t> next(stages.size(), 0);
+  for (std::size_t v = 0; v < stages.size(); ++v) {
+    if (!stages[v]) continue;
+    params[v] = stages[v]->params();
+    state[v] = optimizers[v]->state();
+  }
+  std::int32_t last_stage = 0;
+  for (std::int64_t e = 0; e < entries; ++e) {
+    std::int32_t stage = 0, len = 0;
+    std::int64_t size = 0;
+    get(stage, "a stage index");
+    get(len, "a name length");
+    need(static_cast<std::size_t>(std::max(0, len)), "a name");
+    const std::string name = data.substr(pos, static_cast<std::size_t>(std::max(0, len)));
+    pos += static_cast<std::size_t>(std::max(0, len));
+    get(size, "a tensor size");
+    BRIGADE_CHECK(stage >= last_stage && stage < N && size >= 0, Errc::BadFile,
+                  "{}: entry (stage {}, {}, {} floats) after stage {}, the split has {} stages: "
+                  "written for another model or split",
+                  path.string(), stage, name, size, last_stage, N);
+    last_stage = stage;
+    const auto si = static_cast<std::size_t>(stage);
+    const std::size_t bytes = static_cast<std::size_t>(size) * sizeof(float);
+    if (!stages[si]) {  // held by another rank
+      need(2 * bytes, "moments");
+      pos += 2 * bytes;
+      continue;
     }
-    I.optimizers[si]->set_steps(steps);
+    const std::size_t k = next[si]++;
+    BRIGADE_CHECK(k < params[si].size() && name == params[si][k].name && size == params[si][k].size,
+                  Errc::BadFile,
+                  "{}: entry (stage {}, {}, {} floats), expected (stage {}, {}, {} floats): "
+                  "written for another model or split",
+                  path.string(), stage, name, size, si,
+                  k < params[si].size() ? params[si][k].name : std::string("none"),
+                  k < params[si].size() ? params[si][k].size : 0);
+    for (auto span : {state[si][k], state[si][params[si].size() + k]}) {
+      need(span.size_bytes(), "moments");
+      std::memcpy(span.data(), data.data() + pos, span.size_bytes());
+      pos += span.size_bytes();
+    }
+  }
+  for (std::size_t v = 0; v < stages.size(); ++v) {
+    if (!stages[v]) continue;
+    BRIGADE_CHECK(next[v] == params[v].size(), Errc::BadFile,
+                  "{}: {} entries for stage {}, it has {} parameters: written for another model "
+                  "or split",
+                  path.string(), next[v], v, params[v].size());
+    optimizers[v]->set_steps(steps);
   }
   BRIGADE_CHECK(pos == data.size(), Errc::BadFile, "{}: {} bytes after the last entry",
                 path.string(), data.size() - pos);
+  return {steps, position};
+}
+
+}  // namespace detail
+
+void TrainingEngine::save_checkpoint(const fs::path& dir, std::int64_t data_position) const {
+  auto& I = *impl_;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}", dir.string(),
+                ec.message());
+  model::save_llama2c_checkpoint(dir / "model.bin", export_weights());
+  std::string entries;
+  std::int64_t count = 0;
+  for (std::size_t si = 0; si < I.stages.size(); ++si)
+    count += detail::append_optimizer_entries(entries, static_cast<int>(si), *I.stages[si],
+                                              *I.optimizers[si]);
+  io::write_file_atomic(dir / "optimizer.bin",
+                        detail::optimizer_file_header(I.steps, data_position, count) + entries);
+}
+
+std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
+  auto& I = *impl_;
+  std::vector<runtime::TrainStage*> stages;
+  std::vector<AdamW*> optimizers;
+  for (std::size_t v = 0; v < I.stages.size(); ++v) {
+    stages.push_back(I.stages[v].get());
+    optimizers.push_back(I.optimizers[v].get());
+  }
+  const auto [steps, position] = detail::read_optimizer_file(dir, stages, optimizers);
   I.steps = steps;
   return position;
 }

@@ -1,11 +1,14 @@
 // `brigade train`: pipeline training of a Llama on text, driven by a schedule of the IR.
 #include "cli.hpp"
 
+#include <brigade/config.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
+#include <brigade/engine/training_distributed.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -14,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <unistd.h>
 
 namespace {
@@ -28,6 +32,8 @@ struct TrainArgs {
   std::uint64_t seed = 42, model_seed = 1234;
   bool resume = false;
   double timeout = 120.0;
+  int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
+  CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
 };
 
 std::string format_eta(double s) {
@@ -36,8 +42,136 @@ std::string format_eta(double s) {
                    : fmt::format("{}m{:02}s", t / 60, t % 60);
 }
 
+/// What run() prepared for the training loop.
+struct RunData {
+  const brigade::model::LlamaWeights& weights;
+  const brigade::data::Corpus& corpus;
+  const brigade::data::Corpus& train;
+  const brigade::data::Corpus& held;
+  const fs::path& data;
+  int ranks;  ///< pipeline ranks (threads, or processes under MPI)
+  bool mpi;   ///< started by mpirun: one process per rank
+};
+
+/// The training loop, shared by the in-process TrainingEngine and the per-process
+/// DistributedTrainer (same member functions, every call collective for the latter); only
+/// `root` prints and writes the metrics, the checkpoint's files and the trace.
+template <class Engine>
+int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
+  using namespace brigade;
+  const fs::path ckpt = a.checkpoint_dir;
+  auto say = [root]<class... A>(fmt::format_string<A...> f, A&&... args) {
+    if (root) fmt::print(stderr, f, std::forward<A>(args)...);
+  };
+  data::Packer packer(d.train.samples, a.tokens_per_microbatch, a.seed);
+  if (a.resume) packer.seek(eng.load_optimizer_state(ckpt));
+  data::Packer eval_packer(d.held.samples, a.tokens_per_microbatch, 0);
+  std::vector<data::PackedBatch> eval;
+  for (int i = 0; i < std::max(1, std::min<int>(8, static_cast<int>(d.held.samples.size()) / 4)); ++i)
+    eval.push_back(eval_packer.next());
+
+  say("model: {} layers, dim {}, vocab {} | data: {} ({} tasks, {} train / {} held-out "
+      "samples, {} tokens)\n"
+      "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens\n",
+      d.weights.config.n_layers, d.weights.config.dim, d.weights.config.vocab_size,
+      d.data.string(), d.corpus.tasks.size(), d.train.samples.size(), d.held.samples.size(),
+      d.corpus.num_tokens(), a.schedule, d.ranks, a.virtual_stages, a.microbatches,
+      a.tokens_per_microbatch);
+  if (d.mpi) say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
+  const double eval_before = eng.evaluate(eval);
+  say("held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);
+
+  std::unique_ptr<std::ofstream> metrics;
+  if (root && !a.metrics.empty()) {
+    metrics = std::make_unique<std::ofstream>(a.metrics, a.resume ? std::ios::app : std::ios::trunc);
+    BRIGADE_CHECK(metrics->good(), Errc::BadFile, "{}: cannot open for writing", a.metrics);
+  }
+  const bool tty = isatty(fileno(stderr)) != 0;
+  Timeline trace_tl(d.ranks);
+  double measured_sum = 0, simulated_sum = 0, seconds = 0;
+  std::int64_t tokens = 0;
+  int done = 0;
+  const std::int64_t first = eng.steps();
+  for (std::int64_t step = first; step < a.steps; ++step) {
+    std::vector<data::PackedBatch> batches;
+    for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
+    const auto r = eng.train_step(batches);
+    measured_sum += r.timeline.bubble_ratio();
+    if (root) simulated_sum += engine::simulated_bubble(eng.schedule(), r.timeline);
+    seconds += r.seconds;
+    tokens += r.tokens;
+    ++done;
+    if (step == first && !a.trace.empty()) trace_tl = r.timeline;
+    const double tps = static_cast<double>(tokens) / seconds;
+    const double eta = seconds / done * static_cast<double>(a.steps - step - 1);
+    const int width = 24, filled = static_cast<int>(width * (step + 1) / a.steps);
+    const std::string bar = std::string(static_cast<std::size_t>(filled), '#') +
+                            std::string(static_cast<std::size_t>(width - filled), '.');
+    const std::string line = fmt::format("[{}] step {}/{} loss {:.4f} lr {:.2e} {:.0f} tokens/s ETA {}",
+                                         bar, step + 1, a.steps, r.loss, r.lr, tps, format_eta(eta));
+    if (tty)
+      say("\r{}", line);
+    else if ((step + 1) % 10 == 0 || step + 1 == a.steps || step == first)
+      say("{}\n", line);
+    if (metrics) {
+      *metrics << nlohmann::json{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
+                                 {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+                                 {"bubble_measured", r.timeline.bubble_ratio()}}
+                      .dump()
+               << "\n";
+      metrics->flush();
+    }
+    const bool last = step + 1 == a.steps;
+    if (!a.checkpoint_dir.empty() && (last || (a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0)))
+      eng.save_checkpoint(ckpt, packer.position());
+    if (a.eval_every > 0 && (step + 1) % a.eval_every == 0 && !last) {
+      if (tty) say("\n");
+      say("held-out loss at step {}: {:.4f}\n", step + 1, eng.evaluate(eval));
+    }
+  }
+  if (tty && done) say("\n");
+  const double eval_after = eng.evaluate(eval);
+  say("held-out loss at step {}: {:.4f} (was {:.4f})\n", eng.steps(), eval_after, eval_before);
+  if (done) {
+    say("{} steps, {} tokens, {:.1f} tokens/s; bubble ratio measured {:.3f}, simulated "
+        "{:.3f} for the same schedule and measured action costs\n",
+        done, tokens, static_cast<double>(tokens) / seconds, measured_sum / done,
+        simulated_sum / done);
+  }
+  if (!a.checkpoint_dir.empty())
+    say("checkpoint: {} (brigade generate --model {})\n", (ckpt / "model.bin").string(),
+        (ckpt / "model.bin").string());
+  if (root && !a.trace.empty()) io::write_chrome_trace(a.trace, trace_tl, "rank");
+  return 0;
+}
+
 int run(const TrainArgs& a) {
   using namespace brigade;
+  // Under mpirun: one process per pipeline rank; rank 0 prints (README, "Several processes").
+  const int mpi_world = transport::mpi_world_size_from_env();
+#if BRIGADE_HAS_MPI
+  std::optional<transport::MpiSession> mpi;
+  if (mpi_world > 0) mpi.emplace();
+  const bool under_mpi = mpi.has_value();
+#else
+  BRIGADE_CHECK(mpi_world <= 1, Errc::InvalidUsage,
+                "started by mpirun with {} processes, but this brigade was built without the mpi "
+                "component (install libopenmpi-dev and configure with BRIGADE_ENABLE_MPI=ON)",
+                mpi_world);
+  const bool under_mpi = false;
+#endif
+  BRIGADE_CHECK(a.fail_rank < 0 || under_mpi, Errc::InvalidArgument,
+                "--fail-rank is a fault-injection flag for runs under mpirun");
+  int num_ranks = a.stages;
+  if (under_mpi) {
+    BRIGADE_CHECK(a.stages_option == nullptr || a.stages_option->count() == 0 ||
+                      a.stages == mpi_world,
+                  Errc::InvalidArgument,
+                  "--stages {} but mpirun started {} processes; under MPI every process runs one "
+                  "pipeline rank (omit --stages, or pass --stages {})",
+                  a.stages, mpi_world, mpi_world);
+    num_ranks = mpi_world;
+  }
   // Model: a checkpoint (or the last checkpoint with --resume), or a synthetic Llama.
   model::LlamaWeights weights;
   const fs::path ckpt = a.checkpoint_dir;
@@ -63,7 +197,7 @@ int run(const TrainArgs& a) {
 
   engine::TrainingConfig cfg;
   cfg.schedule = a.schedule;
-  cfg.ranks = a.stages;
+  cfg.ranks = num_ranks;
   cfg.virtual_stages = a.virtual_stages;
   cfg.microbatches = a.microbatches;
   cfg.optimizer.lr = a.lr;
@@ -73,90 +207,17 @@ int run(const TrainArgs& a) {
   cfg.optimizer.weight_decay = a.weight_decay;
   cfg.optimizer.clip_norm = a.clip;
   cfg.timeout_s = a.timeout;
+  const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi};
+#if BRIGADE_HAS_MPI
+  if (under_mpi) {
+    transport::MpiTransport tp;
+    engine::DistributedTrainer<transport::MpiTransport> eng(tp, weights, cfg,
+                                                            {a.fail_rank, a.fail_after_steps});
+    return train_loop(eng, a, d, tp.rank() == 0);
+  }
+#endif
   engine::TrainingEngine eng(weights, cfg);
-
-  data::Packer packer(train.samples, a.tokens_per_microbatch, a.seed);
-  if (a.resume) packer.seek(eng.load_optimizer_state(ckpt));
-  data::Packer eval_packer(held.samples, a.tokens_per_microbatch, 0);
-  std::vector<data::PackedBatch> eval;
-  for (int i = 0; i < std::max(1, std::min<int>(8, static_cast<int>(held.samples.size()) / 4)); ++i)
-    eval.push_back(eval_packer.next());
-
-  fmt::print(stderr,
-             "model: {} layers, dim {}, vocab {} | data: {} ({} tasks, {} train / {} held-out "
-             "samples, {} tokens)\n"
-             "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens\n",
-             weights.config.n_layers, weights.config.dim, weights.config.vocab_size,
-             data.string(), corpus.tasks.size(), train.samples.size(), held.samples.size(),
-             corpus.num_tokens(), a.schedule, a.stages, a.virtual_stages, a.microbatches,
-             a.tokens_per_microbatch);
-  const double eval_before = eng.evaluate(eval);
-  fmt::print(stderr, "held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);
-
-  std::unique_ptr<std::ofstream> metrics;
-  if (!a.metrics.empty()) {
-    metrics = std::make_unique<std::ofstream>(a.metrics, a.resume ? std::ios::app : std::ios::trunc);
-    BRIGADE_CHECK(metrics->good(), Errc::BadFile, "{}: cannot open for writing", a.metrics);
-  }
-  const bool tty = isatty(fileno(stderr)) != 0;
-  Timeline trace_tl(a.stages);
-  double measured_sum = 0, simulated_sum = 0, seconds = 0;
-  std::int64_t tokens = 0;
-  int done = 0;
-  const std::int64_t first = eng.steps();
-  for (std::int64_t step = first; step < a.steps; ++step) {
-    std::vector<data::PackedBatch> batches;
-    for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
-    const auto r = eng.train_step(batches);
-    measured_sum += r.timeline.bubble_ratio();
-    simulated_sum += engine::simulated_bubble(eng.schedule(), r.timeline);
-    seconds += r.seconds;
-    tokens += r.tokens;
-    ++done;
-    if (step == first && !a.trace.empty()) trace_tl = r.timeline;
-    const double tps = static_cast<double>(tokens) / seconds;
-    const double eta = seconds / done * static_cast<double>(a.steps - step - 1);
-    const int width = 24, filled = static_cast<int>(width * (step + 1) / a.steps);
-    const std::string bar = std::string(static_cast<std::size_t>(filled), '#') +
-                            std::string(static_cast<std::size_t>(width - filled), '.');
-    const std::string line = fmt::format("[{}] step {}/{} loss {:.4f} lr {:.2e} {:.0f} tokens/s ETA {}",
-                                         bar, step + 1, a.steps, r.loss, r.lr, tps, format_eta(eta));
-    if (tty)
-      fmt::print(stderr, "\r{}", line);
-    else if ((step + 1) % 10 == 0 || step + 1 == a.steps || step == first)
-      fmt::print(stderr, "{}\n", line);
-    if (metrics) {
-      *metrics << nlohmann::json{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
-                                 {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-                                 {"bubble_measured", r.timeline.bubble_ratio()}}
-                      .dump()
-               << "\n";
-      metrics->flush();
-    }
-    const bool last = step + 1 == a.steps;
-    if (!a.checkpoint_dir.empty() && (last || (a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0)))
-      eng.save_checkpoint(ckpt, packer.position());
-    if (a.eval_every > 0 && (step + 1) % a.eval_every == 0 && !last) {
-      if (tty) fmt::print(stderr, "\n");
-      fmt::print(stderr, "held-out loss at step {}: {:.4f}\n", step + 1, eng.evaluate(eval));
-    }
-  }
-  if (tty && done) fmt::print(stderr, "\n");
-  const double eval_after = eng.evaluate(eval);
-  fmt::print(stderr, "held-out loss at step {}: {:.4f} (was {:.4f})\n", eng.steps(), eval_after,
-             eval_before);
-  if (done) {
-    fmt::print(stderr,
-               "{} steps, {} tokens, {:.1f} tokens/s; bubble ratio measured {:.3f}, simulated "
-               "{:.3f} for the same schedule and measured action costs\n",
-               done, tokens, static_cast<double>(tokens) / seconds, measured_sum / done,
-               simulated_sum / done);
-  }
-  if (!a.checkpoint_dir.empty())
-    fmt::print(stderr, "checkpoint: {} (brigade generate --model {})\n",
-               (ckpt / "model.bin").string(), (ckpt / "model.bin").string());
-  if (!a.trace.empty()) io::write_chrome_trace(a.trace, trace_tl, "rank");
-  return 0;
+  return train_loop(eng, a, d, true);
 }
 
 std::function<int()> setup(CLI::App& sub) {
@@ -173,7 +234,9 @@ std::function<int()> setup(CLI::App& sub) {
                  "samples); default: the fortunes package")
       ->check(CLI::ExistingPath);
   sub.add_option("--seed", a->seed, "data-order seed")->capture_default_str();
-  sub.add_option("--stages", a->stages, "pipeline ranks (threads)")
+  a->stages_option = sub.add_option("--stages", a->stages,
+                                    "pipeline ranks (threads; under mpirun: processes, default "
+                                    "and only value the number of processes)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--schedule", a->schedule, "gpipe, 1f1b, interleaved-1f1b or zb-h1")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))->capture_default_str();
@@ -202,6 +265,13 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
   sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
+  // Fault injection for tests of runs under mpirun (hidden from --help).
+  sub.add_option("--fail-rank", a->fail_rank,
+                 "under mpirun: this rank exits with code 3 mid-run (fault injection)")
+      ->group("");
+  sub.add_option("--fail-after-steps", a->fail_after_steps,
+                 "the --fail-rank rank exits when it starts the step after this many steps")
+      ->check(CLI::PositiveNumber)->group("");
   return [a] { return run(*a); };
 }
 

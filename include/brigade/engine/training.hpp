@@ -26,8 +26,9 @@ namespace brigade::engine {
 inline namespace v0 {
 
 namespace detail {
-inline constexpr int kTagActivation = 11;  // SEND_F -> RECV_F: F32 [rows, dim]
-inline constexpr int kTagGradient = 12;    // SEND_B -> RECV_B: F32 [rows, dim]
+// Named apart from inference.hpp's tags (same namespace), so both headers can be included.
+inline constexpr int kTagTrainActivation = 11;  // SEND_F -> RECV_F: F32 [rows, dim]
+inline constexpr int kTagTrainGradient = 12;    // SEND_B -> RECV_B: F32 [rows, dim]
 }  // namespace detail
 
 /// Runs one rank's lowered program for one training step.
@@ -93,7 +94,7 @@ void run_training_program(std::span<const schedule::Action> program, const sched
     const std::int64_t rows = rows_of(a.microbatch);
     slot.buffer.resize(static_cast<std::size_t>(rows * dim));
     slot.request = transport.irecv(
-        schedule::peer_rank(shape, a), fwd ? detail::kTagActivation : detail::kTagGradient,
+        schedule::peer_rank(shape, a), fwd ? detail::kTagTrainActivation : detail::kTagTrainGradient,
         MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {rows, dim}),
         transport::as_writable_bytes(std::span<float>(slot.buffer)));
   }
@@ -193,7 +194,7 @@ void run_training_program(std::span<const schedule::Action> program, const sched
         send_buffers.emplace_back(src.begin(), src.end());
         const std::int64_t rows = rows_of(mb);
         sends.push_back(transport.isend(
-            schedule::peer_rank(shape, a), fwd ? detail::kTagActivation : detail::kTagGradient,
+            schedule::peer_rank(shape, a), fwd ? detail::kTagTrainActivation : detail::kTagTrainGradient,
             MessageHeader::make(mb, peer->virtual_stage, DType::F32, {rows, dim}),
             transport::as_bytes(std::span<const float>(send_buffers.back()))));
         if (fwd)
@@ -302,6 +303,74 @@ class TrainingEngine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace detail {
+
+/// What TrainingEngine and DistributedTrainer share: the lowered schedule and the split.
+struct TrainingPlan {
+  schedule::Schedule lowered;                     ///< the generator's schedule, lowered and validated
+  partition::Partition part{1, 1, {{0, 0, 1}}};   ///< virtual stage v -> layers and rank
+};
+
+/// Validates `config` for a model of `model` and builds its plan: the generator's schedule,
+/// the split (config.partition) and the lowered, validated program of every rank. Identical
+/// inputs give identical plans, so every process of a distributed run agrees on the split.
+/// @throws brigade::Error{InvalidArgument} as the TrainingEngine constructor
+TrainingPlan make_training_plan(const model::LlamaConfig& model, const TrainingConfig& config);
+
+/// AdamW over every parameter of `stage` (pointers into the stage: the stage must outlive it).
+std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage& stage, const AdamWConfig& config);
+
+/// The parameter of `stage` named `name` (the first one, in params() order).
+/// @throws brigade::Error{Internal} if the stage has none
+runtime::ParamRef find_param(runtime::TrainStage& stage, const std::string& name);
+
+/// Sum of the squared gradient of the tail stage's tied classifier copy ("tok_embeddings"):
+/// the global norm counts the tied embedding once, so this is subtracted from the stages' sum.
+double tied_square_sum(runtime::TrainStage& tail);
+
+/// The global gradient norm from each virtual stage's squared-gradient sum (`per_stage[v]`,
+/// summed in v order) minus `tied` (tied_square_sum of the tail, 0 when not tied): the
+/// arithmetic of TrainingEngine::optimizer_step, so every driver gets the same bits.
+double global_grad_norm(std::span<const double> per_stage, double tied);
+
+/// Each optimizer's squared-gradient sum (AdamW::grad_square_sum), null entries giving 0.
+/// Compiled once in the library, so every driver gets the same bits whatever its own flags.
+std::vector<double> grad_square_sums(std::span<AdamW* const> optimizers);
+
+/// One AdamW step of every non-null optimizer with the global norm `norm` (in order), compiled
+/// once in the library as grad_square_sums. @return the learning rate used (0 if none stepped)
+double step_optimizers(std::span<AdamW* const> optimizers, double norm);
+
+/// A model (owned storage) from tensors keyed by ParamRef::name, as TrainStage::export_to
+/// writes them, for a model of `config`.
+/// @throws brigade::Error{Internal} if a tensor is missing or of the wrong size
+model::LlamaWeights weights_from_tensors(const model::LlamaConfig& config,
+                                         const std::map<std::string, std::vector<float>>& tensors);
+
+/// The fixed part of optimizer.bin: magic "BRGDOPT1", steps, data position, entry count
+/// (int64 each, host byte order).
+std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position,
+                                  std::int64_t entries);
+
+/// Appends virtual stage `v`'s entries of optimizer.bin to `out`: per parameter, int32 stage,
+/// int32 name length, the name, int64 size, then its first and second moments (size floats
+/// each). The file is the header followed by the entries of v = 0, 1, ..., N - 1.
+/// @return the number of entries appended (stage.params().size())
+std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStage& stage,
+                                      AdamW& optimizer);
+
+/// Reads `dir/optimizer.bin` into the stages that are here: `stages[v]` and `optimizers[v]`
+/// (both sized N, the split's virtual stages) are null for a stage held elsewhere, whose
+/// entries are skipped. Sets each present optimizer's step count.
+/// @return {optimizer steps, data position}
+/// @throws brigade::Error{BadFile} if the file is missing, truncated, or was written for another
+///         model or split
+std::pair<std::int64_t, std::int64_t> read_optimizer_file(
+    const std::filesystem::path& dir, std::span<runtime::TrainStage* const> stages,
+    std::span<AdamW* const> optimizers);
+
+}  // namespace detail
 
 /// A cost model that replays measured timings: the mean duration of each (op, virtual stage)
 /// in a Timeline, free links, no activation accounting. Simulating a schedule with it predicts

@@ -1,0 +1,548 @@
+// Distributed training: every rank (one process under MPI, or one thread) holds only the
+// TrainStages placed on it, runs its own lowered program over any Transport, and the cross-rank
+// reductions (tied embedding, loss, global gradient norm) and checkpoint gathers are
+// point-to-point messages over the same transport. The SPMD form of TrainingEngine.
+#pragma once
+
+#include "brigade/engine/distributed.hpp"
+#include "brigade/engine/training.hpp"
+#include "brigade/io/trace.hpp"
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace brigade::engine {
+inline namespace v0 {
+
+namespace detail {
+/// Message tags of distributed training (after run_training_program's 11 and 12).
+inline constexpr int kTagTrainStart = 13;     // Bytes [0]: rank 0 starts every rank's step clock
+inline constexpr int kTagTiedGrad = 14;       // F32 [size]: the tied embedding's gradient
+inline constexpr int kTagReduce = 15;         // Bytes [n]: doubles of an all-gather
+inline constexpr int kTagBlobSize = 16;       // Bytes [8]: size of the next blob (uint64)
+inline constexpr int kTagBlob = 17;           // Bytes [n]: timeline, tensors or optimizer entries
+inline constexpr int kTagCheckpointDone = 18; // Bytes [0]: rank 0 wrote the checkpoint
+
+/// Tensors keyed by name as bytes: per tensor int32 name length, name, int64 count, floats.
+inline std::string encode_tensors(const std::map<std::string, std::vector<float>>& tensors) {
+  std::string out;
+  for (const auto& [name, v] : tensors) {
+    const auto len = static_cast<std::int32_t>(name.size());
+    const auto n = static_cast<std::int64_t>(v.size());
+    out.append(reinterpret_cast<const char*>(&len), sizeof len);
+    out += name;
+    out.append(reinterpret_cast<const char*>(&n), sizeof n);
+    out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  }
+  return out;
+}
+
+/// Inverse of encode_tensors; a tensor already in `out` is replaced.
+/// @throws brigade::Error{Internal} for bytes that are not encode_tensors' output
+inline void decode_tensors(const std::string& bytes, std::map<std::string, std::vector<float>>& out) {
+  std::size_t pos = 0;
+  auto get = [&](void* dst, std::size_t n) {
+    BRIGADE_CHECK(pos + n <= bytes.size(), Errc::Internal,
+                  "decode_tensors: truncated message ({} bytes)", bytes.size());
+    std::memcpy(dst, bytes.data() + pos, n);
+    pos += n;
+  };
+  while (pos < bytes.size()) {
+    std::int32_t len = 0;
+    std::int64_t n = 0;
+    get(&len, sizeof len);
+    BRIGADE_CHECK(len >= 0, Errc::Internal, "decode_tensors: name length {}", len);
+    std::string name(static_cast<std::size_t>(len), '\0');
+    get(name.data(), name.size());
+    get(&n, sizeof n);
+    BRIGADE_CHECK(n >= 0, Errc::Internal, "decode_tensors: {} has {} floats", name, n);
+    std::vector<float> v(static_cast<std::size_t>(n));
+    get(v.data(), v.size() * sizeof(float));
+    out[name] = std::move(v);
+  }
+}
+}  // namespace detail
+
+/// Trains a Llama split into pipeline stages, one rank per process (or thread): this rank's part
+/// of a TrainingEngine run. Every rank of the transport's world constructs one with the same
+/// weights and configuration (config.ranks == transport.world_size()) and makes the same
+/// sequence of collective calls (compute_gradients, optimizer_step, train_step, evaluate,
+/// save_checkpoint, load_optimizer_state) with the same batches.
+///
+/// The split and the lowered schedule are TrainingEngine's (detail::make_training_plan), each
+/// rank builds only the virtual stages v with `shape.rank_of(v) == transport.rank()`, and runs
+/// run_training_program for its rank. After the program:
+/// - the tied embedding: the ranks of the first and the last virtual stage exchange their
+///   "tok_embeddings" gradients and both set first + last (TrainingEngine's sum: same bits);
+/// - the loss: the tail rank's sum and count reach every rank;
+/// - the global norm: every rank's per-virtual-stage squared-gradient sums (and the tail's tied
+///   copy) reach every rank, which sums them in virtual-stage order as TrainingEngine does, so
+///   the clipping scale and every AdamW update are bitwise those of the in-process engine.
+/// Gradients, losses, norms and parameters are therefore bitwise those of TrainingEngine for the
+/// same configuration and batches.
+///
+/// Checkpoints: save_checkpoint gathers every stage's parameters and AdamW moments to rank 0,
+/// which writes `model.bin` and `optimizer.bin` in TrainingEngine's formats (a checkpoint written
+/// here resumes in-process and vice versa). load_optimizer_state has every rank read
+/// `dir/optimizer.bin` (the folder must be visible to every process at the same path) and keep
+/// its own stages' entries.
+///
+/// Failures: a rank that fails with an error other than PeerTimeout or Aborted calls
+/// `transport.abort(reason)` when the transport has one, so the others stop with Aborted; a rank
+/// that stops answering makes the others throw PeerTimeout naming it (MpiTransport) within about
+/// 1.25 x config.timeout_s.
+///
+/// Not thread-safe; one thread drives one DistributedTrainer and its transport.
+template <transport::Transport T>
+class DistributedTrainer {
+ public:
+  /// @param transport this rank's endpoint; must outlive the trainer
+  /// @param fault test-only: rank `fault.rank` ends its process with std::_Exit(3) (after one line
+  ///        on stderr) when its compute_gradients is called for the (after_steps + 1)-th time in
+  ///        this process, i.e. after `after_steps` completed steps (and their checkpoints)
+  /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor; if config.ranks
+  ///         differs from transport.world_size(); for a bad FaultInjection
+  DistributedTrainer(T& transport, const model::LlamaWeights& init, const TrainingConfig& config,
+                     FaultInjection fault = {})
+      : tp_(&transport), config_(init.config), cfg_(config), fault_(fault) {
+    const int world = transport.world_size();
+    BRIGADE_CHECK(config.ranks == world, Errc::InvalidArgument,
+                  "DistributedTrainer: {} pipeline ranks, the transport's world has {} (run one "
+                  "process per rank, e.g. mpirun -np {})",
+                  config.ranks, world, config.ranks);
+    BRIGADE_CHECK(fault.rank < world, Errc::InvalidArgument,
+                  "DistributedTrainer: fault injection on rank {}, outside [0, {})", fault.rank,
+                  world);
+    BRIGADE_CHECK(fault.rank < 0 || fault.after_steps >= 1, Errc::InvalidArgument,
+                  "DistributedTrainer: fault injection after {} steps, expected >= 1",
+                  fault.after_steps);
+    auto plan = detail::make_training_plan(init.config, config);
+    lowered_ = std::move(plan.lowered);
+    part_ = std::move(plan.part);
+    const int N = lowered_.shape.num_virtual_stages;
+    stages_.resize(static_cast<std::size_t>(N));
+    optimizers_.resize(static_cast<std::size_t>(N));
+    for (int v = 0; v < N; ++v) {
+      if (lowered_.shape.rank_of(v) != rank()) continue;
+      const auto i = static_cast<std::size_t>(v);
+      stages_[i] = std::make_unique<runtime::TrainStage>(init, part_.stage(v));
+      optimizers_[i] = detail::make_stage_optimizer(*stages_[i], config.optimizer);
+    }
+  }
+
+  /// Forward and backward of every micro-batch by the schedule (collective). Gradients of the
+  /// mean loss are left in this rank's stages, the tied copies summed across ranks.
+  /// @return loss and tokens of the whole step on every rank; the Timeline of every rank on
+  ///         rank 0 (gathered), of this rank only elsewhere; seconds = this rank's wall time
+  /// @throws brigade::Error{InvalidArgument} as TrainingEngine::compute_gradients; any error of
+  ///         the stages or the transport (PeerTimeout naming the rank that stopped answering,
+  ///         Aborted, HeaderMismatch, Mpi)
+  StepResult compute_gradients(std::span<const data::PackedBatch> batches) {
+    const auto& shape = lowered_.shape;
+    BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches,
+                  Errc::InvalidArgument, "TrainingEngine: {} micro-batches for a schedule of {}",
+                  batches.size(), shape.num_microbatches);
+    std::int64_t rows = 0;
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
+                    "TrainingEngine: micro-batch {} is empty", i);
+      rows += batches[i].rows();
+    }
+    if (fault_.rank == rank() && calls_ == fault_.after_steps) {
+      fmt::print(stderr, "brigade: fault injection: rank {} exits (code 3) after {} step(s)\n",
+                 rank(), calls_);
+      std::fflush(stderr);
+      std::fflush(stdout);
+      std::_Exit(3);
+    }
+    ++calls_;
+    return guarded([&] {
+      for (auto& s : stages_)
+        if (s) s->zero_grad();
+      cpu::set_blas_threads(cfg_.threads_per_rank);
+      const int P = shape.num_ranks;
+      const auto t0 = start_clock();
+      Timeline tl(P);
+      run_training_program(lowered_.ranks[static_cast<std::size_t>(rank())], shape, rank(),
+                           stage_ptrs(), batches, static_cast<double>(rows), *tp_, t0,
+                           cfg_.timeout_s, tl, config_.dim);
+      StepResult res;
+      const double end_s = seconds_since(t0);
+      res.seconds = end_s;
+      res.timeline = gather_timeline(tl, end_s);
+      const auto loss = reduce_loss([&] { return stages_.back()->total_loss(); });
+      res.tokens = loss.count;
+      res.loss = loss.mean();
+      sum_tied_gradients();
+      return res;
+    });
+  }
+
+  /// Global-norm clipping and one AdamW update of this rank's stages (collective: the squared
+  /// gradient sums are exchanged). @return {learning rate, gradient norm before clipping}
+  std::pair<double, double> optimizer_step() {
+    return guarded([&] {
+      const int N = lowered_.shape.num_virtual_stages;
+      std::vector<AdamW*> opts;
+      for (auto& o : optimizers_) opts.push_back(o.get());
+      std::vector<double> mine = detail::grad_square_sums(opts);
+      mine.push_back(0.0);
+      if (tied_across_stages() && holds(N - 1))
+        mine[static_cast<std::size_t>(N)] = detail::tied_square_sum(*stages_.back());
+      const auto all = all_gather(mine);
+      std::vector<double> per_stage(static_cast<std::size_t>(N));
+      for (int v = 0; v < N; ++v)
+        per_stage[static_cast<std::size_t>(v)] =
+            all[static_cast<std::size_t>(lowered_.shape.rank_of(v) * (N + 1) + v)];
+      const double tied =
+          all[static_cast<std::size_t>(lowered_.shape.rank_of(N - 1) * (N + 1) + N)];
+      const double norm = detail::global_grad_norm(per_stage, tied);
+      const double lr = detail::step_optimizers(opts, norm);
+      ++steps_;
+      return std::pair<double, double>{lr, norm};
+    });
+  }
+
+  /// compute_gradients() then optimizer_step() (collective); seconds covers both.
+  StepResult train_step(std::span<const data::PackedBatch> batches) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepResult r = compute_gradients(batches);
+    const auto [lr, norm] = optimizer_step();
+    r.lr = lr;
+    r.grad_norm = norm;
+    r.seconds = seconds_since(t0);
+    return r;
+  }
+
+  /// Mean cross-entropy of `batches` under the current parameters, forward only, pipelined
+  /// micro-batch by micro-batch (collective); the same value on every rank, bitwise
+  /// TrainingEngine::evaluate's.
+  /// @throws brigade::Error{InvalidArgument} if batches is empty; transport errors
+  double evaluate(std::span<const data::PackedBatch> batches) {
+    BRIGADE_CHECK(!batches.empty(), Errc::InvalidArgument, "TrainingEngine::evaluate: no batches");
+    return guarded([&] {
+      cpu::set_blas_threads(cfg_.threads_per_rank);
+      schedule::Shape shape = lowered_.shape;
+      shape.num_microbatches = static_cast<int>(batches.size());
+      const int N = shape.num_virtual_stages, me = rank();
+      using schedule::Op;
+      std::vector<schedule::Action> program;
+      for (int mb = 0; mb < shape.num_microbatches; ++mb)
+        for (int v = 0; v < N; ++v) {
+          if (shape.rank_of(v) != me) continue;
+          if (v > 0 && shape.rank_of(v - 1) != me) program.push_back({Op::RecvF, v, mb, 0});
+          program.push_back({Op::F, v, mb, 0});
+          if (v + 1 < N && shape.rank_of(v + 1) != me) program.push_back({Op::SendF, v, mb, 0});
+        }
+      Timeline tl(shape.num_ranks);
+      run_training_program(program, shape, me, stage_ptrs(), batches, 1.0, *tp_,
+                           std::chrono::steady_clock::now(), cfg_.timeout_s, tl, config_.dim);
+      const auto loss = reduce_loss([&] {
+        cpu::CrossEntropyLoss sum;
+        for (int mb = 0; mb < shape.num_microbatches; ++mb) {
+          const auto l = stages_.back()->loss(mb);
+          sum.sum += l.sum;
+          sum.count += l.count;
+        }
+        return sum;
+      });
+      for (auto& s : stages_)
+        if (s) s->clear_microbatches();
+      return loss.mean();
+    });
+  }
+
+  /// This rank's parameters' gradients by name (after compute_gradients()).
+  [[nodiscard]] std::map<std::string, std::vector<float>> gradients() const {
+    std::map<std::string, std::vector<float>> out;
+    for (auto& s : stages_)
+      if (s)
+        for (auto& p : s->params())
+          if (!out.count(p.name)) out[p.name].assign(p.grad, p.grad + p.size);
+    return out;
+  }
+
+  /// Gathers every stage's parameters and AdamW moments to rank 0, which writes `dir/model.bin`
+  /// and `dir/optimizer.bin` exactly as TrainingEngine::save_checkpoint (collective; every rank
+  /// returns once rank 0 has written both files).
+  /// @throws brigade::Error{BadFile} on rank 0 if a file cannot be written (the others then
+  ///         get Aborted); transport errors
+  void save_checkpoint(const std::filesystem::path& dir, std::int64_t data_position) {
+    guarded([&] {
+      const int N = lowered_.shape.num_virtual_stages;
+      const int me = rank();
+      const auto deadline = [&] { return transport::Deadline::after(cfg_.timeout_s); };
+      if (me != 0) {
+        for (int v = 0; v < N; ++v) {
+          if (!holds(v)) continue;
+          std::map<std::string, std::vector<float>> t;
+          stage(v).export_to(t);
+          send_blob(0, detail::encode_tensors(t));
+          std::string entries;
+          detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
+          send_blob(0, entries);
+        }
+        auto r = tp_->irecv(0, detail::kTagCheckpointDone, bytes_header(0), {});
+        tp_->wait(r, deadline());
+        return 0;
+      }
+      std::vector<std::map<std::string, std::vector<float>>> tensors(static_cast<std::size_t>(N));
+      std::string entries;
+      std::int64_t count = 0;
+      for (int v = 0; v < N; ++v) {
+        const int from = lowered_.shape.rank_of(v);
+        auto& t = tensors[static_cast<std::size_t>(v)];
+        if (from == 0) {
+          stage(v).export_to(t);
+          count += detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
+          continue;
+        }
+        detail::decode_tensors(recv_blob(from), t);
+        const std::string e = recv_blob(from);
+        count += static_cast<std::int64_t>(stage_param_count(e));
+        entries += e;
+      }
+      // Stage 0's embedding wins (written last), as in TrainingEngine::export_weights.
+      std::map<std::string, std::vector<float>> all;
+      for (int v = N - 1; v >= 0; --v)
+        for (auto& [name, vals] : tensors[static_cast<std::size_t>(v)]) all[name] = std::move(vals);
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}",
+                    dir.string(), ec.message());
+      model::save_llama2c_checkpoint(dir / "model.bin", detail::weights_from_tensors(config_, all));
+      io::write_file_atomic(dir / "optimizer.bin",
+                            detail::optimizer_file_header(steps_, data_position, count) + entries);
+      std::vector<transport::Request> done;
+      for (int r = 1; r < lowered_.shape.num_ranks; ++r)
+        done.push_back(tp_->isend(r, detail::kTagCheckpointDone, bytes_header(0), {}));
+      for (auto& r : done) tp_->wait(r, deadline());
+      return 0;
+    });
+  }
+
+  /// Restores this rank's stages' AdamW state from `dir/optimizer.bin` (read by every rank; the
+  /// weights come from `dir/model.bin`, passed to the constructor). Not collective.
+  /// @return the saved data position
+  /// @throws brigade::Error{BadFile} as TrainingEngine::load_optimizer_state
+  std::int64_t load_optimizer_state(const std::filesystem::path& dir) {
+    std::vector<runtime::TrainStage*> stages;
+    std::vector<AdamW*> optimizers;
+    for (std::size_t v = 0; v < stages_.size(); ++v) {
+      stages.push_back(stages_[v].get());
+      optimizers.push_back(optimizers_[v].get());
+    }
+    const auto [steps, position] = detail::read_optimizer_file(dir, stages, optimizers);
+    steps_ = steps;
+    return position;
+  }
+
+  /// The lowered schedule every step runs (every rank's program).
+  [[nodiscard]] const schedule::Schedule& schedule() const noexcept { return lowered_; }
+  /// The split (identical on every rank).
+  [[nodiscard]] const partition::Partition& partition() const noexcept { return part_; }
+  /// Optimizer steps taken.
+  [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
+  /// This rank (the transport's).
+  [[nodiscard]] int rank() const { return tp_->rank(); }
+  /// True when this rank holds virtual stage v.
+  [[nodiscard]] bool holds(int v) const noexcept {
+    return v >= 0 && v < static_cast<int>(stages_.size()) && stages_[static_cast<std::size_t>(v)];
+  }
+
+ private:
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  static transport::MessageHeader bytes_header(std::int64_t nbytes) {
+    return transport::MessageHeader::make(0, 0, transport::DType::Bytes, {nbytes});
+  }
+  runtime::TrainStage& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
+  AdamW& optimizer(int v) { return *optimizers_[static_cast<std::size_t>(v)]; }
+  [[nodiscard]] bool tied_across_stages() const {
+    return config_.shared_classifier && stages_.size() > 1;
+  }
+  std::vector<runtime::TrainStage*> stage_ptrs() {
+    std::vector<runtime::TrainStage*> p;
+    for (auto& s : stages_) p.push_back(s.get());
+    return p;
+  }
+  /// Entries in an append_optimizer_entries blob.
+  static std::size_t stage_param_count(const std::string& e) {
+    std::size_t pos = 0, n = 0;
+    while (pos + 16 <= e.size()) {
+      std::int32_t len = 0;
+      std::int64_t size = 0;
+      std::memcpy(&len, e.data() + pos + 4, 4);
+      std::memcpy(&size, e.data() + pos + 8 + static_cast<std::size_t>(len), 8);
+      pos += 16 + static_cast<std::size_t>(len) + 2 * static_cast<std::size_t>(size) * sizeof(float);
+      ++n;
+    }
+    BRIGADE_CHECK(pos == e.size(), Errc::Internal, "save_checkpoint: a malformed optimizer blob");
+    return n;
+  }
+
+  /// Runs `body`; on an error of this rank (not a timeout or another rank's abort), tells the
+  /// others through transport.abort when the transport has one, then rethrows.
+  template <class F>
+  auto guarded(F&& body) {
+    try {
+      return body();
+    } catch (const std::exception& e) {
+      if constexpr (requires(T& t, const std::string& s) { t.abort(s); }) {
+        const auto* err = dynamic_cast<const Error*>(&e);
+        if (err == nullptr || (err->code() != Errc::PeerTimeout && err->code() != Errc::Aborted))
+          tp_->abort(fmt::format("rank {} failed: {}", rank(), e.what()));
+      }
+      throw;
+    }
+  }
+
+  /// Rank 0 sends every rank a start message; each starts its clock when it has it (one origin
+  /// for every rank's Timeline, to within one message latency).
+  std::chrono::steady_clock::time_point start_clock() {
+    const auto deadline = transport::Deadline::after(cfg_.timeout_s);
+    if (rank() == 0) {
+      std::vector<transport::Request> starts;
+      for (int r = 1; r < lowered_.shape.num_ranks; ++r)
+        starts.push_back(tp_->isend(r, detail::kTagTrainStart, bytes_header(0), {}));
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& s : starts) tp_->wait(s, deadline);
+      return t0;
+    }
+    auto r = tp_->irecv(0, detail::kTagTrainStart, bytes_header(0), {});
+    tp_->wait(r, deadline);
+    return std::chrono::steady_clock::now();
+  }
+
+  void send_blob(int peer, const std::string& text) {
+    const std::uint64_t size = text.size();
+    auto rs = tp_->isend(peer, detail::kTagBlobSize, bytes_header(8),
+                         std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
+    auto rt = tp_->isend(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size)),
+                         std::as_bytes(std::span<const char>(text.data(), text.size())));
+    tp_->wait(rs, transport::Deadline::after(cfg_.timeout_s));
+    tp_->wait(rt, transport::Deadline::after(cfg_.timeout_s));
+  }
+  std::string recv_blob(int peer) {
+    std::uint64_t size = 0;
+    auto rs = tp_->irecv(peer, detail::kTagBlobSize, bytes_header(8),
+                         std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
+    tp_->wait(rs, transport::Deadline::after(cfg_.timeout_s));
+    std::string text(static_cast<std::size_t>(size), '\0');
+    auto rt = tp_->irecv(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size)),
+                         std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    tp_->wait(rt, transport::Deadline::after(cfg_.timeout_s));
+    return text;
+  }
+
+  /// Every rank's `mine` (same length everywhere), rank-major: result[r * n + i].
+  std::vector<double> all_gather(const std::vector<double>& mine) {
+    const int P = lowered_.shape.num_ranks, me = rank();
+    const std::size_t n = mine.size();
+    std::vector<double> all(n * static_cast<std::size_t>(P), 0.0);
+    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(n) * me);
+    const auto h = bytes_header(static_cast<std::int64_t>(n * sizeof(double)));
+    std::vector<transport::Request> reqs;
+    for (int r = 0; r < P; ++r) {
+      if (r == me) continue;
+      reqs.push_back(tp_->irecv(r, detail::kTagReduce, h,
+                                std::as_writable_bytes(std::span<double>(
+                                    all.data() + n * static_cast<std::size_t>(r), n))));
+    }
+    for (int r = 0; r < P; ++r)
+      if (r != me)
+        reqs.push_back(tp_->isend(r, detail::kTagReduce, h,
+                                  std::as_bytes(std::span<const double>(mine.data(), n))));
+    for (auto& r : reqs) tp_->wait(r, transport::Deadline::after(cfg_.timeout_s));
+    return all;
+  }
+
+  /// The tail rank's loss (computed by `tail_loss` there) on every rank.
+  template <class F>
+  cpu::CrossEntropyLoss reduce_loss(F&& tail_loss) {
+    const int N = lowered_.shape.num_virtual_stages;
+    std::vector<double> mine(2, 0.0);
+    if (holds(N - 1)) {
+      const auto l = tail_loss();
+      mine = {l.sum, static_cast<double>(l.count)};
+    }
+    const auto all = all_gather(mine);
+    const auto at = static_cast<std::size_t>(lowered_.shape.rank_of(N - 1) * 2);
+    cpu::CrossEntropyLoss out;
+    out.sum = all[at];
+    out.count = static_cast<std::int64_t>(all[at + 1]);
+    return out;
+  }
+
+  /// The tied classifier: the first and the last virtual stage both get first + last.
+  void sum_tied_gradients() {
+    if (!tied_across_stages()) return;
+    const int N = lowered_.shape.num_virtual_stages;
+    const int first = lowered_.shape.rank_of(0), last = lowered_.shape.rank_of(N - 1);
+    if (first == last) {
+      if (rank() != first) return;
+      auto a = detail::find_param(stage(0), "tok_embeddings");
+      auto b = detail::find_param(stage(N - 1), "tok_embeddings");
+      for (std::int64_t i = 0; i < a.size; ++i) a.grad[i] = b.grad[i] = a.grad[i] + b.grad[i];
+      return;
+    }
+    if (rank() != first && rank() != last) return;
+    const bool is_first = rank() == first;
+    auto mine = detail::find_param(stage(is_first ? 0 : N - 1), "tok_embeddings");
+    std::vector<float> theirs(static_cast<std::size_t>(mine.size));
+    const auto h = transport::MessageHeader::make(0, 0, transport::DType::F32, {mine.size});
+    const int peer = is_first ? last : first;
+    auto rr = tp_->irecv(peer, detail::kTagTiedGrad, h,
+                         transport::as_writable_bytes(std::span<float>(theirs)));
+    auto rs = tp_->isend(peer, detail::kTagTiedGrad, h,
+                         transport::as_bytes(std::span<const float>(
+                             mine.grad, static_cast<std::size_t>(mine.size))));
+    tp_->wait(rr, transport::Deadline::after(cfg_.timeout_s));
+    tp_->wait(rs, transport::Deadline::after(cfg_.timeout_s));
+    // first + last, in that order, as TrainingEngine.
+    for (std::int64_t i = 0; i < mine.size; ++i) {
+      const float o = theirs[static_cast<std::size_t>(i)];
+      mine.grad[i] = is_first ? mine.grad[i] + o : o + mine.grad[i];
+    }
+  }
+
+  /// Rank 0: every rank's intervals merged; elsewhere: `tl` itself (after sending it).
+  Timeline gather_timeline(const Timeline& tl, double end_s) {
+    const int P = lowered_.shape.num_ranks;
+    if (rank() != 0) {
+      send_blob(0, detail::encode_rank_result(tl, end_s));
+      return tl;
+    }
+    Timeline all = tl;
+    for (int r = 1; r < P; ++r) detail::decode_rank_result(recv_blob(r), r, all);
+    return all;
+  }
+
+  T* tp_;
+  model::LlamaConfig config_;
+  TrainingConfig cfg_;
+  FaultInjection fault_;
+  schedule::Schedule lowered_;
+  partition::Partition part_{1, 1, {{0, 0, 1}}};
+  std::vector<std::unique_ptr<runtime::TrainStage>> stages_;  // by virtual stage; null elsewhere
+  std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
+  std::int64_t steps_ = 0;
+  int calls_ = 0;
+};
+
+}  // namespace v0
+}  // namespace brigade::engine
