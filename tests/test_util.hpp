@@ -3,8 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <brigade/data/corpus.hpp>
+#include <brigade/model/tokenizer.hpp>
+
 #include <atomic>
 #include <filesystem>
+#include <vector>
 #include <string_view>
 #include <system_error>
 #include <unistd.h>
@@ -30,5 +34,23 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   [[nodiscard]] std::filesystem::path operator/(std::string_view name) const { return path / name; }
 };
+
+/// Ten short TinyStories-like sentences as training samples (BOS first), tasks 0, 1, 2, 0, ...
+inline std::vector<data::Sample> story_samples(const model::Tokenizer& tok) {
+  const char* texts[] = {"Once upon a time, there was a little girl named Lily.",
+                         "She loved to play outside in the park.",
+                         "One day, she saw a big, red ball.",
+                         "Tom and his dog ran to the tree.",
+                         "The sun was hot and the sky was blue.",
+                         "Mom said, \"Let's go home and eat.\"",
+                         "The cat jumped on the bed and slept.",
+                         "Ben wanted to fly a kite with his friend.",
+                         "They laughed and played all day long.",
+                         "The bird sang a happy song."};
+  std::vector<data::Sample> out;
+  int task = 0;
+  for (const char* t : texts) out.push_back({task++ % 3, tok.encode(t, true, false)});
+  return out;
+}
 
 }  // namespace brigade::test

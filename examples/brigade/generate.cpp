@@ -51,30 +51,9 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
 int run(const GenerateArgs& a) {
   using namespace brigade;
   // Under mpirun: one process per stage; rank 0 prints (README, "Several processes (MPI)").
-  const int mpi_world = transport::mpi_world_size_from_env();
-#if BRIGADE_HAS_MPI
-  std::optional<transport::MpiSession> mpi;
-  if (mpi_world > 0) mpi.emplace();
-  const bool under_mpi = mpi.has_value();
-#else
-  BRIGADE_CHECK(mpi_world <= 1, Errc::InvalidUsage,
-                "started by mpirun with {} processes, but this brigade was built without the mpi "
-                "component (install libopenmpi-dev and configure with BRIGADE_ENABLE_MPI=ON)",
-                mpi_world);
-  const bool under_mpi = false;
-#endif
-  BRIGADE_CHECK(a.fail_rank < 0 || under_mpi, Errc::InvalidArgument,
-                "--fail-rank is a fault-injection flag for runs under mpirun");
-  int num_stages = a.stages;
-  if (under_mpi) {
-    BRIGADE_CHECK(a.stages_option == nullptr || a.stages_option->count() == 0 ||
-                      a.stages == mpi_world,
-                  Errc::InvalidArgument,
-                  "--stages {} but mpirun started {} processes; under MPI every process runs one "
-                  "stage (omit --stages, or pass --stages {})",
-                  a.stages, mpi_world, mpi_world);
-    num_stages = mpi_world;
-  }
+  const cli::MpiLaunch launch(a.fail_rank);
+  const bool under_mpi = launch.active();
+  const int num_stages = launch.ranks(a.stages, a.stages_option, "stage");
   // Model and tokenizer: real files, or a synthetic Llama of a named size.
   model::LlamaWeights weights;
   model::Tokenizer tok;
@@ -127,7 +106,7 @@ int run(const GenerateArgs& a) {
   const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
                                                        {a.fail_rank, a.fail_after_steps})
                                 : engine::generate(weights, part, requests, opt);
-  if (under_mpi && mpi->rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
+  if (under_mpi && launch.rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
 #else
   const auto report = engine::generate(weights, part, requests, opt);
 #endif

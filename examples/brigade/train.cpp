@@ -148,30 +148,9 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
 int run(const TrainArgs& a) {
   using namespace brigade;
   // Under mpirun: one process per pipeline rank; rank 0 prints (README, "Several processes").
-  const int mpi_world = transport::mpi_world_size_from_env();
-#if BRIGADE_HAS_MPI
-  std::optional<transport::MpiSession> mpi;
-  if (mpi_world > 0) mpi.emplace();
-  const bool under_mpi = mpi.has_value();
-#else
-  BRIGADE_CHECK(mpi_world <= 1, Errc::InvalidUsage,
-                "started by mpirun with {} processes, but this brigade was built without the mpi "
-                "component (install libopenmpi-dev and configure with BRIGADE_ENABLE_MPI=ON)",
-                mpi_world);
-  const bool under_mpi = false;
-#endif
-  BRIGADE_CHECK(a.fail_rank < 0 || under_mpi, Errc::InvalidArgument,
-                "--fail-rank is a fault-injection flag for runs under mpirun");
-  int num_ranks = a.stages;
-  if (under_mpi) {
-    BRIGADE_CHECK(a.stages_option == nullptr || a.stages_option->count() == 0 ||
-                      a.stages == mpi_world,
-                  Errc::InvalidArgument,
-                  "--stages {} but mpirun started {} processes; under MPI every process runs one "
-                  "pipeline rank (omit --stages, or pass --stages {})",
-                  a.stages, mpi_world, mpi_world);
-    num_ranks = mpi_world;
-  }
+  const cli::MpiLaunch launch(a.fail_rank);
+  const bool under_mpi = launch.active();
+  const int num_ranks = launch.ranks(a.stages, a.stages_option, "pipeline rank");
   // Model: a checkpoint (or the last checkpoint with --resume), or a synthetic Llama.
   model::LlamaWeights weights;
   const fs::path ckpt = a.checkpoint_dir;

@@ -7,6 +7,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <filesystem>
 
@@ -54,23 +56,7 @@ std::vector<data::PackedBatch> split(std::span<const data::Sample> samples, int 
   return out;
 }
 
-std::vector<data::Sample> story_samples() {
-  const char* texts[] = {
-      "Once upon a time, there was a little girl named Lily.",
-      "She loved to play outside in the park.",
-      "One day, she saw a big, red ball.",
-      "Tom and his dog ran to the tree.",
-      "The sun was hot and the sky was blue.",
-      "Mom said, \"Let's go home and eat.\"",
-      "The cat jumped on the bed and slept.",
-      "Ben wanted to fly a kite with his friend.",
-      "They laughed and played all day long.",
-      "The bird sang a happy song."};
-  std::vector<data::Sample> out;
-  int task = 0;
-  for (const char* t : texts) out.push_back({task++ % 3, tok().encode(t, true, false)});
-  return out;
-}
+std::vector<data::Sample> story_samples() { return test::story_samples(tok()); }
 
 double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

@@ -11,6 +11,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -27,20 +29,7 @@ const fs::path kData = BRIGADE_DATA_DIR;
 /// Ten short stories as samples, micro-batches of at most 48 tokens from them.
 std::vector<data::Sample> story_samples() {
   static const auto tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
-  const char* texts[] = {"Once upon a time, there was a little girl named Lily.",
-                         "She loved to play outside in the park.",
-                         "One day, she saw a big, red ball.",
-                         "Tom and his dog ran to the tree.",
-                         "The sun was hot and the sky was blue.",
-                         "Mom said, \"Let's go home and eat.\"",
-                         "The cat jumped on the bed and slept.",
-                         "Ben wanted to fly a kite with his friend.",
-                         "They laughed and played all day long.",
-                         "The bird sang a happy song."};
-  std::vector<data::Sample> out;
-  int task = 0;
-  for (const char* t : texts) out.push_back({task++ % 3, tok.encode(t, true, false)});
-  return out;
+  return test::story_samples(tok);
 }
 
 }  // namespace
