@@ -8,6 +8,11 @@
 //       residual stream (a 2-4 MiB copy, < 0.1% of the time) and runs decoder_layer_forward.
 //   BM_Sgemm/T/in/out               matmul_wt(x[T x in], W[out x in]) for the layer's three
 //       largest shapes: [512 x dim] W1^T (W3 alike), [512 x hidden] W2^T, [512 x dim] Wq^T.
+//   BM_MatmulSmallM/T/in/out/eigen  matmul_wt(x[T x in], W[out x in]) at decode sizes, T in
+//       {1, 4, 16, 32, 64}, on the 42M Llama's shapes (dim 512, hidden 1376, vocab 32000):
+//       Wq/Wk/Wv/Wo 512x512, W1/W3 1376x512, W2 512x1376, classifier 32000x512.
+//       eigen:0 is matmul_wt as shipped (its small-M kernel up to 16 rows); eigen:1 is the
+//       product matmul_wt ran before that kernel: Eigen's GEMM on the same maps, in this binary.
 //
 // Times are CPU time (the default; one BLAS thread, so all work runs on the benchmark thread):
 // on a shared machine they do not count time spent descheduled, unlike wall time.
@@ -20,7 +25,7 @@
 //                                                                 key, T/2 keys per query on
 //                                                                 average (causal)
 //             RMSNorm, RoPE, softmax and SwiGLU are not counted (they are O(T*dim)).
-//             For SGEMM: 2*T*in*out.
+//             For SGEMM and MatmulSmallM: 2*T*in*out.
 //   sgemm_GFLOP/s (layer only) the FLOP-weighted SGEMM rate of the same three shapes, measured
 //             once per shape in this process before the timed loop (best of 7 runs each).
 //   vs_sgemm  (layer only) GFLOP/s / sgemm_GFLOP/s: how close the whole layer gets to plain GEMM
@@ -38,6 +43,7 @@
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
+#include <Eigen/Core>
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -327,6 +333,43 @@ void BM_Sgemm(benchmark::State& state) {
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
+void BM_MatmulSmallM(benchmark::State& state) {
+  const std::int64_t T = state.range(0), in = state.range(1), out = state.range(2);
+  const bool eigen = state.range(3) != 0;
+  std::mt19937 rng(static_cast<unsigned>(in * 7 + out + T));
+  const Vec x = random_vec(rng, T * in, 1.0f), w = random_vec(rng, out * in, 0.05f);
+  Vec y(sz(T * out));
+  using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  auto run = [&] {
+    if (eigen) {  // matmul_wt's former path for every T (what gemm_wt ran before the kernel)
+      Eigen::Map<RowMat> o(y.data(), T, out);
+      o.noalias() = Eigen::Map<const RowMat>(x.data(), T, in) *
+                    Eigen::Map<const RowMat>(w.data(), out, in).transpose();
+    } else {
+      cpu::matmul_wt(x.data(), w.data(), y.data(), T, in, out);
+    }
+  };
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  for (std::int64_t r = 0; r < T; ++r) {
+    const std::int64_t n = (r * 131 + 7) % out;
+    double ref = 0.0, mag = 0.0;
+    for (std::int64_t k = 0; k < in; ++k) {
+      ref += double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]);
+      mag += std::abs(double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]));
+    }
+    if (!(std::abs(ref - double(y[sz(r * out + n)])) <= 1e-5 * mag)) {
+      state.SkipWithError("matmul_wt output differs from a double dot product");
+      return;
+    }
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(in) * double(out) * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
 }  // namespace
 
 BENCHMARK(BM_DecoderLayerPrefill)
@@ -344,6 +387,12 @@ BENCHMARK(BM_Sgemm)
     ->Args({kTokens, 5632, 2048})
     ->Args({kTokens, 2048, 2048})
     ->Unit(benchmark::kMillisecond);
+
+BENCHMARK(BM_MatmulSmallM)
+    ->ArgNames({"T", "in", "out", "eigen"})
+    ->ArgsProduct({{1, 4, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1}})
+    ->ArgsProduct({{1, 4, 16, 32, 64}, {1376}, {512}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
   cpu::set_blas_threads(1);  // single-thread rates: one stage thread per core in brigade

@@ -187,6 +187,75 @@ TEST_CASE("cpu_kernels.matmul_wt: one GEMM for all rows matches a double referen
   CHECK_THROWS_AS(cpu::matmul_wt(nullptr, nullptr, nullptr, -1, 2, 2), Error);
 }
 
+TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference for T = 1..40") {
+  // Up to 16 rows matmul_wt streams W unpacked in blocks of 16 lanes: odd K exercises the K
+  // tail, odd N the last W rows outside a block of 4 (8 for T = 1), T % 4 the x-row tail;
+  // T = 17..40 checks the hand-over to Eigen's GEMM.
+  std::mt19937 rng(11);
+  for (std::int64_t in : {1, 15, 16, 17, 63, 129, 172}) {
+    for (std::int64_t out : {1, 5, 63, 129, 172}) {
+      const Vec w = random_vec(rng, out * in);
+      const Vec x_all = random_vec(rng, 40 * in);
+      const Vec base = random_vec(rng, 40 * out);
+      for (std::int64_t t = 1; t <= 40; ++t) {
+        CAPTURE(t);
+        CAPTURE(in);
+        CAPTURE(out);
+        const Vec x(x_all.begin(), x_all.begin() + t * in);
+        const DVec ref = ref_matmul_wt(x, w, t, in, out);
+        Vec y(sz(t * out), -7.0f);
+        cpu::matmul_wt(x.data(), w.data(), y.data(), t, in, out);
+        check_close(y, ref);
+        Vec acc(base.begin(), base.begin() + t * out);
+        cpu::matmul_wt_accumulate(x.data(), w.data(), acc.data(), t, in, out);
+        DVec ref_acc = ref;
+        for (std::size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] += base[i];
+        check_close(acc, ref_acc);
+        if (t <= 16) {  // small-M: a row gives the same bits alone as inside the batch
+          Vec row(sz(out));
+          cpu::matmul_wt(x.data() + (t - 1) * in, w.data(), row.data(), 1, in, out);
+          CHECK(std::equal(row.begin(), row.end(), y.begin() + (t - 1) * out));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cpu_kernels.matmul_wt: same bits on differently aligned copies of the inputs") {
+  std::mt19937 rng(12);
+  for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16}) {  // the small-M path's sizes
+    for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63}, {63, 200}, {1376, 301}}) {
+      CAPTURE(t);
+      CAPTURE(in);
+      CAPTURE(out);
+      const Vec x = random_vec(rng, t * in), w = random_vec(rng, out * in);
+      Vec first(sz(t * out)), acc_first = random_vec(rng, t * out);
+      const Vec acc_base = acc_first;
+      cpu::matmul_wt(x.data(), w.data(), first.data(), t, in, out);
+      cpu::matmul_wt_accumulate(x.data(), w.data(), acc_first.data(), t, in, out);
+      for (std::int64_t shift = 1; shift < 16; shift += 3) {  // 4..60 bytes off the first copy
+        CAPTURE(shift);
+        Vec xs(sz(shift + t * in)), ws(sz(shift + out * in)), ys(sz(shift + t * out));
+        std::copy(x.begin(), x.end(), xs.begin() + shift);
+        std::copy(w.begin(), w.end(), ws.begin() + shift);
+        cpu::matmul_wt(xs.data() + shift, ws.data() + shift, ys.data() + shift, t, in, out);
+        CHECK(std::equal(first.begin(), first.end(), ys.begin() + shift));
+        std::copy(acc_base.begin(), acc_base.end(), ys.begin() + shift);
+        cpu::matmul_wt_accumulate(xs.data() + shift, ws.data() + shift, ys.data() + shift, t, in,
+                                  out);
+        CHECK(std::equal(acc_first.begin(), acc_first.end(), ys.begin() + shift));
+      }
+      // Two threads split W's rows (above ~4 MFLOP): the bits do not depend on the thread count.
+      const int threads_before = cpu::blas_threads();
+      cpu::set_blas_threads(threads_before == 2 ? 1 : 2);
+      Vec two(sz(t * out));
+      cpu::matmul_wt(x.data(), w.data(), two.data(), t, in, out);
+      cpu::set_blas_threads(threads_before);
+      CHECK(two == first);
+    }
+  }
+}
+
 TEST_CASE("cpu_kernels.rope: adjacent pairs per head, q over all heads, k over kv heads") {
   std::mt19937 rng(3);
   struct Case { int n_heads, n_kv_heads, head_size; std::int64_t tokens, pos0; };

@@ -19,7 +19,12 @@ inline namespace v0 {
 void rmsnorm(const float* x, const float* weight, float* out, std::int64_t tokens, std::int64_t dim,
              float eps);
 
-/// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k], one GEMM (OpenBLAS SGEMM through Eigen).
+/// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k].
+/// Up to 16 rows (decode) an unpacked small-M kernel streams W once, with a fixed summation
+/// order per output (16 lanes over k, a fixed lane reduction, then the K % 16 tail): the bits do
+/// not depend on the buffers' alignment, the thread count or the other rows in the batch.
+/// More rows: one GEMM (Eigen's, or OpenBLAS SGEMM per gemm_backend()). BRIGADE_SMALL_M=0 in the
+/// environment sends every size to the GEMM (for comparisons).
 /// @param x   [tokens x in], row-major
 /// @param w   [out x in], row-major (llama2.c's layout)
 /// @param out [tokens x out], row-major; must not alias x
