@@ -68,7 +68,7 @@ void BM_Train(benchmark::State& state) {
 }
 BENCHMARK(BM_Train)
     ->ArgNames({"stages", "microbatches"})
-    ->Args({1, 4})->Args({2, 4})->Args({2, 8})
+    ->Args({1, 4})->Args({2, 4})->Args({2, 8})->Args({2, 16})
     ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(2);
 
 }  // namespace
