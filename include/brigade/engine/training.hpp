@@ -379,9 +379,14 @@ class MeasuredCostModel {
  public:
   /// @param timeline a measured run (executor output) of a schedule of `shape`
   MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline);
+  /// Mean measured seconds of `a`'s (op, virtual stage) in the timeline; 0 for SEND/RECV and
+  /// for pairs the timeline never ran.
   [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept;
+  /// 0: activation memory is not measured (the simulator's memory columns are then zero).
   [[nodiscard]] double activation_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  /// 0: messages are modelled as free (in-process copies take microseconds).
   [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  /// A free link (no latency, unlimited bandwidth) between every pair of ranks.
   [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
 
  private:
