@@ -10,7 +10,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build="${BRIGADE_BUILD_DIR:-$root/build}"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBRIGADE_BUILD_TESTS=OFF \
       -DBRIGADE_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build "$build" --target brigade_cli -j"$(nproc)"
+cmake --build "$build" --target brigade_cli -j"$(nproc)" >&2   # stdout is the text only
 if (($# == 0)); then
   set -- --synthetic 42M --stages 2 --steps 64 --temperature 0.8 \
          --prompt "Once upon a time" --prompt "The little dog" --prompt "One day" \

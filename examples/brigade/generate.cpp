@@ -156,7 +156,9 @@ int run(const GenerateArgs& a) {
     nlohmann::json m = {{"model", model_name},
                         {"stages", S},
                         {"partition", a.partition},
-                        {"microbatches", opt.microbatches},
+                        {"microbatches", opt.microbatches > 0
+                                             ? std::min<int>(opt.microbatches, static_cast<int>(requests.size()))
+                                             : std::min<int>(static_cast<int>(requests.size()), S)},
                         {"wall_s", report.wall_s},
                         {"prompt_tokens", report.prompt_tokens},
                         {"generated_tokens", report.generated_tokens},
@@ -183,7 +185,7 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--prompt-file", a->prompt_file, "a file of prompts, one per line")
       ->check(CLI::ExistingFile);
   sub.add_option("--steps", a->steps, "positions per sequence, prompt included (run.c's -n); 0 = seq_len")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::Range(0, 1 << 24))->capture_default_str();
   sub.add_option("--temperature", a->temperature, "0 = greedy")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   sub.add_option("--top-p", a->top_p, "nucleus threshold; <= 0 or >= 1 samples the full distribution")

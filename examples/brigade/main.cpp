@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // One line: what was wrong. `--help` lists the flags.
     fmt::print(stderr, "brigade: {} (see --help)\n", e.what());
-    return e.get_exit_code() != 0 ? e.get_exit_code() : 2;
+    return 2;
   }
   try {
     for (auto& [sub, run] : runners)

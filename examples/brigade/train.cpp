@@ -34,6 +34,7 @@ struct TrainArgs {
   double timeout = 120.0;
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
+  CLI::Option* synthetic_option = nullptr;   // to tell an explicit --synthetic from the default
 };
 
 std::string format_eta(double s) {
@@ -163,6 +164,12 @@ int run(const TrainArgs& a) {
   } else {
     weights = model::make_synthetic_weights(model::named_config(a.synthetic), a.model_seed);
   }
+  BRIGADE_CHECK(!a.tokenizer.empty() || (a.model.empty() && !a.resume) ||
+                    (a.synthetic_option != nullptr && a.synthetic_option->count() > 0),
+                Errc::InvalidArgument,
+                "{} needs --tokenizer (the llama2.c tokenizer the model was trained with); pass "
+                "--synthetic SIZE instead to resume a synthetic run with its made-up vocabulary",
+                a.resume ? "--resume" : "--model");
   const model::Tokenizer tok =
       a.tokenizer.empty() ? model::Tokenizer::synthetic(weights.config.vocab_size, a.model_seed)
                           : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
@@ -203,7 +210,7 @@ std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<TrainArgs>();
   sub.add_option("--model", a->model, "initial llama2.c checkpoint; without it, a synthetic model")
       ->check(CLI::ExistingFile);
-  sub.add_option("--synthetic", a->synthetic, "size of the synthetic Llama without --model")
+  a->synthetic_option = sub.add_option("--synthetic", a->synthetic, "size of the synthetic Llama without --model")
       ->capture_default_str();
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
   sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)")
@@ -226,8 +233,10 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--tokens-per-microbatch", a->tokens_per_microbatch,
                  "token budget of a micro-batch (sequences packed by offsets)")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  sub.add_option("--steps", a->steps, "optimizer steps (the total, when resuming)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--steps", a->steps,
+                 "optimizer steps (the total, when resuming; keep it the same to continue exactly: "
+                 "the learning-rate schedule depends on it)")
+      ->check(CLI::Range(1, 1 << 30))->capture_default_str();
   sub.add_option("--lr", a->lr, "peak learning rate (warm-up, then cosine to lr/10)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--warmup", a->warmup, "warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();

@@ -177,6 +177,12 @@ TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
   auto r3 = run_cli("train " + model_flags() + " --stages 9");
   CHECK(r3.rc != 0);
   CHECK(r3.err.find("9 virtual stages") != std::string::npos);
+  auto r5 = run_cli("train --model " + (kData / "stories260K.bin").string() + " --steps 1");
+  CHECK(r5.rc != 0);
+  CHECK(r5.err.find("--model needs --tokenizer") != std::string::npos);
+  auto r6 = run_cli("train --steps -1");
+  CHECK(r6.rc == 2);
+  CHECK(r6.err.size() < 200);  // a range, not a 300-digit number
   auto r4 = run_cli("train " + model_flags() + " --data /nonexistent/corpus");
   CHECK(r4.rc != 0);
   CHECK(r4.err.find("/nonexistent/corpus") != std::string::npos);
