@@ -435,13 +435,7 @@ Request NcclTransport::isend(int peer, int tag, const MessageHeader& header, Con
   st->send_ptr = payload.data();
   st->nbytes = payload.size();
   m.queued.push_back(st);
-  Request r;
-  r.is_recv = false;
-  r.peer = peer;
-  r.tag = tag;
-  r.header = header;
-  r.state = std::move(st);
-  return r;
+  return Request::posted(false, peer, tag, header, std::move(st));
 }
 
 Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected,
@@ -469,13 +463,7 @@ Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected,
   st->recv_ptr = buffer.data();
   st->nbytes = expected.nbytes();
   m.queued.push_back(st);
-  Request r;
-  r.is_recv = true;
-  r.peer = peer;
-  r.tag = tag;
-  r.header = expected;
-  r.state = std::move(st);
-  return r;
+  return Request::posted(true, peer, tag, expected, std::move(st));
 }
 
 std::vector<Request> NcclTransport::submit(std::span<const P2POp> batch) {

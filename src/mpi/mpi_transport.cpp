@@ -378,12 +378,7 @@ struct MpiTransport::Impl {
       }
     }
     sends.push_back(st);
-    Request r;
-    r.peer = peer;
-    r.tag = tag;
-    r.header = header;
-    r.state = std::move(st);
-    return r;
+    return Request::posted(false, peer, tag, header, std::move(st));
   }
 
   void sweep_sends() {
@@ -414,13 +409,7 @@ struct MpiTransport::Impl {
                         1 + 2 * tag, comm, &st->head),
               "rank {}: MPI_Irecv from rank {} (tag {})", rank, peer, tag);
     channels[{peer, tag}].push_back(st);
-    Request r;
-    r.is_recv = true;
-    r.peer = peer;
-    r.tag = tag;
-    r.header = expected;
-    r.state = std::move(st);
-    return r;
+    return Request::posted(true, peer, tag, expected, std::move(st));
   }
 
   /// Handles the records that arrived on (peer, tag), in posting order; stops at the first that

@@ -101,11 +101,8 @@ class InProcessTransport {
                                         header, std::vector<std::byte>(payload.begin(), payload.end())});
     }
     fabric_->cv_.notify_all();
-    Request r;
-    r.done = true;
-    r.peer = peer;
-    r.tag = tag;
-    r.header = header;
+    Request r = Request::posted(false, peer, tag, header);
+    r.done = true;  // eager: the payload is already in the channel
     return r;
   }
 
@@ -119,13 +116,7 @@ class InProcessTransport {
       std::lock_guard lock(fabric_->mu_);
       st->sequence = fabric_->channels_[{peer, rank_, tag}].posted++;
     }
-    Request r;
-    r.is_recv = true;
-    r.peer = peer;
-    r.tag = tag;
-    r.header = expected;
-    r.state = std::move(st);
-    return r;
+    return Request::posted(true, peer, tag, expected, std::move(st));
   }
 
   /// Posts every op of `batch` (sends first, then receives, as one group).

@@ -133,6 +133,18 @@ struct Request {
   int tag = 0;                       ///< the tag it was posted with
   MessageHeader header;              ///< expected header (receive) or sent header (send)
   std::shared_ptr<void> state;       ///< transport-specific state
+
+  /// A posted send (`is_recv` false) or receive: how every transport builds its handles.
+  static Request posted(bool is_recv, int peer, int tag, const MessageHeader& header,
+                        std::shared_ptr<void> state = {}) {
+    Request r;
+    r.is_recv = is_recv;
+    r.peer = peer;
+    r.tag = tag;
+    r.header = header;
+    r.state = std::move(state);
+    return r;
+  }
 };
 
 /// One entry of a batch submit: a send or a receive to post together with others.
