@@ -207,14 +207,17 @@ TEST_CASE("schedule.validate.property: random swaps validate or are rejected and
           doctest::timeout(120)) {
   std::mt19937 rng(20240611u);
   int accepted = 0, deadlocks = 0, invalid = 0;
-  const char* names[] = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "inference"};
-  for (int iter = 0; iter < 600; ++iter) {
-    const std::string name = names[iter % 5];
+  const char* names[] = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v",
+                         "inference"};
+  for (int iter = 0; iter < 700; ++iter) {
+    const std::string name = names[iter % 7];
     const auto& gen = sch::find_generator(name);
     const int P = 1 + static_cast<int>(rng() % 4);
-    const int V = gen.supports_virtual ? 1 + static_cast<int>(rng() % 3) : 1;
+    const int V = gen.required_virtual > 0 ? gen.required_virtual
+                  : gen.supports_virtual   ? 1 + static_cast<int>(rng() % 3)
+                                           : 1;
     int M = 1 + static_cast<int>(rng() % 6);
-    if (name == "interleaved-1f1b" && V > 1) M = P * (1 + static_cast<int>(rng() % 2));
+    if (name == "dualpipe-v") M += 2 * P;
     auto s = sch::lower(gen.make({P, M, V, 1 + static_cast<int>(rng() % 2)}));
     const int swaps = 1 + static_cast<int>(rng() % 2);
     for (int k = 0; k < swaps; ++k) {

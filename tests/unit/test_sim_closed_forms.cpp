@@ -7,7 +7,10 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 namespace sch = brigade::schedule;
 using brigade::cost::UnitCostModel;
@@ -102,11 +105,10 @@ TEST_CASE("sim.1f1b-vs-gpipe.peak-stash: rank 0 holds min(P, M) micro-batches vs
           // Unit activations: one unit per micro-batch and rank.
           CHECK(one.peak_activation_bytes[uk] == doctest::Approx(std::min(P - k, M)));
         }
-        // ZB-H1 keeps at most 1F1B's P forwards waiting for their BI; counting an activation as
-        // held until its BW (which runs after the next forward), rank 0 peaks one higher once
-        // M > P. (The paper's equal-memory claim counts only what BW still needs after BI.)
-        if (M >= P)
-          CHECK(run(sch::zero_bubble_h1({P, M}), 1, 1, 1).peak_stash[0] == P + (M > P ? 1 : 0));
+        // ZB-H1 holds an activation until its BW, and its BW runs before the next forward:
+        // every rank peaks at min(P, M), 1F1B's rank-0 figure.
+        const auto zb = run(sch::zero_bubble_h1({P, M}), 1, 1, 1);
+        for (int k = 0; k < P; ++k) CHECK(zb.peak_stash[static_cast<std::size_t>(k)] == std::min(P, M));
       }
     }
 }
@@ -122,4 +124,132 @@ TEST_CASE("sim.unit-costs: a rank's share is split evenly over its virtual stage
   CHECK(split.compute_seconds({sch::Op::BW, 5, 0, 0}) == doctest::Approx(0.25));
   const auto r = simulate(sch::lower(s), unit);
   for (double busy : r.busy_seconds) CHECK(busy == doctest::Approx(4 * 6.0));
+}
+
+namespace {
+
+/// The ZB-H1 order brigade ran before it released activations at their BW: BI(k), then the next
+/// forward, then BW(k - r). The reference the new order's makespan is held to.
+sch::Schedule zb_h1_forward_first(int P, int M) {
+  sch::Schedule s = sch::empty_schedule(sch::Shape::make(P, M));
+  for (int r = 0; r < P; ++r) {
+    auto& prog = s.ranks[static_cast<std::size_t>(r)];
+    int w = 0;
+    for (int f = 0; f < std::min(P - r, M); ++f) prog.push_back({sch::Op::F, r, f, 0});
+    for (int k = 0; k < M; ++k) {
+      prog.push_back({sch::Op::BI, r, k, 0});
+      if (k + P - r < M) prog.push_back({sch::Op::F, r, k + P - r, 0});
+      if (k >= r) prog.push_back({sch::Op::BW, r, w++, 0});
+    }
+    while (w < M) prog.push_back({sch::Op::BW, r, w++, 0});
+  }
+  return s;
+}
+
+int max_of(const std::vector<int>& v) { return *std::max_element(v.begin(), v.end()); }
+
+}  // namespace
+
+// issue 20: ZB-H1 with at most P stashed micro-batches per rank and the same makespan as the
+// forward-first order, at every cost ratio and with link latency.
+TEST_CASE("sim.zb-h1.memory: peak stash <= P per rank, makespan of the forward-first order") {
+  using Costs = std::tuple<double, double, double>;
+  const std::vector<Costs> ratios{{1, 1, 1},   {2, 1, 1}, {1, 2, 1},
+                                  {1, 1, 2},   {1, 1, 0.5}, {1, 2, 2}};
+  for (int P : {2, 4, 8})
+    for (int M : {P, 2 * P, 4 * P})
+      for (const auto& [f, b, w] : ratios)
+        for (double latency : {0.0, 0.25}) {
+          CAPTURE(P);
+          CAPTURE(M);
+          CAPTURE(f);
+          CAPTURE(b);
+          CAPTURE(w);
+          CAPTURE(latency);
+          brigade::cost::UnitCostOptions opt;
+          opt.link.latency_s = latency;
+          const auto now = sch::lower(sch::zero_bubble_h1({P, M}));
+          const auto before = sch::lower(zb_h1_forward_first(P, M));
+          const auto r = simulate(now, UnitCostModel(now.shape, f, b, w, opt));
+          const auto ref = simulate(before, UnitCostModel(before.shape, f, b, w, opt));
+          CHECK(r.makespan == doctest::Approx(ref.makespan).epsilon(1e-12));
+          for (int k = 0; k < P; ++k) CHECK(r.peak_stash[static_cast<std::size_t>(k)] <= P);
+          CHECK(max_of(r.peak_stash) == P);
+          if (M > P) CHECK(max_of(ref.peak_stash) == P + 1);  // what the old order held
+        }
+}
+
+// issue 20: interleaved 1F1B for every M (Megatron's and PyTorch's groups of >= P micro-batches).
+TEST_CASE("sim.interleaved.any-m: valid for every M, closed form where P divides M") {
+  for (int P : {2, 4, 8})
+    for (int V : {2, 3, 4})
+      for (int M : {1, 3, 6, P, 2 * P, 4 * P, P + 1, 2 * P + 1}) {
+        CAPTURE(P);
+        CAPTURE(V);
+        CAPTURE(M);
+        const double f = 1.0, b = 2.0;
+        const auto r = run(sch::interleaved_1f1b({P, M, V}), f, b);  // validates first
+        for (double busy : r.busy_seconds) CHECK(busy == doctest::Approx(M * (f + b)));
+        const double closed = double(P - 1) / (V * M + P - 1);
+        if (M % P == 0) {
+          CHECK(r.bubble_ratio == doctest::Approx(closed).epsilon(1e-12));
+          // Rank k stashes its warm-up plus the forward that precedes the first backward.
+          for (int k = 0; k < P; ++k)
+            CHECK(r.peak_stash[static_cast<std::size_t>(k)] ==
+                  std::min(2 * (P - k - 1) + (V - 1) * P + 1, V * M));
+        } else {
+          CHECK(r.bubble_ratio >= closed - 1e-12);  // never better than the ideal interleaving
+        }
+      }
+}
+
+// paper: Qi et al. 2023, Zero Bubble Pipeline Parallelism, §6 (ZB-V): with F = B = W per chunk,
+// zero bubble in the steady state at 1F1B's peak activation memory.
+TEST_CASE("sim.zb-v.claims: F=BI=BW=1 per chunk, free links: only the P-1 fill, 1F1B's memory") {
+  for (int P : {2, 4, 8})
+    for (int M : {2 * P, 4 * P}) {
+      CAPTURE(P);
+      CAPTURE(M);
+      // Per-rank shares of 2 split over the two chunks: F = BI = BW = 1 per chunk.
+      const auto r = run(sch::zero_bubble_v({P, M, 2}), 2, 2, 2);
+      CHECK(r.makespan == doctest::Approx(6.0 * M + P - 1));
+      CHECK(r.bubble_ratio == doctest::Approx(double(P - 1) / (6 * M + P - 1)).epsilon(1e-12));
+      // Each rank idles exactly P-1 chunk-forwards: the first forward's trip down the V before
+      // the tip can start; nothing in the steady state.
+      for (int k = 0; k < P; ++k) {
+        const auto uk = static_cast<std::size_t>(k);
+        CHECK(r.makespan - r.busy_seconds[uk] == doctest::Approx(P - 1.0));
+        // 2P chunks = P units (a unit = one micro-batch of a whole rank's layers), 1F1B's peak.
+        CHECK(r.peak_stash[uk] == 2 * P);
+        CHECK(r.peak_activation_bytes[uk] == doctest::Approx(P));
+      }
+      const auto one = run(sch::one_f_one_b({P, M}), 2, 4);
+      CHECK(one.peak_activation_bytes[0] == doctest::Approx(P));
+    }
+}
+
+// deepseek-ai/DualPipe README: DualPipe(V) bubble (PP/2-1)(F&B + B - 3W), activation PP + 1 per
+// device, PP = 2P stages. Here F&B = F + B (the pair runs back to back).
+TEST_CASE("sim.dualpipe-v.claims: bubble within the published bound, PP + 1 chunk activations") {
+  using Costs = std::tuple<double, double, double>;
+  for (const auto& [f, bi, bw] : std::vector<Costs>{{1, 1, 1}, {1, 2, 1}, {2, 1, 1}, {1, 1, 2}})
+    for (int P : {2, 4, 8})
+      for (int M : {2 * P, 4 * P}) {
+        CAPTURE(P);
+        CAPTURE(M);
+        CAPTURE(f);
+        CAPTURE(bi);
+        CAPTURE(bw);
+        const auto r = run(sch::dualpipe_v({P, M, 2}), 2 * f, 2 * bi, 2 * bw);
+        const double b = bi + bw, fb = f + b;
+        const double bound = (P - 1) * (fb + b - 3 * bw);
+        for (int k = 0; k < P; ++k) {
+          const auto uk = static_cast<std::size_t>(k);
+          CHECK(r.busy_seconds[uk] == doctest::Approx(2.0 * M * (f + b)));
+          CHECK(r.makespan - r.busy_seconds[uk] <= bound + 1e-9);
+          CHECK(r.peak_stash[uk] == 2 * P + 1);  // PP + 1 chunks
+        }
+        if (f == bi && bi == bw)  // F = BI = BW: the same P-1 fill as ZB-V
+          CHECK(r.makespan == doctest::Approx(6.0 * M * f + (P - 1) * f));
+      }
 }

@@ -91,6 +91,20 @@ struct Shape {
     return s;
   }
 
+  /// V-shaped shape (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §6 ZB-V; the
+  /// "cut-in-half" DualPipeV of deepseek-ai/DualPipe): P ranks, two virtual stages per rank
+  /// (N = 2P), virtual stages 0..P-1 on ranks 0..P-1, then P..2P-1 on ranks P-1..0, so rank r
+  /// holds r and 2P-1-r. The model goes down the ranks and comes back up: the first and the last
+  /// virtual stage share rank 0, and rank P-1 passes its forward to itself.
+  /// @throws brigade::Error{InvalidArgument} if a count is < 1 (see check())
+  static Shape make_v(int ranks, int microbatches, int chunks = 1, Mode mode = Mode::Training) {
+    Shape s = make(ranks, microbatches, 2, chunks, mode);
+    for (int v = ranks; v < s.num_virtual_stages; ++v)
+      s.placement[static_cast<std::size_t>(v)] = 2 * ranks - 1 - v;
+    s.check();
+    return s;
+  }
+
   /// Rank of virtual stage v (no range check; call check() first).
   [[nodiscard]] int rank_of(int v) const noexcept { return placement[static_cast<std::size_t>(v)]; }
 

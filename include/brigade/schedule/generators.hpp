@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace brigade::schedule {
 inline namespace v0 {
@@ -93,35 +95,52 @@ inline Schedule one_f_one_b(const Params& p) {
 /// Interleaved 1F1B (Narayanan et al. 2021, PTD-P, §2.2.2) in Megatron-LM's order: rank r holds
 /// V model chunks, virtual stages r, r + P, ..., r + (V-1)P (round-robin placement).
 ///
-/// The rank runs V * M "virtual micro-batches" i = 0 .. VM-1; forward i is chunk
-/// k = (i mod PV) div P on micro-batch (i div PV) * P + (i mod P), backward i the same with
-/// chunk V - 1 - k. It runs a warm-up of min(2(P - r - 1) + (V - 1)P, VM) forwards, then
-/// alternates forward warm-up + j and backward j, then drains the backwards.
+/// Megatron's schedule table (megatron/core/pipeline_parallel/schedules.py, get_schedule_table):
+/// the micro-batches run in groups of P, [0, P), [P, 2P), ..., the last group holding what is
+/// left (M mod P of them when P does not divide M); within a group, every micro-batch runs chunk
+/// 0, then every one chunk 1, and so on. The rank's V * M forwards follow this table; its
+/// backwards follow the same table with chunk k replaced by V - 1 - k. The rank runs a warm-up
+/// of min(2(P - r - 1) + (V - 1)P, VM) forwards, then alternates forward warm-up + j and
+/// backward j, then drains the backwards. When P divides M, forward i is chunk
+/// (i mod PV) div P of micro-batch (i div PV) P + (i mod P). Every M >= 1 is accepted (PyTorch's
+/// ScheduleInterleaved1F1B instead uses rounds of M / floor(M / P) micro-batches and refuses an
+/// M that the number of rounds does not divide; both orders are the same when P divides M).
 ///
-/// Honours ranks, microbatches, virtual_stages; M must be a multiple of P when V > 1.
-/// Closed form (per-rank costs F, B split evenly over the V chunks, free links):
-/// bubble ratio (P - 1) / (V M + P - 1).
-/// @throws brigade::Error{InvalidArgument} for counts < 1, or V > 1 with M not a multiple of P
+/// Honours ranks, microbatches, virtual_stages. Closed form (per-rank costs F, B split evenly
+/// over the V chunks, free links), when P divides M: bubble ratio (P - 1) / (V M + P - 1);
+/// rank r stashes at most min(2(P - r - 1) + (V - 1)P + 1, VM) chunks. When it does not, the
+/// short last group lets the warm-up run ahead of it and the bubble is larger.
+/// @throws brigade::Error{InvalidArgument} for counts < 1
 inline Schedule interleaved_1f1b(const Params& p) {
   detail::check_params(p, "interleaved-1f1b", true);
   const int P = p.ranks, V = p.virtual_stages, M = p.microbatches;
-  BRIGADE_CHECK(V == 1 || M % P == 0, Errc::InvalidArgument,
-                "interleaved-1f1b: microbatches = {} is not a multiple of ranks = {} (Megatron's "
-                "interleaved order runs micro-batches in groups of P)",
-                M, P);
   Schedule s = empty_schedule(Shape::make(P, M, V));
-  const int total = V * M, group = P * V;
-  auto chunk_of = [&](int i, bool forward) {
-    const int k = (i % group) / P;
-    return forward ? k : V - 1 - k;
+  const int total = V * M;
+  struct Unit {
+    int chunk, microbatch;
   };
-  auto mb_of = [&](int i) { return (i / group) * P + i % P; };
+  std::vector<Unit> table;  // Megatron's schedule table: forward i runs table[i]
+  table.reserve(static_cast<std::size_t>(total));
+  const int rounds = std::max(1, M / P), big = M % rounds;
+  const int group0 = M / rounds + (big > 0 ? 1 : 0);  // the first (largest) group
+  for (int g = 0, g0 = 0; g < rounds; ++g) {
+    const int g1 = g0 + M / rounds + (g < big ? 1 : 0);
+    for (int k = 0; k < V; ++k)
+      for (int m = g0; m < g1; ++m) table.push_back({k, m});
+    g0 = g1;
+  }
   for (int r = 0; r < P; ++r) {
     auto& prog = s.ranks[static_cast<std::size_t>(r)];
     prog.reserve(2 * static_cast<std::size_t>(total));
-    auto fwd = [&](int i) { prog.push_back({Op::F, r + chunk_of(i, true) * P, mb_of(i), 0}); };
-    auto bwd = [&](int i) { prog.push_back({Op::B, r + chunk_of(i, false) * P, mb_of(i), 0}); };
-    const int warmup = std::min(2 * (P - r - 1) + (V - 1) * P, total);
+    auto fwd = [&](int i) {
+      const Unit u = table[static_cast<std::size_t>(i)];
+      prog.push_back({Op::F, r + u.chunk * P, u.microbatch, 0});
+    };
+    auto bwd = [&](int i) {
+      const Unit u = table[static_cast<std::size_t>(i)];
+      prog.push_back({Op::B, r + (V - 1 - u.chunk) * P, u.microbatch, 0});
+    };
+    const int warmup = std::min(2 * (P - r - 1) + (V - 1) * group0, total);
     for (int i = 0; i < warmup; ++i) fwd(i);
     for (int j = 0; j < total - warmup; ++j) {
       fwd(warmup + j);
@@ -136,12 +155,13 @@ inline Schedule interleaved_1f1b(const Params& p) {
 /// Parallelism", §3 (Figure 3, top): the backward is split into BI (gradient for the input, on
 /// the critical path) and BW (gradient for the weights, deferrable).
 ///
-/// Rank r: warm-up forwards F(0) .. F(min(P - r, M) - 1); then for k = 0 .. M-1: BI(k), the
-/// next forward F(k + P - r) if any, and BW(k - r) once k >= r (rank r defers its weight
-/// gradients by r steps); then the deferred BW(M - r) .. BW(M - 1). At most P - r forwards are
-/// waiting for their BI, as in 1F1B; counting an activation as held until its BW, every rank
-/// peaks at P + 1 once M > P (BW(k - r) runs after the forward F(k + P - r) it shares a step
-/// with, which keeps the forward on the critical path).
+/// Rank r: warm-up forwards F(0) .. F(min(P - r, M) - 1); then for k = 0 .. M-1: BI(k), BW(k - r)
+/// once k >= r (rank r defers its weight gradients by r steps), then the next forward
+/// F(k + P - r) if any; then the deferred BW(M - r) .. BW(M - 1). This is the steady-state order
+/// of PyTorch's zero-bubble schedules (BI, BW, then F): the BW that frees an activation runs
+/// before the forward that stashes the next one, so counting an activation as held until its
+/// BW, rank r holds at most min(P, M) micro-batches, 1F1B's rank-0 figure (running the forward
+/// before the BW would peak at P + 1 once M > P, for the same makespan).
 ///
 /// Honours ranks, microbatches (V must be 1). Closed form (free links, M >= P): bubble time
 /// (P - 1)(F + BI - BW) per rank, so with F = BI = BW = 1 the ratio is (P - 1) / (3M + P - 1).
@@ -158,10 +178,188 @@ inline Schedule zero_bubble_h1(const Params& p) {
     int w = 0;
     for (int k = 0; k < M; ++k) {
       prog.push_back({Op::BI, r, k, 0});
-      if (k + P - r < M) prog.push_back({Op::F, r, k + P - r, 0});
       if (k >= r) prog.push_back({Op::BW, r, w++, 0});
+      if (k + P - r < M) prog.push_back({Op::F, r, k + P - r, 0});
     }
     while (w < M) prog.push_back({Op::BW, r, w++, 0});
+  }
+  return s;
+}
+
+namespace detail {
+
+/// Checks the parameters of a V-shaped generator: V must be 2 (the shape's two chunks).
+inline void check_v_params(const Params& p, std::string_view name) {
+  check_params(p, name, true);
+  BRIGADE_CHECK(p.virtual_stages == 2, Errc::InvalidArgument,
+                "{}: virtual stages per rank = {}, but {} places exactly 2 per rank in a V "
+                "(expected 2)",
+                name, p.virtual_stages, name);
+}
+
+/// Appends compute actions of one rank of a V-shaped schedule, counting each (chunk, op)'s
+/// micro-batches: chunk 0 is virtual stage r, chunk 1 is 2P - 1 - r. Actions whose micro-batch
+/// reaches `limit` are dropped (ZB-V builds its order for max(M, 2P - 1) and keeps the first M).
+struct VRankBuilder {
+  std::vector<Action>& prog;
+  int stage[2];
+  int limit;
+  int next_f[2] = {0, 0}, next_b[2] = {0, 0}, next_w[2] = {0, 0};
+
+  void emit(Op op, int chunk, int microbatch) {
+    if (microbatch < limit) prog.push_back({op, stage[chunk], microbatch, 0});
+  }
+  void f(int c) { emit(Op::F, c, next_f[c]++); }
+  /// Full backward (B): input and weight gradients at once.
+  void b(int c) { emit(Op::B, c, next_b[c]++); }
+  /// BI of the next micro-batch of chunk c; returns that micro-batch.
+  int bi(int c) {
+    emit(Op::BI, c, next_b[c]);
+    return next_b[c]++;
+  }
+  /// BW of chunk c's oldest micro-batch whose BW has not run (for orders without full B).
+  void bw(int c) { emit(Op::BW, c, next_w[c]++); }
+};
+
+}  // namespace detail
+
+/// ZB-V, the V-shaped zero-bubble schedule of Qi et al. 2023, "Zero Bubble Pipeline
+/// Parallelism", §6 (Figure 8), in the order of PyTorch's ScheduleZBVZeroBubble. Placement
+/// Shape::make_v(P, M): rank r holds chunk 0 = virtual stage r and chunk 1 = 2P - 1 - r.
+///
+/// Rank r, with counters per chunk, on M' = max(M, 2P - 1) micro-batches: 2(P - r) - 1
+/// forwards of chunk 0; r times F1, F0; P - r times F1, BI1, BW1; then while chunk 0 has
+/// forwards left or chunk 1 trails it: F0 (if any left), BI0, BW0, F1, BI1, BW1; then r times
+/// BI0, BI1 (weight gradients deferred); P - r times BI0 then the oldest deferred BW0; then the
+/// deferred BW1, then the deferred BW0. Actions on micro-batches >= M are dropped.
+///
+/// Honours ranks, microbatches; V must be 2. Paper's claims with F = BI = BW per chunk and free
+/// links: a bubble of about (P - 1)(F + BI - 2 BW) per rank, zero when the three are equal, and
+/// 1F1B's peak activation memory (2P chunks = P micro-batches of a whole rank's layers); see
+/// docs/schedules.md for what the simulator measures.
+/// @throws brigade::Error{InvalidArgument} for ranks or microbatches < 1, or V != 2
+inline Schedule zero_bubble_v(const Params& p) {
+  detail::check_v_params(p, "zb-v");
+  const int P = p.ranks, M = p.microbatches, Mx = std::max(M, 2 * P - 1);
+  Schedule s = empty_schedule(Shape::make_v(P, M));
+  for (int r = 0; r < P; ++r) {
+    auto& prog = s.ranks[static_cast<std::size_t>(r)];
+    prog.reserve(6 * static_cast<std::size_t>(M));
+    detail::VRankBuilder v{prog, {r, 2 * P - 1 - r}, M};
+    for (int i = 0; i < 2 * (P - r) - 1; ++i) v.f(0);
+    for (int i = 0; i < r; ++i) {
+      v.f(1);
+      v.f(0);
+    }
+    for (int i = 0; i < P - r; ++i) {
+      v.f(1);
+      v.bi(1);
+      v.bw(1);
+    }
+    while (v.next_f[1] < v.next_f[0] || v.next_f[0] < Mx) {
+      if (v.next_f[0] < Mx) v.f(0);
+      v.bi(0);
+      v.bw(0);
+      v.f(1);
+      v.bi(1);
+      v.bw(1);
+    }
+    for (int i = 0; i < r; ++i) {
+      v.bi(0);
+      v.bi(1);
+    }
+    for (int i = 0; i < P - r; ++i) {
+      v.bi(0);
+      v.bw(0);
+    }
+    while (v.next_w[1] < v.next_b[1]) v.bw(1);
+    while (v.next_w[0] < v.next_b[0]) v.bw(0);
+  }
+  return s;
+}
+
+/// DualPipeV: the V-shaped ("cut-in-half", Sea AI Lab) form of DeepSeek-V3's DualPipe
+/// (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.2.1), in the order of
+/// deepseek-ai/DualPipe's dualpipev.py. Placement Shape::make_v(P, M): rank r holds chunk 0 =
+/// virtual stage r and chunk 1 = 2P - 1 - r. Needs M >= 2P.
+///
+/// Rank r, with per-chunk counters (micro-batches in order) and a FIFO of deferred weight
+/// gradients: (1) 2(P - r - 1) forwards F0; (2) r + 1 times F0, F1; (3) P - r - 1 times BI1,
+/// the oldest deferred BW, F1; (4) M - 2P + r + 1 times the overlapped pairs (F0 & B1), then
+/// (F1 & B0); (5) P - r - 1 times B1, then (F1 & B0); (6) r + 1 times a backward of chunk 1 then
+/// of chunk 0, full B until the middle iteration, BI (weight gradient deferred) from there on
+/// (odd ranks switch before chunk 1's, even ranks between the two); (7) P - r - 1 times the
+/// oldest deferred BW, then BI0; (8) the deferred BWs.
+///
+/// The overlapped chunk "F & B" is a forward of one chunk immediately followed by the full
+/// backward of the other chunk: two adjacent compute actions. lower() puts the forward's
+/// SEND_F right after it and the backward's RECV_B right before the backward, so with the
+/// executor's eager sends and pre-posted receives the forward's output travels while the
+/// backward runs and the backward's gradient arrives while the forward runs: the
+/// communication of each is hidden behind the other's compute. (DualPipe also overlaps the
+/// two computations with each other, which pays off with expert-parallel all-to-all; here the
+/// pair costs F + B.)
+///
+/// Honours ranks, microbatches; V must be 2. deepseek-ai/DualPipe's table for DualPipe with
+/// PP = 2P stages: bubble (PP/2 - 1)(F&B + B - 3W) per device, activation memory PP + 1 chunk
+/// micro-batches per device, 1x parameters in the V form; see docs/schedules.md for what the
+/// simulator measures.
+/// @throws brigade::Error{InvalidArgument} for ranks or microbatches < 1, V != 2 or M < 2P
+inline Schedule dualpipe_v(const Params& p) {
+  detail::check_v_params(p, "dualpipe-v");
+  const int P = p.ranks, M = p.microbatches;
+  BRIGADE_CHECK(M >= 2 * P, Errc::InvalidArgument,
+                "dualpipe-v: microbatches = {}, expected at least 2 x ranks = {} (DualPipeV's "
+                "warm-up fills both chunks of every rank)",
+                M, 2 * P);
+  Schedule s = empty_schedule(Shape::make_v(P, M));
+  for (int r = 0; r < P; ++r) {
+    auto& prog = s.ranks[static_cast<std::size_t>(r)];
+    prog.reserve(6 * static_cast<std::size_t>(M));
+    detail::VRankBuilder v{prog, {r, 2 * P - 1 - r}, M};
+    std::vector<std::pair<int, int>> deferred;  // (chunk, micro-batch) waiting for BW, oldest first
+    std::size_t next_deferred = 0;
+    auto defer = [&](int c) { deferred.emplace_back(c, v.bi(c)); };
+    auto pop_weight = [&] {
+      if (next_deferred == deferred.size()) return;
+      const auto [c, mb] = deferred[next_deferred++];
+      v.emit(Op::BW, c, mb);
+    };
+    auto pair = [&](int fc, int bc) {  // the overlapped chunk F & B
+      v.f(fc);
+      v.b(bc);
+    };
+    for (int i = 0; i < 2 * (P - r - 1); ++i) v.f(0);
+    for (int i = 0; i < r + 1; ++i) {
+      v.f(0);
+      v.f(1);
+    }
+    for (int i = 0; i < P - r - 1; ++i) {
+      defer(1);
+      pop_weight();
+      v.f(1);
+    }
+    for (int i = 0; i < M - 2 * P + r + 1; ++i) {
+      pair(0, 1);
+      pair(1, 0);
+    }
+    for (int i = 0; i < P - r - 1; ++i) {
+      v.b(1);
+      pair(1, 0);
+    }
+    bool zb = false;
+    const int half = (r + 1) / 2;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == half && r % 2 == 1) zb = true;
+      zb ? defer(1) : v.b(1);
+      if (i == half && r % 2 == 0) zb = true;
+      zb ? defer(0) : v.b(0);
+    }
+    for (int i = 0; i < P - r - 1; ++i) {
+      pop_weight();
+      defer(0);
+    }
+    while (next_deferred < deferred.size()) pop_weight();
   }
   return s;
 }

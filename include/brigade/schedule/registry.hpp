@@ -21,12 +21,15 @@ struct GeneratorInfo {
   std::string_view summary;  ///< one line: what it does and where it comes from
   GeneratorFn make;          ///< the generator
   bool supports_virtual;     ///< whether Params::virtual_stages may exceed 1
+  /// The only Params::virtual_stages the generator accepts (2 for the V shapes, whose two
+  /// chunks per rank are the shape), or 0 when any V it supports is accepted.
+  int required_virtual = 0;
 };
 
 /// Every generator, in the order docs/schedules.md presents them: gpipe, 1f1b,
-/// interleaved-1f1b, zb-h1, inference.
+/// interleaved-1f1b, zb-h1, zb-v, dualpipe-v, inference.
 inline std::span<const GeneratorInfo> generators() noexcept {
-  static constexpr std::array<GeneratorInfo, 5> table = {{
+  static constexpr std::array<GeneratorInfo, 7> table = {{
       {"gpipe", "all forwards, then all backwards (Huang et al. 2019)", &gpipe, false},
       {"1f1b", "one forward one backward, PipeDream-Flush (Narayanan et al. 2021)", &one_f_one_b,
        false},
@@ -35,6 +38,11 @@ inline std::span<const GeneratorInfo> generators() noexcept {
        &interleaved_1f1b, true},
       {"zb-h1", "zero bubble H1: backward split into BI and BW (Qi et al. 2023, section 3)",
        &zero_bubble_h1, false},
+      {"zb-v", "zero bubble V: two chunks per rank in a V, BI/BW split (Qi et al. 2023, section 6)",
+       &zero_bubble_v, true, 2},
+      {"dualpipe-v",
+       "DualPipeV: DeepSeek-V3's DualPipe cut in half, overlapped F & B pairs (deepseek-ai/DualPipe)",
+       &dualpipe_v, true, 2},
       {"inference",
        "prefill + decode rounds of M sequence groups; the sampled token returns to stage 0",
        &inference, true},
@@ -54,6 +62,14 @@ inline const GeneratorInfo& find_generator(std::string_view name) {
   }
   ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name,
                           known);
+}
+
+/// The V the generator called `name` runs with when none is asked for: its required_virtual
+/// (2 for zb-v and dualpipe-v), else 1. The CLI's default for `--virtual`.
+/// @throws brigade::Error{InvalidArgument} for an unknown name, listing the known ones
+inline int default_virtual_stages(std::string_view name) {
+  const auto& g = find_generator(name);
+  return g.required_virtual > 0 ? g.required_virtual : 1;
 }
 
 /// Runs the generator called `name`: `find_generator(name).make(params)`.
