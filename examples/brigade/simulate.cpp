@@ -34,6 +34,7 @@ struct Options {
   int ranks = 4;
   int microbatches = 8;
   int virtual_stages = 1;
+  bool virtual_given = false;  // --virtual on the command line (else the generator's default)
   int decode_steps = 3;
   std::string model;
   std::string unit_costs;
@@ -134,8 +135,8 @@ int run(const Options& o) {
     lowered = has_comm ? s : sch::lower(s);
     compute = sch::strip_communication(lowered);
   } else {
-    compute =
-        sch::generate(o.schedule, {o.ranks, o.microbatches, o.virtual_stages, o.decode_steps});
+    const int V = o.virtual_given ? o.virtual_stages : sch::default_virtual_stages(o.schedule);
+    compute = sch::generate(o.schedule, {o.ranks, o.microbatches, V, o.decode_steps});
     lowered = sch::lower(compute);
   }
   const auto& shape = lowered.shape;
@@ -267,7 +268,8 @@ std::function<int()> setup(CLI::App& sub) {
   auto* mbs = sub.add_option("--microbatches", o->microbatches,
                              "Micro-batches M (inference: sequence groups)")
                   ->capture_default_str();
-  auto* virt = sub.add_option("--virtual", o->virtual_stages, "Virtual stages per rank V")
+  auto* virt = sub.add_option("--virtual", o->virtual_stages,
+                              "Virtual stages per rank V (default 1; 2 for zb-v and dualpipe-v)")
                    ->capture_default_str();
   auto* dec = sub.add_option("--decode-steps", o->decode_steps,
                              "Inference: decode rounds after the prefill")
@@ -301,7 +303,10 @@ std::function<int()> setup(CLI::App& sub) {
                  "Write makespan, bubble ratio, utilization and peak memory as JSON");
   sub.add_option("--save-schedule", o->save_schedule,
                  "Write the lowered schedule in the text form");
-  return [o] { return run(*o); };
+  return [o, virt] {
+    o->virtual_given = virt->count() > 0;
+    return run(*o);
+  };
 }
 
 const brigade::cli::Registrar registrar{

@@ -8,6 +8,7 @@
 #include <brigade/io/trace.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/schedule/registry.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
@@ -35,6 +36,7 @@ struct TrainArgs {
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
   CLI::Option* synthetic_option = nullptr;   // to tell an explicit --synthetic from the default
+  CLI::Option* virtual_option = nullptr;     // to tell an explicit --virtual from the default
 };
 
 std::string format_eta(double s) {
@@ -224,10 +226,14 @@ std::function<int()> setup(CLI::App& sub) {
                                     "pipeline ranks (threads; under mpirun: processes, default "
                                     "and only value the number of processes)")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  sub.add_option("--schedule", a->schedule, "gpipe, 1f1b, interleaved-1f1b or zb-h1")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))->capture_default_str();
-  sub.add_option("--virtual", a->virtual_stages, "virtual stages per rank (interleaved-1f1b)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--schedule", a->schedule,
+                 "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipe-v")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"}))
+      ->capture_default_str();
+  a->virtual_option = sub.add_option("--virtual", a->virtual_stages,
+                                     "virtual stages per rank (interleaved-1f1b; default 1, and 2 "
+                                     "for zb-v and dualpipe-v, whose V shape has two per rank)")
+      ->check(CLI::PositiveNumber);
   sub.add_option("--microbatches", a->microbatches, "micro-batches per step")
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--tokens-per-microbatch", a->tokens_per_microbatch,
@@ -260,7 +266,11 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--fail-after-steps", a->fail_after_steps,
                  "the --fail-rank rank exits when it starts the step after this many steps")
       ->check(CLI::PositiveNumber)->group("");
-  return [a] { return run(*a); };
+  return [a] {
+    if (a->virtual_option->count() == 0)
+      a->virtual_stages = brigade::schedule::default_virtual_stages(a->schedule);
+    return run(*a);
+  };
 }
 
 const brigade::cli::Registrar reg{

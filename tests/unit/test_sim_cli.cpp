@@ -96,6 +96,22 @@ TEST_CASE("sim.cli.interleaved-and-model: V and a named model size") {
   CHECK(contains(inf.output, "rounds=4 (inference mode)"));
 }
 
+TEST_CASE("sim.cli.v-shapes: zb-v and dualpipe-v take V = 2 by default") {
+  if (!have_cli()) return;
+  const Run z = brigade_cli("simulate --schedule zb-v --ranks 4 --microbatches 8 --unit-costs 2,2,2");
+  CAPTURE(z.output);
+  CHECK(z.status == 0);
+  CHECK(contains(z.output, "zb-v: P=4 M=8 V=2 stages=8"));
+  CHECK(contains(z.output, "makespan     51 s"));  // 6M + P - 1 chunk units
+  CHECK(contains(z.output, "peak stash   8 8 8 8"));
+  const Run d =
+      brigade_cli("simulate --schedule dualpipe-v --ranks 4 --microbatches 8 --unit-costs 2,2,2");
+  CAPTURE(d.output);
+  CHECK(d.status == 0);
+  CHECK(contains(d.output, "dualpipe-v: P=4 M=8 V=2 stages=8"));
+  CHECK(contains(d.output, "peak stash   9 9 9 9"));  // PP + 1 chunks
+}
+
 TEST_CASE("sim.cli.schedule-file: reads validates and rejects a deadlocking file") {
   if (!have_cli()) return;
   const auto good = scratch("good.txt");
@@ -133,8 +149,10 @@ TEST_CASE("sim.cli.errors: bad flags and inputs give one line and a non-zero exi
   const Bad cases[] = {
       {"simulate --schedule pipedream", "unknown schedule 'pipedream'"},
       {"simulate --ranks 0", "1f1b: ranks = 0, expected >= 1"},
-      {"simulate --schedule interleaved-1f1b --ranks 4 --microbatches 6 --virtual 2",
-       "microbatches = 6 is not a multiple of ranks = 4"},
+      {"simulate --schedule dualpipe-v --ranks 4 --microbatches 6",
+       "dualpipe-v: microbatches = 6, expected at least 2 x ranks = 8"},
+      {"simulate --schedule zb-v --ranks 2 --microbatches 4 --virtual 3",
+       "zb-v: virtual stages per rank = 3"},
       {"simulate --unit-costs 1", "--unit-costs '1': 1 values, expected F,B or F,B,W"},
       {"simulate --unit-costs 1,x", "'x' is not a non-negative number"},
       {"simulate --model 7B", "unknown model size '7B'"},

@@ -213,9 +213,10 @@ void run_training_program(std::span<const schedule::Action> program, const sched
 
 /// How a TrainingEngine splits the model and orders its work.
 struct TrainingConfig {
-  std::string schedule = "1f1b";  ///< a training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1
+  /// A training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v.
+  std::string schedule = "1f1b";
   int ranks = 1;                  ///< P: pipeline ranks (threads)
-  int virtual_stages = 1;         ///< V: virtual stages per rank (interleaved-1f1b)
+  int virtual_stages = 1;         ///< V: virtual stages per rank (2 for zb-v and dualpipe-v)
   int microbatches = 1;           ///< M: micro-batches per step
   AdamWConfig optimizer;          ///< AdamW and its learning-rate schedule
   double timeout_s = 120.0;       ///< a rank waiting longer on a peer fails (PeerTimeout)
@@ -251,10 +252,12 @@ struct StepResult {
 /// driven by a lowered Schedule from the generator table.
 ///
 /// Partition: the decoder layers are split uniformly over the P x V virtual stages
-/// (partition::uniform), virtual stage v on rank v mod P; the embedding joins the first virtual
-/// stage, the final norm, LM head and loss the last. A shared classifier is held by both the
-/// first and the last virtual stage: their two gradients are summed after each step and both
-/// copies take the same update, so they stay equal (Megatron's embedding group).
+/// (partition::uniform), virtual stage v on rank `shape.placement[v]` of the generator's shape
+/// (v mod P; the V shape of zb-v and dualpipe-v puts v and 2P-1-v on rank v); the embedding
+/// joins the first virtual stage, the final norm, LM head and loss the last. A shared classifier
+/// is held by both the first and the last virtual stage: their two gradients are summed after
+/// each step and both copies take the same update, so they stay equal (Megatron's embedding
+/// group).
 class TrainingEngine {
  public:
   /// @throws brigade::Error{InvalidArgument} for an unknown or inference schedule, a
