@@ -165,6 +165,23 @@ TEST_CASE("cli.train: a short run checkpoints a model that generate loads, with 
   fs::remove_all(dir);
 }
 
+TEST_CASE("cli.train: zb-v and dualpipe-v run with the V shape's two chunks per rank by default" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  for (const char* schedule : {"zb-v", "dualpipe-v"}) {
+    CAPTURE(schedule);
+    auto r = run_cli("train " + model_flags() + " --stages 2 --schedule " + schedule +
+                     " --microbatches 4 --tokens-per-microbatch 64 --steps 2");
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.err.find(std::string("schedule: ") + schedule + " on 2 ranks x 2 virtual") !=
+          std::string::npos);
+    CHECK(r.err.find("bubble ratio measured") != std::string::npos);
+  }
+  auto bad = run_cli("train " + model_flags() + " --stages 2 --schedule zb-v --virtual 3");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("zb-v: virtual stages per rank = 3") != std::string::npos);
+}
+
 TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   auto r = run_cli("train --schedule nope");
