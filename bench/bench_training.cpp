@@ -6,6 +6,10 @@
 //       tokens_per_s (target rows / step wall time), bubble_measured (Timeline of the run),
 //       bubble_simulated (the simulator on the same lowered schedule with the measured mean
 //       action costs), and their ratio.
+//   BM_TrainSchedule/schedule:K/microbatches:M  the same model and batches on 2 ranks, one
+//       schedule per K: 0 = 1f1b, 1 = interleaved-1f1b (V = 2), 2 = zb-h1, 3 = zb-v,
+//       4 = dualpipe-v (issue 20: the schedules side by side in one run, each with the
+//       simulator's prediction beside its measured bubble).
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/model/weights.hpp>
@@ -43,13 +47,9 @@ std::vector<data::PackedBatch> batches(int m, std::uint64_t seed) {
   return out;
 }
 
-void BM_Train(benchmark::State& state) {
-  const int stages = static_cast<int>(state.range(0));
-  const int m = static_cast<int>(state.range(1));
-  engine::TrainingConfig cfg;
-  cfg.schedule = "1f1b";
-  cfg.ranks = stages;
-  cfg.microbatches = m;
+/// Trains `cfg` for the benchmark's iterations and reports tokens/s and the bubbles.
+void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
+  const int m = cfg.microbatches;
   engine::TrainingEngine eng(weights42m(), cfg);
   const auto data = batches(m, 7);
   double tokens = 0, seconds = 0, measured = 0, simulated = 0;
@@ -66,9 +66,38 @@ void BM_Train(benchmark::State& state) {
   state.counters["bubble_measured"] = measured / n;
   state.counters["bubble_simulated"] = simulated / n;
 }
+
+void BM_Train(benchmark::State& state) {
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = static_cast<int>(state.range(0));
+  cfg.microbatches = static_cast<int>(state.range(1));
+  run_training(state, cfg);
+}
 BENCHMARK(BM_Train)
     ->ArgNames({"stages", "microbatches"})
     ->Args({1, 4})->Args({2, 4})->Args({2, 8})->Args({2, 16})
+    ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(2);
+
+void BM_TrainSchedule(benchmark::State& state) {
+  struct Choice {
+    const char* name;
+    int virtual_stages;
+  };
+  constexpr Choice choices[] = {
+      {"1f1b", 1}, {"interleaved-1f1b", 2}, {"zb-h1", 1}, {"zb-v", 2}, {"dualpipe-v", 2}};
+  const auto& c = choices[state.range(0)];
+  state.SetLabel(c.name);
+  engine::TrainingConfig cfg;
+  cfg.schedule = c.name;
+  cfg.ranks = 2;
+  cfg.virtual_stages = c.virtual_stages;
+  cfg.microbatches = static_cast<int>(state.range(1));
+  run_training(state, cfg);
+}
+BENCHMARK(BM_TrainSchedule)
+    ->ArgNames({"schedule", "microbatches"})
+    ->ArgsProduct({{0, 1, 2, 3, 4}, {8}})
     ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(2);
 
 }  // namespace
