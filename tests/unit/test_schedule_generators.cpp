@@ -122,6 +122,15 @@ TEST_CASE("schedule.interleaved.any-m: groups of at least P micro-batches for M 
   for (const auto& a : five.ranks[1])
     if (a.op == Op::F) fwd += sch::to_string(a) + " ";
   CHECK(fwd == "1F0 1F1 1F2 3F0 3F1 3F2 1F3 1F4 3F3 3F4 ");
+  // P = 4, M = 13: groups 5, 4, 4 (no group smaller than P); rank 0's first chunk-1 forward
+  // comes after the first group's 5 chunk-0 forwards.
+  const auto thirteen = sch::interleaved_1f1b({4, 13, 2});
+  const auto& r0 = thirteen.ranks[0];
+  const auto first_chunk1 = std::find_if(r0.begin(), r0.end(), [](const Action& a) {
+    return a.op == Op::F && a.virtual_stage == 4;
+  });
+  CHECK(first_chunk1 - r0.begin() == 5);
+  CHECK(r0[10] == Action{Op::F, 0, 5, 0});  // the second group starts at micro-batch 5
   // When P divides M the groups are the P-sized ones of the original order.
   CHECK(sch::interleaved_1f1b({2, 4, 2}).ranks[0].front() == Action{Op::F, 0, 0, 0});
 }

@@ -95,21 +95,30 @@ inline Schedule one_f_one_b(const Params& p) {
 /// Interleaved 1F1B (Narayanan et al. 2021, PTD-P, §2.2.2) in Megatron-LM's order: rank r holds
 /// V model chunks, virtual stages r, r + P, ..., r + (V-1)P (round-robin placement).
 ///
-/// Megatron's schedule table (megatron/core/pipeline_parallel/schedules.py, get_schedule_table):
-/// the micro-batches run in groups of P, [0, P), [P, 2P), ..., the last group holding what is
-/// left (M mod P of them when P does not divide M); within a group, every micro-batch runs chunk
-/// 0, then every one chunk 1, and so on. The rank's V * M forwards follow this table; its
-/// backwards follow the same table with chunk k replaced by V - 1 - k. The rank runs a warm-up
-/// of min(2(P - r - 1) + (V - 1)P, VM) forwards, then alternates forward warm-up + j and
-/// backward j, then drains the backwards. When P divides M, forward i is chunk
-/// (i mod PV) div P of micro-batch (i div PV) P + (i mod P). Every M >= 1 is accepted (PyTorch's
-/// ScheduleInterleaved1F1B instead uses rounds of M / floor(M / P) micro-batches and refuses an
-/// M that the number of rounds does not divide; both orders are the same when P divides M).
+/// Micro-batches run in groups: floor(M / P) groups (one group of M when M < P) whose sizes
+/// differ by at most one, the larger first, so every group holds at least P micro-batches
+/// when M >= P (exactly P each when P divides M). Within a group every micro-batch runs chunk 0,
+/// then every one chunk 1, and so on; this table orders the rank's V * M forwards, and the same
+/// table with chunk k replaced by V - 1 - k its backwards. The rank runs a warm-up of
+/// min(2(P - r - 1) + (V - 1)G, VM) forwards (G: the first group's size), then alternates
+/// forward warm-up + j and backward j, then drains the backwards. When P divides M, forward i
+/// is chunk (i mod PV) div P of micro-batch (i div PV) P + (i mod P).
+///
+/// Megatron-LM (megatron/core/pipeline_parallel/schedules.py, get_schedule_table and
+/// get_pp_rank_microbatches) takes one group size G = microbatch_group_size_per_vp_stage for
+/// every group but the last (the remainder) and refuses a last group smaller than P, which
+/// "introduces dependency bubbles" (under the eager-send semantics of validate() it deadlocks,
+/// e.g. P = 4, M = 5, V = 3 in groups of 4 and 1). PyTorch's ScheduleInterleaved1F1B runs
+/// floor(M / P) rounds of M / floor(M / P) micro-batches and refuses M when the rounds do not
+/// divide it (P = 4, M = 11). This order is PyTorch's wherever PyTorch runs, Megatron's with
+/// G = the first group's size wherever that leaves a last group of at least P (P = 4: M = 6, 11,
+/// 14), and otherwise spreads the remainder so that no group is smaller than P (P = 4, M = 13:
+/// groups 5, 4, 4, where Megatron's G = 5 would leave 3). Every M >= 1 is accepted.
 ///
 /// Honours ranks, microbatches, virtual_stages. Closed form (per-rank costs F, B split evenly
 /// over the V chunks, free links), when P divides M: bubble ratio (P - 1) / (V M + P - 1);
-/// rank r stashes at most min(2(P - r - 1) + (V - 1)P + 1, VM) chunks. When it does not, the
-/// short last group lets the warm-up run ahead of it and the bubble is larger.
+/// rank r stashes min(2(P - r - 1) + (V - 1)P + 1, VM) chunks at its peak. Otherwise the larger
+/// groups make the bubble larger than that (never smaller).
 /// @throws brigade::Error{InvalidArgument} for counts < 1
 inline Schedule interleaved_1f1b(const Params& p) {
   detail::check_params(p, "interleaved-1f1b", true);
