@@ -6,7 +6,9 @@
 #include <brigade/data/corpus.hpp>
 #include <brigade/model/tokenizer.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <vector>
 #include <string_view>
@@ -34,6 +36,17 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   [[nodiscard]] std::filesystem::path operator/(std::string_view name) const { return path / name; }
 };
+
+/// ||a - b|| / ||b|| (Euclidean norms in double; a tiny floor for ||b|| = 0): how gradient
+/// tensors of two runs are compared. a and b have the same size.
+inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
 
 /// Ten short TinyStories-like sentences as training samples (BOS first), tasks 0, 1, 2, 0, ...
 inline std::vector<data::Sample> story_samples(const model::Tokenizer& tok) {

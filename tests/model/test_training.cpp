@@ -58,14 +58,7 @@ std::vector<data::PackedBatch> split(std::span<const data::Sample> samples, int 
 
 std::vector<data::Sample> story_samples() { return test::story_samples(tok()); }
 
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
+using test::relative_error;
 
 }  // namespace
 

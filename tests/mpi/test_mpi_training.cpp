@@ -13,8 +13,6 @@
 
 #include "test_util.hpp"
 
-#include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -99,19 +97,6 @@ TEST_CASE("mpi.training: one process per rank gives the in-process engine's grad
   }
 }
 
-namespace {
-
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
-
-}  // namespace
-
 // issue 20: the V-shaped schedules under mpirun: rank v holds virtual stages v and 2P-1-v, the
 // head shares rank 0 with the embedding, rank P-1 hands its forward to itself.
 TEST_CASE("mpi.training.v-shapes: zb-v and dualpipe-v give the in-process engine's gradients "
@@ -154,7 +139,7 @@ TEST_CASE("mpi.training.v-shapes: zb-v and dualpipe-v give the in-process engine
       REQUIRE(ref_grads.count(name) == 1);
       CHECK(g == ref_grads.at(name));  // bitwise, every element
       REQUIRE(one_grads.count(name) == 1);
-      CHECK(relative_error(g, one_grads.at(name)) < 1e-5);
+      CHECK(test::relative_error(g, one_grads.at(name)) < 1e-5);
     }
     const auto [lr_ref, norm_ref] = ref.optimizer_step();
     const auto [lr, norm] = dist.optimizer_step();

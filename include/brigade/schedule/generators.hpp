@@ -233,7 +233,7 @@ struct VRankBuilder {
 }  // namespace detail
 
 /// ZB-V, the V-shaped zero-bubble schedule of Qi et al. 2023, "Zero Bubble Pipeline
-/// Parallelism", §6 (Figure 8), in the order of PyTorch's ScheduleZBVZeroBubble. Placement
+/// Parallelism", §6, in the order of PyTorch's ScheduleZBVZeroBubble. Placement
 /// Shape::make_v(P, M): rank r holds chunk 0 = virtual stage r and chunk 1 = 2P - 1 - r.
 ///
 /// Rank r, with counters per chunk, on M' = max(M, 2P - 1) micro-batches: 2(P - r) - 1
@@ -242,10 +242,11 @@ struct VRankBuilder {
 /// BI0, BI1 (weight gradients deferred); P - r times BI0 then the oldest deferred BW0; then the
 /// deferred BW1, then the deferred BW0. Actions on micro-batches >= M are dropped.
 ///
-/// Honours ranks, microbatches; V must be 2. Paper's claims with F = BI = BW per chunk and free
-/// links: a bubble of about (P - 1)(F + BI - 2 BW) per rank, zero when the three are equal, and
-/// 1F1B's peak activation memory (2P chunks = P micro-batches of a whole rank's layers); see
-/// docs/schedules.md for what the simulator measures.
+/// Honours ranks, microbatches; V must be 2. The paper's claims for F = BI = BW and free links:
+/// zero bubble in the steady state, 1F1B's peak activation memory. Simulated with F = BI = BW = 1
+/// per chunk and M >= 2P: every rank idles exactly P - 1 (the first forward's trip to the tip of
+/// the V, before the steady state), ratio (P - 1) / (6M + P - 1), and holds 2P chunks = P
+/// micro-batches of a whole rank's layers (tests/unit/test_sim_closed_forms.cpp).
 /// @throws brigade::Error{InvalidArgument} for ranks or microbatches < 1, or V != 2
 inline Schedule zero_bubble_v(const Params& p) {
   detail::check_v_params(p, "zb-v");
