@@ -334,14 +334,25 @@ void BM_Sgemm(benchmark::State& state) {
 }
 
 void BM_MatmulSmallM(benchmark::State& state) {
+  // path: 0-2 = matmul_wt with the small-M kernel of that instruction set (cpu::KernelIsa:
+  // generic, avx2, avx512), 3 = a packing GEMM (Eigen's, what matmul_wt runs above 64 rows).
   const std::int64_t T = state.range(0), in = state.range(1), out = state.range(2);
-  const bool eigen = state.range(3) != 0;
+  const std::int64_t path = state.range(3);
+  const bool eigen = path == 3;
+  const auto isa = static_cast<cpu::KernelIsa>(eigen ? 0 : path);
+  if (!cpu::kernel_isa_supported(isa)) {
+    state.SkipWithError("this CPU has no such instruction set");
+    return;
+  }
+  const cpu::KernelIsa isa_before = cpu::kernel_isa();
+  cpu::set_kernel_isa(isa);
+  state.SetLabel(eigen ? "eigen-gemm" : std::string(cpu::to_string(isa)));
   std::mt19937 rng(static_cast<unsigned>(in * 7 + out + T));
   const Vec x = random_vec(rng, T * in, 1.0f), w = random_vec(rng, out * in, 0.05f);
   Vec y(sz(T * out));
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   auto run = [&] {
-    if (eigen) {  // matmul_wt's former path for every T (what gemm_wt ran before the kernel)
+    if (eigen) {
       Eigen::Map<RowMat> o(y.data(), T, out);
       o.noalias() = Eigen::Map<const RowMat>(x.data(), T, in) *
                     Eigen::Map<const RowMat>(w.data(), out, in).transpose();
@@ -366,8 +377,12 @@ void BM_MatmulSmallM(benchmark::State& state) {
       return;
     }
   }
+  cpu::set_kernel_isa(isa_before);
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(in) * double(out) * 1e-9,
                                                  benchmark::Counter::kIsIterationInvariantRate);
+  // Weight bytes streamed per second: the decode roofline is this against the triad bandwidth.
+  state.counters["weight_GB/s"] = benchmark::Counter(
+      double(out) * double(in) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 }  // namespace
@@ -389,9 +404,9 @@ BENCHMARK(BM_Sgemm)
     ->Unit(benchmark::kMillisecond);
 
 BENCHMARK(BM_MatmulSmallM)
-    ->ArgNames({"T", "in", "out", "eigen"})
-    ->ArgsProduct({{1, 4, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1}})
-    ->ArgsProduct({{1, 4, 16, 32, 64}, {1376}, {512}, {0, 1}})
+    ->ArgNames({"T", "in", "out", "path"})
+    ->ArgsProduct({{1, 4, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1, 2, 3}})
+    ->ArgsProduct({{1, 4, 16, 32, 64}, {1376}, {512}, {0, 1, 2, 3}})
     ->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
@@ -399,6 +414,8 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("blas_threads", std::to_string(cpu::blas_threads()));
+  benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
+  benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
   // OpenBLAS 0.3.21 does not know newer CPUs (e.g. Xeon family 6 model 207) and falls back to
   // its SSE3 "Prescott" kernels, 5-7x slower; OPENBLAS_CORETYPE=SkylakeX (or Cooperlake) fixes it.
   const std::string core = openblas_get_corename();

@@ -1,25 +1,31 @@
 // Pipelined decode throughput on this machine, with its ceilings measured in the same binary.
 //
 // Scenarios (docs/benchmarks.md, "Pipelined decode"):
-//   BM_Decode/stages:S/threads:T/seqs:N  `brigade generate --synthetic 42M` as a library call:
-//       N sequences (one-token prompts) decode 48 positions with S stages of T BLAS threads each;
-//       counters: tokens_per_s (generated tokens / wall), bubble (1 - mean stage busy fraction).
+//   BM_Decode/stages:S/threads:T/seqs:N/mb:G  `brigade generate --synthetic 42M` as a library
+//       call: N sequences (one-token prompts) decode 48 positions with S stages of T intra-op
+//       threads each in G micro-batches (0 = min(N, S)); counters: tokens_per_s (generated
+//       tokens / wall), bubble (1 - mean stage busy fraction).
+//   BM_PlannedDecode/seqs:N  the same run with plan::best_inference_plan's pick for 2 cores
+//       (rates measured in this run); label = the pick, predicted_tokens_per_s its prediction.
 //   BM_GemmCeiling/threads:T   T independent single-threaded SGEMMs at once (the compute-bound
 //       ceiling of T cores for independent work, which is what pipeline stages do).
 //   BM_TriadCeiling/threads:T  T threads running a STREAM triad on private arrays (the
 //       memory-bound ceiling).
-//   BM_Llama42M_Prefill / BM_Llama42M_Decode  the llama.cpp reference shape (dim 512, 8 layers,
-//       FFN 1376, vocab 32000, F32): one sequence, 1 stage, 1 thread: prefill of 512 tokens and
-//       decode tokens/s, for comparison with llama.cpp's ~900 and ~93 tokens/s on one thread.
+//   BM_Llama42M_Prefill/threads:T / BM_Llama42M_Decode/threads:T  the llama.cpp reference shape
+//       (dim 512, 8 layers, FFN 1376, vocab 32000, F32): one sequence, 1 stage of T threads:
+//       prefill of 512 tokens, and decode tokens/s with the weight bytes streamed per second
+//       (weight_GB_per_s, against BM_TriadCeiling/threads:1 of the same run).
 #include <brigade/backend/cpu.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/plan/inference_plan.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -32,11 +38,12 @@ const model::LlamaWeights& weights42m() {
   return w;
 }
 
-engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps, int prompt_len) {
+engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
+                                   int microbatches = 0) {
   const auto& w = weights42m();
   const model::ModelSpec spec(w.config);
-  const int groups = std::min(seqs, std::max(stages, 1));
-  const model::WorkItem work{seqs / groups, seqs / groups, steps / 2.0};
+  const int groups = microbatches > 0 ? std::min(seqs, microbatches) : std::min(seqs, std::max(stages, 1));
+  const model::WorkItem work{(seqs + groups - 1) / groups, (seqs + groups - 1) / groups, steps / 2.0};
   const auto part = partition::balanced(spec, stages, work);
   std::vector<engine::GenerationRequest> reqs;
   for (int i = 0; i < seqs; ++i) {
@@ -47,16 +54,26 @@ engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps,
   engine::InferenceOptions opt;
   opt.sampler.temperature = 0.0f;
   opt.blas_threads = threads;
+  opt.microbatches = microbatches;
   return engine::generate(w, part, reqs, opt);
+}
+
+/// Weight bytes one decode step streams (every layer's weights once, the classifier included).
+double weight_bytes_per_token() {
+  const model::ModelSpec spec(weights42m().config);
+  double bytes = 0.0;
+  for (int l = 0; l < spec.num_layers(); ++l) bytes += model::layer_cost(spec, l, {1, 1, 1.0}).weight_bytes;
+  return bytes;
 }
 
 void BM_Decode(benchmark::State& state) {
   const int stages = static_cast<int>(state.range(0));
   const int threads = static_cast<int>(state.range(1));
   const int seqs = static_cast<int>(state.range(2));
+  const int mb = static_cast<int>(state.range(3));
   double tokens = 0, seconds = 0, busy = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(stages, threads, seqs, 48, 1);
+    const auto rep = decode_run(stages, threads, seqs, 48, 1, mb);
     tokens += static_cast<double>(rep.generated_tokens);
     seconds += rep.wall_s;
     double b = 0;
@@ -69,10 +86,34 @@ void BM_Decode(benchmark::State& state) {
   state.counters["bubble"] = 1.0 - busy / static_cast<double>(state.iterations());
   cpu::set_blas_threads(1);
 }
+// mb = micro-batches (0 = the engine's default, min(sequences, stages)).
 BENCHMARK(BM_Decode)
-    ->ArgNames({"stages", "threads", "seqs"})
-    ->Args({1, 1, 8})->Args({1, 2, 8})->Args({2, 1, 8})
-    ->Args({1, 1, 32})->Args({1, 2, 32})->Args({2, 1, 32})
+    ->ArgNames({"stages", "threads", "seqs", "mb"})
+    ->Args({1, 1, 1, 0})->Args({1, 2, 1, 0})
+    ->Args({1, 1, 8, 0})->Args({1, 2, 8, 0})->Args({2, 1, 8, 2})->Args({2, 1, 8, 4})
+    ->Args({1, 1, 32, 0})->Args({1, 2, 32, 0})->Args({2, 1, 32, 2})->Args({2, 1, 32, 4})
+    ->Args({2, 1, 32, 8})
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+
+/// The planner's pick for 2 cores (rates measured once, in this run), run like BM_Decode.
+void BM_PlannedDecode(benchmark::State& state) {
+  const int seqs = static_cast<int>(state.range(0));
+  static const plan::CpuRates rates = plan::measure_cpu_rates(2);
+  const model::ModelSpec spec(weights42m().config);
+  const auto plans = plan::inference_plans(spec, {seqs, 1, 47}, rates);
+  const auto& p = plans.front();
+  state.SetLabel(p.describe(seqs));
+  double tokens = 0, seconds = 0;
+  for (auto _ : state) {
+    const auto rep = decode_run(p.stages, p.threads, seqs, 48, 1, p.microbatches);
+    tokens += static_cast<double>(rep.generated_tokens);
+    seconds += rep.wall_s;
+  }
+  state.counters["tokens_per_s"] = tokens / seconds;
+  state.counters["predicted_tokens_per_s"] = p.tokens_per_s;
+  cpu::set_blas_threads(1);
+}
+BENCHMARK(BM_PlannedDecode)->ArgName("seqs")->Arg(8)->Arg(32)
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 
 void BM_GemmCeiling(benchmark::State& state) {
@@ -124,27 +165,44 @@ BENCHMARK(BM_TriadCeiling)->ArgName("threads")->Arg(1)->Arg(2)->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
 void BM_Llama42M_Prefill(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
   double tokens = 0, seconds = 0;
   for (auto _ : state) {
     // steps = prompt length: the prefill of 512 tokens and one sampled token.
-    const auto rep = decode_run(1, 1, 1, 512, 512);
+    const auto rep = decode_run(1, threads, 1, 512, 512);
     tokens += 512;
     seconds += rep.sequences[0].ttft_s;
   }
   state.counters["prefill_tokens_per_s"] = tokens / seconds;
+  cpu::set_blas_threads(1);
 }
-BENCHMARK(BM_Llama42M_Prefill)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+BENCHMARK(BM_Llama42M_Prefill)->ArgName("threads")->Arg(1)->Arg(2)
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 void BM_Llama42M_Decode(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
   double tps = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(1, 1, 1, 129, 1);
+    const auto rep = decode_run(1, threads, 1, 129, 1);
     tps += 1.0 / rep.sequences[0].tpot_s();
   }
-  state.counters["decode_tokens_per_s"] = tps / static_cast<double>(state.iterations());
+  const double rate = tps / static_cast<double>(state.iterations());
+  state.counters["decode_tokens_per_s"] = rate;
+  // The weight stream: compare with BM_TriadCeiling's GB_per_s of the same run.
+  state.counters["weight_GB_per_s"] = rate * weight_bytes_per_token() * 1e-9;
+  cpu::set_blas_threads(1);
 }
-BENCHMARK(BM_Llama42M_Decode)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
+  benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -10,6 +10,7 @@
 
 #include "brigade/core/error.hpp"
 #include "cpu_checks.hpp"
+#include "cpu_small_m.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -17,10 +18,13 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
+#include <fstream>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -127,32 +131,17 @@ constexpr std::int64_t kBlasMinRows = 32;
 
 // ---- small-M path: out[T x N] (+)= x[T x K] W^T for few rows T, W streamed once unpacked ----
 //
-// Eigen's GEMM packs W (all of it: N x K floats) on every call, which costs more than the
-// product itself when T is small (decode). This kernel reads W in place instead: blocks of NR
-// rows of W (NR*K floats, in L1 for K <= ~1500) times blocks of MR rows of x (in L1/L2), with
-// MR x NR accumulators of kLanes floats over k = 0, kLanes, 2*kLanes, ... (unaligned loads).
-//
-// Summation order of every output, fixed whatever T, N, the block it falls in, the buffers'
-// alignment or the thread count: lane l of kLanes sums x[k] * w[k] for k = l, l + kLanes, ...
-// in increasing k with an explicit multiply-add (Eigen's pmadd: one FMA where the target has
-// FMA, else a multiply then an add; the library otherwise builds with -ffp-contract=off); the
-// lanes are reduced in a fixed order (the packets of a lane group left to right, then Eigen's
-// predux tree); then the K % kLanes tail products are added left to right. So a row of x gives
-// the same bits alone (T = 1) as inside any batch of at most kSmallMaxRows rows.
-using Packet = Eigen::internal::packet_traits<float>::type;
-constexpr int kPacket = Eigen::internal::packet_traits<float>::size;
-constexpr int kLanes = 16;
-constexpr int kPackets = kLanes / kPacket;  // 1 with AVX-512, 2 with AVX, 4 with SSE
-static_assert(kPackets * kPacket == kLanes, "kLanes must be a multiple of the packet size");
+// A packing GEMM (Eigen's, OpenBLAS's) copies all of W on every call, which costs more than the
+// product itself when T is small (decode). The small-M kernels (cpu_small_m.hpp) read W in place
+// with a summation order fixed per output, the same in the generic, AVX2 and AVX-512 builds, so
+// the instruction set chosen at run time changes the speed, never the bits.
 
-/// Most rows T for which matmul_wt takes the small-M kernel. Measured on Emerald Rapids with the
-/// 42M Llama's shapes (bench_kernels BM_MatmulSmallM): 1.5-3x Eigen's GEMM at T = 4, about even
-/// to 1.4x at T = 16 (noisy), slower at T = 32 (there x no longer fits L1, the likely limit of
-/// this unpacked 4 x 4 block, while Eigen's packed GEMM nears the FMA peak). FMA or not, and the
-/// packet width, are the build's: a -march=native and a portable build differ in the last bits.
-constexpr std::int64_t kSmallMaxRows = 16;
+/// Most rows T for which matmul_wt takes the small-M kernel (decode micro-batches of 1-64
+/// sequences). Measured with bench_kernels BM_MatmulSmallM on the 42M Llama's shapes
+/// (docs/benchmarks.md).
+constexpr std::int64_t kSmallMaxRows = 64;
 
-/// BRIGADE_SMALL_M=0 turns the small-M kernel off (Eigen's GEMM for every T), for comparisons.
+/// BRIGADE_SMALL_M=0 turns the small-M kernel off (the GEMM for every T), for comparisons.
 bool small_m_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("BRIGADE_SMALL_M");
@@ -161,103 +150,70 @@ bool small_m_enabled() {
   return enabled;
 }
 
-/// One MR x NR block: out[t, n] for t in [0, MR), n in [0, NR) of the given pointers.
-template <int MR, int NR, bool Accumulate>
-void small_m_block(const float* x, const float* w, float* out, std::int64_t in,
-                   std::int64_t out_dim) {
-  namespace ei = Eigen::internal;
-  Packet acc[MR][NR][kPackets];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      for (int p = 0; p < kPackets; ++p) acc[i][j][p] = ei::pset1<Packet>(0.0f);
-  const std::int64_t k_vec = in - in % kLanes;
-  for (std::int64_t k = 0; k < k_vec; k += kLanes) {
-    for (int p = 0; p < kPackets; ++p) {
-      Packet wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = ei::ploadu<Packet>(w + j * in + k + p * kPacket);
-      for (int i = 0; i < MR; ++i) {
-        const Packet xv = ei::ploadu<Packet>(x + i * in + k + p * kPacket);
-        for (int j = 0; j < NR; ++j) acc[i][j][p] = ei::pmadd(xv, wv[j], acc[i][j][p]);
-      }
-    }
+bool isa_supported(KernelIsa isa) noexcept {
+  switch (isa) {
+    case KernelIsa::Generic:
+      return true;
+#if BRIGADE_X86_KERNELS
+    // GCC's CPU model checks include the OS's support for the wider registers (XGETBV).
+    case KernelIsa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case KernelIsa::Avx512:
+      return __builtin_cpu_supports("avx512f");
+#else
+    case KernelIsa::Avx2:
+    case KernelIsa::Avx512:
+      return false;
+#endif
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      Packet lanes = acc[i][j][0];
-      for (int p = 1; p < kPackets; ++p) lanes = ei::padd(lanes, acc[i][j][p]);
-      float s = ei::predux(lanes);
-      const float* xr = x + i * in;
-      const float* wr = w + j * in;
-      for (std::int64_t k = k_vec; k < in; ++k) s += xr[k] * wr[k];
-      float& o = out[i * out_dim + j];
-      o = Accumulate ? o + s : s;
-    }
+  return false;
 }
 
-/// All T rows of x against W rows [n0, n0 + NR).
-// 4 x 4 accumulators (16 of 32 AVX-512 registers): 8 loads per 16 FMAs. 2 x 8 and 3 x 8 were
-// no faster on the 42M shapes at T = 4..32.
-constexpr int kMR = 4;       // x rows per block
-constexpr int kNR = 4;       // W rows per block (kGemvNR for T = 1)
-constexpr int kGemvNR = 8;  // GEMV: 8 W rows share each x load
+KernelIsa best_isa() noexcept {
+  for (KernelIsa isa : {KernelIsa::Avx512, KernelIsa::Avx2})
+    if (isa_supported(isa)) return isa;
+  return KernelIsa::Generic;
+}
 
-/// The last `rows` < MR rows of x (MR - 1 down to 1) against W rows [0, NR) of wn.
-template <int MR, int NR, bool Accumulate>
-void small_m_tail(const float* x, const float* wn, float* on, std::int64_t rows, std::int64_t in,
-                  std::int64_t out_dim) {
-  if constexpr (MR > 1) {
-    if (rows == MR - 1)
-      small_m_block<MR - 1, NR, Accumulate>(x, wn, on, in, out_dim);
-    else
-      small_m_tail<MR - 1, NR, Accumulate>(x, wn, on, rows, in, out_dim);
+detail::SmallMKernel kernel_of(KernelIsa isa) noexcept {
+  switch (isa) {
+#if BRIGADE_X86_KERNELS
+    case KernelIsa::Avx2:
+      return detail::small_m_avx2;
+    case KernelIsa::Avx512:
+      return detail::small_m_avx512;
+#endif
+    default:
+      return detail::small_m_generic;
   }
 }
 
-/// All T rows of x against W rows [n0, n0 + NR).
-template <int NR, bool Accumulate>
-void small_m_rows(const float* x, const float* w, float* out, std::int64_t tokens,
-                  std::int64_t in, std::int64_t out_dim, std::int64_t n0) {
-  const float* wn = w + n0 * in;
-  float* on = out + n0;
-  std::int64_t t = 0;
-  for (; t + kMR <= tokens; t += kMR)
-    small_m_block<kMR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, in, out_dim);
-  if (t < tokens)
-    small_m_tail<kMR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, tokens - t, in, out_dim);
+std::atomic<KernelIsa>& current_isa() {
+  static std::atomic<KernelIsa> isa{best_isa()};
+  return isa;
 }
 
-template <bool Accumulate>
 void small_m_gemm(const float* x, const float* w, float* out, std::int64_t tokens,
-                  std::int64_t in, std::int64_t out_dim) {
-  // Blocks of kNR W rows (kGemvNR for a GEMV: more independent accumulators per x load).
-  const std::int64_t nr = tokens == 1 ? kGemvNR : kNR;
-  const std::int64_t blocks = out_dim / nr;
+                  std::int64_t in, std::int64_t out_dim, bool accumulate) {
+  const detail::SmallMKernel kernel = kernel_of(current_isa().load(std::memory_order_relaxed));
   const double flops = 2.0 * double(tokens) * double(in) * double(out_dim);
-  auto block = [&](std::int64_t b) {
-    if (tokens == 1)
-      small_m_rows<kGemvNR, Accumulate>(x, w, out, tokens, in, out_dim, b * nr);
-    else
-      small_m_rows<kNR, Accumulate>(x, w, out, tokens, in, out_dim, b * nr);
-  };
   const int threads = Eigen::nbThreads();
-  if (threads > 1 && flops > 4e6) {
-    // Threads split the W-row blocks only; each output's summation order is the same anyway.
+  if (threads > 1 && flops > 2e6) {
+    // Each thread takes one contiguous range of W's rows (its own weight streams); each
+    // output's summation order is the same whoever computes it.
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (std::int64_t b = 0; b < blocks; ++b) block(b);
+    for (int p = 0; p < threads; ++p)
+      kernel(x, w, out, tokens, in, out_dim, out_dim * p / threads, out_dim * (p + 1) / threads,
+             accumulate);
   } else {
-    for (std::int64_t b = 0; b < blocks; ++b) block(b);
+    kernel(x, w, out, tokens, in, out_dim, 0, out_dim, accumulate);
   }
-  for (std::int64_t n = blocks * nr; n < out_dim; ++n)  // the last < nr rows of W, one at a time
-    small_m_rows<1, Accumulate>(x, w, out, tokens, in, out_dim, n);
 }
 
 void gemm_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
              std::int64_t out_dim, float beta) {
   if (tokens <= kSmallMaxRows && small_m_enabled()) {
-    if (beta == 0.0f)
-      small_m_gemm<false>(x, w, out, tokens, in, out_dim);
-    else
-      small_m_gemm<true>(x, w, out, tokens, in, out_dim);
+    small_m_gemm(x, w, out, tokens, in, out_dim, beta != 0.0f);
     return;
   }
   if (gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows) {
@@ -370,6 +326,45 @@ void embedding(const float* table, const std::int32_t* ids, float* out, std::int
   }
 }
 
+
+std::string_view to_string(KernelIsa isa) noexcept {
+  switch (isa) {
+    case KernelIsa::Generic:
+      return "generic";
+    case KernelIsa::Avx2:
+      return "avx2";
+    case KernelIsa::Avx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+bool kernel_isa_supported(KernelIsa isa) noexcept { return isa_supported(isa); }
+
+KernelIsa kernel_isa() noexcept { return current_isa().load(std::memory_order_relaxed); }
+
+void set_kernel_isa(KernelIsa isa) {
+  BRIGADE_CHECK(isa == KernelIsa::Generic || isa == KernelIsa::Avx2 || isa == KernelIsa::Avx512,
+                Errc::InvalidArgument, "set_kernel_isa: unknown instruction set {}",
+                static_cast<int>(isa));
+  BRIGADE_CHECK(isa_supported(isa), Errc::InvalidArgument,
+                "set_kernel_isa: this CPU (or this build) has no {} support", to_string(isa));
+  current_isa().store(isa, std::memory_order_relaxed);
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const auto first = line.find_first_not_of(" \t", colon + 1);
+    return first == std::string::npos ? std::string() : line.substr(first);
+  }
+  return "unknown";
+}
+
 void set_blas_threads(int n) {
   BRIGADE_CHECK(n >= 1, Errc::InvalidArgument, "set_blas_threads: n = {}; expected >= 1", n);
   openblas_set_num_threads(n);
@@ -459,3 +454,24 @@ void decoder_layer_forward(const model::LlamaConfig& config, const model::Decode
 
 }  // namespace v0
 }  // namespace brigade::cpu
+
+// The definition of the small-M summation order (cpu_small_m.hpp), and the portable fallback.
+namespace brigade::cpu::detail {
+void small_m_generic(const float* x, const float* w, float* out, std::int64_t tokens,
+                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                     std::int64_t n_end, bool accumulate) {
+  const std::int64_t k_vec = in - in % kSmallMLanes;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const float* xr = x + t * in;
+    for (std::int64_t n = n_begin; n < n_end; ++n) {
+      const float* wr = w + n * in;
+      float lanes[kSmallMLanes] = {};
+      for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes)
+        for (int l = 0; l < kSmallMLanes; ++l) lanes[l] = std::fma(xr[k + l], wr[k + l], lanes[l]);
+      const float s = add_tail(reduce_lanes(lanes), xr, wr, k_vec, in);
+      float& o = out[t * out_dim + n];
+      o = accumulate ? o + s : s;
+    }
+  }
+}
+}  // namespace brigade::cpu::detail

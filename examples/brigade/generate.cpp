@@ -8,6 +8,7 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/plan/inference_plan.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 #if BRIGADE_HAS_MPI
 #include <brigade/engine/generate_mpi.hpp>
@@ -23,11 +24,14 @@
 #include <numeric>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 namespace {
 
 struct GenerateArgs {
   std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
+  std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
+  int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
   int steps = 256, stages = 2, microbatches = 0, threads = 1;
   float temperature = 1.0f, top_p = 0.9f;
@@ -81,10 +85,39 @@ int run(const GenerateArgs& a) {
   std::vector<engine::GenerationRequest> requests;
   for (const auto& p : prompts) requests.push_back({tok.encode(p, true, false), a.steps});
 
-  BRIGADE_CHECK(num_stages >= 1 && num_stages <= weights.config.n_layers + 4, Errc::InvalidArgument,
-                "--stages {} outside [1, {}] for a model of {} layers", num_stages,
+  // --plan auto: the planner picks stages x threads x micro-batches from predicted times on
+  // rates measured here, and prints every candidate beside its pick.
+  std::optional<plan::InferencePlan> planned;
+  if (a.plan == "auto") {
+    BRIGADE_CHECK(!under_mpi, Errc::InvalidArgument,
+                  "--plan auto plans threads on one machine; under mpirun give --stages");
+    const int cores = a.cores > 0 ? a.cores
+                                  : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const auto rates = plan::measure_cpu_rates(cores);
+    plan::InferenceWorkload wl;
+    wl.sequences = static_cast<int>(requests.size());
+    std::size_t longest = 1;
+    for (const auto& r : requests) longest = std::max(longest, r.prompt.size());
+    wl.prompt_tokens = static_cast<int>(longest);
+    wl.new_tokens = std::max(1, engine::effective_steps(requests[0], weights.config.seq_len) -
+                                    wl.prompt_tokens);
+    const auto plans = plan::inference_plans(spec, wl, rates);
+    fmt::print(stderr,
+               "plan: {} cores, measured {:.1f} GFLOP/s per core, triad {:.1f} GB/s (1 core), "
+               "{:.1f} GB/s ({} cores), fork/join {:.1f} us\n",
+               cores, rates.flops_per_s * 1e-9, rates.core_bytes_per_s * 1e-9,
+               rates.box_bytes_per_s * 1e-9, cores, rates.fork_join_s * 1e6);
+    for (std::size_t i = 0; i < plans.size(); ++i)
+      fmt::print(stderr, "plan: {} {:>9.1f} tokens/s predicted  {}\n", i == 0 ? "*" : " ",
+                 plans[i].tokens_per_s, plans[i].describe(wl.sequences));
+    planned = plans.front();
+  }
+  const int stages_used = planned ? planned->stages : num_stages;
+  BRIGADE_CHECK(stages_used >= 1 && stages_used <= weights.config.n_layers + 4, Errc::InvalidArgument,
+                "--stages {} outside [1, {}] for a model of {} layers", stages_used,
                 weights.config.n_layers + 4, spec.num_layers());
   partition::Partition part = [&] {
+    if (planned) return planned->partition(spec.num_layers());
     if (a.partition == "uniform") return partition::uniform(spec, num_stages);
     // Balanced for the decode step that dominates generation: one token per sequence of a
     // micro-batch, attending to half the run's positions on average.
@@ -98,9 +131,9 @@ int run(const GenerateArgs& a) {
   }();
 
   engine::InferenceOptions opt;
-  opt.microbatches = a.microbatches;
+  opt.microbatches = planned ? planned->microbatches : a.microbatches;
   opt.sampler = {a.temperature, a.top_p, a.seed};
-  opt.blas_threads = a.threads;
+  opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
 #if BRIGADE_HAS_MPI
   const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
@@ -203,6 +236,12 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(CLI::NonNegativeNumber)->capture_default_str();
   sub.add_option("--threads", a->threads, "BLAS threads per stage")
       ->check(CLI::PositiveNumber)->capture_default_str();
+  sub.add_option("--plan", a->plan,
+                 "manual (--stages, --threads, --microbatches) or auto (the planner picks them from "
+                 "predicted times on rates measured here, and prints every candidate)")
+      ->check(CLI::IsMember({"manual", "auto"}))->capture_default_str();
+  sub.add_option("--cores", a->cores, "--plan auto: cores to use; 0 = all of this machine's")
+      ->check(CLI::Range(0, 4096))->capture_default_str();
   sub.add_option("--timeout", a->timeout, "seconds a stage waits for a peer before failing")
       ->check(CLI::PositiveNumber)->capture_default_str();
   sub.add_option("--trace", a->trace, "write the Timeline as Chrome trace JSON");

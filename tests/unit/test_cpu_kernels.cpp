@@ -187,17 +187,17 @@ TEST_CASE("cpu_kernels.matmul_wt: one GEMM for all rows matches a double referen
   CHECK_THROWS_AS(cpu::matmul_wt(nullptr, nullptr, nullptr, -1, 2, 2), Error);
 }
 
-TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference for T = 1..40") {
-  // Up to 16 rows matmul_wt streams W unpacked in blocks of 16 lanes: odd K exercises the K
-  // tail, odd N the last W rows outside a block of 4 (8 for T = 1), T % 4 the x-row tail;
-  // T = 17..40 checks the hand-over to Eigen's GEMM.
+TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference for T = 1..70") {
+  // Up to 64 rows matmul_wt streams W unpacked in blocks of 16 lanes: odd K exercises the K
+  // tail, odd N the W rows outside the kernel's segments, T % MR the x-row tail; T = 65..70
+  // checks the hand-over to the GEMM.
   std::mt19937 rng(11);
   for (std::int64_t in : {1, 15, 16, 17, 63, 129, 172}) {
     for (std::int64_t out : {1, 5, 63, 129, 172}) {
       const Vec w = random_vec(rng, out * in);
-      const Vec x_all = random_vec(rng, 40 * in);
-      const Vec base = random_vec(rng, 40 * out);
-      for (std::int64_t t = 1; t <= 40; ++t) {
+      const Vec x_all = random_vec(rng, 70 * in);
+      const Vec base = random_vec(rng, 70 * out);
+      for (std::int64_t t = 1; t <= 70; t += (t < 20 || t > 60) ? 1 : 7) {
         CAPTURE(t);
         CAPTURE(in);
         CAPTURE(out);
@@ -211,7 +211,7 @@ TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference 
         DVec ref_acc = ref;
         for (std::size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] += base[i];
         check_close(acc, ref_acc);
-        if (t <= 16) {  // small-M: a row gives the same bits alone as inside the batch
+        if (t <= 64) {  // small-M: a row gives the same bits alone as inside the batch
           Vec row(sz(out));
           cpu::matmul_wt(x.data() + (t - 1) * in, w.data(), row.data(), 1, in, out);
           CHECK(std::equal(row.begin(), row.end(), y.begin() + (t - 1) * out));
@@ -221,9 +221,67 @@ TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference 
   }
 }
 
+/// The small-M summation order written out in scalar code: 16 lanes of fmaf over k, the lanes
+/// reduced as pairs (l, l+8), (l, l+4), (l, l+2), (0, 1), then the K % 16 tail left to right.
+float ref_small_m_dot(const float* x, const float* w, std::int64_t in) {
+  float lanes[16] = {};
+  const std::int64_t k_vec = in - in % 16;
+  for (std::int64_t k = 0; k < k_vec; ++k) lanes[k % 16] = std::fma(x[k], w[k], lanes[k % 16]);
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) lanes[l] = lanes[l] + lanes[l + h];
+  float s = lanes[0];
+  for (std::int64_t k = k_vec; k < in; ++k) {
+    volatile float p = x[k] * w[k];  // a rounded product, then the add (no contraction)
+    s += p;
+  }
+  return s;
+}
+
+TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented order's bits") {
+  const cpu::KernelIsa before = cpu::kernel_isa();
+  CHECK(cpu::kernel_isa_supported(before));
+  CHECK(cpu::kernel_isa_supported(cpu::KernelIsa::Generic));
+  CHECK(cpu::to_string(cpu::KernelIsa::Avx2) == "avx2");
+  CHECK(!cpu::cpu_model_name().empty());
+  std::mt19937 rng(21);
+  int checked = 0;
+  for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512}) {
+    if (!cpu::kernel_isa_supported(isa)) {
+      CHECK_THROWS_AS(cpu::set_kernel_isa(isa), Error);
+      continue;
+    }
+    cpu::set_kernel_isa(isa);
+    CHECK(cpu::kernel_isa() == isa);
+    ++checked;
+    for (std::int64_t t : {1, 2, 3, 5, 16, 33, 64}) {
+      for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63}, {7, 11}}) {
+        CAPTURE(cpu::to_string(isa));
+        CAPTURE(t);
+        CAPTURE(in);
+        const Vec x = random_vec(rng, t * in), w = random_vec(rng, out * in);
+        Vec y(sz(t * out)), acc = random_vec(rng, t * out);
+        const Vec acc0 = acc;
+        cpu::matmul_wt(x.data(), w.data(), y.data(), t, in, out);
+        cpu::matmul_wt_accumulate(x.data(), w.data(), acc.data(), t, in, out);
+        int wrong = 0;
+        for (std::int64_t r = 0; r < t; ++r)
+          for (std::int64_t n = 0; n < out; ++n) {
+            const float d = ref_small_m_dot(x.data() + r * in, w.data() + n * in, in);
+            wrong += y[sz(r * out + n)] != d;
+            wrong += acc[sz(r * out + n)] != acc0[sz(r * out + n)] + d;
+          }
+        CHECK(wrong == 0);
+      }
+    }
+  }
+  cpu::set_kernel_isa(before);
+  CHECK(checked >= 1);
+  CHECK_THROWS_AS(cpu::set_kernel_isa(static_cast<cpu::KernelIsa>(9)), Error);
+}
+
 TEST_CASE("cpu_kernels.matmul_wt: same bits on differently aligned copies of the inputs") {
   std::mt19937 rng(12);
-  for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16}) {  // the small-M path's sizes
+  for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16, 37, 64}) {  // the small-M path's sizes
     for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63}, {63, 200}, {1376, 301}}) {
       CAPTURE(t);
       CAPTURE(in);
@@ -245,7 +303,7 @@ TEST_CASE("cpu_kernels.matmul_wt: same bits on differently aligned copies of the
                                   out);
         CHECK(std::equal(acc_first.begin(), acc_first.end(), ys.begin() + shift));
       }
-      // Two threads split W's rows (above ~4 MFLOP): the bits do not depend on the thread count.
+      // Two threads split W's rows (above ~2 MFLOP): the bits do not depend on the thread count.
       const int threads_before = cpu::blas_threads();
       cpu::set_blas_threads(threads_before == 2 ? 1 : 2);
       Vec two(sz(t * out));

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace brigade::cpu {
@@ -20,11 +22,13 @@ void rmsnorm(const float* x, const float* weight, float* out, std::int64_t token
              float eps);
 
 /// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k].
-/// Up to 16 rows (decode) an unpacked small-M kernel streams W once, with a fixed summation
-/// order per output (16 lanes over k, a fixed lane reduction, then the K % 16 tail): the bits do
-/// not depend on the buffers' alignment, the thread count or the other rows in the batch.
-/// More rows: one GEMM (Eigen's, or OpenBLAS SGEMM per gemm_backend()). BRIGADE_SMALL_M=0 in the
-/// environment sends every size to the GEMM (for comparisons).
+/// Up to 64 rows (decode micro-batches) a small-M kernel streams W once, unpacked, with a fixed
+/// summation order per output (16 lanes over k, each lane one FMA per step in increasing k; the
+/// lanes reduced as pairs (l, l+8), (l, l+4), (l, l+2), (0, 1); then the K % 16 tail left to
+/// right): the bits do not depend on the buffers' alignment, the thread count, the other rows in
+/// the batch or the instruction set (kernel_isa()). More rows: one GEMM (Eigen's, or OpenBLAS
+/// SGEMM per gemm_backend()). BRIGADE_SMALL_M=0 in the environment sends every size to the GEMM
+/// (for comparisons).
 /// @param x   [tokens x in], row-major
 /// @param w   [out x in], row-major (llama2.c's layout)
 /// @param out [tokens x out], row-major; must not alias x
@@ -81,7 +85,35 @@ void set_blas_threads(int n);
 /// Current intra-op GEMM thread count.
 int blas_threads();
 
-/// Which library runs matmul_wt's products of 32 rows or more.
+/// Instruction sets of matmul_wt's small-M (decode) kernel, chosen at run time from the CPU's
+/// features (the library itself is not built for them: each has its own translation unit built
+/// with its target flags). All give the same bits; only their speed differs.
+enum class KernelIsa : std::uint8_t {
+  Generic,  ///< portable C++ (std::fma per lane): any CPU
+  Avx2,     ///< x86-64 AVX2 + FMA: two 256-bit registers per 16-lane accumulator
+  Avx512,   ///< x86-64 AVX-512F: one 512-bit register per 16-lane accumulator
+};
+
+/// "generic", "avx2" or "avx512".
+std::string_view to_string(KernelIsa isa) noexcept;
+
+/// True if this CPU (and OS) can run `isa` and this build has its kernel (x86-64 only for Avx2
+/// and Avx512).
+bool kernel_isa_supported(KernelIsa isa) noexcept;
+
+/// The small-M kernel in use: process-wide, initially the widest supported (Avx512, then Avx2,
+/// then Generic).
+KernelIsa kernel_isa() noexcept;
+
+/// Selects the small-M kernel for the whole process (benchmarks and tests compare them).
+/// @throws brigade::Error{InvalidArgument} if `isa` is unknown or not supported here
+void set_kernel_isa(KernelIsa isa);
+
+/// This CPU's model as the OS names it (/proc/cpuinfo "model name"), or "unknown".
+std::string cpu_model_name();
+
+/// Which library runs matmul_wt's products of more than 64 rows (from 32 rows once the small-M
+/// kernel is turned off with BRIGADE_SMALL_M=0).
 enum class GemmBackend : std::uint8_t {
   Eigen,  ///< Eigen's own GEMM (vectorised for this CPU with -march=native)
   Blas,   ///< OpenBLAS SGEMM

@@ -1,0 +1,117 @@
+// The blocked small-M kernel as a template over a packet type (internal to src/; included only
+// by the per-ISA translation units, each compiled for its instruction set). Everything here has
+// internal linkage, so the copies built for different instruction sets never meet at link time.
+//
+// Blocks of NR rows of W (NR*K floats, in L1 for the 42M shapes) times blocks of MR rows of x
+// (in L1/L2), MR x NR accumulators of 16 lanes, k advancing 16 at a time with unaligned loads.
+// W is read once per call; x once per block of NR W rows.
+#pragma once
+
+#include "cpu_small_m.hpp"
+
+#include <cstdint>
+
+namespace brigade::cpu::detail {
+namespace {
+
+// Isa provides: Packet, kWidth (floats per packet), zero(), load(p), fma(a, b, c) = a*b + c
+// rounded once, store(p, v).
+// The NR rows of W of a block lie `rs` rows apart (and so do their outputs): sm_run takes them
+// from NR far-apart segments of W, so the weights arrive as NR long sequential streams, which
+// keeps more memory requests in flight than one stream of short rows (about 2x the bandwidth of
+// adjacent rows on Zen 3, where one core's bandwidth is bound by its outstanding misses).
+template <class Isa, int MR, int NR, bool Accumulate>
+inline __attribute__((always_inline)) void sm_block(const float* x, const float* w, float* out,
+                                                    std::int64_t in, std::int64_t out_dim,
+                                                    std::int64_t rs) {
+  using P = typename Isa::Packet;
+  constexpr int kW = Isa::kWidth;
+  constexpr int kPk = kSmallMLanes / kW;
+  static_assert(kPk * kW == kSmallMLanes, "packet width must divide 16");
+  P acc[MR][NR][kPk];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      for (int p = 0; p < kPk; ++p) acc[i][j][p] = Isa::zero();
+  const std::int64_t k_vec = in - in % kSmallMLanes;
+  for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes) {
+    for (int p = 0; p < kPk; ++p) {
+      P wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = Isa::load(w + j * rs * in + k + p * kW);
+      for (int i = 0; i < MR; ++i) {
+        const P xv = Isa::load(x + i * in + k + p * kW);
+        for (int j = 0; j < NR; ++j) acc[i][j][p] = Isa::fma(xv, wv[j], acc[i][j][p]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      alignas(64) float lanes[kSmallMLanes];
+      for (int p = 0; p < kPk; ++p) Isa::store(lanes + p * kW, acc[i][j][p]);
+      const float s = add_tail(reduce_lanes(lanes), x + i * in, w + j * rs * in, k_vec, in);
+      float& o = out[i * out_dim + j * rs];
+      o = Accumulate ? o + s : s;
+    }
+}
+
+/// The last `rows` < MR rows of x (MR - 1 down to 1) against the NR rows of W at wn.
+template <class Isa, int MR, int NR, bool Accumulate>
+inline void sm_row_tail(const float* x, const float* wn, float* on, std::int64_t rows,
+                        std::int64_t in, std::int64_t out_dim, std::int64_t rs) {
+  if constexpr (MR > 1) {
+    if (rows == MR - 1)
+      sm_block<Isa, MR - 1, NR, Accumulate>(x, wn, on, in, out_dim, rs);
+    else
+      sm_row_tail<Isa, MR - 1, NR, Accumulate>(x, wn, on, rows, in, out_dim, rs);
+  }
+}
+
+/// All `tokens` rows of x against W rows n, n + rs, ..., n + (NR - 1) rs.
+template <class Isa, int MR, int NR, bool Accumulate>
+inline void sm_rows(const float* x, const float* w, float* out, std::int64_t tokens,
+                    std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs) {
+  const float* wn = w + n * in;
+  float* on = out + n;
+  std::int64_t t = 0;
+  for (; t + MR <= tokens; t += MR)
+    sm_block<Isa, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, in, out_dim, rs);
+  if (t < tokens)
+    sm_row_tail<Isa, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, tokens - t, in,
+                                         out_dim, rs);
+}
+
+/// W rows [n_begin, n_end): split into NR equal segments (GemvNR for one row of x) walked side
+/// by side, block i taking row i of each segment; the rows past the last whole segment one by one.
+template <class Isa, int MR, int NR, int GemvNR, bool Accumulate>
+inline void sm_run(const float* x, const float* w, float* out, std::int64_t tokens,
+                   std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                   std::int64_t n_end) {
+  const std::int64_t rows = n_end - n_begin;
+  std::int64_t done = 0;
+  if (tokens == 1) {
+    const std::int64_t seg = rows / GemvNR;
+    for (std::int64_t i = 0; i < seg; ++i)
+      sm_block<Isa, 1, GemvNR, Accumulate>(x, w + (n_begin + i) * in, out + n_begin + i, in,
+                                           out_dim, seg);
+    done = seg * GemvNR;
+  } else {
+    const std::int64_t seg = rows / NR;
+    for (std::int64_t i = 0; i < seg; ++i)
+      sm_rows<Isa, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg);
+    done = seg * NR;
+  }
+  for (std::int64_t n = n_begin + done; n < n_end; ++n)
+    sm_rows<Isa, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1);
+}
+
+template <class Isa, int MR, int NR, int GemvNR>
+inline void sm_dispatch(const float* x, const float* w, float* out, std::int64_t tokens,
+                        std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                        std::int64_t n_end, bool accumulate) {
+  if (accumulate)
+    sm_run<Isa, MR, NR, GemvNR, true>(x, w, out, tokens, in, out_dim, n_begin, n_end);
+  else
+    sm_run<Isa, MR, NR, GemvNR, false>(x, w, out, tokens, in, out_dim, n_begin, n_end);
+}
+
+}  // namespace
+}  // namespace brigade::cpu::detail
