@@ -8,11 +8,13 @@
 //       residual stream (a 2-4 MiB copy, < 0.1% of the time) and runs decoder_layer_forward.
 //   BM_Sgemm/T/in/out               matmul_wt(x[T x in], W[out x in]) for the layer's three
 //       largest shapes: [512 x dim] W1^T (W3 alike), [512 x hidden] W2^T, [512 x dim] Wq^T.
-//   BM_MatmulSmallM/T/in/out/eigen  matmul_wt(x[T x in], W[out x in]) at decode sizes, T in
+//   BM_MatmulSmallM/T/in/out/path  matmul_wt(x[T x in], W[out x in]) at decode sizes, T in
 //       {1, 4, 16, 32, 64}, on the 42M Llama's shapes (dim 512, hidden 1376, vocab 32000):
 //       Wq/Wk/Wv/Wo 512x512, W1/W3 1376x512, W2 512x1376, classifier 32000x512.
-//       eigen:0 is matmul_wt as shipped (its small-M kernel up to 16 rows); eigen:1 is the
-//       product matmul_wt ran before that kernel: Eigen's GEMM on the same maps, in this binary.
+//       path:0/1/2 is matmul_wt's small-M kernel built for generic C++ / AVX2+FMA / AVX-512
+//       (skipped where the CPU lacks it; the label names it); path:3 the packing GEMM of larger
+//       products (OpenBLAS SGEMM or Eigen's, per cpu::gemm_backend()), in this binary.
+//       Counters: GFLOP/s and weight_GB/s (W's bytes per second: the decode roofline's stream).
 //
 // Times are CPU time (the default; one BLAS thread, so all work runs on the benchmark thread):
 // on a shared machine they do not count time spent descheduled, unlike wall time.
@@ -44,7 +46,10 @@
 #include "brigade/model/weights.hpp"
 
 #include <Eigen/Core>
+#include <cblas.h>
 #include <benchmark/benchmark.h>
+
+#include "machine_context.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -335,7 +340,8 @@ void BM_Sgemm(benchmark::State& state) {
 
 void BM_MatmulSmallM(benchmark::State& state) {
   // path: 0-2 = matmul_wt with the small-M kernel of that instruction set (cpu::KernelIsa:
-  // generic, avx2, avx512), 3 = a packing GEMM (Eigen's, what matmul_wt runs above 64 rows).
+  // generic, avx2, avx512), 3 = the packing GEMM matmul_wt runs above 64 rows (OpenBLAS SGEMM
+  // or Eigen's, per cpu::gemm_backend()).
   const std::int64_t T = state.range(0), in = state.range(1), out = state.range(2);
   const std::int64_t path = state.range(3);
   const bool eigen = path == 3;
@@ -346,13 +352,19 @@ void BM_MatmulSmallM(benchmark::State& state) {
   }
   const cpu::KernelIsa isa_before = cpu::kernel_isa();
   cpu::set_kernel_isa(isa);
-  state.SetLabel(eigen ? "eigen-gemm" : std::string(cpu::to_string(isa)));
+  const bool blas = cpu::gemm_backend() == cpu::GemmBackend::Blas;
+  state.SetLabel(eigen ? (blas ? "openblas-sgemm" : "eigen-gemm") : std::string(cpu::to_string(isa)));
   std::mt19937 rng(static_cast<unsigned>(in * 7 + out + T));
   const Vec x = random_vec(rng, T * in, 1.0f), w = random_vec(rng, out * in, 0.05f);
   Vec y(sz(T * out));
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   auto run = [&] {
-    if (eigen) {
+    if (eigen && blas) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(T),
+                  static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x.data(),
+                  static_cast<blasint>(in), w.data(), static_cast<blasint>(in), 0.0f, y.data(),
+                  static_cast<blasint>(out));
+    } else if (eigen) {
       Eigen::Map<RowMat> o(y.data(), T, out);
       o.noalias() = Eigen::Map<const RowMat>(x.data(), T, in) *
                     Eigen::Map<const RowMat>(w.data(), out, in).transpose();
@@ -414,8 +426,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("blas_threads", std::to_string(cpu::blas_threads()));
-  benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
-  benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
+  brigade::bench::add_machine_context();
   // OpenBLAS 0.3.21 does not know newer CPUs (e.g. Xeon family 6 model 207) and falls back to
   // its SSE3 "Prescott" kernels, 5-7x slower; OPENBLAS_CORETYPE=SkylakeX (or Cooperlake) fixes it.
   const std::string core = openblas_get_corename();

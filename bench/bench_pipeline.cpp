@@ -23,6 +23,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "machine_context.hpp"
+
 #include <cmath>
 #include <memory>
 #include <string>
@@ -200,8 +202,7 @@ BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
-  benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
+  brigade::bench::add_machine_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

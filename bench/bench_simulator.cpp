@@ -14,6 +14,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "machine_context.hpp"
+
 #include <cmath>
 
 namespace {
@@ -104,4 +106,11 @@ BENCHMARK(BM_Validate)->Apply(shapes);
 BENCHMARK(BM_Simulate)->Apply(shapes);
 BENCHMARK(BM_ValidateSimulate)->Apply(shapes);
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  brigade::bench::add_machine_context();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -16,6 +16,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "machine_context.hpp"
+
 #include <random>
 
 using namespace brigade;
@@ -102,4 +104,11 @@ BENCHMARK(BM_TrainSchedule)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  brigade::bench::add_machine_context();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -136,10 +136,14 @@ constexpr std::int64_t kBlasMinRows = 32;
 // with a summation order fixed per output, the same in the generic, AVX2 and AVX-512 builds, so
 // the instruction set chosen at run time changes the speed, never the bits.
 
-/// Most rows T for which matmul_wt takes the small-M kernel (decode micro-batches of 1-64
-/// sequences). Measured with bench_kernels BM_MatmulSmallM on the 42M Llama's shapes
-/// (docs/benchmarks.md).
-constexpr std::int64_t kSmallMaxRows = 64;
+/// Most rows T for which matmul_wt takes the small-M kernel: 64 (decode micro-batches of up to 64
+/// sequences) when Eigen's GEMM runs the larger products; 16 when OpenBLAS's SGEMM does, whose
+/// tuned kernels pass the small-M kernel's FMA rate from about 32 rows. Measured with
+/// bench_kernels BM_MatmulSmallM on the 42M Llama's shapes (docs/benchmarks.md).
+std::int64_t small_max_rows() {
+  static const std::int64_t rows = gemm_backend() == GemmBackend::Blas ? 16 : 64;
+  return rows;
+}
 
 /// BRIGADE_SMALL_M=0 turns the small-M kernel off (the GEMM for every T), for comparisons.
 bool small_m_enabled() {
@@ -212,7 +216,7 @@ void small_m_gemm(const float* x, const float* w, float* out, std::int64_t token
 
 void gemm_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
              std::int64_t out_dim, float beta) {
-  if (tokens <= kSmallMaxRows && small_m_enabled()) {
+  if (tokens <= small_max_rows() && small_m_enabled()) {
     small_m_gemm(x, w, out, tokens, in, out_dim, beta != 0.0f);
     return;
   }

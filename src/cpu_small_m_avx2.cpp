@@ -17,10 +17,10 @@ struct Avx2 {
   static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
 
-// 16 ymm registers: MR x NR accumulators of two registers each, plus NR weight packets and one x
-// packet live at once. 2 x 3 (12 + 3 + 1) and a GEMV of 4 W rows (8 + 4 + 1): measured on Zen 3
-// with bench_kernels BM_MatmulSmallM (docs/benchmarks.md).
-constexpr int kMR = 2, kNR = 3, kGemvNR = 4;
+// 16 ymm registers: MR x NR accumulators (one 8-lane packet at a time), plus NR weight packets
+// and one x packet live at once: 4 x 3 (12 + 3 + 1), 7 loads per 12 FMAs; a GEMV of 4 W rows
+// (4 weight streams). Measured on Zen 3 with bench_kernels BM_MatmulSmallM (docs/benchmarks.md).
+constexpr int kMR = 4, kNR = 3, kGemvNR = 4;
 
 }  // namespace
 

@@ -18,7 +18,7 @@ struct Avx512 {
 };
 
 // 32 zmm registers: 4 x 4 accumulators (16) with 4 weight packets and one x packet; a GEMV of 8
-// W rows. Tuned on Emerald Rapids (bench_kernels BM_MatmulSmallM, docs/benchmarks.md).
+// W rows (8 weight streams). Tuned on Emerald Rapids (bench_kernels BM_MatmulSmallM, docs/benchmarks.md).
 constexpr int kMR = 4, kNR = 4, kGemvNR = 8;
 
 }  // namespace

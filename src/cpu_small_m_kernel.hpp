@@ -20,6 +20,9 @@ namespace {
 // from NR far-apart segments of W, so the weights arrive as NR long sequential streams, which
 // keeps more memory requests in flight than one stream of short rows (about 2x the bandwidth of
 // adjacent rows on Zen 3, where one core's bandwidth is bound by its outstanding misses).
+// The lanes are independent sums, so the kernel walks k once per packet of lanes (lanes 0-7,
+// then 8-15 with 8-float packets): MR x NR accumulators of one register each, and MR + NR loads
+// per MR x NR FMAs. The first pass brings the block's W rows into L1; the others find them there.
 template <class Isa, int MR, int NR, bool Accumulate>
 inline __attribute__((always_inline)) void sm_block(const float* x, const float* w, float* out,
                                                     std::int64_t in, std::int64_t out_dim,
@@ -28,26 +31,26 @@ inline __attribute__((always_inline)) void sm_block(const float* x, const float*
   constexpr int kW = Isa::kWidth;
   constexpr int kPk = kSmallMLanes / kW;
   static_assert(kPk * kW == kSmallMLanes, "packet width must divide 16");
-  P acc[MR][NR][kPk];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j)
-      for (int p = 0; p < kPk; ++p) acc[i][j][p] = Isa::zero();
+  alignas(64) float lanes[MR][NR][kSmallMLanes];
   const std::int64_t k_vec = in - in % kSmallMLanes;
-  for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes) {
-    for (int p = 0; p < kPk; ++p) {
+  for (int p = 0; p < kPk; ++p) {
+    P acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = Isa::zero();
+    for (std::int64_t k = p * kW; k < k_vec; k += kSmallMLanes) {
       P wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = Isa::load(w + j * rs * in + k + p * kW);
+      for (int j = 0; j < NR; ++j) wv[j] = Isa::load(w + j * rs * in + k);
       for (int i = 0; i < MR; ++i) {
-        const P xv = Isa::load(x + i * in + k + p * kW);
-        for (int j = 0; j < NR; ++j) acc[i][j][p] = Isa::fma(xv, wv[j], acc[i][j][p]);
+        const P xv = Isa::load(x + i * in + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
       }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) Isa::store(&lanes[i][j][p * kW], acc[i][j]);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      alignas(64) float lanes[kSmallMLanes];
-      for (int p = 0; p < kPk; ++p) Isa::store(lanes + p * kW, acc[i][j][p]);
-      const float s = add_tail(reduce_lanes(lanes), x + i * in, w + j * rs * in, k_vec, in);
+      const float s = add_tail(reduce_lanes(lanes[i][j]), x + i * in, w + j * rs * in, k_vec, in);
       float& o = out[i * out_dim + j * rs];
       o = Accumulate ? o + s : s;
     }

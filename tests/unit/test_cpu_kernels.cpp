@@ -188,9 +188,9 @@ TEST_CASE("cpu_kernels.matmul_wt: one GEMM for all rows matches a double referen
 }
 
 TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference for T = 1..70") {
-  // Up to 64 rows matmul_wt streams W unpacked in blocks of 16 lanes: odd K exercises the K
-  // tail, odd N the W rows outside the kernel's segments, T % MR the x-row tail; T = 65..70
-  // checks the hand-over to the GEMM.
+  // Up to 16 rows (64 with Eigen's GEMM behind) matmul_wt streams W unpacked in blocks of 16
+  // lanes: odd K exercises the K tail, odd N the W rows outside the kernel's segments, T % MR
+  // the x-row tail; larger T the hand-over to the GEMM.
   std::mt19937 rng(11);
   for (std::int64_t in : {1, 15, 16, 17, 63, 129, 172}) {
     for (std::int64_t out : {1, 5, 63, 129, 172}) {
@@ -211,7 +211,7 @@ TEST_CASE("cpu_kernels.matmul_wt: the small-row path matches a double reference 
         DVec ref_acc = ref;
         for (std::size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] += base[i];
         check_close(acc, ref_acc);
-        if (t <= 64) {  // small-M: a row gives the same bits alone as inside the batch
+        if (t <= 16) {  // small-M: a row gives the same bits alone as inside the batch
           Vec row(sz(out));
           cpu::matmul_wt(x.data() + (t - 1) * in, w.data(), row.data(), 1, in, out);
           CHECK(std::equal(row.begin(), row.end(), y.begin() + (t - 1) * out));
@@ -253,7 +253,7 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented or
     cpu::set_kernel_isa(isa);
     CHECK(cpu::kernel_isa() == isa);
     ++checked;
-    for (std::int64_t t : {1, 2, 3, 5, 16, 33, 64}) {
+    for (std::int64_t t : {1, 2, 3, 5, 9, 16}) {
       for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63}, {7, 11}}) {
         CAPTURE(cpu::to_string(isa));
         CAPTURE(t);
@@ -281,7 +281,7 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented or
 
 TEST_CASE("cpu_kernels.matmul_wt: same bits on differently aligned copies of the inputs") {
   std::mt19937 rng(12);
-  for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16, 37, 64}) {  // the small-M path's sizes
+  for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16}) {  // the small-M path's sizes
     for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63}, {63, 200}, {1376, 301}}) {
       CAPTURE(t);
       CAPTURE(in);

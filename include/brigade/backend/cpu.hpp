@@ -22,7 +22,8 @@ void rmsnorm(const float* x, const float* weight, float* out, std::int64_t token
              float eps);
 
 /// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k].
-/// Up to 64 rows (decode micro-batches) a small-M kernel streams W once, unpacked, with a fixed
+/// Up to 64 rows (16 when gemm_backend() is OpenBLAS, faster from ~32 rows), the decode
+/// micro-batches, a small-M kernel streams W once, unpacked, with a fixed
 /// summation order per output (16 lanes over k, each lane one FMA per step in increasing k; the
 /// lanes reduced as pairs (l, l+8), (l, l+4), (l, l+2), (0, 1); then the K % 16 tail left to
 /// right): the bits do not depend on the buffers' alignment, the thread count, the other rows in
@@ -112,8 +113,8 @@ void set_kernel_isa(KernelIsa isa);
 /// This CPU's model as the OS names it (/proc/cpuinfo "model name"), or "unknown".
 std::string cpu_model_name();
 
-/// Which library runs matmul_wt's products of more than 64 rows (from 32 rows once the small-M
-/// kernel is turned off with BRIGADE_SMALL_M=0).
+/// Which library runs matmul_wt's products above the small-M kernel's rows (OpenBLAS from 32
+/// rows, Eigen below that, when the small-M kernel is turned off with BRIGADE_SMALL_M=0).
 enum class GemmBackend : std::uint8_t {
   Eigen,  ///< Eigen's own GEMM (vectorised for this CPU with -march=native)
   Blas,   ///< OpenBLAS SGEMM

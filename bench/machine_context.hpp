@@ -1,0 +1,58 @@
+// The machine and its same-run ceilings, printed in the context header of every benchmark
+// binary (docs/benchmarks.md: every table carries them): the CPU model, the instruction set of
+// the decode kernel, one core's GEMM rate, and the STREAM triad bandwidth of one core and of all
+// cores at once (plan::measure_cpu_rates, about half a second).
+#pragma once
+
+#include <brigade/backend/cpu.hpp>
+#include <brigade/plan/inference_plan.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace brigade::bench {
+
+/// One core's matmul_wt rate on a 256 x 512 x 1376 product (a prefill GEMM), GFLOP/s, best of 5.
+inline double gemm_gflops_one_core() {
+  constexpr std::int64_t T = 256, K = 512, N = 1376;
+  std::vector<float> x(T * K, 0.5f), w(N * K, 0.25f), y(T * N);
+  const int before = cpu::blas_threads();
+  cpu::set_blas_threads(1);
+  double best = 1e30;
+  for (int rep = 0; rep < 6; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cpu::matmul_wt(x.data(), w.data(), y.data(), T, K, N);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep > 0) best = std::min(best, s);
+  }
+  cpu::set_blas_threads(before);
+  return 2.0 * T * K * N / best * 1e-9;
+}
+
+/// Adds cpu_model, kernel_isa, ceiling_gemm_GFLOPs_1core, ceiling_triad_GBs_1core and
+/// ceiling_triad_GBs_box (all hardware threads) to Google Benchmark's context.
+inline void add_machine_context() {
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const auto rates = plan::measure_cpu_rates(cores);
+  auto fmt1 = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f", v);
+    return std::string(buf);
+  };
+  benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
+  benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
+  benchmark::AddCustomContext("ceiling_gemm_GFLOPs_1core", fmt1(gemm_gflops_one_core()));
+  benchmark::AddCustomContext("ceiling_triad_GBs_1core", fmt1(rates.core_bytes_per_s * 1e-9));
+  benchmark::AddCustomContext("ceiling_triad_GBs_box",
+                              fmt1(rates.box_bytes_per_s * 1e-9) + " (" + std::to_string(cores) +
+                                  " cores)");
+}
+
+}  // namespace brigade::bench
