@@ -24,6 +24,6 @@ for r in $(seq "$reps"); do
   done
   "$build/bench/bench_pipeline" \
     --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
-    grep -E '^BM_|cpu_model|kernel_isa'
+    grep -E '^BM_|cpu_model|kernel_isa|ceiling_'
 done
 echo "== end: $(uptime)"

@@ -103,10 +103,12 @@ int run(const GenerateArgs& a) {
                                     wl.prompt_tokens);
     const auto plans = plan::inference_plans(spec, wl, rates);
     fmt::print(stderr,
-               "plan: {} cores, measured {:.1f} GFLOP/s per core, triad {:.1f} GB/s (1 core), "
-               "{:.1f} GB/s ({} cores), fork/join {:.1f} us\n",
-               cores, rates.flops_per_s * 1e-9, rates.core_bytes_per_s * 1e-9,
-               rates.box_bytes_per_s * 1e-9, cores, rates.fork_join_s * 1e6);
+               "plan: {} cores, measured: decode kernel {:.1f} GFLOP/s (1 core), {:.1f} GFLOP/s "
+               "({} cores); triad {:.1f} GB/s (1 core), {:.1f} GB/s ({} cores); fork/join "
+               "{:.1f} us\n",
+               cores, rates.flops_per_s * 1e-9, rates.box_flops_per_s * 1e-9, cores,
+               rates.core_bytes_per_s * 1e-9, rates.box_bytes_per_s * 1e-9, cores,
+               rates.fork_join_s * 1e6);
     for (std::size_t i = 0; i < plans.size(); ++i)
       fmt::print(stderr, "plan: {} {:>9.1f} tokens/s predicted  {}\n", i == 0 ? "*" : " ",
                  plans[i].tokens_per_s, plans[i].describe(wl.sequences));

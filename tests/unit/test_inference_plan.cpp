@@ -18,6 +18,7 @@ plan::CpuRates bare(double flops, double core_bw, double box_bw, int cores = 2) 
   plan::CpuRates r;
   r.cores = cores;
   r.flops_per_s = flops;
+  r.box_flops_per_s = flops * cores;
   r.core_bytes_per_s = core_bw;
   r.box_bytes_per_s = box_bw;
   r.fork_join_s = 0.0;
@@ -94,6 +95,19 @@ TEST_CASE("plan.inference_plans: compute-bound with free fork/join picks 1 stage
   CHECK(plans.front().tokens_per_s == doctest::Approx(2.0 * one->tokens_per_s).epsilon(1e-6));
 }
 
+TEST_CASE("plan.inference_plans: a second core that adds no FLOPs is not used") {
+  // Compute-bound, but the box computes no faster with two cores than with one (a core shared
+  // with another tenant): threads and stages only add their overheads, so 1 x 1 wins.
+  const auto spec = spec42m();
+  auto r = bare(40e9, 1e15, 1e15);
+  r.box_flops_per_s = 40e9;
+  r.fork_join_s = 1e-6;
+  r.hop_s = 1e-6;
+  const auto best = plan::best_inference_plan(spec, {32, 1, 48}, r);
+  CHECK(best.stages == 1);
+  CHECK(best.threads == 1);
+}
+
 TEST_CASE("plan.inference_plans: fewer micro-batches than stages wait on the token round trip") {
   // Two stages, one micro-batch: a round is the sum of the stages (the second idles while the
   // first works and back); two micro-batches overlap, and the slowest stage paces the round.
@@ -120,6 +134,9 @@ TEST_CASE("plan.inference_plans: bad workloads and rates are refused") {
   CHECK_THROWS_AS(plan::inference_plans(spec, {4, 1, 8}, bad), Error);
   bad = r;
   bad.box_bytes_per_s = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(plan::inference_plans(spec, {4, 1, 8}, bad), Error);
+  bad = r;
+  bad.box_flops_per_s = 0.0;
   CHECK_THROWS_AS(plan::inference_plans(spec, {4, 1, 8}, bad), Error);
   bad = r;
   bad.fork_join_s = -1.0;

@@ -29,6 +29,8 @@ inline namespace v0 {
 struct CpuRates {
   int cores = 2;                    ///< cores the plan may use, >= 1
   double flops_per_s = 35e9;        ///< one core's FP32 rate in decode products (multiply-add = 2)
+  double box_flops_per_s = 70e9;    ///< all `cores` computing at once (their sum): below
+                                    ///< cores * flops_per_s where cores are shared or throttled
   double core_bytes_per_s = 20e9;   ///< one core streaming alone (STREAM triad), bytes per second
   double box_bytes_per_s = 25e9;    ///< all `cores` streaming at once (their sum), bytes per second
   double fork_join_s = 3e-6;        ///< seconds per intra-op parallel product (OpenMP fork + join)
@@ -39,11 +41,12 @@ struct CpuRates {
   void validate() const {
     BRIGADE_CHECK(cores >= 1, Errc::InvalidArgument, "CpuRates: cores = {}; expected >= 1", cores);
     auto pos = [](double v) { return v > 0.0 && std::isfinite(v); };
-    BRIGADE_CHECK(pos(flops_per_s) && pos(core_bytes_per_s) && pos(box_bytes_per_s),
+    BRIGADE_CHECK(pos(flops_per_s) && pos(box_flops_per_s) && pos(core_bytes_per_s) &&
+                      pos(box_bytes_per_s),
                   Errc::InvalidArgument,
-                  "CpuRates: flops_per_s = {}, core_bytes_per_s = {}, box_bytes_per_s = {}; "
-                  "expected all finite and > 0",
-                  flops_per_s, core_bytes_per_s, box_bytes_per_s);
+                  "CpuRates: flops_per_s = {}, box_flops_per_s = {}, core_bytes_per_s = {}, "
+                  "box_bytes_per_s = {}; expected all finite and > 0",
+                  flops_per_s, box_flops_per_s, core_bytes_per_s, box_bytes_per_s);
     BRIGADE_CHECK(fork_join_s >= 0.0 && std::isfinite(fork_join_s) && hop_s >= 0.0 &&
                       std::isfinite(hop_s),
                   Errc::InvalidArgument,
@@ -54,7 +57,8 @@ struct CpuRates {
 
 /// Measures CpuRates on this machine in about half a second: a STREAM triad (3 x 32 MiB per
 /// thread) on one core and on `cores` cores at once, matmul_wt's decode kernel on 16 rows of a
-/// cached 1376 x 512 weight, and an empty intra-op parallel region (the fork/join cost).
+/// cached 1376 x 512 weight on one core and on `cores` cores at once, and an empty intra-op
+/// parallel region (the fork/join cost).
 /// @throws brigade::Error{InvalidArgument} if cores < 1
 CpuRates measure_cpu_rates(int cores);
 
@@ -97,14 +101,15 @@ inline int products_of(model::LayerKind k) noexcept {
 }
 
 /// Seconds one stage of `threads` cores takes for layers [first, last) on `work`, while
-/// `active_cores` cores stream weights at once (they share box_bytes_per_s).
+/// `active_cores` cores work at once (they share box_bytes_per_s and box_flops_per_s).
 inline double stage_seconds(const model::ModelSpec& spec, int first, int last,
                             const model::WorkItem& work, int threads, int active_cores,
                             const CpuRates& r) {
-  const double per_core_bw =
-      std::min(r.core_bytes_per_s, r.box_bytes_per_s / static_cast<double>(active_cores));
+  const double active = static_cast<double>(active_cores);
+  const double per_core_bw = std::min(r.core_bytes_per_s, r.box_bytes_per_s / active);
+  const double per_core_flops = std::min(r.flops_per_s, r.box_flops_per_s / active);
   model::DeviceRates rates;
-  rates.flops_per_s = r.flops_per_s * threads;
+  rates.flops_per_s = per_core_flops * threads;
   rates.bytes_per_s = per_core_bw * threads;
   double t = r.hop_s;
   for (int l = first; l < last; ++l) {
@@ -135,7 +140,8 @@ inline double pipeline_seconds(const std::vector<double>& stage_s, int microbatc
 /// Predicted times (Williams et al. 2009 roofline per layer, model::layer_cost): a stage's time
 /// for a micro-batch of b sequences is hop_s + sum over its layers of max(FLOPs / (T F),
 /// bytes / (T B)) + fork_join_s per product when T > 1, with B = min(core_bytes_per_s,
-/// box_bytes_per_s / (S T)) (the cores share the memory bus). A decode round, in which every
+/// box_bytes_per_s / (S T)) (the cores share the memory bus) and F = min(flops_per_s,
+/// box_flops_per_s / (S T)). A decode round, in which every
 /// sequence gains one token, takes max(G * slowest stage, sum of the stages): the pipeline is
 /// paced by its slowest stage unless a micro-batch's next token waits on its previous one
 /// crossing every stage (fewer micro-batches than stages). The prefill is the pipeline time of
