@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <sys/wait.h>
@@ -90,6 +91,32 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
   auto r0 = run_cli("generate " + model_flags() + " --temperature 0 --stages 5 --partition uniform");
   REQUIRE(r0.rc == 0);
   CHECK(r0.out == c0["stdout"].get<std::string>());
+}
+
+TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same tokens as run.c" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  auto r = run_cli("generate " + model_flags() + " --temperature 0 --steps 64 --plan auto " +
+                   "--cores 2 --prompt \"Once upon a time\" --prompt \"Once upon a time\" " +
+                   "--prompt \"Once upon a time\"");
+  REQUIRE(r.rc == 0);
+  CHECK(r.out == one + one + one);  // greedy tokens do not depend on the plan
+  // 2 cores, 3 sequences: 1 stage x {1, 2} threads x G in 1..3, 2 stages x 1 thread x G in 1..3.
+  int candidates = 0, picks = 0;
+  std::istringstream lines(r.err);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("plan: ", 0) == 0 && line.find("tokens/s predicted") != std::string::npos) {
+      ++candidates;
+      picks += line.rfind("plan: *", 0) == 0;
+    }
+  }
+  CHECK(candidates == 9);
+  CHECK(picks == 1);
+  CHECK(r.err.find("GFLOP/s") != std::string::npos);
+  auto bad = run_cli("generate " + model_flags() + " --plan sometimes");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("--plan") != std::string::npos);
 }
 
 TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
