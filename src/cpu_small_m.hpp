@@ -20,7 +20,7 @@ namespace brigade::cpu::detail {
 /// The lanes of the fixed summation order.
 inline constexpr int kSmallMLanes = 16;
 
-/// A small-M kernel: the contract above, for output rows... of W [n_begin, n_end).
+/// A small-M kernel: the contract above, for the rows [n_begin, n_end) of W (output columns).
 /// @param x   [tokens x in] row-major
 /// @param w   [out_dim x in] row-major
 /// @param out [tokens x out_dim] row-major; columns [n_begin, n_end) written (or added to)
