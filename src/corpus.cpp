@@ -1,6 +1,10 @@
 // Text corpora: sample splitting, loading, held-out split and packing into micro-batches.
 #include "brigade/data/corpus.hpp"
 
+#include "brigade/core/error.hpp"
+#include "brigade/io/input.hpp"
+#include "brigade/model/weights.hpp"
+
 #include <algorithm>
 #include <fstream>
 #include <numeric>
@@ -77,6 +81,28 @@ std::vector<std::string> split_samples(std::string_view text) {
 
 fs::path default_corpus_path() { return "/usr/share/games/fortunes"; }
 
+namespace {
+
+/// Refuses a file that is not text: another format's magic, a llama2.c checkpoint, or a NUL
+/// byte (no text encoding brigade reads has one).
+void check_text(const fs::path& f, std::string_view text) {
+  if (const auto other = io::foreign_format(text.substr(0, 16)))
+    detail::fail(Errc::BadFile, "{}: is {}, not text (training data must be UTF-8 text)",
+                 f.string(), *other);
+  if (model::is_llama2c_checkpoint(f))
+    detail::fail(Errc::BadFile,
+                 "{}: is a llama2.c model checkpoint, not text (training data must be UTF-8 text; "
+                 "the model goes to --model)",
+                 f.string());
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+    detail::fail(Errc::BadFile,
+                 "{}: is a binary file, not text (a NUL byte at offset {}; training data must be "
+                 "UTF-8 text)",
+                 f.string(), nul);
+}
+
+}  // namespace
+
 Corpus load_corpus(const fs::path& path, const model::Tokenizer& tokenizer, int max_tokens) {
   BRIGADE_CHECK(max_tokens >= 2, Errc::InvalidArgument,
                 "load_corpus: max_tokens = {}, expected >= 2", max_tokens);
@@ -96,18 +122,20 @@ Corpus load_corpus(const fs::path& path, const model::Tokenizer& tokenizer, int 
   }
   Corpus c;
   for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot be read", f.string());
-    std::stringstream ss;
-    ss << in.rdbuf();
-    const auto samples = split_samples(ss.str());
+    const std::string text = io::read_input_file(f, "text file", io::kMaxCorpusFileBytes);
+    check_text(f, text);
+    const auto samples = split_samples(text);
     if (samples.empty()) continue;
     const int task = static_cast<int>(c.tasks.size());
     c.tasks.push_back(f.filename().string());
     for (const auto& s : samples) {
       auto ids = tokenizer.encode(s, true, false);
       if (ids.size() < 2) continue;
-      if (static_cast<int>(ids.size()) > max_tokens) ids.resize(static_cast<std::size_t>(max_tokens));
+      if (static_cast<int>(ids.size()) > max_tokens) {
+        ++c.truncated_samples;
+        c.truncated_tokens += static_cast<std::int64_t>(ids.size()) - max_tokens;
+        ids.resize(static_cast<std::size_t>(max_tokens));
+      }
       c.samples.push_back({task, std::move(ids)});
     }
   }

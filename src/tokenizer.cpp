@@ -3,6 +3,8 @@
 #include "brigade/model/tokenizer.hpp"
 
 #include "brigade/core/error.hpp"
+#include "brigade/io/input.hpp"
+#include "brigade/model/weights.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -54,13 +56,23 @@ struct Tokenizer::Impl {
   std::vector<std::string> pieces;
   std::vector<float> scores;
   int max_token_length = 0;
-  /// piece -> id; when a piece occurs twice, the lower id wins.
+  /// piece -> id (pieces are unique: index() refuses a vocabulary that repeats one).
   std::unordered_map<std::string, int, PieceHash, std::equal_to<>> ids;
 
-  void index() {
+  /// Builds `ids`. `where` names the vocabulary in the error.
+  /// @throws brigade::Error{BadFile} naming the piece and both ids when two ids hold one piece
+  void index(std::string_view where) {
     ids.clear();
     ids.reserve(pieces.size());
-    for (std::size_t i = 0; i < pieces.size(); ++i) ids.emplace(pieces[i], static_cast<int>(i));
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      const auto [it, fresh] = ids.emplace(pieces[i], static_cast<int>(i));
+      if (!fresh)
+        detail::fail(Errc::BadFile,
+                     "{}: tokens {} and {} hold the same piece '{}' ({} bytes); each piece must "
+                     "have one id, or encoding is ambiguous (tokenizer.bin files exported before "
+                     "llama2.c kept byte tokens as \"<0xXX>\" repeat pieces this way)",
+                     where, it->second, i, detail::excerpt(pieces[i]), pieces[i].size());
+    }
   }
 
   [[nodiscard]] int lookup(std::string_view s) const {
@@ -107,13 +119,17 @@ Tokenizer Tokenizer::load_llama2c(const std::filesystem::path& path, int vocab_s
   const std::string name = path.string();
   BRIGADE_CHECK(vocab_size > 0, Errc::InvalidArgument,
                 "Tokenizer::load_llama2c({}): vocab_size = {}, expected > 0", name, vocab_size);
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec))
-    detail::fail(Errc::BadFile, "{}: tokenizer file not found (no such file)", name);
-  std::ifstream in(path, std::ios::binary);
-  BRIGADE_CHECK(in.is_open(), Errc::BadFile, "{}: cannot open tokenizer file", name);
-  const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  BRIGADE_CHECK(!in.bad(), Errc::BadFile, "{}: read error in tokenizer file", name);
+  const std::string bytes = io::read_input_file(path, "tokenizer file", io::kMaxTokenizerFileBytes);
+  if (const auto other = io::foreign_format(std::string_view(bytes).substr(0, 16)))
+    detail::fail(Errc::BadFile,
+                 "{}: is {}, not a llama2.c tokenizer (brigade reads llama2.c tokenizer.bin files; "
+                 "llama2.c's tokenizer.py writes them)",
+                 name, *other);
+  if (is_llama2c_checkpoint(path))
+    detail::fail(Errc::BadFile,
+                 "{}: is a llama2.c model checkpoint, not a tokenizer (were --model and "
+                 "--tokenizer swapped?)",
+                 name);
 
   const std::size_t size = bytes.size();
   std::size_t at = 0;
@@ -173,7 +189,7 @@ Tokenizer Tokenizer::load_llama2c(const std::filesystem::path& path, int vocab_s
                  "{}: {} bytes remain after token {} (offset {} of {}): the file holds more "
                  "tokens than vocab_size = {}",
                  name, size - at, vocab_size - 1, at, size, vocab_size);
-  m.index();
+  m.index(name);
   return t;
 }
 
@@ -215,7 +231,7 @@ Tokenizer Tokenizer::synthetic(int vocab_size, std::uint64_t seed) {
     longest = std::max(longest, m.pieces[i].size());
   }
   m.max_token_length = static_cast<int>(longest);
-  m.index();
+  m.index("Tokenizer::synthetic");
   return t;
 }
 

@@ -6,6 +6,7 @@
 #include "brigade/model/weights.hpp"
 
 #include "brigade/core/error.hpp"
+#include "brigade/io/input.hpp"
 
 #include <Eigen/Core>
 #include <fcntl.h>
@@ -147,6 +148,64 @@ void fill_rope_tables(const LlamaConfig& c, float* real, float* imag) {
 
 std::string errno_text(int e) { return std::generic_category().message(e); }
 
+/// Index of the first element of p[0, n) that is NaN or +-Inf, or n. Blocks of 1024 floats are
+/// screened with a branch-free OR over an exponent test (vectorized), so the scan runs at memory
+/// speed; only a block that fails is searched element by element.
+std::uint64_t first_non_finite(const float* p, std::uint64_t n) {
+  constexpr std::uint64_t kBlock = 1024;
+  constexpr std::uint32_t kExp = 0x7F800000u;
+  for (std::uint64_t b = 0; b < n; b += kBlock) {
+    const std::uint64_t e = std::min(n, b + kBlock);
+    std::uint32_t bad = 0;
+    for (std::uint64_t i = b; i < e; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, p + i, sizeof bits);
+      bad |= static_cast<std::uint32_t>((bits & kExp) == kExp);
+    }
+    if (bad)
+      for (std::uint64_t i = b; i < e; ++i)
+        if (!std::isfinite(p[i])) return i;
+  }
+  return n;
+}
+
+/// Throws if any weight of `w` is NaN or infinite, naming the tensor, the decoder layer and
+/// the element (flat index, and row/column for a matrix).
+void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_view where,
+                          Errc errc) {
+  const LlamaConfig& c = w.config;
+  const auto d = static_cast<std::uint64_t>(c.dim);
+  auto check = [&](const float* p, std::uint64_t n, std::uint64_t cols, std::string_view tensor,
+                   int layer) {
+    const std::uint64_t i = first_non_finite(p, n);
+    if (i == n) return;
+    const std::string at =
+        layer >= 0 ? fmt::format("tensor {} of decoder layer {} (layers count from 0)", tensor, layer)
+                   : fmt::format("tensor {}", tensor);
+    const std::string elem = cols == n ? fmt::format("element {}", i)
+                                       : fmt::format("element {} (row {}, column {})", i,
+                                                     i / cols, i % cols);
+    detail::fail(errc, "{}: {}, {} is {}: a checkpoint's weights must be finite", where,
+                 at, elem, p[i]);
+  };
+  check(w.token_embedding, l.cls, d, "token_embedding", -1);
+  for (std::size_t i = 0; i < w.layers.size(); ++i) {
+    const DecoderWeights& x = w.layers[i];
+    const int li = static_cast<int>(i);
+    check(x.rms_att, l.dim, l.dim, "rms_att", li);
+    check(x.wq, l.qo, d, "wq", li);
+    check(x.wk, l.kv, d, "wk", li);
+    check(x.wv, l.kv, d, "wv", li);
+    check(x.wo, l.qo, d, "wo", li);
+    check(x.rms_ffn, l.dim, l.dim, "rms_ffn", li);
+    check(x.w1, l.ffn, d, "w1", li);
+    check(x.w2, l.ffn, static_cast<std::uint64_t>(c.hidden_dim), "w2", li);
+    check(x.w3, l.ffn, d, "w3", li);
+  }
+  check(w.rms_final, l.dim, l.dim, "rms_final", -1);
+  if (!c.shared_classifier) check(w.wcls, l.cls, d, "wcls", -1);
+}
+
 /// Owns a read-only mapping and its file descriptor.
 struct Mapping {
   void* addr = MAP_FAILED;
@@ -262,9 +321,38 @@ void run_normal_jobs(const std::vector<NormalJob>& jobs) {
 
 }  // namespace
 
+bool is_llama2c_checkpoint(const std::filesystem::path& path) {
+  const std::string head = io::read_head(path, kHeaderBytes);
+  if (head.size() != kHeaderBytes) return false;
+  std::array<std::int32_t, 7> h{};
+  std::memcpy(h.data(), head.data(), kHeaderBytes);
+  if (h[5] == 0 || h[5] == std::numeric_limits<std::int32_t>::min()) return false;
+  for (std::size_t i = 0; i < h.size(); ++i)
+    if (i != 5 && h[i] <= 0) return false;
+  LlamaConfig c;
+  c.dim = h[0];
+  c.hidden_dim = h[1];
+  c.n_layers = h[2];
+  c.n_heads = h[3];
+  c.n_kv_heads = h[4];
+  c.vocab_size = h[5] < 0 ? -h[5] : h[5];
+  c.shared_classifier = h[5] > 0;
+  c.seq_len = h[6];
+  try {
+    c.validate("is_llama2c_checkpoint");
+  } catch (const Error&) {
+    return false;
+  }
+  const std::optional<Layout> layout = compute_layout(c);
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  return layout && !ec && size == layout->file_bytes();
+}
+
 LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
   const std::string name = path.string();
-  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
+  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int e = errno;
     if (e == ENOENT)
@@ -284,8 +372,14 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
   if (::fstat(fd, &st) != 0)
     detail::fail(Errc::BadFile, "{}: cannot stat llama2.c checkpoint: {}", name, errno_text(errno));
   if (!S_ISREG(st.st_mode))
-    detail::fail(Errc::BadFile, "{}: not a regular file (a llama2.c checkpoint is expected)", name);
+    detail::fail(Errc::BadFile, "{}: is {}, not a regular file (expected a llama2.c checkpoint)",
+                 name, io::non_regular_kind(static_cast<unsigned>(st.st_mode)));
   const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (const auto other = io::foreign_format(io::read_head(path, 16)))
+    detail::fail(Errc::BadFile,
+                 "{}: is {}, not a llama2.c checkpoint (brigade reads llama2.c .bin checkpoints; "
+                 "llama2.c's export.py writes them)",
+                 name, *other);
   if (size < kHeaderBytes)
     detail::fail(Errc::BadFile,
                  "{}: file is {} bytes, shorter than the {}-byte llama2.c header (7 int32: dim, "
@@ -367,6 +461,7 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
   });
   const auto* base = reinterpret_cast<const float*>(static_cast<const char*>(addr) + kHeaderBytes);
   bind(w, base, *layout);
+  check_finite_weights(w, *layout, name, Errc::BadFile);
   return w;
 }
 
@@ -389,6 +484,9 @@ void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeigh
   const std::optional<Layout> layout = compute_layout(c);
   BRIGADE_CHECK(layout.has_value(), Errc::InvalidArgument,
                 "save_llama2c_checkpoint({}): the config's size overflows 64 bits", name);
+
+  check_finite_weights(w, *layout, fmt::format("save_llama2c_checkpoint({})", name),
+                       Errc::InvalidArgument);
 
   std::vector<float> real(layout->freq), imag(layout->freq);
   fill_rope_tables(c, real.data(), imag.data());

@@ -3,6 +3,7 @@
 
 #include <brigade/config.hpp>
 #include <brigade/engine/inference.hpp>
+#include <brigade/io/input.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
@@ -42,8 +43,8 @@ struct GenerateArgs {
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
-  std::ifstream in(path);
-  BRIGADE_CHECK(in.good(), brigade::Errc::BadFile, "{}: cannot open the prompt file", path);
+  std::istringstream in(
+      brigade::io::read_input_file(path, "prompt file", brigade::io::kMaxPromptFileBytes));
   std::vector<std::string> out;
   for (std::string line; std::getline(in, line);)
     if (!line.empty()) out.push_back(line);
@@ -209,16 +210,14 @@ int run(const GenerateArgs& a) {
 
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<GenerateArgs>();
-  sub.add_option("--model", a->model, "llama2.c checkpoint (.bin); without it, a synthetic model")
-      ->check(CLI::ExistingFile);
-  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (.bin)")->check(CLI::ExistingFile);
+  sub.add_option("--model", a->model, "llama2.c checkpoint (.bin); without it, a synthetic model");
+  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (.bin)");
   sub.add_option("--synthetic", a->synthetic,
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
       ->capture_default_str();
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
   sub.add_option("--prompt", a->prompts, "a prompt; repeat for several sequences in flight");
-  sub.add_option("--prompt-file", a->prompt_file, "a file of prompts, one per line")
-      ->check(CLI::ExistingFile);
+  sub.add_option("--prompt-file", a->prompt_file, "a file of prompts, one per line");
   sub.add_option("--steps", a->steps, "positions per sequence, prompt included (run.c's -n); 0 = seq_len")
       ->check(CLI::Range(0, 1 << 24))->capture_default_str();
   sub.add_option("--temperature", a->temperature, "0 = greedy")

@@ -4,6 +4,7 @@
 
 #include <brigade/core/error.hpp>
 #include <brigade/cost/cost_model.hpp>
+#include <brigade/io/input.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/config.hpp>
 #include <brigade/schedule.hpp>
@@ -48,14 +49,6 @@ struct Options {
   int svg_width = 1000;
 };
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  BRIGADE_CHECK(in.good(), Errc::BadFile, "{}: cannot open for reading", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 /// F,B[,W] as non-negative numbers.
 std::vector<double> parse_unit_costs(const std::string& text) {
   std::vector<double> out;
@@ -89,9 +82,11 @@ brigade::model::LlamaConfig load_model(const std::string& what) {
   if (!is_file) return brigade::model::named_config(what);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_text(what));
+    j = nlohmann::json::parse(
+        brigade::io::read_input_file(what, "model config", brigade::io::kMaxPromptFileBytes));
   } catch (const nlohmann::json::exception& e) {
-    brigade::detail::fail(Errc::BadFile, "{}: not a JSON model config ({})", what, e.what());
+    brigade::detail::fail(Errc::BadFile, "{}: not a JSON model config ({})", what,
+                          brigade::detail::excerpt(e.what(), 160));
   }
   BRIGADE_CHECK(j.is_object(), Errc::BadFile, "{}: expected a JSON object of config fields", what);
   brigade::model::LlamaConfig c;
@@ -124,7 +119,8 @@ int run(const Options& o) {
     name = o.schedule_file;
     sch::Schedule s;
     try {
-      s = sch::parse_schedule(read_text(o.schedule_file));
+      s = sch::parse_schedule(brigade::io::read_input_file(o.schedule_file, "schedule file",
+                                                           brigade::io::kMaxScheduleFileBytes));
     } catch (const brigade::Error& e) {
       if (e.code() != Errc::InvalidArgument) throw;
       brigade::detail::fail(Errc::InvalidArgument, "{}: {}", o.schedule_file, e.what());

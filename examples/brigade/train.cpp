@@ -210,13 +210,11 @@ int run(const TrainArgs& a) {
 
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<TrainArgs>();
-  sub.add_option("--model", a->model, "initial llama2.c checkpoint; without it, a synthetic model")
-      ->check(CLI::ExistingFile);
+  sub.add_option("--model", a->model, "initial llama2.c checkpoint; without it, a synthetic model");
   a->synthetic_option = sub.add_option("--synthetic", a->synthetic, "size of the synthetic Llama without --model")
       ->capture_default_str();
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
-  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)")
-      ->check(CLI::ExistingFile);
+  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)");
   sub.add_option("--data", a->data,
                  "text file or folder (one task per file; '%' lines or blank lines separate "
                  "samples); default: the fortunes package")

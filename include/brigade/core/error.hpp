@@ -60,6 +60,27 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
+/// A short, printable excerpt of untrusted text (a token of a file, a flag value) for an
+/// error message: at most `max_bytes` bytes of it, bytes outside printable ASCII written as
+/// \xNN, and, when cut, "..." and the full length in bytes. An error line never echoes a
+/// whole hostile input (a 5 MB token is quoted as its first 32 bytes).
+/// Example: excerpt("0F0\x01") == "0F0\\x01"; excerpt(std::string(5000000, 'a')) ==
+/// "aaaa...a... (5000000 bytes)" (32 'a's).
+inline std::string excerpt(std::string_view s, std::size_t max_bytes = 32) {
+  std::string out;
+  const std::size_t n = s.size() < max_bytes ? s.size() : max_bytes;
+  out.reserve(n + 24);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b >= 0x20 && b < 0x7F && b != '\\')
+      out.push_back(static_cast<char>(b));
+    else
+      out += fmt::format("\\x{:02X}", b);
+  }
+  if (n < s.size()) out += fmt::format("... ({} bytes)", s.size());
+  return out;
+}
+
 /// The single throw point: formats the message with fmt and throws brigade::Error.
 /// @throws brigade::Error{code} always
 template <class... Args>

@@ -26,6 +26,10 @@ struct Sample {
 struct Corpus {
   std::vector<std::string> tasks;  ///< task names (file names), in load order
   std::vector<Sample> samples;     ///< every sample, task by task, in file order
+  /// Samples longer than load_corpus's max_tokens, cut to that length (never silent: the
+  /// caller reports it; brigade train prints a notice).
+  std::int64_t truncated_samples = 0;
+  std::int64_t truncated_tokens = 0;  ///< tokens cut off those samples
 
   /// Total tokens over all samples.
   [[nodiscard]] std::int64_t num_tokens() const noexcept {
@@ -45,10 +49,14 @@ std::filesystem::path default_corpus_path();
 
 /// Loads a text file or every regular text file of a folder (sorted by name; symbolic links,
 /// hidden files and fortune index files `*.dat` skipped), one task per file, and tokenizes each
-/// sample as Tokenizer::encode(text, bos = true, eos = false), truncated to `max_tokens`.
+/// sample as Tokenizer::encode(text, bos = true, eos = false), cut to `max_tokens` (counted in
+/// Corpus::truncated_samples and truncated_tokens).
 /// @param max_tokens longest sample kept, in tokens (>= 2)
-/// @throws brigade::Error{BadFile} if the path does not exist, a file cannot be read, or no
-///         sample is found; Error{InvalidArgument} if max_tokens < 2
+/// @throws brigade::Error{BadFile} if the path does not exist, a file cannot be read, is not a
+///         regular file, is larger than io::kMaxCorpusFileBytes, or is not text (naming the file
+///         and why: another format's magic as io::foreign_format names it, a llama2.c checkpoint,
+///         or the offset of the first NUL byte), or no sample is found;
+///         Error{InvalidArgument} if max_tokens < 2
 Corpus load_corpus(const std::filesystem::path& path, const model::Tokenizer& tokenizer,
                    int max_tokens);
 

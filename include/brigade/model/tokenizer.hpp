@@ -25,7 +25,11 @@ class Tokenizer {
   /// @throws brigade::Error{BadFile} naming the file, the token id and the values when the file
   ///         is missing or truncated, a length is negative or exceeds max_token_length, bytes
   ///         remain after the last token (vocab_size too small), or the file holds fewer than
-  ///         vocab_size tokens
+  ///         vocab_size tokens; naming the piece (a 32-byte excerpt) and both ids when two ids
+  ///         hold the same piece (run.c's binary search would then pick either); when the file
+  ///         is not a regular file (a directory, FIFO, device), is larger than
+  ///         io::kMaxTokenizerFileBytes, starts with another format's magic (io::foreign_format:
+  ///         GGUF, safetensors, zip, pickle, ELF, ...), or is a llama2.c model checkpoint
   /// @throws brigade::Error{InvalidArgument} if vocab_size <= 0
   static Tokenizer load_llama2c(const std::filesystem::path& path, int vocab_size);
 
@@ -43,8 +47,8 @@ class Tokenizer {
   /// the vocabulary with the highest score is merged (the leftmost pair on ties; a score must
   /// exceed -1e10, run.c's starting value); EOS if `eos`. Where run.c's C strings give no
   /// answer: a NUL byte is encoded like any byte (run.c stops at it); a vocabulary without
-  /// " " gets the byte token of 0x20 as dummy prefix; a piece stored twice resolves to its
-  /// lower id.
+  /// " " gets the byte token of 0x20 as dummy prefix. (A vocabulary never holds a piece
+  /// twice: load_llama2c refuses that.)
   /// @throws brigade::Error{InvalidArgument} if a byte needs its fallback token (byte + 3) and
   ///         that id is outside [0, vocab_size)
   [[nodiscard]] std::vector<int> encode(std::string_view text, bool bos, bool eos) const;

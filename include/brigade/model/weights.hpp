@@ -46,8 +46,19 @@ struct LlamaWeights {
 /// @throws brigade::Error{BadFile} naming the file, the field and the values when the file is
 ///         missing, shorter than its header, has a non-positive or inconsistent header field
 ///         (LlamaConfig::validate's checks), implies more than 2^64 bytes, or its size differs
-///         from the size the header implies (bytes seen and expected)
+///         from the size the header implies (bytes seen and expected); when it is not a regular
+///         file (saying which kind: a directory, a FIFO, a character device), or starts with
+///         another format's magic (io::foreign_format: "is a GGUF file (llama.cpp)", safetensors,
+///         a zip or pickle PyTorch file, ELF, ...); naming the tensor, the decoder layer
+///         (counting from 0) and the element when a weight is NaN or infinite (the whole file
+///         is scanned at load, at memory speed: docs/benchmarks.md)
 LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path);
+
+/// True when `path` is a regular file whose first 28 bytes are a valid llama2.c header (every
+/// field positive, LlamaConfig::validate passes) and whose size is exactly the size that header
+/// implies. Never throws; reads only the header. Used to name a checkpoint given where another
+/// kind of file belongs (a tokenizer, a text corpus).
+bool is_llama2c_checkpoint(const std::filesystem::path& path);
 
 /// Writes `w` as a llama2.c legacy checkpoint (atomically: `path` + ".tmp", then rename; the
 /// temporary is removed on failure). The header's vocab_size is negative when the classifier is
@@ -56,6 +67,8 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path);
 /// [seq_len x head_size/2] (float32 angle; within 1 ulp of the PyTorch-made tables).
 /// @throws brigade::Error{InvalidArgument} if `w.config` is invalid, `w.layers.size()` differs
 ///         from n_layers, or a tensor pointer is null
+/// @throws brigade::Error{InvalidArgument} naming the tensor, layer and element if a weight is
+///         NaN or infinite (nothing is written)
 /// @throws brigade::Error{BadFile} naming the file if it cannot be written or renamed
 void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeights& w);
 

@@ -231,7 +231,7 @@ inline ActionParse parse_action_token(std::string_view tok) {
   }
   const auto op = op_from_string(op_name);
   if (!op) {
-    r.error = fmt::format("unknown op '{}', expected one of {}", op_name, known_ops());
+    r.error = fmt::format("unknown op '{}', expected one of {}", ::brigade::detail::excerpt(op_name), known_ops());
     r.offset = op_begin;
     return r;
   }
@@ -246,7 +246,7 @@ inline ActionParse parse_action_token(std::string_view tok) {
     const std::size_t suffix = pos;
     if (tok.substr(pos, 2) != ".c") {
       r.error = fmt::format("unexpected '{}' after the micro-batch, expected end or '.c<chunk>'",
-                            tok.substr(pos));
+                            ::brigade::detail::excerpt(tok.substr(pos)));
       r.offset = suffix;
       return r;
     }
@@ -257,7 +257,8 @@ inline ActionParse parse_action_token(std::string_view tok) {
       return r;
     }
     if (pos != tok.size()) {
-      r.error = fmt::format("unexpected '{}' after the chunk", tok.substr(pos));
+      r.error = fmt::format("unexpected '{}' after the chunk",
+                            ::brigade::detail::excerpt(tok.substr(pos)));
       r.offset = pos;
       return r;
     }
@@ -274,7 +275,8 @@ inline ActionParse parse_action_token(std::string_view tok) {
 inline Action parse_action(std::string_view text) {
   auto r = detail::parse_action_token(text);
   if (!r.action)
-    ::brigade::detail::fail(Errc::InvalidArgument, "action '{}', column {}: {}", text, r.offset + 1,
+    ::brigade::detail::fail(Errc::InvalidArgument, "action '{}', column {}: {}",
+                            ::brigade::detail::excerpt(text), r.offset + 1,
                             r.error);
   return *r.action;
 }
@@ -336,7 +338,8 @@ inline int parse_int_field(std::string_view value, int line, std::size_t col,
   std::int32_t v = 0;
   std::size_t p = 0;
   if (!parse_index(value, p, v) || p != value.size())
-    fail_at(line, col, "{}='{}' is not a non-negative integer", key, value);
+    fail_at(line, col, "{}='{}' is not a non-negative integer", key,
+            ::brigade::detail::excerpt(value));
   return v;
 }
 
@@ -385,7 +388,8 @@ inline Schedule parse_schedule(std::string_view text) {
         if (kv.empty()) break;
         const auto eq = kv.find('=');
         if (eq == std::string_view::npos)
-          detail::fail_at(cur.line_no, col, "expected key=value in the shape line, got '{}'", kv);
+          detail::fail_at(cur.line_no, col, "expected key=value in the shape line, got '{}'",
+                            ::brigade::detail::excerpt(kv));
         const std::string_view key = kv.substr(0, eq), value = kv.substr(eq + 1);
         const std::size_t vcol = col + eq + 1;
         if (key == "ranks") {
@@ -402,7 +406,8 @@ inline Schedule parse_schedule(std::string_view text) {
           } else if (value == "inference") {
             mode = Mode::Inference;
           } else {
-            detail::fail_at(cur.line_no, vcol, "mode='{}', expected training or inference", value);
+            detail::fail_at(cur.line_no, vcol, "mode='{}', expected training or inference",
+                            ::brigade::detail::excerpt(value));
           }
         } else if (key == "placement") {
           have_placement = true;
@@ -418,7 +423,7 @@ inline Schedule parse_schedule(std::string_view text) {
           detail::fail_at(cur.line_no, col,
                           "unknown shape key '{}', expected ranks, stages, microbatches, chunks, "
                           "mode or placement",
-                          key);
+                          ::brigade::detail::excerpt(key));
         }
       }
       if (ranks < 1) detail::fail_at(cur.line_no, 0, "the shape line needs ranks=P with P >= 1");
@@ -447,7 +452,8 @@ inline Schedule parse_schedule(std::string_view text) {
       if (!have_shape) detail::fail_at(cur.line_no, col, "a rank line before the 'shape' line");
       const std::string_view num = cur.token(col);
       if (num.empty() || num.back() != ':')
-        detail::fail_at(cur.line_no, col, "expected 'rank <r>:', got 'rank {}'", num);
+        detail::fail_at(cur.line_no, col, "expected 'rank <r>:', got 'rank {}'",
+                        ::brigade::detail::excerpt(num));
       const int r =
           detail::parse_int_field(num.substr(0, num.size() - 1), cur.line_no, col, "rank");
       if (r != next_rank)
@@ -463,22 +469,27 @@ inline Schedule parse_schedule(std::string_view text) {
         if (tok.empty()) break;
         auto p = detail::parse_action_token(tok);
         if (!p.action)
-          detail::fail_at(cur.line_no, col + p.offset, "action '{}': {}", tok, p.error);
+          detail::fail_at(cur.line_no, col + p.offset, "action '{}': {}",
+                          ::brigade::detail::excerpt(tok), p.error);
         const Action a = *p.action;
         if (a.virtual_stage >= s.shape.num_virtual_stages)
-          detail::fail_at(cur.line_no, col, "action '{}': virtual stage {} outside [0, {})", tok,
+          detail::fail_at(cur.line_no, col, "action '{}': virtual stage {} outside [0, {})",
+                          ::brigade::detail::excerpt(tok),
                           a.virtual_stage, s.shape.num_virtual_stages);
         if (a.microbatch >= s.shape.num_microbatches)
-          detail::fail_at(cur.line_no, col, "action '{}': micro-batch {} outside [0, {})", tok,
+          detail::fail_at(cur.line_no, col, "action '{}': micro-batch {} outside [0, {})",
+                          ::brigade::detail::excerpt(tok),
                           a.microbatch, s.shape.num_microbatches);
         if (a.chunk >= s.shape.num_chunks)
-          detail::fail_at(cur.line_no, col, "action '{}': chunk {} outside [0, {})", tok, a.chunk,
+          detail::fail_at(cur.line_no, col, "action '{}': chunk {} outside [0, {})",
+                          ::brigade::detail::excerpt(tok), a.chunk,
                           s.shape.num_chunks);
         prog.push_back(a);
       }
       ++next_rank;
     } else {
-      detail::fail_at(cur.line_no, col, "expected 'shape' or 'rank <r>:', got '{}'", head);
+      detail::fail_at(cur.line_no, col, "expected 'shape' or 'rank <r>:', got '{}'",
+                        ::brigade::detail::excerpt(head));
     }
     if (end == text.size()) break;
   }
