@@ -1,6 +1,6 @@
 // stories260K on the GPU: float32 greedy generation gives llama2.c run.c's tokens exactly
-// (../shared/data/reference/stories260K_greedy.json); the data folder is BRIGADE_DATA_DIR (the
-// environment variable overrides the path compiled in, for the device machine).
+// (models/reference/stories260K_greedy.json); the folder is the committed models/ (the
+// environment variable BRIGADE_DATA_DIR overrides it, for the device machine).
 #include "support.hpp"
 
 #include <brigade/model/text.hpp>
@@ -20,7 +20,7 @@ namespace {
 
 fs::path data_dir() {
   if (const char* env = std::getenv("BRIGADE_DATA_DIR"); env && *env) return env;
-  return BRIGADE_DATA_DIR;
+  return BRIGADE_MODEL_DIR;  // the committed models/
 }
 
 }  // namespace
@@ -30,7 +30,7 @@ TEST_SUITE("model") {
     const fs::path dir = data_dir();
     INFO("data folder: " << dir.string());
     REQUIRE_MESSAGE(fs::exists(dir / "stories260K.bin"),
-                    "stories260K.bin not found; set BRIGADE_DATA_DIR to the folder holding it");
+                    "stories260K.bin not found in the committed models/ (or $BRIGADE_DATA_DIR)");
     const auto weights = model::load_llama2c_checkpoint(dir / "stories260K.bin");
     const auto tok = model::Tokenizer::load_llama2c(dir / "tok512.bin", 512);
     std::ifstream in(dir / "reference" / "stories260K_greedy.json");
@@ -69,7 +69,7 @@ TEST_SUITE("model") {
   TEST_CASE("cuda.stories260K: bf16 generation runs and mostly agrees with f32") {
     const fs::path dir = data_dir();
     REQUIRE_MESSAGE(fs::exists(dir / "stories260K.bin"),
-                    "stories260K.bin not found; set BRIGADE_DATA_DIR to the folder holding it");
+                    "stories260K.bin not found in the committed models/ (or $BRIGADE_DATA_DIR)");
     const auto weights = model::load_llama2c_checkpoint(dir / "stories260K.bin");
     cuda::CudaBackend gpu;
     const std::vector<int> caps = {weights.config.seq_len};

@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kData = BRIGADE_DATA_DIR;
+const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
 struct Fixture {
   model::LlamaWeights weights = model::load_llama2c_checkpoint(kData / "stories260K.bin");

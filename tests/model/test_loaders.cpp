@@ -31,11 +31,11 @@ using brigade::model::Tokenizer;
 
 namespace {
 
-fs::path data_dir() { return fs::path(BRIGADE_DATA_DIR); }
+fs::path data_dir() { return fs::path(BRIGADE_MODEL_DIR); }  // the committed models/
 
 fs::path data_file(std::string_view name) {
   const fs::path p = data_dir() / name;
-  INFO("data file (set the BRIGADE_DATA_DIR cache variable): " << p.string());
+  INFO("committed model file: " << p.string());
   REQUIRE(fs::exists(p));
   return p;
 }

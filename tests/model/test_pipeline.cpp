@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kData = BRIGADE_DATA_DIR;
+const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
 struct Case {
   std::string name, prompt, stdout_text;

@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kData = BRIGADE_DATA_DIR;
+const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
 const model::LlamaWeights& stories() {
   static const auto w = model::load_llama2c_checkpoint(kData / "stories260K.bin");

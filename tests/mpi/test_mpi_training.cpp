@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kData = BRIGADE_DATA_DIR;
+const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
 /// Ten short stories as samples, micro-batches of at most 48 tokens from them.
 std::vector<data::Sample> story_samples() {
