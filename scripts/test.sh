@@ -4,9 +4,10 @@
 #   scripts/test.sh --tsan        the pipeline and transport tests under ThreadSanitizer (build-tsan/)
 #   scripts/test.sh --asan        the whole CPU suite under AddressSanitizer and
 #                                 UndefinedBehaviorSanitizer (build-asan/; no CUDA, no MPI)
-#   scripts/test.sh --fuzz [S]    builds the libFuzzer targets of the parsers (build-fuzz/, clang)
-#                                 and runs each for S seconds (default 600), one after another
-#                                 with one job each; docs/testing.md records a run
+#   scripts/test.sh --fuzz [S [T...]]  builds the libFuzzer targets of the parsers (build-fuzz/,
+#                                 clang) and runs each (or the targets T: checkpoint, tokenizer,
+#                                 schedule) for S seconds (default 600), one after another with
+#                                 one job each; docs/testing.md records a run
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=$(nproc)
@@ -14,11 +15,13 @@ mode=${1:-}
 if [[ "$mode" == "--fuzz" ]]; then
   "$root/scripts/deps.sh" clang-14 libclang-rt-14-dev
   seconds=${2:-600}
+  targets=("${@:3}")
+  ((${#targets[@]})) || targets=(checkpoint tokenizer schedule)
   build="$root/build-fuzz"
   CXX=clang++-14 cmake -S "$root/fuzz" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build "$build" -j"$jobs"
   status=0
-  for t in checkpoint tokenizer schedule; do
+  for t in "${targets[@]}"; do
     mkdir -p "$build/corpus/$t" "$build/artifacts"
     echo "fuzz_$t: ${seconds} s" >&2
     # The seeds are read, new inputs go to build-fuzz/corpus/ (kept between runs); a finding is

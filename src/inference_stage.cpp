@@ -1,12 +1,52 @@
 // InferenceStage: one stage's layers over packed micro-batches, with its KV caches.
 #include "brigade/runtime/inference_stage.hpp"
 
+#include "brigade/core/finite.hpp"
+
 #include <algorithm>
 
 namespace brigade::runtime {
 inline namespace v0 {
 
 using model::LayerKind;
+
+namespace {
+
+/// Stops the run when layer `l`'s output in `mb` holds a NaN or an infinity, naming the stage
+/// (its layer range), the micro-batch, the layer, the sequence and position of the bad row and
+/// the column. One read of the output per layer (its cost: docs/benchmarks.md).
+/// @throws brigade::Error{NonFinite}
+void check_layer_output(const Microbatch& mb, partition::StageRange range, int l,
+                        const model::LayerSpec& layer) {
+  check_finite(
+      mb.act.data(), mb.rows, mb.width,
+      [&] {
+        const std::string kind =
+            layer.kind == LayerKind::Decoder
+                ? fmt::format("decoder {}", layer.decoder_index)
+                : std::string(model::to_string(layer.kind));
+        return fmt::format("non-finite {}: stage of layers [{}, {}), micro-batch {}, output of "
+                           "layer {} ({})",
+                           layer.kind == LayerKind::LMHead ? "logits" : "activation", range.first,
+                           range.last, mb.id, l, kind);
+      },
+      [&](std::int64_t row) {
+        // Packed rows until the final norm; one row per sequence (its last position) after it.
+        const bool per_sequence = mb.rows == static_cast<std::int64_t>(mb.seqs.size()) &&
+                                  (layer.kind == LayerKind::FinalNorm || layer.kind == LayerKind::LMHead);
+        std::int64_t first = 0;
+        for (const auto& s : mb.seqs) {
+          const std::int64_t n = per_sequence ? 1 : s.tokens;
+          if (row < first + n)
+            return fmt::format("row {} (sequence {}, position {})", row, s.seq,
+                               per_sequence ? s.pos0 + s.tokens - 1 : s.pos0 + (row - first));
+          first += n;
+        }
+        return fmt::format("row {}", row);
+      });
+}
+
+}  // namespace
 
 InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                                std::span<const int> capacities,
@@ -140,6 +180,7 @@ void InferenceStage::forward(Microbatch& mb) {
         break;
       }
       case LayerKind::Sampler: {
+        // The logits were checked as the LM head's output, on whichever stage holds it.
         mb.sampled.resize(static_cast<std::size_t>(n_seq));
         for (std::int64_t i = 0; i < n_seq; ++i) {
           std::span<float> logits(mb.act.data() + i * c.vocab_size,
@@ -151,6 +192,7 @@ void InferenceStage::forward(Microbatch& mb) {
         break;
       }
     }
+    if (layer.kind != LayerKind::Sampler) check_layer_output(mb, range_, l, layer);
   }
   mb.next_layer = range_.last;
 }

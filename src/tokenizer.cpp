@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -166,6 +167,10 @@ Tokenizer Tokenizer::load_llama2c(const std::filesystem::path& path, int vocab_s
     float score = 0.0f;
     std::memcpy(&score, bytes.data() + at, sizeof score);
     at += sizeof score;
+    BRIGADE_CHECK(std::isfinite(score), Errc::BadFile,
+                  "{}: token {} has merge score {} at offset {}, expected a finite number (BPE "
+                  "merges compare scores)",
+                  name, id, score, at - 4);
     std::int32_t len = 0;
     std::memcpy(&len, bytes.data() + at, sizeof len);
     at += sizeof len;

@@ -1,8 +1,11 @@
 // TrainStage: a stage's parameters, gradients and per-micro-batch stashes for training.
 #include "brigade/runtime/train_stage.hpp"
 
+#include "brigade/core/finite.hpp"
+
 #include <algorithm>
 #include <array>
+#include <cmath>
 
 namespace brigade::runtime {
 inline namespace v0 {
@@ -21,6 +24,22 @@ std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
 
 std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
   return {w.rms_att, w.wq, w.wk, w.wv, w.wo, w.rms_ffn, w.w1, w.w2, w.w3};
+}
+
+/// Stops training when a stage's activation or gradient holds a NaN or an infinity, naming the
+/// stage (its layer range), the micro-batch, what was checked and the bad row (a token of the
+/// packed micro-batch) and column. One read of the buffer (its cost: docs/benchmarks.md).
+/// @throws brigade::Error{NonFinite}
+void check_stage_buffer(const std::vector<float>& x, std::int64_t rows, std::int64_t width,
+                        partition::StageRange range, int mb, std::string_view what) {
+  check_finite(
+      x.data(), rows, width,
+      [&] {
+        return fmt::format("non-finite value in training: stage of layers [{}, {}), micro-batch "
+                           "{}, {}",
+                           range.first, range.last, mb, what);
+      },
+      [](std::int64_t row) { return fmt::format("row {} (token {} of the micro-batch)", row, row); });
 }
 
 }  // namespace
@@ -93,7 +112,7 @@ const TrainStage::Micro& TrainStage::micro(int mb, const char* what) const {
   return const_cast<TrainStage*>(this)->micro(mb, what);
 }
 
-void TrainStage::run_forward(Micro& m, const float* x_in) {
+void TrainStage::run_forward(int mb, Micro& m, const float* x_in) {
   const auto& b = *m.batch;
   const std::int64_t rows = b.rows();
   const auto dim = static_cast<std::int64_t>(config_.dim);
@@ -104,10 +123,14 @@ void TrainStage::run_forward(Micro& m, const float* x_in) {
     std::copy_n(x_in, rows * dim, m.output.data());
   }
   m.acts.resize(static_cast<std::size_t>(num_decoders_));
-  for (int i = 0; i < num_decoders_; ++i)
+  for (int i = 0; i < num_decoders_; ++i) {
     cpu::decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], m.output.data(),
                                m.output.data(), rows, b.offsets,
                                m.acts[static_cast<std::size_t>(i)], &scratch_);
+    const int d = first_decoder_ + i;
+    check_stage_buffer(m.output, rows, dim, range_, mb,
+                       fmt::format("output of layer {} (decoder {})", d + 1, d));
+  }
   if (has_head_) {
     const float* wcls = wcls_.empty() ? embedding_.data() : wcls_.data();
     // The tail runs its head backward-input right away: output() then holds the gradient of the
@@ -115,6 +138,10 @@ void TrainStage::run_forward(Micro& m, const float* x_in) {
     m.loss = cpu::head_forward_backward_input(config_, rms_final_.data(), wcls, m.output.data(),
                                               b.targets.data(), rows, m.output.data(), m.head,
                                               m.denominator);
+    BRIGADE_CHECK(std::isfinite(m.loss.sum), Errc::NonFinite,
+                  "non-finite value in training: stage of layers [{}, {}), micro-batch {}, the "
+                  "loss is {} over {} tokens",
+                  range_.first, range_.last, mb, m.loss.sum, m.loss.count);
   }
   m.full = true;
 }
@@ -147,7 +174,7 @@ void TrainStage::forward(int mb, const data::PackedBatch& batch, const float* x_
   m.forwarded = true;
   if (!keep_activations && !has_embedding())
     m.input.assign(x_in, x_in + batch.rows() * config_.dim);
-  run_forward(m, x_in);
+  run_forward(mb, m, x_in);
   if (!keep_activations) {
     for (auto& a : m.acts) a.clear();
     m.head = {};
@@ -162,7 +189,7 @@ void TrainStage::recompute(int mb) {
                 "TrainStage [{}, {}): RECOMPUTE of micro-batch {} without a stashed input",
                 range_.first, range_.last, mb);
   const std::vector<float> out = m.output;  // a non-tail output may already be released
-  run_forward(m, has_embedding() ? nullptr : m.input.data());
+  run_forward(mb, m, has_embedding() ? nullptr : m.input.data());
   if (!has_head_) m.output = out;
   m.input.clear();
   m.input.shrink_to_fit();
@@ -189,6 +216,7 @@ void TrainStage::backward_input(int mb, const float* dy) {
     cpu::decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
                                 m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
                                 &scratch_);
+  check_stage_buffer(g, rows, config_.dim, range_, mb, "gradient of the stage's input");
   (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
   m.bi_done = true;
 }

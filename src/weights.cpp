@@ -6,6 +6,7 @@
 #include "brigade/model/weights.hpp"
 
 #include "brigade/core/error.hpp"
+#include "brigade/core/finite.hpp"
 #include "brigade/io/input.hpp"
 
 #include <Eigen/Core>
@@ -148,27 +149,6 @@ void fill_rope_tables(const LlamaConfig& c, float* real, float* imag) {
 
 std::string errno_text(int e) { return std::generic_category().message(e); }
 
-/// Index of the first element of p[0, n) that is NaN or +-Inf, or n. Blocks of 1024 floats are
-/// screened with a branch-free OR over an exponent test (vectorized), so the scan runs at memory
-/// speed; only a block that fails is searched element by element.
-std::uint64_t first_non_finite(const float* p, std::uint64_t n) {
-  constexpr std::uint64_t kBlock = 1024;
-  constexpr std::uint32_t kExp = 0x7F800000u;
-  for (std::uint64_t b = 0; b < n; b += kBlock) {
-    const std::uint64_t e = std::min(n, b + kBlock);
-    std::uint32_t bad = 0;
-    for (std::uint64_t i = b; i < e; ++i) {
-      std::uint32_t bits;
-      std::memcpy(&bits, p + i, sizeof bits);
-      bad |= static_cast<std::uint32_t>((bits & kExp) == kExp);
-    }
-    if (bad)
-      for (std::uint64_t i = b; i < e; ++i)
-        if (!std::isfinite(p[i])) return i;
-  }
-  return n;
-}
-
 /// Throws if any weight of `w` is NaN or infinite, naming the tensor, the decoder layer and
 /// the element (flat index, and row/column for a matrix).
 void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_view where,
@@ -177,7 +157,7 @@ void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_vi
   const auto d = static_cast<std::uint64_t>(c.dim);
   auto check = [&](const float* p, std::uint64_t n, std::uint64_t cols, std::string_view tensor,
                    int layer) {
-    const std::uint64_t i = first_non_finite(p, n);
+    const std::uint64_t i = first_non_finite(p, static_cast<std::size_t>(n));
     if (i == n) return;
     const std::string at =
         layer >= 0 ? fmt::format("tensor {} of decoder layer {} (layers count from 0)", tensor, layer)
@@ -321,14 +301,10 @@ void run_normal_jobs(const std::vector<NormalJob>& jobs) {
 
 }  // namespace
 
-bool is_llama2c_checkpoint(const std::filesystem::path& path) {
-  const std::string head = io::read_head(path, kHeaderBytes);
-  if (head.size() != kHeaderBytes) return false;
-  std::array<std::int32_t, 7> h{};
-  std::memcpy(h.data(), head.data(), kHeaderBytes);
-  if (h[5] == 0 || h[5] == std::numeric_limits<std::int32_t>::min()) return false;
-  for (std::size_t i = 0; i < h.size(); ++i)
-    if (i != 5 && h[i] <= 0) return false;
+namespace {
+
+/// The config a llama2.c header's 7 fields give (vocab_size < 0: a separate classifier).
+LlamaConfig config_from_header(const std::array<std::int32_t, 7>& h) {
   LlamaConfig c;
   c.dim = h[0];
   c.hidden_dim = h[1];
@@ -338,6 +314,48 @@ bool is_llama2c_checkpoint(const std::filesystem::path& path) {
   c.vocab_size = h[5] < 0 ? -h[5] : h[5];
   c.shared_classifier = h[5] > 0;
   c.seq_len = h[6];
+  return c;
+}
+
+/// True when the file walks exactly as a llama2.c tokenizer: a uint32 max_token_length, then
+/// (float32 score, int32 length in [0, max_token_length], that many bytes) records that end at
+/// the end of the file. Read only after a checkpoint header failed, to name a swapped file.
+bool looks_like_llama2c_tokenizer(int fd, std::uint64_t size) {
+  if (size < 4 || size > io::kMaxTokenizerFileBytes) return false;
+  std::string bytes(static_cast<std::size_t>(size), '\0');
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t r = ::pread(fd, bytes.data() + got, bytes.size() - got, static_cast<off_t>(got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    got += static_cast<std::size_t>(r);
+  }
+  std::uint32_t max_len = 0;
+  std::memcpy(&max_len, bytes.data(), 4);
+  std::size_t at = 4, records = 0;
+  while (bytes.size() - at >= 8) {
+    std::int32_t len = 0;
+    std::memcpy(&len, bytes.data() + at + 4, 4);
+    if (len < 0 || static_cast<std::uint32_t>(len) > max_len) return false;
+    at += 8;
+    if (bytes.size() - at < static_cast<std::size_t>(len)) return false;
+    at += static_cast<std::size_t>(len);
+    ++records;
+  }
+  return at == bytes.size() && records > 0;
+}
+
+}  // namespace
+
+bool is_llama2c_checkpoint(const std::filesystem::path& path) {
+  const std::string head = io::read_head(path, kHeaderBytes);
+  if (head.size() != kHeaderBytes) return false;
+  std::array<std::int32_t, 7> h{};
+  std::memcpy(h.data(), head.data(), kHeaderBytes);
+  if (h[5] == 0 || h[5] == std::numeric_limits<std::int32_t>::min()) return false;
+  for (std::size_t i = 0; i < h.size(); ++i)
+    if (i != 5 && h[i] <= 0) return false;
+  LlamaConfig c = config_from_header(h);
   try {
     c.validate("is_llama2c_checkpoint");
   } catch (const Error&) {
@@ -398,31 +416,28 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
     got += static_cast<std::size_t>(r);
   }
 
-  for (std::size_t i = 0; i < h.size(); ++i) {
-    if (i == 5) {
-      BRIGADE_CHECK(h[i] != 0 && h[i] != std::numeric_limits<std::int32_t>::min(), Errc::BadFile,
-                    "{}: header field vocab_size = {}, expected != 0 and > {} (a negative value "
-                    "means a separate classifier)",
-                    name, h[i], std::numeric_limits<std::int32_t>::min());
-    } else {
-      BRIGADE_CHECK(h[i] > 0, Errc::BadFile, "{}: header field {} = {}, expected > 0", name,
-                    kHeaderFields[i], h[i]);
-    }
-  }
-
   LlamaWeights w;
   LlamaConfig& c = w.config;
-  c.dim = h[0];
-  c.hidden_dim = h[1];
-  c.n_layers = h[2];
-  c.n_heads = h[3];
-  c.n_kv_heads = h[4];
-  c.vocab_size = h[5] < 0 ? -h[5] : h[5];
-  c.shared_classifier = h[5] > 0;
-  c.seq_len = h[6];
   try {
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      if (i == 5) {
+        BRIGADE_CHECK(h[i] != 0 && h[i] != std::numeric_limits<std::int32_t>::min(), Errc::BadFile,
+                      "{}: header field vocab_size = {}, expected != 0 and > {} (a negative value "
+                      "means a separate classifier)",
+                      name, h[i], std::numeric_limits<std::int32_t>::min());
+      } else {
+        BRIGADE_CHECK(h[i] > 0, Errc::BadFile, "{}: header field {} = {}, expected > 0", name,
+                      kHeaderFields[i], h[i]);
+      }
+    }
+    c = config_from_header(h);
     c.validate(fmt::format("{}: llama2.c header", name));
   } catch (const Error& e) {
+    if (looks_like_llama2c_tokenizer(fd, size))
+      detail::fail(Errc::BadFile,
+                   "{}: is a llama2.c tokenizer, not a model checkpoint (were --model and "
+                   "--tokenizer swapped?)",
+                   name);
     throw Error(Errc::BadFile, e.what());
   }
 

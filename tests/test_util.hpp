@@ -7,12 +7,18 @@
 #include <brigade/model/tokenizer.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <vector>
 #include <string_view>
 #include <system_error>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace brigade::test {
@@ -65,5 +71,41 @@ inline std::vector<data::Sample> story_samples(const model::Tokenizer& tok) {
   for (const char* t : texts) out.push_back({task++ % 3, tok.encode(t, true, false)});
   return out;
 }
+
+/// What a command printed and its exit code (-1 when it did not exit normally).
+struct Run {
+  int rc = -1;
+  std::string out, err;
+};
+
+/// Runs `command` through /bin/sh, capturing stdout and stderr.
+inline Run run_shell(const std::string& command) {
+  // One stderr file per call: ctest runs test cases in parallel processes.
+  static std::atomic<int> calls{0};
+  const std::filesystem::path err_file =
+      std::filesystem::temp_directory_path() /
+      fmt::format("brigade_cli_stderr_{}_{}.txt", ::getpid(), calls.fetch_add(1));
+  const std::string cmd = "{ " + command + " ; } 2>" + err_file.string();
+  Run r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf{};
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  {
+    std::ifstream e(err_file);
+    r.err.assign(std::istreambuf_iterator<char>(e), {});
+  }
+  std::error_code ec;
+  std::filesystem::remove(err_file, ec);
+  return r;
+}
+
+#ifdef BRIGADE_CLI
+/// Runs the `brigade` CLI with `args` (shell words), capturing stdout and stderr.
+inline Run run_cli(const std::string& args) { return run_shell(std::string(BRIGADE_CLI) + " " + args); }
+#endif
 
 }  // namespace brigade::test

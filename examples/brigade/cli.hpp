@@ -7,11 +7,17 @@
 #include <brigade/core/error.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
-#include <optional>
-#include <string_view>
+#include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace brigade::cli {
@@ -34,6 +40,65 @@ inline std::vector<Command>& commands() {
 struct Registrar {
   explicit Registrar(Command c) { commands().push_back(std::move(c)); }
 };
+
+/// A CLI11 check that a flag's value is a number in [lo, hi] ((lo, hi] when `lo_open`), with
+/// an error a person can read: "--top-p: 0 is out of range; expected a number above 0 and at
+/// most 1". NaN and infinities are refused for floating-point flags. `words` says the range
+/// ("a whole number from 1 to 4096"); it is also the flag's range in --help.
+template <class T>
+CLI::Validator number_in(T lo, T hi, std::string words, bool lo_open = false) {
+  auto check = [lo, hi, words, lo_open](std::string& text) -> std::string {
+    T v{};
+    const std::string shown = ::brigade::detail::excerpt(text);
+    if (!CLI::detail::lexical_cast(text, v))
+      return fmt::format("'{}' is not {}", shown,
+                         std::is_integral_v<T> ? "a whole number" : "a number");
+    if constexpr (std::is_floating_point_v<T>)
+      if (!std::isfinite(v)) return fmt::format("{} is not a finite number; expected {}", shown, words);
+    if (v < lo || v > hi || (lo_open && v == lo))
+      return fmt::format("{} is out of range; expected {}", shown, words);
+    return {};
+  };
+  return CLI::Validator(check, "(" + words + ")", "");
+}
+
+/// Threads this machine runs at once (std::thread::hardware_concurrency(), at least 1).
+inline int hardware_threads() {
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+/// `--threads`: intra-op (BLAS) threads per stage, bounded by the machine's hardware threads.
+inline CLI::Validator threads_range() {
+  const int hw = hardware_threads();
+  return number_in<int>(1, hw, fmt::format("a whole number from 1 to {} (this machine's hardware "
+                                           "threads)", hw));
+}
+
+/// Starts `needed` threads and joins them, so that a run asking for more threads than this
+/// process may start (ulimit -u, ulimit -v, cgroup pids.max) fails before it begins, with the
+/// flags named, instead of failing half-way with "Resource temporarily unavailable".
+/// @param flags names what asked for the threads ("--stages 2 x --threads 64")
+/// @throws brigade::Error{InvalidArgument} naming `flags`, the number needed and the number
+///         that could be started
+inline void check_threads_startable(int needed, std::string_view flags) {
+  std::vector<std::thread> started;
+  started.reserve(static_cast<std::size_t>(needed));
+  std::string failure;
+  for (int i = 0; i < needed; ++i) {
+    try {
+      started.emplace_back([] {});
+    } catch (const std::system_error& e) {
+      failure = e.what();
+      break;
+    }
+  }
+  const int got = static_cast<int>(started.size());
+  for (auto& t : started) t.join();
+  BRIGADE_CHECK(got == needed, Errc::InvalidArgument,
+                "{} needs {} threads, but this process could start only {} ({}; see ulimit -u "
+                "and ulimit -v)",
+                flags, needed, got, failure);
+}
 
 /// How this process was started: alone, or as one of `world` processes under mpirun (then MPI
 /// is initialized for the life of this object and every process runs one pipeline rank).

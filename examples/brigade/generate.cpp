@@ -53,6 +53,42 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   return out;
 }
 
+/// Nothing the user gave is cut silently: a prompt longer than the model's context is an
+/// error; --steps above seq_len, a prompt longer than --steps and more --microbatches than
+/// sequences each get a one-line notice on stderr (printed by rank 0 only) saying what changed.
+void check_lengths(const std::vector<brigade::engine::GenerationRequest>& requests,
+                   const GenerateArgs& a, int seq_len, bool say) {
+  using namespace brigade;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const auto n = static_cast<int>(requests[i].prompt.size());
+    BRIGADE_CHECK(n <= seq_len, Errc::InvalidArgument,
+                  "prompt {} is {} tokens (BOS included), more than the model's context of {} "
+                  "positions (seq_len); shorten it",
+                  i + 1, n, seq_len);
+  }
+  if (!say) return;
+  if (a.steps > seq_len)
+    fmt::print(stderr,
+               "brigade: notice: --steps {} is more than the model's context of {} positions "
+               "(seq_len); running {} positions per sequence\n",
+               a.steps, seq_len, seq_len);
+  const int steps = a.steps <= 0 || a.steps > seq_len ? seq_len : a.steps;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const auto n = static_cast<int>(requests[i].prompt.size());
+    if (n > steps)
+      fmt::print(stderr,
+                 "brigade: notice: prompt {} is {} tokens (BOS included) but --steps {} runs {} "
+                 "positions: its last {} tokens are not read and nothing is generated; use "
+                 "--steps {} or more to read it all\n",
+                 i + 1, n, a.steps, steps, n - steps, n + 1);
+  }
+  if (a.microbatches > static_cast<int>(requests.size()))
+    fmt::print(stderr,
+               "brigade: notice: --microbatches {} but only {} sequence(s): running {} "
+               "micro-batch(es) of one sequence\n",
+               a.microbatches, requests.size(), requests.size());
+}
+
 int run(const GenerateArgs& a) {
   using namespace brigade;
   // Under mpirun: one process per stage; rank 0 prints (README, "Several processes (MPI)").
@@ -85,6 +121,7 @@ int run(const GenerateArgs& a) {
   if (prompts.empty()) prompts.emplace_back("");
   std::vector<engine::GenerationRequest> requests;
   for (const auto& p : prompts) requests.push_back({tok.encode(p, true, false), a.steps});
+  check_lengths(requests, a, weights.config.seq_len, launch.rank() == 0);
 
   // --plan auto: the planner picks stages x threads x micro-batches from predicted times on
   // rates measured here, and prints every candidate beside its pick.
@@ -119,6 +156,12 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(stages_used >= 1 && stages_used <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} outside [1, {}] for a model of {} layers", stages_used,
                 weights.config.n_layers + 4, spec.num_layers());
+  // Every stage thread (one per stage here, one per process under mpirun) with its BLAS threads.
+  const int threads_used = planned ? planned->threads : a.threads;
+  cli::check_threads_startable(
+      (under_mpi ? 1 : stages_used) * threads_used,
+      under_mpi ? fmt::format("--threads {}", threads_used)
+                : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
   partition::Partition part = [&] {
     if (planned) return planned->partition(spec.num_layers());
     if (a.partition == "uniform") return partition::uniform(spec, num_stages);
@@ -182,7 +225,11 @@ int run(const GenerateArgs& a) {
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
                       {"busy_fraction", busy}});
   }
-  if (!a.trace.empty()) io::write_chrome_trace(a.trace, report.timeline);
+  if (!a.trace.empty()) {
+    io::write_chrome_trace(a.trace, report.timeline);
+    fmt::print(stderr, "trace: {} (open it in https://ui.perfetto.dev or chrome://tracing)\n",
+               a.trace);
+  }
   if (!a.metrics.empty()) {
     nlohmann::json seqs = nlohmann::json::array();
     for (const auto& s : report.sequences)
@@ -204,6 +251,7 @@ int run(const GenerateArgs& a) {
                         {"stage_stats", stages},
                         {"sequences", seqs}};
     io::write_file_atomic(a.metrics, m.dump(1) + "\n");
+    fmt::print(stderr, "metrics: {}\n", a.metrics);
   }
   return 0;
 }
@@ -215,36 +263,49 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--synthetic", a->synthetic,
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
       ->capture_default_str();
-  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
+  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")
+      ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))
+      ->capture_default_str();
   sub.add_option("--prompt", a->prompts, "a prompt; repeat for several sequences in flight");
   sub.add_option("--prompt-file", a->prompt_file, "a file of prompts, one per line");
   sub.add_option("--steps", a->steps, "positions per sequence, prompt included (run.c's -n); 0 = seq_len")
-      ->check(CLI::Range(0, 1 << 24))->capture_default_str();
+      ->check(brigade::cli::number_in<int>(0, 1 << 24, "0 (the model's seq_len) or a whole number from 1 to "
+                                       "16777216"))
+      ->capture_default_str();
   sub.add_option("--temperature", a->temperature, "0 = greedy")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  sub.add_option("--top-p", a->top_p, "nucleus threshold; <= 0 or >= 1 samples the full distribution")
+      ->check(brigade::cli::number_in<float>(0, 100, "a number from 0 (greedy) to 100"))->capture_default_str();
+  sub.add_option("--top-p", a->top_p,
+                 "nucleus threshold: sample from the most likely tokens whose probabilities add "
+                 "up to top-p; 1 = the full distribution")
+      ->check(brigade::cli::number_in<float>(0, 1, "a number above 0 and at most 1 (1 = the full distribution)",
+                          true))
       ->capture_default_str();
   sub.add_option("--seed", a->seed, "sampler seed (sequence i uses seed + i)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<std::uint64_t>(1, std::uint64_t{1} << 63, "a whole number from 1 to 2^63"))
+      ->capture_default_str();
   a->stages_option = sub.add_option("--stages", a->stages,
                                     "pipeline stages (one thread each; under mpirun: one process "
                                     "each, default the number of processes)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))->capture_default_str();
   sub.add_option("--partition", a->partition, "uniform (by layer count) or balanced (by cost)")
       ->check(CLI::IsMember({"uniform", "balanced"}))->capture_default_str();
   sub.add_option("--microbatches", a->microbatches,
                  "sequence groups in flight; 0 = min(sequences, stages)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<int>(0, 65536, "0 (automatic) or a whole number from 1 to 65536"))
+      ->capture_default_str();
   sub.add_option("--threads", a->threads, "BLAS threads per stage")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::threads_range())->capture_default_str();
   sub.add_option("--plan", a->plan,
                  "manual (--stages, --threads, --microbatches) or auto (the planner picks them from "
                  "predicted times on rates measured here, and prints every candidate)")
       ->check(CLI::IsMember({"manual", "auto"}))->capture_default_str();
   sub.add_option("--cores", a->cores, "--plan auto: cores to use; 0 = all of this machine's")
-      ->check(CLI::Range(0, 4096))->capture_default_str();
+      ->check(brigade::cli::number_in<int>(0, 4096, "0 (all) or a whole number from 1 to 4096"))
+      ->capture_default_str();
   sub.add_option("--timeout", a->timeout, "seconds a stage waits for a peer before failing")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<double>(0, 604800, "a number of seconds above 0 and at most 604800 (a week)",
+                           true))
+      ->capture_default_str();
   sub.add_option("--trace", a->trace, "write the Timeline as Chrome trace JSON");
   sub.add_option("--metrics", a->metrics, "write the summary as JSON");
   // Fault injection for tests of runs under mpirun (hidden from --help).
@@ -253,7 +314,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->group("");
   sub.add_option("--fail-after-steps", a->fail_after_steps,
                  "the --fail-rank rank exits after receiving this many micro-batch inputs")
-      ->check(CLI::PositiveNumber)->group("");
+      ->check(brigade::cli::number_in<int>(1, 1 << 30, "a whole number from 1 to 2^30"))->group("");
   return [a] { return run(*a); };
 }
 

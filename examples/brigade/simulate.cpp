@@ -260,15 +260,20 @@ std::function<int()> setup(CLI::App& sub) {
   auto* file = sub.add_option("--schedule-file", o->schedule_file,
                               "Read a schedule in the text form (docs/schedules.md), lower it if "
                               "it is compute-only, validate and simulate it");
-  auto* ranks = sub.add_option("--ranks", o->ranks, "Pipeline ranks P")->capture_default_str();
+  auto* ranks = sub.add_option("--ranks", o->ranks, "Pipeline ranks P")
+                    ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))
+                    ->capture_default_str();
   auto* mbs = sub.add_option("--microbatches", o->microbatches,
                              "Micro-batches M (inference: sequence groups)")
+                  ->check(brigade::cli::number_in<int>(1, 65536, "a whole number from 1 to 65536"))
                   ->capture_default_str();
   auto* virt = sub.add_option("--virtual", o->virtual_stages,
                               "Virtual stages per rank V (default 1; 2 for zb-v and dualpipe-v)")
+                   ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
                    ->capture_default_str();
   auto* dec = sub.add_option("--decode-steps", o->decode_steps,
                              "Inference: decode rounds after the prefill")
+                  ->check(brigade::cli::number_in<int>(0, 1 << 20, "a whole number from 0 to 1048576"))
                   ->capture_default_str();
   file->excludes(sched)->excludes(ranks)->excludes(mbs)->excludes(virt)->excludes(dec);
   auto* model = sub.add_option("--model", o->model,
@@ -280,21 +285,29 @@ std::function<int()> setup(CLI::App& sub) {
                               "split evenly over its virtual stages; without W, B is the full "
                               "backward (default 1,2 when --model is absent)");
   model->excludes(unit);
-  sub.add_option("--batch", o->batch, "Roofline: sequences per micro-batch")->capture_default_str();
+  sub.add_option("--batch", o->batch, "Roofline: sequences per micro-batch")
+      ->check(brigade::cli::number_in<int>(1, 1 << 20, "a whole number from 1 to 1048576"))->capture_default_str();
   sub.add_option("--seq-len", o->seq_len,
                  "Roofline: tokens per sequence (inference: prompt length)")
+      ->check(brigade::cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"))->capture_default_str();
+  sub.add_option("--flops", o->flops, "Roofline: device FLOP/s")
+      ->check(brigade::cli::number_in<double>(0, 1e18, "a number of FLOP/s above 0 and at most 1e18", true))
       ->capture_default_str();
-  sub.add_option("--flops", o->flops, "Roofline: device FLOP/s")->capture_default_str();
   sub.add_option("--mem-bandwidth", o->mem_bandwidth, "Roofline: device memory bytes/s")
+      ->check(brigade::cli::number_in<double>(0, 1e16, "a number of bytes/s above 0 and at most 1e16", true))
       ->capture_default_str();
   sub.add_option("--link-latency", o->link_latency,
-                 "Link latency in seconds (default: 5e-6 with --model, 0 with unit costs)");
+                 "Link latency in seconds (default: 5e-6 with --model, 0 with unit costs)")
+      ->check(brigade::cli::number_in<double>(0, 3600, "a number of seconds from 0 to 3600"));
   sub.add_option("--link-bandwidth", o->link_bandwidth,
                  "Link bytes/s (default: 25e9 with --model, infinite with unit costs; with unit "
-                 "costs every message is 1 unit)");
+                 "costs every message is 1 unit)")
+      ->check(brigade::cli::number_in<double>(0, 1e16, "a number of bytes/s above 0 and at most 1e16", true));
   sub.add_option("--trace", o->trace, "Write a Chrome trace (chrome://tracing, Perfetto) JSON");
   sub.add_option("--svg", o->svg, "Write an SVG timeline (ranks as rows)");
-  sub.add_option("--svg-width", o->svg_width, "SVG width in px")->capture_default_str();
+  sub.add_option("--svg-width", o->svg_width, "SVG width in px")
+      ->check(brigade::cli::number_in<int>(100, 100000, "a whole number of pixels from 100 to 100000"))
+      ->capture_default_str();
   sub.add_option("--metrics", o->metrics,
                  "Write makespan, bubble ratio, utilization and peak memory as JSON");
   sub.add_option("--save-schedule", o->save_schedule,

@@ -178,6 +178,20 @@ int run(const TrainArgs& a) {
   const fs::path data = a.data.empty() ? data::default_corpus_path() : fs::path(a.data);
   const int max_tokens = std::min(weights.config.seq_len, a.tokens_per_microbatch + 1);
   const auto corpus = data::load_corpus(data, tok, max_tokens);
+  if (corpus.truncated_samples > 0 && launch.rank() == 0)
+    fmt::print(stderr,
+               "brigade: notice: {} of {} samples are longer than {} tokens ({}) and were cut to "
+               "it, dropping {} of {} tokens; raise --tokens-per-microbatch to keep them whole\n",
+               corpus.truncated_samples, corpus.samples.size(), max_tokens,
+               max_tokens == weights.config.seq_len
+                   ? fmt::format("the model's seq_len {}", weights.config.seq_len)
+                   : fmt::format("--tokens-per-microbatch {} + 1", a.tokens_per_microbatch),
+               corpus.truncated_tokens, corpus.num_tokens() + corpus.truncated_tokens);
+  if (a.warmup > a.steps && launch.rank() == 0)
+    fmt::print(stderr,
+               "brigade: notice: --warmup {} is more than --steps {}: the learning rate warms up "
+               "over all {} steps and never decays\n",
+               a.warmup, a.steps, a.steps);
   const auto [train, held] = data::split_held_out(corpus, 20);
   BRIGADE_CHECK(!train.samples.empty() && !held.samples.empty(), Errc::BadFile,
                 "{}: too few samples to hold out 1 in 20 for evaluation ({} found)", data.string(),
@@ -213,17 +227,21 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--model", a->model, "initial llama2.c checkpoint; without it, a synthetic model");
   a->synthetic_option = sub.add_option("--synthetic", a->synthetic, "size of the synthetic Llama without --model")
       ->capture_default_str();
-  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")->capture_default_str();
+  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")
+      ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))
+      ->capture_default_str();
   sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)");
   sub.add_option("--data", a->data,
                  "text file or folder (one task per file; '%' lines or blank lines separate "
-                 "samples); default: the fortunes package")
-      ->check(CLI::ExistingPath);
-  sub.add_option("--seed", a->seed, "data-order seed")->capture_default_str();
+                 "samples); default: the fortunes package");
+  sub.add_option("--seed", a->seed, "data-order seed")
+      ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))
+      ->capture_default_str();
   a->stages_option = sub.add_option("--stages", a->stages,
                                     "pipeline ranks (threads; under mpirun: processes, default "
                                     "and only value the number of processes)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))
+      ->capture_default_str();
   sub.add_option("--schedule", a->schedule,
                  "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v or dualpipe-v")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"}))
@@ -231,30 +249,37 @@ std::function<int()> setup(CLI::App& sub) {
   a->virtual_option = sub.add_option("--virtual", a->virtual_stages,
                                      "virtual stages per rank (interleaved-1f1b; default 1, and 2 "
                                      "for zb-v and dualpipe-v, whose V shape has two per rank)")
-      ->check(CLI::PositiveNumber);
+      ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"));
   sub.add_option("--microbatches", a->microbatches, "micro-batches per step")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<int>(1, 65536, "a whole number from 1 to 65536"))->capture_default_str();
   sub.add_option("--tokens-per-microbatch", a->tokens_per_microbatch,
-                 "token budget of a micro-batch (sequences packed by offsets)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+                 "token budget of a micro-batch (sequences packed by offsets; a longer sample is "
+                 "cut, with a notice)")
+      ->check(brigade::cli::number_in<int>(2, 1 << 20, "a whole number of tokens from 2 to 1048576"))
+      ->capture_default_str();
   sub.add_option("--steps", a->steps,
                  "optimizer steps (the total, when resuming; keep it the same to continue exactly: "
                  "the learning-rate schedule depends on it)")
-      ->check(CLI::Range(1, 1 << 30))->capture_default_str();
+      ->check(brigade::cli::number_in<int>(1, 1 << 30, "a whole number from 1 to 2^30"))->capture_default_str();
   sub.add_option("--lr", a->lr, "peak learning rate (warm-up, then cosine to lr/10)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  sub.add_option("--warmup", a->warmup, "warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
-  sub.add_option("--weight-decay", a->weight_decay, "AdamW weight decay")->capture_default_str();
-  sub.add_option("--clip", a->clip, "global gradient-norm clip (0 = off)")->capture_default_str();
+      ->check(brigade::cli::number_in<float>(0, 1, "a number above 0 and at most 1", true))->capture_default_str();
+  sub.add_option("--warmup", a->warmup, "warm-up steps")
+      ->check(brigade::cli::number_in<int>(0, 1 << 30, "a whole number from 0 to 2^30"))->capture_default_str();
+  sub.add_option("--weight-decay", a->weight_decay, "AdamW weight decay")
+      ->check(brigade::cli::number_in<float>(0, 1, "a number from 0 to 1"))->capture_default_str();
+  sub.add_option("--clip", a->clip, "global gradient-norm clip (0 = off)")
+      ->check(brigade::cli::number_in<float>(0, 1e6f, "0 (off) or a norm up to 1e6"))->capture_default_str();
   sub.add_option("--checkpoint-dir", a->checkpoint_dir,
                  "folder for model.bin (llama2.c) and optimizer.bin, written at the end");
   sub.add_option("--checkpoint-every", a->checkpoint_every, "also checkpoint every N steps")
-      ->check(CLI::NonNegativeNumber);
+      ->check(brigade::cli::number_in<int>(0, 1 << 30, "0 (off) or a whole number of steps up to 2^30"));
   sub.add_flag("--resume", a->resume, "continue from --checkpoint-dir");
   sub.add_option("--eval-every", a->eval_every, "held-out loss every N steps")
-      ->check(CLI::NonNegativeNumber);
+      ->check(brigade::cli::number_in<int>(0, 1 << 30, "0 (off) or a whole number of steps up to 2^30"));
   sub.add_option("--timeout", a->timeout, "seconds a rank waits for a peer before failing")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(brigade::cli::number_in<double>(0, 604800, "a number of seconds above 0 and at most 604800 (a week)",
+                           true))
+      ->capture_default_str();
   sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
   sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
   // Fault injection for tests of runs under mpirun (hidden from --help).
@@ -263,7 +288,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->group("");
   sub.add_option("--fail-after-steps", a->fail_after_steps,
                  "the --fail-rank rank exits when it starts the step after this many steps")
-      ->check(CLI::PositiveNumber)->group("");
+      ->check(brigade::cli::number_in<int>(1, 1 << 30, "a whole number from 1 to 2^30"))->group("");
   return [a] {
     if (a->virtual_option->count() == 0)
       a->virtual_stages = brigade::schedule::default_virtual_stages(a->schedule);

@@ -1,5 +1,6 @@
 // `brigade generate` as a user runs it: byte-exact stdout, metrics and trace files, clear errors.
 #include <doctest/doctest.h>
+#include "test_util.hpp"
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -19,34 +20,7 @@ namespace {
 
 const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
-struct Run {
-  int rc = -1;
-  std::string out, err;
-};
-
-/// Runs the CLI with `args`, capturing stdout and stderr.
-Run run_cli(const std::string& args) {
-  // One stderr file per call: ctest runs test cases in parallel processes.
-  static int calls = 0;
-  const fs::path err_file = fs::temp_directory_path() /
-                            ("brigade_cli_stderr_" + std::to_string(::getpid()) + "_" +
-                             std::to_string(calls++) + ".txt");
-  const std::string cmd = std::string(BRIGADE_CLI) + " " + args + " 2>" + err_file.string();
-  Run r;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  {
-    std::ifstream e(err_file);
-    r.err.assign(std::istreambuf_iterator<char>(e), {});
-  }
-  fs::remove(err_file);
-  return r;
-}
+using brigade::test::run_cli;
 
 std::string model_flags() {
   return "--model " + (kData / "stories260K.bin").string() + " --tokenizer " +

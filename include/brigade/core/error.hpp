@@ -23,6 +23,7 @@ enum class Errc : int {
   Nccl,             ///< an NCCL call failed
   Mpi,              ///< an MPI call failed
   Internal,         ///< a broken invariant inside brigade (a bug: please report it)
+  NonFinite,        ///< a NaN or infinity in weights, activations, logits, a loss or a gradient
 };
 
 /// Name of an error code, e.g. "BadFile".
@@ -39,6 +40,7 @@ constexpr std::string_view to_string(Errc c) noexcept {
     case Errc::Nccl: return "Nccl";
     case Errc::Mpi: return "Mpi";
     case Errc::Internal: return "Internal";
+    case Errc::NonFinite: return "NonFinite";
   }
   return "Unknown";
 }

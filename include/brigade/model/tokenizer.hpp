@@ -25,7 +25,7 @@ class Tokenizer {
   /// @throws brigade::Error{BadFile} naming the file, the token id and the values when the file
   ///         is missing or truncated, a length is negative or exceeds max_token_length, bytes
   ///         remain after the last token (vocab_size too small), or the file holds fewer than
-  ///         vocab_size tokens; naming the piece (a 32-byte excerpt) and both ids when two ids
+  ///         vocab_size tokens, a merge score is NaN or infinite; naming the piece (a 32-byte excerpt) and both ids when two ids
   ///         hold the same piece (run.c's binary search would then pick either); when the file
   ///         is not a regular file (a directory, FIFO, device), is larger than
   ///         io::kMaxTokenizerFileBytes, starts with another format's magic (io::foreign_format:

@@ -73,6 +73,10 @@ class InferenceStage {
   /// return it equals range().last and the payload has the form that layer expects.
   /// @throws brigade::Error{InvalidArgument} if mb enters at another layer, a sequence id is out
   ///         of range, or a position would exceed the sequence's KV capacity
+  /// @throws brigade::Error{NonFinite} when a layer's output (activations, or the LM head's
+  ///         logits) holds NaN or infinity, naming the stage's layer range, the micro-batch, the
+  ///         layer, the sequence and position of the row and the column (every layer's output
+  ///         is scanned once: docs/benchmarks.md has the cost)
   void forward(Microbatch& mb);
 
   [[nodiscard]] const partition::StageRange& range() const noexcept { return range_; }

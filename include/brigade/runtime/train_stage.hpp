@@ -49,6 +49,8 @@ class TrainStage {
   /// `x_in` ([rows x dim]). Output: [rows x dim] activations (output()), or, on the tail stage,
   /// the loss (loss(mb)) with the head's backward-input already done.
   /// @throws brigade::Error{InvalidArgument} if x_in is missing or the batch is malformed
+  /// @throws brigade::Error{NonFinite} naming the stage, micro-batch, layer, row and column when
+  ///         a decoder's output holds NaN or infinity, or naming the loss when it is not finite
   void forward(int mb, const data::PackedBatch& batch, const float* x_in, double grad_denominator,
                bool keep_activations = true);
   /// Re-runs the forward of `mb` from its stashed input (after forward(..., false)).
@@ -57,6 +59,7 @@ class TrainStage {
   /// Backward-input of `mb`: dy ([rows x dim], the gradient of this stage's output; nullptr on the
   /// tail stage) to the gradient of its input (grad_input(mb); empty on the first stage).
   /// @throws brigade::Error{InvalidUsage} if mb has not been forwarded
+  /// @throws brigade::Error{NonFinite} when the input gradient holds NaN or infinity
   void backward_input(int mb, const float* dy);
   /// Backward-weight of `mb`: adds its weight gradients, then frees its stash.
   /// @throws brigade::Error{InvalidUsage} if backward_input(mb) has not run
@@ -107,7 +110,7 @@ class TrainStage {
   };
   Micro& micro(int mb, const char* what);
   const Micro& micro(int mb, const char* what) const;
-  void run_forward(Micro& m, const float* x_in);
+  void run_forward(int mb, Micro& m, const float* x_in);
 
   model::LlamaConfig config_;
   partition::StageRange range_;

@@ -1,0 +1,109 @@
+// The cost of refusing non-finite numbers (issue 9), measured beside what it protects.
+//
+// Scenarios (docs/benchmarks.md, "Non-finite checks"):
+//   BM_FirstNonFinite/floats:N   first_non_finite() over N finite floats (cache-resident for
+//       small N): bytes_per_s is the scan rate.
+//   BM_DecodeCheckShare/seqs:N   `brigade generate --synthetic 42M`, 1 stage, 1 thread, N one-token
+//       prompts decoding 48 positions; in the same iteration, the same number of check_finite()
+//       calls on buffers of the shapes the stage checks (every layer's output: [rows x dim] for
+//       the embedding, each decoder and the final norm, [rows x vocab] for the logits).
+//       check_share = time of those checks / time of the run that already includes them.
+//   BM_WeightScan42M             the load-time scan of every weight of the 42M model (the
+//       loader's check_finite_weights work), beside one decode step of the same model
+//       (scan_over_decode_step = scan time / time of one position of one sequence).
+#include <brigade/core/finite.hpp>
+#include <brigade/engine/inference.hpp>
+#include <brigade/model/weights.hpp>
+#include <brigade/partition/partition.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <vector>
+
+using namespace brigade;
+
+namespace {
+
+const model::LlamaWeights& weights42m() {
+  static const model::LlamaWeights w = model::make_synthetic_weights(model::named_config("42M"), 1234);
+  return w;
+}
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void BM_FirstNonFinite(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  std::vector<float> x(n, 0.5f);
+  for (auto _ : state) benchmark::DoNotOptimize(first_non_finite(x.data(), n));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(n * sizeof(float)));
+}
+BENCHMARK(BM_FirstNonFinite)->ArgName("floats")->Arg(512 * 8)->Arg(32000 * 8)->Arg(1 << 24);
+
+engine::InferenceReport decode(int seqs, int steps) {
+  const auto& w = weights42m();
+  const model::ModelSpec spec(w.config);
+  const auto part = partition::uniform(spec, 1);
+  std::vector<engine::GenerationRequest> reqs(static_cast<std::size_t>(seqs),
+                                              engine::GenerationRequest{{1}, steps});
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.blas_threads = 1;
+  return engine::generate(w, part, reqs, opt);
+}
+
+void BM_DecodeCheckShare(benchmark::State& state) {
+  const int seqs = static_cast<int>(state.range(0));
+  constexpr int kSteps = 48;
+  const auto& c = weights42m().config;
+  // One micro-batch of `seqs` rows per position (1 stage: every sequence in one group).
+  std::vector<float> act(static_cast<std::size_t>(seqs) * c.dim, 0.5f),
+      logits(static_cast<std::size_t>(seqs) * c.vocab_size, 0.5f);
+  double run_s = 0, check_s = 0;
+  for (auto _ : state) {
+    const double t0 = now();
+    const auto rep = decode(seqs, kSteps);
+    const double t1 = now();
+    for (int pos = 0; pos < kSteps; ++pos) {
+      for (int l = 0; l < c.n_layers + 2; ++l)
+        check_finite(act.data(), seqs, c.dim, [] { return std::string(); },
+                     [](std::int64_t) { return std::string(); });
+      check_finite(logits.data(), seqs, c.vocab_size, [] { return std::string(); },
+                   [](std::int64_t) { return std::string(); });
+    }
+    const double t2 = now();
+    run_s += t1 - t0;
+    check_s += t2 - t1;
+    benchmark::DoNotOptimize(rep.generated_tokens);
+  }
+  state.counters["check_share"] = check_s / run_s;
+  state.counters["check_us_per_position"] = check_s / state.iterations() / kSteps * 1e6;
+}
+BENCHMARK(BM_DecodeCheckShare)->ArgName("seqs")->Arg(1)->Arg(8)->Unit(benchmark::kMillisecond)
+    ->UseRealTime()->Iterations(3);
+
+void BM_WeightScan42M(benchmark::State& state) {
+  const auto& w = weights42m();
+  const auto& c = w.config;
+  // The model's weights are one buffer: scan from the embedding to the end of rms_final.
+  const float* first = w.token_embedding;
+  const auto n = static_cast<std::size_t>(w.rms_final + c.dim - first);
+  double scan_s = 0;
+  for (auto _ : state) {
+    const double t0 = now();
+    benchmark::DoNotOptimize(first_non_finite(first, n));
+    scan_s += now() - t0;
+  }
+  const auto rep = decode(1, 16);
+  const double step_s = rep.wall_s / 16;
+  state.counters["GB_per_s"] = static_cast<double>(n) * 4 / (scan_s / state.iterations()) / 1e9;
+  state.counters["scan_over_decode_step"] = scan_s / state.iterations() / step_s;
+}
+BENCHMARK(BM_WeightScan42M)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(5);
+
+}  // namespace
+
+BENCHMARK_MAIN();
