@@ -100,9 +100,9 @@ int run(const GenerateArgs& a) {
   model::Tokenizer tok;
   std::string model_name;
   if (!a.model.empty()) {
+    weights = model::load_llama2c_checkpoint(a.model);
     BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
                   "--model needs --tokenizer (the llama2.c tokenizer file)");
-    weights = model::load_llama2c_checkpoint(a.model);
     tok = model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     model_name = a.model;
   } else {

@@ -48,7 +48,7 @@ std::string error_of(Errc code, const std::function<void()>& f) {
   try {
     f();
   } catch (const Error& e) {
-    INFO("message: " << e.what());
+    INFO("message: " << std::string(e.what()));
     CHECK(to_string(e.code()) == to_string(code));
     return e.what();
   }

@@ -148,7 +148,7 @@ TEST_CASE("sim.cli.errors: bad flags and inputs give one line and a non-zero exi
   };
   const Bad cases[] = {
       {"simulate --schedule pipedream", "unknown schedule 'pipedream'"},
-      {"simulate --ranks 0", "1f1b: ranks = 0, expected >= 1"},
+      {"simulate --ranks 0", "--ranks: 0 is out of range; expected a whole number from 1 to 4096"},
       {"simulate --schedule dualpipe-v --ranks 4 --microbatches 6",
        "dualpipe-v: microbatches = 6, expected at least 2 x ranks = 8"},
       {"simulate --schedule zb-v --ranks 2 --microbatches 4 --virtual 3",
@@ -157,8 +157,8 @@ TEST_CASE("sim.cli.errors: bad flags and inputs give one line and a non-zero exi
       {"simulate --unit-costs 1,x", "'x' is not a non-negative number"},
       {"simulate --model 7B", "unknown model size '7B'"},
       {"simulate --model 260K --ranks 8", "partition::uniform: 8 stages for 5 decoder layers"},
-      {"simulate --model /nonexistent/cfg.json", "/nonexistent/cfg.json: cannot open for reading"},
-      {"simulate --schedule-file /nonexistent/s.txt", "/nonexistent/s.txt: cannot open"},
+      {"simulate --model /nonexistent/cfg.json", "/nonexistent/cfg.json: model config not found (no such file)"},
+      {"simulate --schedule-file /nonexistent/s.txt", "/nonexistent/s.txt: schedule file not found (no such file)"},
       {"simulate --model 110M --unit-costs 1,2", "excludes"},
       {"simulate --schedule-file x --ranks 2", "excludes"},
   };
