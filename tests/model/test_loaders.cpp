@@ -1,5 +1,5 @@
 // The llama2.c loaders on the real files: stories260K.bin, tok512.bin, and run.c's reference
-// output (shared/data/reference/stories260K_greedy.json).
+// output (models/reference/stories260K_greedy.json).
 #include "brigade/core/error.hpp"
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/model/weights.hpp"

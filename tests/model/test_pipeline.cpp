@@ -1,5 +1,5 @@
 // The main job on real data: stories260K split into 1..5 stages generates exactly the tokens and
-// the text of llama2.c's run.c (../shared/data/reference/stories260K_greedy.json).
+// the text of llama2.c's run.c (models/reference/stories260K_greedy.json).
 #include <brigade/engine/inference.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>

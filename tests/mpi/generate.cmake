@@ -1,7 +1,7 @@
 # `brigade generate` on stories260K under `mpirun -np NP`, one process per stage: stdout must be
 # byte-identical to llama2.c's run.c (DATA_DIR/reference/stories260K_greedy.json, "stdout"), only
 # rank 0 prints, and rank 0's --trace holds every stage's row (the gathered Timeline).
-#   cmake -DMPIEXEC=mpirun -DNP_FLAG=-n -DNP=3 -DCLI=build/examples/brigade -DDATA_DIR=../shared/data
+#   cmake -DMPIEXEC=mpirun -DNP_FLAG=-n -DNP=3 -DCLI=build/examples/brigade -DDATA_DIR=models
 #         -DWORK_DIR=/tmp/x -P tests/mpi/generate.cmake
 foreach(_v MPIEXEC NP_FLAG NP CLI DATA_DIR WORK_DIR)
   if(NOT DEFINED ${_v})

@@ -5,7 +5,7 @@
 #   3. rank 1 killed at the start of step 4 (--fail-rank 1 --fail-after-steps 3, checkpoint every
 #      2 steps): rank 0 fails with an error naming rank 1 within the deadline; --resume from the
 #      step-2 checkpoint then gives steps 3-6 with the straight run's losses.
-#   cmake -DMPIEXEC=mpirun -DNP_FLAG=-n -DCLI=build/examples/brigade -DDATA_DIR=../shared/data
+#   cmake -DMPIEXEC=mpirun -DNP_FLAG=-n -DCLI=build/examples/brigade -DDATA_DIR=models
 #         -DWORK_DIR=/tmp/x -P tests/mpi/train.cmake
 foreach(_v MPIEXEC NP_FLAG CLI DATA_DIR WORK_DIR)
   if(NOT DEFINED ${_v})
