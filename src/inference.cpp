@@ -1,13 +1,13 @@
-// Pipelined generation over in-process threads; stage 0's sequence book.
+// Pipelined generation on the executor: stage 0's sequence book, the generation layout every
+// rank shares, the InferenceWorker, and generate() over in-process threads.
 #include "brigade/engine/inference.hpp"
 
 #include "brigade/backend/cpu.hpp"
 #include "brigade/engine/threads.hpp"
 #include "brigade/transport/in_process.hpp"
 
-#include <exception>
-#include <memory>
-#include <thread>
+#include <algorithm>
+#include <cstring>
 
 namespace brigade::engine {
 inline namespace v0 {
@@ -27,7 +27,6 @@ SequenceBook::SequenceBook(std::span<const GenerationRequest> requests, int seq_
     res.prompt_tokens = static_cast<int>(r.prompt.size());
     results_.push_back(std::move(res));
   }
-  done_.assign(static_cast<std::size_t>(n), false);
 }
 
 runtime::Microbatch SequenceBook::prefill(int g) {
@@ -39,7 +38,6 @@ runtime::Microbatch SequenceBook::prefill(int g) {
     if (steps < res.prompt_tokens) {
       // run.c feeds only the first `steps` positions and samples nothing.
       res.tokens.resize(static_cast<std::size_t>(steps) + 1);
-      done_[static_cast<std::size_t>(seq)] = true;
       continue;
     }
     mb.seqs.push_back({seq, 0, res.prompt_tokens});
@@ -48,15 +46,15 @@ runtime::Microbatch SequenceBook::prefill(int g) {
   return mb;
 }
 
-runtime::Microbatch SequenceBook::advance(const runtime::Microbatch& mb,
+runtime::Microbatch SequenceBook::advance(int id, std::span<const runtime::SeqEntry> seqs,
                                           std::span<const std::int32_t> sampled, double now_s) {
-  BRIGADE_CHECK(sampled.size() == mb.seqs.size(), Errc::Internal,
+  BRIGADE_CHECK(sampled.size() == seqs.size(), Errc::Internal,
                 "generate: {} sampled tokens for micro-batch {} of {} sequences", sampled.size(),
-                mb.id, mb.seqs.size());
+                id, seqs.size());
   runtime::Microbatch next;
-  next.id = mb.id;
-  for (std::size_t i = 0; i < mb.seqs.size(); ++i) {
-    const auto& e = mb.seqs[i];
+  next.id = id;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const auto& e = seqs[i];
     auto& res = results_[static_cast<std::size_t>(e.seq)];
     const int token = sampled[i];
     if (++res.generated == 1) res.ttft_s = now_s;
@@ -64,21 +62,325 @@ runtime::Microbatch SequenceBook::advance(const runtime::Microbatch& mb,
     const int fed = e.pos0 + e.tokens;  // positions run so far
     if (token == model::Tokenizer::kBos) {
       res.stopped_on_bos = true;
-      done_[static_cast<std::size_t>(e.seq)] = true;
       continue;
     }
     res.tokens.push_back(token);
-    if (fed >= steps_[static_cast<std::size_t>(e.seq)]) {
-      done_[static_cast<std::size_t>(e.seq)] = true;
-      continue;
-    }
+    if (fed >= steps_[static_cast<std::size_t>(e.seq)]) continue;
     next.seqs.push_back({e.seq, fed, 1});
     next.token_ids.push_back(token);
   }
   return next;
 }
 
+GenerationLayout make_layout(std::span<const GenerationRequest> requests,
+                             const model::LlamaConfig& config, int groups) {
+  const int seq_len = config.seq_len;
+  GenerationLayout l;
+  l.groups = groups;
+  l.width = std::max(config.dim, config.vocab_size);
+  l.prefill.resize(static_cast<std::size_t>(groups));
+  l.max_rows.assign(static_cast<std::size_t>(groups), 0);
+  const int n = static_cast<int>(requests.size());
+  for (int i = 0; i < n; ++i) {
+    const auto& r = requests[static_cast<std::size_t>(i)];
+    BRIGADE_CHECK(!r.prompt.empty(), Errc::InvalidArgument,
+                  "generate: request {} has an empty prompt; it must start with BOS", i);
+    const int steps = effective_steps(r, seq_len);
+    const int p = static_cast<int>(r.prompt.size());
+    l.capacities.push_back(steps);
+    if (steps < p) continue;  // fed up to `steps` only, nothing sampled: no forward at all
+    const auto g = static_cast<std::size_t>(group_of(i, n, groups));
+    l.prefill[g].push_back({i, 0, p});
+    l.max_rows[g] += p;
+    // Prefill, steps - p decode rounds, then the closing round.
+    l.max_rounds = std::max(l.max_rounds, 2 + steps - p);
+  }
+  for (auto& r : l.max_rows) r = std::max<std::int64_t>(r, 1);
+  return l;
+}
+
+schedule::Shape inference_shape(const partition::Partition& partition,
+                                const GenerationLayout& layout) {
+  schedule::Shape s;
+  s.num_ranks = partition.num_ranks();
+  s.num_virtual_stages = partition.num_stages();
+  s.num_microbatches = layout.groups;
+  s.num_chunks = layout.max_rounds;
+  s.mode = schedule::Mode::Inference;
+  for (const auto& st : partition.stages()) s.placement.push_back(st.rank);
+  s.check();
+  return s;
+}
+
 }  // namespace detail
+
+using schedule::Action;
+using schedule::Op;
+using transport::DType;
+using transport::kAny;
+using transport::MessageHeader;
+
+InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
+                                 std::span<runtime::InferenceStage* const> stages,
+                                 const detail::GenerationLayout& layout,
+                                 detail::SequenceBook* book,
+                                 std::chrono::steady_clock::time_point t0)
+    : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0) {
+  const auto M = static_cast<std::size_t>(shape.num_microbatches);
+  BRIGADE_CHECK(shape.rank_of(0) != rank || book != nullptr, Errc::InvalidArgument,
+                "InferenceWorker: rank {} holds virtual stage 0 but has no SequenceBook", rank);
+  live_.assign(M, 1);
+  closed_.assign(M, 0);
+  known_.assign(M, 0);
+  prev_.resize(M);
+  cur_.resize(M);
+  slot_.resize(M);
+  tokens_.resize(M);
+}
+
+runtime::InferenceStage& InferenceWorker::stage(int v) const {
+  auto* s = v >= 0 && v < static_cast<int>(stages_.size()) ? stages_[static_cast<std::size_t>(v)]
+                                                             : nullptr;
+  BRIGADE_CHECK(s != nullptr, Errc::InvalidArgument,
+                "executor: rank {} has no inference stage for virtual stage {}", rank_, v);
+  return *s;
+}
+
+bool InferenceWorker::fill(std::vector<Action>& out) {
+  bool any = false;
+  for (std::size_t m = 0; m < live_.size(); ++m) {
+    if (closed_[m]) live_[m] = 0;
+    closed_[m] = 0;
+    if (round_ >= 0) prev_[m].swap(cur_[m]);
+    cur_[m].clear();
+    known_[m] = 0;
+    any = any || live_[m];
+  }
+  ++round_;
+  if (!any || round_ >= shape_->num_chunks) return false;
+  schedule::append_inference_round(*shape_, rank_, round_, live_, out);
+  return true;
+}
+
+void InferenceWorker::check_sequences(int m, std::span<const runtime::SeqEntry> seen, int peer) {
+  const auto um = static_cast<std::size_t>(m);
+  auto fail = [&](const runtime::SeqEntry* expected, const runtime::SeqEntry* got) {
+    const std::string exp =
+        expected ? fmt::format("sequence {} at position {}", expected->seq, expected->pos0)
+                 : std::string("no further sequence");
+    const std::string saw =
+        got ? fmt::format("sequence {} at position {}", got->seq, got->pos0)
+            : std::string("no further sequence");
+    ::brigade::detail::fail(Errc::HeaderMismatch,
+                            "rank {}: micro-batch {} round {} ({}): expected {}, the message from "
+                            "rank {} holds {}",
+                            rank_, m, round_, round_ == 0 ? "prefill" : "decode", exp, peer, saw);
+  };
+  if (known_[um]) {
+    // An earlier virtual stage of this rank saw this round already: the same sequences.
+    const auto& want = cur_[um];
+    for (std::size_t i = 0; i < std::max(want.size(), seen.size()); ++i) {
+      const auto* w = i < want.size() ? &want[i] : nullptr;
+      const auto* g = i < seen.size() ? &seen[i] : nullptr;
+      if (!w || !g || w->seq != g->seq || w->pos0 != g->pos0 || w->tokens != g->tokens) fail(w, g);
+    }
+    return;
+  }
+  if (round_ == 0) {
+    const auto& want = layout_->prefill[um];
+    for (std::size_t i = 0; i < std::max(want.size(), seen.size()); ++i) {
+      const auto* w = i < want.size() ? &want[i] : nullptr;
+      const auto* g = i < seen.size() ? &seen[i] : nullptr;
+      if (!w || !g || w->seq != g->seq || w->pos0 != g->pos0 || w->tokens != g->tokens) fail(w, g);
+    }
+  } else {
+    // A decode round: the previous round's sequences, in order, some of them finished, each one
+    // position further with one new token.
+    const auto& before = prev_[um];
+    std::size_t j = 0;
+    for (const auto& g : seen) {
+      while (j < before.size() && before[j].seq != g.seq) ++j;
+      if (j == before.size()) {
+        // Name the first sequence that could still come.
+        const runtime::SeqEntry* next = nullptr;
+        runtime::SeqEntry e;
+        for (const auto& b : before) {
+          bool used = false;
+          for (const auto& s : seen) {
+            if (&s == &g) break;
+            used = used || s.seq == b.seq;
+          }
+          if (!used) {
+            e = {b.seq, b.pos0 + b.tokens, 1};
+            next = &e;
+            break;
+          }
+        }
+        fail(next, &g);
+      }
+      const runtime::SeqEntry want{before[j].seq, before[j].pos0 + before[j].tokens, 1};
+      if (g.pos0 != want.pos0 || g.tokens != 1) fail(&want, &g);
+      ++j;
+    }
+  }
+  cur_[um].assign(seen.begin(), seen.end());
+  known_[um] = 1;
+}
+
+Work InferenceWorker::compute(const Action& a) {
+  const auto m = static_cast<std::size_t>(a.microbatch);
+  auto& mb = slot_[m];
+  const std::string_view label = a.chunk == 0 ? "prefill" : "decode";
+  if (a.op == Op::F) {
+    if (a.virtual_stage == 0) {
+      if (a.chunk == 0) {
+        mb = book_->prefill(a.microbatch);
+      } else {
+        const auto& t = tokens_[m];
+        scratch_.clear();
+        for (std::size_t i = 2; i < t.size(); i += 3) scratch_.push_back(t[i]);
+        const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+        mb = book_->advance(a.microbatch, prev_[m], scratch_, now);
+      }
+      cur_[m] = mb.seqs;
+      known_[m] = 1;
+      if (mb.seqs.empty()) closed_[m] = 1;
+    }
+    if (closed_[m]) return {false, 0, {}};
+    stage(a.virtual_stage).forward(mb);
+    return {true, mb.num_tokens(), label};
+  }
+  if (a.op == Op::Sample) {
+    if (closed_[m]) return {false, 0, {}};
+    stage(a.virtual_stage).sample(mb);
+    if (shape_->rank_of(0) == rank_) {
+      // The next round's virtual stage 0 is here: the tokens need no message.
+      auto& t = tokens_[m];
+      t.clear();
+      for (std::size_t i = 0; i < mb.seqs.size(); ++i)
+        t.insert(t.end(), {mb.seqs[i].seq, mb.seqs[i].pos0 + mb.seqs[i].tokens, mb.sampled[i]});
+    }
+    return {true, static_cast<std::int64_t>(mb.seqs.size()), label};
+  }
+  BRIGADE_CHECK(false, Errc::InvalidArgument, "executor: rank {}: inference cannot run {}", rank_,
+                schedule::to_string(a));
+  return {};
+}
+
+void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& out) {
+  const auto m = static_cast<std::size_t>(a.microbatch);
+  const auto seqs = static_cast<std::int64_t>(layout_->prefill[m].size());
+  if (a.virtual_stage == 0) {
+    out.push_back({detail::kTagToken,
+                   MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}),
+                   static_cast<std::size_t>(3 * std::max<std::int64_t>(seqs, 1)) * 4});
+    return;
+  }
+  out.push_back({detail::kTagDescriptor,
+                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32, {kAny, 3}),
+                 static_cast<std::size_t>(3 * (seqs + 1)) * 4});
+  out.push_back({detail::kTagActivation,
+                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny, kAny}),
+                 static_cast<std::size_t>(layout_->max_rows[m] * layout_->width) * 4});
+}
+
+void InferenceWorker::received(const Action& a, std::span<const Received> msgs) {
+  const auto m = static_cast<std::size_t>(a.microbatch);
+  const int peer = schedule::peer_rank(*shape_, a);
+  auto ints = [](const Received& r) {
+    return std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(r.payload.data()),
+                                         r.payload.size() / 4);
+  };
+  if (a.virtual_stage == 0) {
+    // Tokens of the previous round: (seq, position, token) for each of its sequences.
+    const auto t = ints(msgs[0]);
+    const auto& before = prev_[m];
+    const std::size_t n = t.size() / 3;
+    for (std::size_t i = 0; i < std::max(n, before.size()); ++i) {
+      const runtime::SeqEntry* w = nullptr;
+      runtime::SeqEntry want, got;
+      if (i < before.size()) {
+        want = {before[i].seq, before[i].pos0 + before[i].tokens, 1};
+        w = &want;
+      }
+      if (i < n) got = {t[3 * i], t[3 * i + 1], 1};
+      if (!w || i >= n || got.seq != want.seq || got.pos0 != want.pos0)
+        ::brigade::detail::fail(
+            Errc::HeaderMismatch,
+            "rank {}: micro-batch {} round {}: expected the token of {}, the message from rank {} "
+            "holds {}",
+            rank_, a.microbatch, round_,
+            w ? fmt::format("sequence {} at position {}", want.seq, want.pos0)
+              : std::string("no further sequence"),
+            peer,
+            i < n ? fmt::format("sequence {} at position {}", got.seq, got.pos0)
+                  : std::string("no further sequence"));
+    }
+    tokens_[m].assign(t.begin(), t.end());
+    return;
+  }
+  const auto d = ints(msgs[0]);
+  const std::size_t n_seq = d.size() / 3 - 1;
+  auto& mb = slot_[m];
+  mb = runtime::Microbatch{};
+  mb.id = a.microbatch;
+  for (std::size_t i = 0; i < n_seq; ++i)
+    mb.seqs.push_back({d[3 * (i + 1)], d[3 * (i + 1) + 1], d[3 * (i + 1) + 2]});
+  check_sequences(a.microbatch, mb.seqs, peer);
+  if (n_seq == 0) {
+    closed_[m] = 1;
+    return;
+  }
+  mb.rows = d[0];
+  mb.width = d[1];
+  mb.next_layer = d[2];
+  const auto& act = msgs[1];
+  BRIGADE_CHECK(act.header.ndim == 2 && act.header.shape[0] == mb.rows &&
+                    act.header.shape[1] == mb.width,
+                Errc::HeaderMismatch,
+                "rank {}: micro-batch {} round {}: the descriptor says [{} x {}] activations, the "
+                "message from rank {} holds {}",
+                rank_, a.microbatch, round_, mb.rows, mb.width, peer, act.header.to_string());
+  mb.act.resize(act.payload.size() / sizeof(float));
+  std::memcpy(mb.act.data(), act.payload.data(), act.payload.size());
+}
+
+void InferenceWorker::send(const Action& a, Outbox& out) {
+  const auto m = static_cast<std::size_t>(a.microbatch);
+  const auto& mb = slot_[m];
+  const int last = shape_->num_virtual_stages - 1;
+  if (a.virtual_stage == last) {
+    // The sampled tokens return to virtual stage 0; a closed micro-batch has none.
+    if (closed_[m]) return;
+    scratch_.clear();
+    for (std::size_t i = 0; i < mb.seqs.size(); ++i)
+      scratch_.insert(scratch_.end(), {mb.seqs[i].seq, mb.seqs[i].pos0 + mb.seqs[i].tokens,
+                                       mb.sampled[i]});
+    out.add(detail::kTagToken,
+            MessageHeader::make(a.microbatch, 0, DType::I32,
+                                {static_cast<std::int64_t>(mb.seqs.size()), 3}),
+            transport::as_bytes(std::span<const std::int32_t>(scratch_)));
+    return;
+  }
+  const int to = a.virtual_stage + 1;
+  scratch_.clear();
+  const bool closed = closed_[m] != 0;
+  if (closed) {
+    scratch_.insert(scratch_.end(), {0, 0, mb.next_layer});
+  } else {
+    scratch_.insert(scratch_.end(), {static_cast<std::int32_t>(mb.rows),
+                                     static_cast<std::int32_t>(mb.width), mb.next_layer});
+    for (const auto& s : mb.seqs) scratch_.insert(scratch_.end(), {s.seq, s.pos0, s.tokens});
+  }
+  out.add(detail::kTagDescriptor,
+          MessageHeader::make(a.microbatch, to, DType::I32,
+                              {static_cast<std::int64_t>(scratch_.size() / 3), 3}),
+          transport::as_bytes(std::span<const std::int32_t>(scratch_)));
+  const std::int64_t rows = closed ? 0 : mb.rows, width = closed ? 0 : mb.width;
+  out.add(detail::kTagActivation, MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}),
+          closed ? transport::ConstBytes{}
+                 : transport::as_bytes(std::span<const float>(mb.act)));
+}
 
 InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,
                          std::span<const GenerationRequest> requests,
@@ -95,27 +397,27 @@ InferenceReport generate(const model::LlamaWeights& weights, const partition::Pa
                 "generate: microbatches = {}, expected >= 0 (0 = automatic)", options.microbatches);
   BRIGADE_CHECK(options.blas_threads >= 1, Errc::InvalidArgument,
                 "generate: blas_threads = {}, expected >= 1", options.blas_threads);
-  const int S = partition.num_stages();
+  const int P = partition.num_ranks();
   const int n = static_cast<int>(requests.size());
-  int groups = options.microbatches > 0 ? options.microbatches : std::min(n, S);
+  int groups = options.microbatches > 0 ? options.microbatches : std::min(n, P);
   groups = std::min(groups, n);
 
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  const auto capacities = book.capacities();
+  const auto layout = detail::make_layout(requests, weights.config, groups);
+  const int root = partition.stage(0).rank;
 
-  transport::InProcessFabric fabric(S);
-  std::vector<Timeline> timelines(static_cast<std::size_t>(S), Timeline(S));
+  transport::InProcessFabric fabric(P);
+  std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
   const auto t0 = std::chrono::steady_clock::now();
-  detail::run_on_threads(S, fabric, "stage", [&](int s) {
-    runtime::InferenceStage stage(weights, partition.stage(s), capacities, options.sampler);
-    transport::InProcessTransport tp(fabric, partition.stage(s).rank);
-    run_inference_stage(stage, s, partition, groups, tp, s == 0 ? &book : nullptr, t0,
-                        options.timeout_s, timelines[static_cast<std::size_t>(s)]);
+  detail::run_on_threads(P, fabric, "rank", [&](int r) {
+    transport::InProcessTransport tp(fabric, r);
+    run_inference_rank(tp, weights, partition, layout, r == root ? &book : nullptr, options, t0,
+                       timelines[static_cast<std::size_t>(r)]);
   });
 
   InferenceReport report;
-  report.timeline = Timeline(S);
+  report.timeline = Timeline(P);
   for (const auto& tl : timelines) report.timeline.merge(tl);
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.sequences = book.results();

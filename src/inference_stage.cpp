@@ -179,20 +179,33 @@ void InferenceStage::forward(Microbatch& mb) {
         mb.width = c.vocab_size;
         break;
       }
-      case LayerKind::Sampler: {
-        // The logits were checked as the LM head's output, on whichever stage holds it.
-        mb.sampled.resize(static_cast<std::size_t>(n_seq));
-        for (std::int64_t i = 0; i < n_seq; ++i) {
-          std::span<float> logits(mb.act.data() + i * c.vocab_size,
-                                  static_cast<std::size_t>(c.vocab_size));
-          mb.sampled[static_cast<std::size_t>(i)] =
-              samplers_[static_cast<std::size_t>(mb.seqs[static_cast<std::size_t>(i)].seq)]
-                  .sample(logits);
-        }
-        break;
-      }
+      case LayerKind::Sampler:
+        mb.next_layer = l;  // sample() runs it
+        return;
     }
     if (layer.kind != LayerKind::Sampler) check_layer_output(mb, range_, l, layer);
+  }
+  mb.next_layer = range_.last;
+}
+
+void InferenceStage::sample(Microbatch& mb) {
+  const auto& c = weights_->config;
+  BRIGADE_CHECK(owns_sampler() && mb.next_layer == num_layers_ - 1, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): sample() on micro-batch {} at layer {}, expected the "
+                "sampler layer {} of a stage that owns it",
+                range_.first, range_.last, mb.id, mb.next_layer, num_layers_ - 1);
+  const auto n_seq = static_cast<std::int64_t>(mb.seqs.size());
+  BRIGADE_CHECK(mb.rows == n_seq && mb.width == c.vocab_size, Errc::InvalidArgument,
+                "InferenceStage: sample() got [{} x {}] logits, expected [{} x {}]", mb.rows,
+                mb.width, n_seq, c.vocab_size);
+  // The logits were checked as the LM head's output, on whichever stage holds it.
+  mb.sampled.resize(static_cast<std::size_t>(n_seq));
+  for (std::int64_t i = 0; i < n_seq; ++i) {
+    std::span<float> logits(mb.act.data() + i * c.vocab_size,
+                            static_cast<std::size_t>(c.vocab_size));
+    mb.sampled[static_cast<std::size_t>(i)] =
+        samplers_[static_cast<std::size_t>(mb.seqs[static_cast<std::size_t>(i)].seq)].sample(
+            logits);
   }
   mb.next_layer = range_.last;
 }

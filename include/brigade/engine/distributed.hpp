@@ -182,18 +182,14 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
   BRIGADE_CHECK(fault.rank < 0 || fault.after_steps >= 1, Errc::InvalidArgument,
                 "generate_on: fault injection after {} steps, expected >= 1", fault.after_steps);
 
-  const int S = partition.num_stages();
-  int stage_index = 0;
-  while (partition.stage(stage_index).rank != me) ++stage_index;
+  const int P = partition.num_ranks();
   const int root = partition.stage(0).rank;
   const int n = static_cast<int>(requests.size());
-  const int groups = std::min(options.microbatches > 0 ? options.microbatches : std::min(n, S), n);
+  const int groups = std::min(options.microbatches > 0 ? options.microbatches : std::min(n, P), n);
 
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  const auto capacities = book.capacities();
-  runtime::InferenceStage stage(weights, partition.stage(stage_index), capacities,
-                                options.sampler);
+  const auto layout = detail::make_layout(requests, weights.config, groups);
   detail::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
   auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
   const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
@@ -201,23 +197,21 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
   };
 
   InferenceReport report;
-  report.timeline = Timeline(S);
+  report.timeline = Timeline(P);
   try {
     // A common clock origin.
     if (me == root) {
       std::vector<transport::Request> starts;
-      for (int s = 1; s < S; ++s)
-        starts.push_back(tp.isend(partition.stage(s).rank, detail::kTagRunStart,
-                                  bytes_header(s, 0), {}));
+      for (int r = 0; r < P; ++r)
+        if (r != root) starts.push_back(tp.isend(r, detail::kTagRunStart, bytes_header(r, 0), {}));
       for (auto& r : starts) tp.wait(r, deadline());
     } else {
-      auto r = tp.irecv(root, detail::kTagRunStart, bytes_header(stage_index, 0), {});
+      auto r = tp.irecv(root, detail::kTagRunStart, bytes_header(me, 0), {});
       tp.wait(r, deadline());
     }
     const auto t0 = std::chrono::steady_clock::now();
-    run_inference_stage(stage, stage_index, partition, groups, tp,
-                        stage_index == 0 ? &book : nullptr, t0, options.timeout_s,
-                        report.timeline);
+    run_inference_rank(tp, weights, partition, layout, me == root ? &book : nullptr, options, t0,
+                       report.timeline);
     double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     // Gather the Timeline to the rank of stage 0.
@@ -234,8 +228,8 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
       report.wall_s = end_s;
       return report;
     }
-    for (int s = 1; s < S; ++s) {
-      const int from = partition.stage(s).rank;
+    for (int from = 0; from < P; ++from) {
+      if (from == root) continue;
       std::uint64_t size = 0;
       auto rs = tp.irecv(from, detail::kTagGatherSize, bytes_header(0, 8),
                          std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
@@ -253,7 +247,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
       // A timeout or an abort is someone else's failure, already announced.
       const auto* err = dynamic_cast<const Error*>(&e);
       if (err == nullptr || (err->code() != Errc::PeerTimeout && err->code() != Errc::Aborted))
-        transport.abort(fmt::format("stage {} (rank {}) failed: {}", stage_index, me, e.what()));
+        transport.abort(fmt::format("rank {} failed: {}", me, e.what()));
     }
     throw;
   }

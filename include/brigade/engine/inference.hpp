@@ -3,16 +3,18 @@
 #pragma once
 
 #include "brigade/core/timeline.hpp"
+#include "brigade/engine/executor.hpp"
 #include "brigade/model/sampler.hpp"
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 #include "brigade/runtime/inference_stage.hpp"
+#include "brigade/schedule/rounds.hpp"
 #include "brigade/transport/transport.hpp"
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -47,12 +49,15 @@ struct InferenceOptions {
   model::SamplerConfig sampler; ///< sampling (temperature 0 = greedy)
   int blas_threads = 1;         ///< BLAS threads per stage thread
   double timeout_s = 120.0;     ///< a stage waiting longer than this on a peer fails (PeerTimeout)
+  ExecutorWindows windows;      ///< the executor's receive and send windows
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per stage).
 struct InferenceReport {
   std::vector<SequenceResult> sequences;  ///< in request order
-  Timeline timeline{1};                   ///< F (prefill/decode) and SAMPLE intervals per stage
+  /// Measured intervals, one row per rank: F (label prefill/decode), SAMPLE, RECV (the wait)
+  /// and SEND (post to completion), each with its virtual stage, micro-batch and round (chunk).
+  Timeline timeline{1};
   double wall_s = 0.0;                    ///< seconds from start to the last stage's end
   std::int64_t prompt_tokens = 0;         ///< prompt tokens prefilled
   std::int64_t generated_tokens = 0;      ///< tokens sampled
@@ -79,10 +84,11 @@ namespace detail {
 
 /// Message tags of the inference protocol.
 inline constexpr int kTagDescriptor = 1;  // I32 [n_seq + 1, 3]: (rows, width, next_layer), then
-                                          // (seq, pos0, tokens) per sequence; n_seq = 0 ends a
-                                          // micro-batch
-inline constexpr int kTagActivation = 2;  // F32 [rows, width]
-inline constexpr int kTagToken = 3;       // I32 [n_seq]: sampled tokens, tail -> first stage
+                                          // (seq, pos0, tokens) per sequence; n_seq = 0 closes
+                                          // the micro-batch
+inline constexpr int kTagActivation = 2;  // F32 [rows, width] (rows = 0 with a closing descriptor)
+inline constexpr int kTagToken = 3;       // I32 [n_seq, 3]: (seq, position, token) per sequence,
+                                          // last virtual stage -> virtual stage 0
 
 /// Stage 0's book of sequences: builds prefill and decode micro-batches and records tokens.
 class SequenceBook {
@@ -90,173 +96,126 @@ class SequenceBook {
   SequenceBook(std::span<const GenerationRequest> requests, int seq_len, int groups);
   /// The prefill micro-batch of group g (empty seqs when nothing in it needs a forward).
   runtime::Microbatch prefill(int g);
-  /// Records the tokens sampled for mb at `now_s`; then returns the next decode micro-batch of the
-  /// group (empty seqs when the whole group is done).
-  runtime::Microbatch advance(const runtime::Microbatch& mb, std::span<const std::int32_t> sampled,
-                              double now_s);
+  /// Records the tokens sampled for the sequences `seqs` of micro-batch `id` at `now_s`; then
+  /// returns the group's next decode micro-batch (empty seqs when the whole group is done).
+  runtime::Microbatch advance(int id, std::span<const runtime::SeqEntry> seqs,
+                              std::span<const std::int32_t> sampled, double now_s);
   /// Results, in request order.
   std::vector<SequenceResult> results() const { return results_; }
-  [[nodiscard]] int capacity(int seq) const { return steps_[static_cast<std::size_t>(seq)]; }
-  [[nodiscard]] std::vector<int> capacities() const { return steps_; }
 
  private:
   std::vector<std::vector<int>> members_;  // per group, sequence ids
   std::vector<int> steps_;
   std::vector<SequenceResult> results_;
-  std::vector<bool> done_;
 };
 
+/// What every rank of a generation knows before it starts, computed identically on each from
+/// the requests: the micro-batches (groups), the sequences of each prefill, the KV capacity of
+/// every sequence, and the bound on rounds that sizes the inference Shape.
+struct GenerationLayout {
+  int groups = 1;
+  std::vector<int> capacities;                          ///< positions per sequence
+  std::vector<std::vector<runtime::SeqEntry>> prefill;  ///< per group: its round-0 sequences
+  std::vector<std::int64_t> max_rows;                   ///< per group: prefill rows (>= 1)
+  std::int64_t width = 1;  ///< widest activation between stages: max(dim, vocab) floats
+  int max_rounds = 1;  ///< rounds of the longest group, its closing round included
+};
+
+/// The layout of `requests` split into `groups` contiguous groups (group_of) for a model of
+/// `config` (seq_len positions): a sequence of `steps` positions and a prompt of p tokens runs a prefill
+/// round, steps - p decode rounds, and its group closes one round later.
+/// @throws brigade::Error{InvalidArgument} for an empty prompt
+GenerationLayout make_layout(std::span<const GenerationRequest> requests,
+                             const model::LlamaConfig& config, int groups);
+
+/// The inference Shape of a run: the partition's ranks, stages and placement, `layout.groups`
+/// micro-batches and `layout.max_rounds` rounds (chunks).
+schedule::Shape inference_shape(const partition::Partition& partition,
+                                const GenerationLayout& layout);
+
 }  // namespace detail
-}  // namespace v0
-}  // namespace brigade::engine
 
-namespace brigade::engine {
-inline namespace v0 {
+/// The inference side of the executor (engine::execute) on one rank: its InferenceStages (one
+/// per virtual stage it holds), and its program, emitted round by round
+/// (schedule::append_inference_round) over the micro-batches still running.
+///
+/// A round of a micro-batch on virtual stage v: RECV_F (a descriptor and the activations, or on
+/// v = 0 the sampled tokens), F, on the last virtual stage SAMPLE, and SEND_F. Virtual stage 0
+/// owns the sequences (the SequenceBook): at round 0 it embeds the group's prompts (prefill), at
+/// each later round the tokens sampled in the previous one (decode). A group whose sequences
+/// have all finished is closed: its F on virtual stage 0 sends an empty descriptor, which every
+/// later virtual stage passes on, and from the next round on no rank runs it.
+///
+/// Metadata checks: every rank knows which sequences and positions each micro-batch holds at
+/// round 0 (the layout) and that a later round holds, in order, a subset of the previous round's
+/// sequences one position further. A descriptor or token message that disagrees stops the run
+/// with Error{HeaderMismatch} naming the rank, the micro-batch, the round, the expected and the
+/// seen sequence id and position.
+class InferenceWorker {
+ public:
+  /// @param stages  stages[v] for the virtual stages on `rank` (null elsewhere)
+  /// @param book    the SequenceBook when this rank holds virtual stage 0 (else null)
+  InferenceWorker(const schedule::Shape& shape, int rank,
+                  std::span<runtime::InferenceStage* const> stages,
+                  const detail::GenerationLayout& layout, detail::SequenceBook* book,
+                  std::chrono::steady_clock::time_point t0);
 
-/// Runs one stage of a pipelined generation over any Transport (threads, MPI processes, ...).
-///
-/// Every stage s sits on rank `partition.stage(s).rank` (one stage per rank). Stage 0 owns the
-/// sequences: it embeds each group's prompt (prefill, one batch of all prompt tokens), then, each
-/// time the group's sampled tokens return from the tail stage, the group's next tokens (decode,
-/// one row per live sequence). Stages in between receive a descriptor and the activations, run
-/// their layers, and pass them on; the tail stage samples and sends the tokens back to stage 0.
-/// All `groups` micro-batches are in flight at once, so the stages work concurrently. Messages
-/// between two stages keep their order, so every stage sees the groups in the same order. A
-/// group whose sequences have all finished is closed by an empty descriptor that travels down.
-///
-/// @param book      stage 0's SequenceBook (ignored on other stages; may be null there)
-/// @param t0        the run's time origin for the Timeline
-/// @param timeline  where this stage's intervals go (rank = stage index)
-/// @throws brigade::Error from the stage or the transport (PeerTimeout when a peer stops
-///         answering for `timeout_s`, HeaderMismatch, Aborted)
+  /// ProgramSource: the next round's actions over the micro-batches still running.
+  bool fill(std::vector<schedule::Action>& out);
+  Work compute(const schedule::Action& a);
+  void recv_messages(const schedule::Action& a, std::vector<MessageSpec>& out);
+  void received(const schedule::Action& a, std::span<const Received> msgs);
+  void send(const schedule::Action& a, Outbox& out);
+
+ private:
+  runtime::InferenceStage& stage(int v) const;
+  /// Checks the sequences of micro-batch m's round message from `peer` against what this rank
+  /// expects, and records them as the round's sequences.
+  void check_sequences(int m, std::span<const runtime::SeqEntry> seen, int peer);
+
+  const schedule::Shape* shape_;
+  int rank_;
+  std::span<runtime::InferenceStage* const> stages_;
+  const detail::GenerationLayout* layout_;
+  detail::SequenceBook* book_;
+  std::chrono::steady_clock::time_point t0_;
+  int round_ = -1;
+  std::vector<char> live_;    // per micro-batch: runs in the current round
+  std::vector<char> closed_;  // per micro-batch: closed in the current round
+  std::vector<char> known_;   // per micro-batch: cur_ holds the current round's sequences
+  std::vector<std::vector<runtime::SeqEntry>> prev_, cur_;  // sequences of the last/this round
+  std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
+  std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
+  std::vector<std::int32_t> scratch_;
+};
+
+/// Runs this rank's part of a pipelined generation over `transport`: builds the InferenceStages
+/// of the virtual stages `partition` places on `transport.rank()` and runs the executor over an
+/// InferenceWorker. Every rank calls it with the same arguments (`book` only on the rank of
+/// virtual stage 0, null elsewhere).
+/// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T>
-void run_inference_stage(runtime::InferenceStage& stage, int stage_index,
-                         const partition::Partition& partition, int groups, T& transport,
-                         detail::SequenceBook* book, std::chrono::steady_clock::time_point t0,
-                         double timeout_s, Timeline& timeline) {
-  using transport::DType;
-  using transport::kAny;
-  using transport::MessageHeader;
-  const int S = partition.num_stages();
-  const int next_rank = stage_index + 1 < S ? partition.stage(stage_index + 1).rank : -1;
-  const int prev_rank = stage_index > 0 ? partition.stage(stage_index - 1).rank : -1;
-  const int first_rank = partition.stage(0).rank;
-  const int last_rank = partition.stage(S - 1).rank;
-  auto now = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  auto deadline = [&] { return transport::Deadline::after(timeout_s); };
-
-  auto compute = [&](runtime::Microbatch& mb, bool prefill) {
-    const double a = now();
-    stage.forward(mb);
-    Interval iv;
-    iv.rank = stage_index;
-    iv.op = Op::F;
-    iv.virtual_stage = stage_index;
-    iv.microbatch = mb.id;
-    iv.start = a;
-    iv.end = now();
-    iv.tokens = mb.num_tokens();
-    iv.label = prefill ? "prefill" : "decode";
-    timeline.add(std::move(iv));
-  };
-  auto send_down = [&](const runtime::Microbatch& mb) {
-    std::vector<std::int32_t> desc;
-    desc.push_back(static_cast<std::int32_t>(mb.rows));
-    desc.push_back(static_cast<std::int32_t>(mb.width));
-    desc.push_back(mb.next_layer);
-    for (const auto& s : mb.seqs) desc.insert(desc.end(), {s.seq, s.pos0, s.tokens});
-    const auto rows = static_cast<std::int64_t>(desc.size() / 3);
-    auto rd = transport.isend(next_rank, detail::kTagDescriptor,
-                              MessageHeader::make(mb.id, stage_index + 1, DType::I32, {rows, 3}),
-                              transport::as_bytes(std::span<const std::int32_t>(desc)));
-    transport.wait(rd, deadline());
-    if (mb.seqs.empty()) return;
-    auto ra = transport.isend(
-        next_rank, detail::kTagActivation,
-        MessageHeader::make(mb.id, stage_index + 1, DType::F32, {mb.rows, mb.width}),
-        transport::as_bytes(std::span<const float>(mb.act)));
-    transport.wait(ra, deadline());
-  };
-  auto send_tokens = [&](const runtime::Microbatch& mb) {
-    auto r = transport.isend(
-        first_rank, detail::kTagToken,
-        MessageHeader::make(mb.id, 0, DType::I32, {static_cast<std::int64_t>(mb.sampled.size())}),
-        transport::as_bytes(std::span<const std::int32_t>(mb.sampled)));
-    transport.wait(r, deadline());
-  };
-
-  if (stage_index == 0) {
-    std::deque<runtime::Microbatch> in_flight;
-    auto launch = [&](runtime::Microbatch mb, bool prefill) {
-      if (mb.seqs.empty()) {
-        if (S > 1) send_down(mb);  // closes the group downstream
-        return;
-      }
-      compute(mb, prefill);
-      if (S > 1) send_down(mb);
-      in_flight.push_back(std::move(mb));
-    };
-    for (int g = 0; g < groups; ++g) launch(book->prefill(g), true);
-    std::vector<std::int32_t> tokens;
-    while (!in_flight.empty()) {
-      runtime::Microbatch mb = std::move(in_flight.front());
-      in_flight.pop_front();
-      if (S > 1) {
-        tokens.assign(mb.seqs.size(), 0);
-        auto r = transport.irecv(
-            last_rank, detail::kTagToken,
-            MessageHeader::make(mb.id, 0, DType::I32, {static_cast<std::int64_t>(tokens.size())}),
-            transport::as_writable_bytes(std::span<std::int32_t>(tokens)));
-        transport.wait(r, deadline());
-      } else {
-        tokens = mb.sampled;
-      }
-      launch(book->advance(mb, tokens, now()), false);
-    }
-    return;
+void run_inference_rank(T& transport, const model::LlamaWeights& weights,
+                        const partition::Partition& partition,
+                        const detail::GenerationLayout& layout, detail::SequenceBook* book,
+                        const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
+                        Timeline& timeline) {
+  const auto shape = detail::inference_shape(partition, layout);
+  const int me = transport.rank();
+  std::vector<std::unique_ptr<runtime::InferenceStage>> owned;
+  std::vector<runtime::InferenceStage*> stages(static_cast<std::size_t>(shape.num_virtual_stages),
+                                               nullptr);
+  for (int v = 0; v < shape.num_virtual_stages; ++v) {
+    if (shape.rank_of(v) != me) continue;
+    owned.push_back(std::make_unique<runtime::InferenceStage>(weights, partition.stage(v),
+                                                              layout.capacities, options.sampler));
+    stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
-
-  // Stages 1..S-1: receive, compute, pass on (or sample and return the tokens).
-  int closed = 0;
-  std::vector<std::int32_t> desc;
-  while (closed < groups) {
-    // A descriptor holds at most one row per sequence plus the shape row.
-    desc.assign(static_cast<std::size_t>(3 * (stage.num_sequences() + 1)), 0);
-    auto rd = transport.irecv(prev_rank, detail::kTagDescriptor,
-                              MessageHeader::make(kAny, stage_index, DType::I32, {kAny, 3}),
-                              transport::as_writable_bytes(std::span<std::int32_t>(desc)));
-    transport.wait(rd, deadline());
-    runtime::Microbatch mb;
-    mb.id = static_cast<int>(rd.header.microbatch);
-    const auto n_seq = rd.header.shape[0] - 1;
-    if (n_seq == 0) {
-      ++closed;
-      if (stage_index + 1 < S) send_down(mb);
-      continue;
-    }
-    mb.rows = desc[0];
-    mb.width = desc[1];
-    mb.next_layer = desc[2];
-    for (std::int64_t i = 0; i < n_seq; ++i) {
-      const auto o = static_cast<std::size_t>(3 * (i + 1));
-      mb.seqs.push_back({desc[o], desc[o + 1], desc[o + 2]});
-    }
-    mb.act.resize(static_cast<std::size_t>(mb.rows * mb.width));
-    auto ra = transport.irecv(
-        prev_rank, detail::kTagActivation,
-        MessageHeader::make(mb.id, stage_index, DType::F32, {mb.rows, mb.width}),
-        transport::as_writable_bytes(std::span<float>(mb.act)));
-    transport.wait(ra, deadline());
-    compute(mb, mb.is_prefill());
-    if (stage_index + 1 < S) {
-      send_down(mb);
-    } else {
-      send_tokens(mb);
-    }
-  }
+  InferenceWorker worker(shape, me, stages, layout, book, t0);
+  execute(worker, worker, transport,
+          ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
 }
+
 
 /// Generates every request with the model split by `partition`, one thread per stage over an
 /// InProcessTransport. Greedy output (temperature 0) is the same token for token for every

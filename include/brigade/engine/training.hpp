@@ -5,6 +5,7 @@
 #include "brigade/core/timeline.hpp"
 #include "brigade/cost/cost_model.hpp"
 #include "brigade/data/corpus.hpp"
+#include "brigade/engine/executor.hpp"
 #include "brigade/engine/optimizer.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
@@ -15,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -25,190 +27,179 @@
 namespace brigade::engine {
 inline namespace v0 {
 
-namespace detail {
-// Named apart from inference.hpp's tags (same namespace), so both headers can be included.
-inline constexpr int kTagTrainActivation = 11;  // SEND_F -> RECV_F: F32 [rows, dim]
-inline constexpr int kTagTrainGradient = 12;    // SEND_B -> RECV_B: F32 [rows, dim]
-}  // namespace detail
-
-/// Runs one rank's lowered program for one training step.
+/// The training side of the executor (engine::execute): one rank's TrainStages for one step.
 ///
-/// The executor is the same for every generator (GPipe, 1F1B, interleaved, ZB-H1, hand-written):
-/// it walks the action list in order. All receives of the program are posted at the start, in
-/// program order (the lowered IR pairs each channel's sends and receives in order, so early
-/// posting is safe); a RECV_F/RECV_B action waits for its message. Sends are asynchronous and
-/// completed at the end. F of the first virtual stage reads the micro-batch's token ids; F of
-/// another reads the received (or, when the previous virtual stage is on this rank, the local)
-/// activations. B is BI then BW. RECOMPUTE rebuilds a stage's activations from its stashed input:
-/// an F whose (virtual stage, micro-batch) has a RECOMPUTE later in the program keeps only its
-/// input. OPT and SAMPLE are not executed here (the engine steps the optimizer after the step).
+/// F of the first virtual stage reads the micro-batch's token ids; F of another reads the
+/// received activations (RECV_F) or, when the previous virtual stage is on this rank, its local
+/// output. B is BI then BW. RECOMPUTE rebuilds a stage's activations from its stashed input: an
+/// F whose (virtual stage, micro-batch) has a RECOMPUTE later in the program keeps only its
+/// input. OPT and SAMPLE do nothing here (the engine steps the optimizer after the step).
+/// Received activations and gradients are held per (virtual stage, micro-batch) from their RECV
+/// until the F or BI that consumes them.
+class TrainingWorker {
+ public:
+  /// @param program   the rank's lowered actions (read once, for the RECOMPUTE set)
+  /// @param shape     the schedule's shape
+  /// @param stages    stages[v] is virtual stage v's TrainStage (non-null for those on this rank)
+  /// @param batches   the step's micro-batches
+  /// @param grad_denominator the step's total target rows (the loss is their mean)
+  /// @param dim       the model width (columns of every message)
+  TrainingWorker(std::span<const schedule::Action> program, const schedule::Shape& shape, int rank,
+                 std::span<runtime::TrainStage* const> stages,
+                 std::span<const data::PackedBatch> batches, double grad_denominator, int dim)
+      : shape_(&shape), rank_(rank), stages_(stages), batches_(batches),
+        denominator_(grad_denominator), dim_(dim) {
+    const auto keys = static_cast<std::size_t>(shape.num_virtual_stages) *
+                      static_cast<std::size_t>(shape.num_microbatches);
+    recomputed_.assign(keys, 0);
+    in_f_.resize(keys);
+    in_b_.resize(keys);
+    for (const auto& a : program)
+      if (a.op == schedule::Op::Recompute) recomputed_[key(a.virtual_stage, a.microbatch)] = 1;
+  }
+
+  Work compute(const schedule::Action& a) {
+    using schedule::Op;
+    const int v = a.virtual_stage, mb = a.microbatch;
+    switch (a.op) {
+      case Op::F: {
+        const bool keep = !recomputed_[key(v, mb)];
+        auto& in = in_f_[key(v, mb)];
+        const float* x = v == 0 ? nullptr : !in.empty() ? in.data() : local_output(v, mb);
+        stage(v).forward(mb, batch(mb), x, denominator_, keep);
+        if (!in.empty()) release(in);
+        break;
+      }
+      case Op::Recompute:
+        stage(v).recompute(mb);
+        break;
+      case Op::B:
+        backward_input(v, mb);
+        stage(v).backward_weight(mb);
+        break;
+      case Op::BI:
+        backward_input(v, mb);
+        break;
+      case Op::BW:
+        stage(v).backward_weight(mb);
+        break;
+      default:
+        return {false, 0, {}};
+    }
+    return {true, batch(mb).rows(), {}};
+  }
+
+  void recv_messages(const schedule::Action& a, std::vector<MessageSpec>& out) {
+    const std::int64_t rows = batch(a.microbatch).rows();
+    const bool fwd = a.op == schedule::Op::RecvF;
+    out.push_back({fwd ? kTagActivation : kTagGradient,
+                   transport::MessageHeader::make(a.microbatch, a.virtual_stage,
+                                                  transport::DType::F32, {rows, dim_}),
+                   static_cast<std::size_t>(rows * dim_) * sizeof(float)});
+  }
+
+  void received(const schedule::Action& a, std::span<const Received> msgs) {
+    auto& dst = (a.op == schedule::Op::RecvF ? in_f_ : in_b_)[key(a.virtual_stage, a.microbatch)];
+    const auto& p = msgs[0].payload;
+    dst.resize(p.size() / sizeof(float));
+    std::memcpy(dst.data(), p.data(), p.size());
+  }
+
+  void send(const schedule::Action& a, Outbox& out) {
+    const bool fwd = a.op == schedule::Op::SendF;
+    const int v = a.virtual_stage, mb = a.microbatch;
+    auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
+    const auto peer = schedule::counterpart(*shape_, a);
+    out.add(fwd ? kTagActivation : kTagGradient,
+            transport::MessageHeader::make(mb, peer->virtual_stage, transport::DType::F32,
+                                           {batch(mb).rows(), dim_}),
+            transport::as_bytes(src));
+    if (fwd)
+      stage(v).release_output(mb);
+    else
+      stage(v).release_grad_input(mb);
+  }
+
+  /// Message tags of the training protocol.
+  static constexpr int kTagActivation = 11;  ///< SEND_F -> RECV_F: F32 [rows, dim]
+  static constexpr int kTagGradient = 12;    ///< SEND_B -> RECV_B: F32 [rows, dim]
+
+ private:
+  [[nodiscard]] std::size_t key(int v, int mb) const noexcept {
+    return static_cast<std::size_t>(v) * static_cast<std::size_t>(shape_->num_microbatches) +
+           static_cast<std::size_t>(mb);
+  }
+  runtime::TrainStage& stage(int v) const {
+    BRIGADE_CHECK(v >= 0 && v < static_cast<int>(stages_.size()) &&
+                      stages_[static_cast<std::size_t>(v)],
+                  Errc::InvalidArgument, "executor: rank {} has no stage for virtual stage {}",
+                  rank_, v);
+    return *stages_[static_cast<std::size_t>(v)];
+  }
+  const data::PackedBatch& batch(int mb) const {
+    BRIGADE_CHECK(mb >= 0 && mb < static_cast<int>(batches_.size()), Errc::InvalidArgument,
+                  "executor: micro-batch {} outside the step's {} micro-batches", mb,
+                  batches_.size());
+    return batches_[static_cast<std::size_t>(mb)];
+  }
+  const float* local_output(int v, int mb) const {
+    BRIGADE_CHECK(shape_->rank_of(v - 1) == rank_, Errc::Internal,
+                  "executor: rank {}: F({}, {}) before its RECV_F", rank_, v, mb);
+    return stage(v - 1).output(mb).data();
+  }
+  void backward_input(int v, int mb) {
+    const bool tail = v == shape_->num_virtual_stages - 1;
+    auto& in = in_b_[key(v, mb)];
+    const float* dy = nullptr;
+    if (!tail) {
+      if (!in.empty()) {
+        dy = in.data();
+      } else {
+        BRIGADE_CHECK(shape_->rank_of(v + 1) == rank_, Errc::Internal,
+                      "executor: rank {}: backward({}, {}) before its RECV_B", rank_, v, mb);
+        dy = stage(v + 1).grad_input(mb).data();
+      }
+    }
+    stage(v).backward_input(mb, dy);
+    if (!in.empty()) release(in);
+    else if (!tail) stage(v + 1).release_grad_input(mb);
+  }
+  static void release(std::vector<float>& v) {
+    v.clear();
+    v.shrink_to_fit();
+  }
+
+  const schedule::Shape* shape_;
+  int rank_;
+  std::span<runtime::TrainStage* const> stages_;
+  std::span<const data::PackedBatch> batches_;
+  double denominator_;
+  int dim_;
+  std::vector<char> recomputed_;
+  std::vector<std::vector<float>> in_f_, in_b_;  // received, per (virtual stage, micro-batch)
+};
+
+/// Runs one rank's lowered program for one training step: engine::execute over a
+/// TrainingWorker. The executor is the same for every generator (GPipe, 1F1B, interleaved,
+/// ZB-H1, hand-written) and for inference; see execute() for the receive and send windows.
 ///
 /// @param program   rank `rank`'s lowered actions
 /// @param shape     the schedule's shape (placement: virtual stage -> rank)
 /// @param stages    stages[v] is virtual stage v's TrainStage (non-null for those on this rank)
 /// @param batches   the step's micro-batches (every rank sees all of them)
 /// @param grad_denominator the step's total target rows (the loss is their mean)
-/// @param timeline  receives one interval per compute action (and RECV waits), rank = `rank`
+/// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T>
 void run_training_program(std::span<const schedule::Action> program, const schedule::Shape& shape,
                           int rank, std::span<runtime::TrainStage* const> stages,
                           std::span<const data::PackedBatch> batches, double grad_denominator,
                           T& transport, std::chrono::steady_clock::time_point t0,
-                          double timeout_s, Timeline& timeline, int dim) {
-  using schedule::Op;
-  using transport::DType;
-  using transport::MessageHeader;
-  auto now = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  auto key = [&](int v, int mb) { return static_cast<std::int64_t>(v) * shape.num_microbatches + mb; };
-  auto stage = [&](int v) -> runtime::TrainStage& {
-    BRIGADE_CHECK(v >= 0 && v < static_cast<int>(stages.size()) && stages[static_cast<std::size_t>(v)],
-                  Errc::InvalidArgument, "executor: rank {} has no stage for virtual stage {}",
-                  rank, v);
-    return *stages[static_cast<std::size_t>(v)];
-  };
-  auto rows_of = [&](int mb) {
-    BRIGADE_CHECK(mb >= 0 && mb < static_cast<int>(batches.size()), Errc::InvalidArgument,
-                  "executor: micro-batch {} outside the step's {} micro-batches", mb,
-                  batches.size());
-    return batches[static_cast<std::size_t>(mb)].rows();
-  };
-
-  // Which (virtual stage, micro-batch) pairs are recomputed later: their F keeps only its input.
-  std::map<std::int64_t, bool> recomputed;
-  for (const auto& a : program)
-    if (a.op == Op::Recompute) recomputed[key(a.virtual_stage, a.microbatch)] = true;
-
-  // Post every receive now, in program order.
-  struct Pending {
-    std::vector<float> buffer;
-    transport::Request request;
-  };
-  std::map<std::int64_t, Pending> recv_f, recv_b;
-  for (const auto& a : program) {
-    if (a.op != Op::RecvF && a.op != Op::RecvB) continue;
-    const bool fwd = a.op == Op::RecvF;
-    auto& slot = (fwd ? recv_f : recv_b)[key(a.virtual_stage, a.microbatch)];
-    const std::int64_t rows = rows_of(a.microbatch);
-    slot.buffer.resize(static_cast<std::size_t>(rows * dim));
-    slot.request = transport.irecv(
-        schedule::peer_rank(shape, a), fwd ? detail::kTagTrainActivation : detail::kTagTrainGradient,
-        MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {rows, dim}),
-        transport::as_writable_bytes(std::span<float>(slot.buffer)));
-  }
-  std::vector<transport::Request> sends;
-  std::vector<std::vector<float>> send_buffers;
-
-  auto record = [&](Op op, int v, int mb, double a, double b) {
-    Interval iv;
-    iv.rank = rank;
-    iv.op = op;
-    iv.virtual_stage = v;
-    iv.microbatch = mb;
-    iv.start = a;
-    iv.end = b;
-    iv.tokens = rows_of(mb);
-    timeline.add(std::move(iv));
-  };
-  auto take_recv = [&](std::map<std::int64_t, Pending>& m, const schedule::Action& a) -> Pending& {
-    auto it = m.find(key(a.virtual_stage, a.microbatch));
-    BRIGADE_CHECK(it != m.end(), Errc::Internal, "executor: rank {}: {} was not posted", rank,
-                  schedule::to_string(a));
-    return it->second;
-  };
-  // The input activation of F(v, mb): received, or the local output of v - 1.
-  auto forward_input = [&](int v, int mb) -> const float* {
-    if (v == 0) return nullptr;
-    if (auto it = recv_f.find(key(v, mb)); it != recv_f.end()) {
-      BRIGADE_CHECK(it->second.request.done, Errc::Internal,
-                    "executor: rank {}: F({}, {}) before its RECV_F", rank, v, mb);
-      return it->second.buffer.data();
-    }
-    return stage(v - 1).output(mb).data();
-  };
-  auto output_grad = [&](int v, int mb) -> const float* {
-    if (v == shape.num_virtual_stages - 1) return nullptr;
-    if (auto it = recv_b.find(key(v, mb)); it != recv_b.end()) {
-      BRIGADE_CHECK(it->second.request.done, Errc::Internal,
-                    "executor: rank {}: backward({}, {}) before its RECV_B", rank, v, mb);
-      return it->second.buffer.data();
-    }
-    return stage(v + 1).grad_input(mb).data();
-  };
-  auto backward_input = [&](int v, int mb) {
-    stage(v).backward_input(mb, output_grad(v, mb));
-    if (auto it = recv_b.find(key(v, mb)); it != recv_b.end()) {
-      it->second.buffer.clear();
-      it->second.buffer.shrink_to_fit();
-    } else if (v + 1 < shape.num_virtual_stages) {
-      stage(v + 1).release_grad_input(mb);
-    }
-  };
-
-  for (const auto& a : program) {
-    const int v = a.virtual_stage, mb = a.microbatch;
-    const double start = now();
-    switch (a.op) {
-      case Op::RecvF:
-      case Op::RecvB: {
-        auto& p = take_recv(a.op == Op::RecvF ? recv_f : recv_b, a);
-        transport.wait(p.request, transport::Deadline::after(timeout_s));
-        record(a.op, v, mb, start, now());
-        break;
-      }
-      case Op::F: {
-        const float* x = forward_input(v, mb);
-        stage(v).forward(mb, batches[static_cast<std::size_t>(mb)], x, grad_denominator,
-                         !recomputed.count(key(v, mb)));
-        if (auto it = recv_f.find(key(v, mb)); it != recv_f.end() && !recomputed.count(key(v, mb))) {
-          it->second.buffer.clear();
-          it->second.buffer.shrink_to_fit();
-        }
-        record(Op::F, v, mb, start, now());
-        break;
-      }
-      case Op::Recompute:
-        stage(v).recompute(mb);
-        record(Op::Recompute, v, mb, start, now());
-        break;
-      case Op::B:
-        backward_input(v, mb);
-        stage(v).backward_weight(mb);
-        record(Op::B, v, mb, start, now());
-        break;
-      case Op::BI:
-        backward_input(v, mb);
-        record(Op::BI, v, mb, start, now());
-        break;
-      case Op::BW:
-        stage(v).backward_weight(mb);
-        record(Op::BW, v, mb, start, now());
-        break;
-      case Op::SendF:
-      case Op::SendB: {
-        const bool fwd = a.op == Op::SendF;
-        auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
-        const auto peer = schedule::counterpart(shape, a);
-        send_buffers.emplace_back(src.begin(), src.end());
-        const std::int64_t rows = rows_of(mb);
-        sends.push_back(transport.isend(
-            schedule::peer_rank(shape, a), fwd ? detail::kTagTrainActivation : detail::kTagTrainGradient,
-            MessageHeader::make(mb, peer->virtual_stage, DType::F32, {rows, dim}),
-            transport::as_bytes(std::span<const float>(send_buffers.back()))));
-        if (fwd)
-          stage(v).release_output(mb);
-        else
-          stage(v).release_grad_input(mb);
-        break;
-      }
-      case Op::Sample:
-      case Op::Opt:
-        break;
-    }
-  }
-  for (auto& s : sends) transport.wait(s, transport::Deadline::after(timeout_s));
+                          double timeout_s, Timeline& timeline, int dim,
+                          ExecutorWindows windows = {}) {
+  TrainingWorker worker(program, shape, rank, stages, batches, grad_denominator, dim);
+  FixedProgram source(program);
+  execute(source, worker, transport, ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
 }
 
 /// How a TrainingEngine splits the model and orders its work.

@@ -69,8 +69,10 @@ class InferenceStage {
   InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                  std::span<const int> capacities, const model::SamplerConfig& sampler);
 
-  /// Runs this stage's layers on `mb` in place: mb.next_layer must equal range().first; on
-  /// return it equals range().last and the payload has the form that layer expects.
+  /// Runs this stage's layers on `mb` in place, up to but not including the sampler layer:
+  /// mb.next_layer must equal range().first; on return it equals range().last (or the sampler
+  /// layer's index when the stage owns it: sample() runs that layer) and the payload has the
+  /// form that layer expects.
   /// @throws brigade::Error{InvalidArgument} if mb enters at another layer, a sequence id is out
   ///         of range, or a position would exceed the sequence's KV capacity
   /// @throws brigade::Error{NonFinite} when a layer's output (activations, or the LM head's
@@ -78,6 +80,12 @@ class InferenceStage {
   ///         layer, the sequence and position of the row and the column (every layer's output
   ///         is scanned once: docs/benchmarks.md has the cost)
   void forward(Microbatch& mb);
+
+  /// Runs the sampler layer on `mb` (after forward() on the stage that owns it): one token per
+  /// sequence from its logits ([n_seq x vocab]) into mb.sampled, with that sequence's Sampler.
+  /// @throws brigade::Error{InvalidArgument} if the stage does not own the sampler or `mb` is
+  ///         not at the sampler layer with [n_seq x vocab] logits
+  void sample(Microbatch& mb);
 
   [[nodiscard]] const partition::StageRange& range() const noexcept { return range_; }
   /// True when the stage holds layer 0 (embedding).
