@@ -8,7 +8,9 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <exception>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -49,10 +51,12 @@ const Fixture& fixture() {
   return f;
 }
 
-/// Calls generate_on on every rank of a world of part.num_ranks() threads.
+/// Calls generate_on on every rank of a world of part.num_ranks() threads, each over
+/// `wrap(InProcessTransport&, rank)` (the plain transport by default).
+template <class Wrap>
 std::vector<engine::InferenceReport> run_all(const partition::Partition& part,
                                              std::span<const engine::GenerationRequest> req,
-                                             const engine::InferenceOptions& opt) {
+                                             const engine::InferenceOptions& opt, Wrap wrap) {
   const int n = part.num_ranks();
   transport::InProcessFabric fabric(n);
   std::vector<engine::InferenceReport> reports(static_cast<std::size_t>(n));
@@ -63,8 +67,9 @@ std::vector<engine::InferenceReport> run_all(const partition::Partition& part,
       threads.emplace_back([&, r] {
         try {
           transport::InProcessTransport t(fabric, r);
+          decltype(auto) w = wrap(t, r);
           reports[static_cast<std::size_t>(r)] =
-              engine::generate_on(t, fixture().weights, part, req, opt);
+              engine::generate_on(w, fixture().weights, part, req, opt);
         } catch (...) {
           errors[static_cast<std::size_t>(r)] = std::current_exception();
           fabric.abort("rank " + std::to_string(r) + " failed");
@@ -72,9 +77,27 @@ std::vector<engine::InferenceReport> run_all(const partition::Partition& part,
       });
     }
   }
+  // The root cause: the first error that is not an Aborted.
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (err.code() != Errc::Aborted) throw;
+    }
+  }
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   return reports;
+}
+
+std::vector<engine::InferenceReport> run_all(const partition::Partition& part,
+                                             std::span<const engine::GenerationRequest> req,
+                                             const engine::InferenceOptions& opt) {
+  return run_all(part, req, opt,
+                 [](transport::InProcessTransport& t, int) -> transport::InProcessTransport& {
+                   return t;
+                 });
 }
 
 }  // namespace
@@ -155,4 +178,146 @@ TEST_CASE("engine.generate_on: timelines survive the gather encoding exactly") {
   CHECK(b.label == iv.label);
   CHECK_THROWS_WITH_AS(engine::detail::decode_rank_result("{\"end_s\": 1}", 4, back),
                        doctest::Contains("rank 4 sent an unreadable timeline"), Error);
+}
+
+namespace {
+
+/// A transport that forwards to an InProcessTransport and rewrites the I32 payload of the first
+/// message of `tag` whose (seq, pos, ...) rows `pick` selects: `pick(row)` returns true for the
+/// row to corrupt, and the row's sequence id becomes `new_seq`. Used to show that stages check
+/// the pipeline's metadata instead of trusting it.
+class CorruptOne {
+ public:
+  CorruptOne(transport::InProcessTransport& inner, int tag, int first_row,
+             std::function<bool(const std::int32_t*)> pick, std::int32_t new_seq)
+      : inner_(&inner), tag_(tag), first_row_(first_row), pick_(std::move(pick)),
+        new_seq_(new_seq) {}
+  [[nodiscard]] int rank() const { return inner_->rank(); }
+  [[nodiscard]] int world_size() const { return inner_->world_size(); }
+  transport::Request isend(int peer, int tag, const transport::MessageHeader& h,
+                           transport::ConstBytes payload) {
+    if (done_ || tag != tag_) return inner_->isend(peer, tag, h, payload);
+    std::vector<std::int32_t> v(payload.size() / 4);
+    std::memcpy(v.data(), payload.data(), payload.size());
+    for (std::size_t row = static_cast<std::size_t>(first_row_); 3 * row + 2 < v.size(); ++row) {
+      if (!pick_(&v[3 * row])) continue;
+      v[3 * row] = new_seq_;
+      done_ = true;
+      break;
+    }
+    return inner_->isend(peer, tag, h, transport::as_bytes(std::span<const std::int32_t>(v)));
+  }
+  transport::Request irecv(int peer, int tag, const transport::MessageHeader& h,
+                           transport::MutableBytes buffer) {
+    return inner_->irecv(peer, tag, h, buffer);
+  }
+  std::vector<transport::Request> submit(std::span<const transport::P2POp> batch) {
+    return inner_->submit(batch);
+  }
+  void wait(transport::Request& r, transport::Deadline d) { inner_->wait(r, d); }
+  bool test(transport::Request& r) { return inner_->test(r); }
+
+ private:
+  transport::InProcessTransport* inner_;
+  int tag_, first_row_;
+  std::function<bool(const std::int32_t*)> pick_;
+  std::int32_t new_seq_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("engine.generate_on: a decode descriptor naming the wrong sequence stops the run "
+          "naming the rank, the micro-batch, the expected and the seen sequence and position") {
+  // Three sequences in one micro-batch over 2 stages; stage 0's first decode descriptor says
+  // sequence 0 where it holds sequence 2. Without the check stage 1 would write sequence 2's
+  // keys and values into sequence 0's KV cache and the run would end with wrong text.
+  const auto& F = fixture();
+  const model::ModelSpec spec(F.weights.config);
+  const std::vector<engine::GenerationRequest> req{
+      {F.prompt(0), 40}, {F.prompt(1), 40}, {F.prompt(1), 40}};
+  const int pos = static_cast<int>(F.prompt(1).size());  // sequence 2's first decode position
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 1;
+  opt.timeout_s = 30;
+  const auto part = partition::uniform(spec, 2);
+  auto corrupt = [&](transport::InProcessTransport& t, int r) {
+    return CorruptOne(t, r == 0 ? engine::detail::kTagDescriptor : -1, 1,
+                      [](const std::int32_t* row) { return row[0] == 2 && row[1] > 0; }, 0);
+  };
+  CHECK_THROWS_WITH_AS(
+      run_all(part, req, opt, corrupt),
+      doctest::Contains(fmt::format("rank 1: micro-batch 0 round 1 (decode): expected sequence 2 "
+                                    "at position {}, the message from rank 0 holds sequence 0 at "
+                                    "position {}",
+                                    pos, pos)
+                            .c_str()),
+      Error);
+  // The sampled tokens returning to stage 0 are checked the same way.
+  auto corrupt_tokens = [&](transport::InProcessTransport& t, int r) {
+    return CorruptOne(t, r == 1 ? engine::detail::kTagToken : -1, 0,
+                      [](const std::int32_t* row) { return row[0] == 2; }, 1);
+  };
+  CHECK_THROWS_WITH_AS(
+      run_all(part, req, opt, corrupt_tokens),
+      doctest::Contains(fmt::format("rank 0: micro-batch 0 round 1: expected the token of sequence "
+                                    "2 at position {}, the message from rank 1 holds sequence 1 "
+                                    "at position {}",
+                                    pos, pos)
+                            .c_str()),
+      Error);
+  // Unchanged, the same run succeeds and sequences 1 and 2 agree.
+  const auto ok = run_all(part, req, opt);
+  CHECK(ok[0].sequences[1].tokens == ok[0].sequences[2].tokens);
+}
+
+TEST_CASE("engine.generate: the inference Timeline holds F, SAMPLE, SEND and RECV of every round, "
+          "and the two stages compute at the same time") {
+  const auto& F = fixture();
+  const model::ModelSpec spec(F.weights.config);
+  const std::vector<engine::GenerationRequest> req{{F.prompt(0), 256}, {F.prompt(1), 64}};
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 2;
+  const auto rep = engine::generate(F.weights, partition::uniform(spec, 2), req, opt);
+  REQUIRE(rep.sequences.size() == 2);
+  const auto& tl = rep.timeline;
+  auto count = [&](int rank, Op op, int mb, int round) {
+    int n = 0;
+    for (const auto& iv : tl.intervals())
+      n += iv.rank == rank && iv.op == op && iv.microbatch == mb && iv.chunk == round;
+    return n;
+  };
+  for (int m = 0; m < 2; ++m) {
+    CAPTURE(m);
+    // Sequence m is micro-batch m; it samples `generated` tokens, one per working round.
+    const int rounds = rep.sequences[static_cast<std::size_t>(m)].generated;
+    CHECK(rounds == F.generated(m));
+    CHECK(rep.sequences[static_cast<std::size_t>(m)].tokens == F.ids(m));
+    for (int c = 0; c < rounds; ++c) {
+      CAPTURE(c);
+      CHECK(count(0, Op::F, m, c) == 1);
+      CHECK(count(0, Op::SendF, m, c) == 2);  // descriptor and activations
+      CHECK(count(1, Op::RecvF, m, c) == 1);
+      CHECK(count(1, Op::F, m, c) == 1);
+      CHECK(count(1, Op::Sample, m, c) == 1);
+      CHECK(count(1, Op::SendF, m, c) == 1);  // the tokens, back to stage 0
+      if (c > 0) CHECK(count(0, Op::RecvF, m, c) == 1);
+    }
+    // The closing round: stage 0 receives the last tokens and computes nothing more.
+    CHECK(count(0, Op::F, m, rounds) == 0);
+    CHECK(count(1, Op::Sample, m, rounds) == 0);
+    for (const auto& iv : tl.intervals())
+      if (iv.op == Op::F && iv.microbatch == m)
+        CHECK(iv.label == (iv.chunk == 0 ? "prefill" : "decode"));
+  }
+  // Pipelining: some forward of stage 0 runs while a forward of stage 1 runs.
+  bool overlap = false;
+  for (const auto& a : tl.intervals())
+    for (const auto& b : tl.intervals())
+      if (a.rank == 0 && b.rank == 1 && a.op == Op::F && b.op == Op::F &&
+          a.microbatch != b.microbatch && a.start < b.end && b.start < a.end)
+        overlap = true;
+  CHECK(overlap);
 }
