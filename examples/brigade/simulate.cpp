@@ -47,6 +47,7 @@ struct Options {
   std::optional<double> link_bandwidth;
   std::string trace, svg, metrics, save_schedule;
   int svg_width = 1000;
+  bool rendezvous = false;
 };
 
 /// F,B[,W] as non-negative numbers.
@@ -136,7 +137,9 @@ int run(const Options& o) {
     lowered = sch::lower(compute);
   }
   const auto& shape = lowered.shape;
-  const auto proof = sch::validate(lowered);
+  sch::ExecutionModel exec;
+  if (o.rendezvous) exec.sends = sch::SendSemantics::Rendezvous;
+  const auto proof = sch::validate(lowered, exec);
   if (!o.save_schedule.empty())
     brigade::io::write_file_atomic(o.save_schedule, sch::to_text(lowered));
 
@@ -212,6 +215,7 @@ int run(const Options& o) {
              sch::to_string(shape.mode));
   fmt::print("validated    {} actions ({} compute), {} messages, completes without deadlock\n",
              proof.actions, proof.compute_actions, proof.messages);
+  fmt::print("semantics    {}\n", proof.semantics);
   fmt::print("costs        {}\n", costs);
   fmt::print("makespan     {:.6g} s\n", r.makespan);
   fmt::print("bubble       {:.6f} ({:.2f}% idle rank-time)\n", r.bubble_ratio,
@@ -312,6 +316,9 @@ std::function<int()> setup(CLI::App& sub) {
                  "Write makespan, bubble ratio, utilization and peak memory as JSON");
   sub.add_option("--save-schedule", o->save_schedule,
                  "Write the lowered schedule in the text form");
+  sub.add_flag("--rendezvous", o->rendezvous,
+               "Validate for a transport whose sends complete only when received (large MPI or "
+               "NCCL messages), with the executor's default windows");
   return [o, virt] {
     o->virtual_given = virt->count() > 0;
     return run(*o);

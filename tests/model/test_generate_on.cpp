@@ -312,6 +312,19 @@ TEST_CASE("engine.generate: the inference Timeline holds F, SAMPLE, SEND and REC
       if (iv.op == Op::F && iv.microbatch == m)
         CHECK(iv.label == (iv.chunk == 0 ? "prefill" : "decode"));
   }
+}
+
+TEST_CASE("engine.generate: two stages compute at the same time (15M synthetic model, two "
+          "micro-batches in flight)") {
+  const auto w = model::make_synthetic_weights(model::named_config("15M"), 7);
+  const model::ModelSpec spec(w.config);
+  std::vector<engine::GenerationRequest> req;
+  for (int i = 0; i < 2; ++i) req.push_back({{1, 100 + i, 200 + i, 300 + i}, 24});
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 2;
+  const auto rep = engine::generate(w, partition::uniform(spec, 2), req, opt);
+  const auto& tl = rep.timeline;
   // Pipelining: some forward of stage 0 runs while a forward of stage 1 runs.
   bool overlap = false;
   for (const auto& a : tl.intervals())

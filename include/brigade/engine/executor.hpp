@@ -6,6 +6,7 @@
 #include "brigade/core/timeline.hpp"
 #include "brigade/schedule/action.hpp"
 #include "brigade/schedule/dataflow.hpp"
+#include "brigade/schedule/validate.hpp"
 #include "brigade/transport/transport.hpp"
 
 #include <algorithm>
@@ -23,7 +24,7 @@ namespace brigade::engine {
 inline namespace v0 {
 
 /// Receive and send windows of the executor, the semantics schedule::validate() models
-/// (schedule::ExecutionModel).
+/// (schedule::ExecutionModel):
 ///
 /// - Receives: the executor posts the RECV actions of the program in program order, at most
 ///   `recv_window` of them ahead of the one it waits on (so receive buffers are bounded by the
@@ -31,12 +32,9 @@ inline namespace v0 {
 ///   receives in order (the Transport's rule), so the k-th receive a rank posts for a channel
 ///   takes the k-th message sent on it.
 /// - Sends: posted when the SEND action is reached, asynchronously (the rank goes on computing);
-///   at most `send_window` sends are in flight: posting one more first waits for the oldest. All
-///   are completed at the end of the program.
-struct ExecutorWindows {
-  int recv_window = 4;  ///< RECV actions posted ahead, >= 1
-  int send_window = 8;  ///< sends in flight before the oldest is waited on, >= 1
-};
+///   at most `send_window` messages are in flight: posting one more first waits for the oldest.
+///   All are completed at the end of the program.
+using ExecutorWindows = schedule::Windows;
 
 /// One message of a RECV action, as the Worker describes it: the tag, the expected header
 /// (kAny fields allowed) and the receive buffer's size in bytes (at least the largest message).

@@ -1,6 +1,8 @@
 // The passes over the schedule IR: lower() adds communication, strip_communication() removes
-// it, validate() proves a lowered schedule completes or names why it cannot.
+// it, append_inference_round() emits a lowered inference round, validate() proves a lowered
+// schedule completes or names why it cannot.
 #pragma once
 
 #include "brigade/schedule/lower.hpp"
+#include "brigade/schedule/rounds.hpp"
 #include "brigade/schedule/validate.hpp"

@@ -9,12 +9,47 @@
 #include "brigade/schedule/lower.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace brigade::schedule {
 inline namespace v0 {
+
+/// How a transport completes a send.
+enum class SendSemantics : std::uint8_t {
+  /// A send completes without its receive (buffered; in-process, small MPI messages).
+  Eager,
+  /// A send completes only once its receive has been posted (large MPI or NCCL messages).
+  Rendezvous,
+};
+
+/// The executor's receive and send windows (engine::execute; engine::ExecutorWindows is this
+/// type): RECV actions are posted in program order at most `recv_window` ahead of the one being
+/// waited on; at most `send_window` sends are in flight before the oldest is waited on.
+struct Windows {
+  int recv_window = 4;  ///< >= 1
+  int send_window = 8;  ///< >= 1
+};
+
+/// The execution semantics validate() checks a schedule against: the executor's matching rule
+/// (receives of one channel match sends in order), its windows, and the transport's sends.
+struct ExecutionModel {
+  SendSemantics sends = SendSemantics::Eager;
+  Windows windows{};  ///< used by the Rendezvous check (with eager sends they cannot block)
+};
+
+/// One line naming the semantics `m` stands for, as validate() and `brigade simulate` print it.
+inline std::string describe(const ExecutionModel& m) {
+  if (m.sends == SendSemantics::Eager)
+    return "eager sends, receives matched in order per (peer, tag)";
+  return fmt::format(
+      "rendezvous sends (a send completes when its receive is posted), receives matched in order "
+      "per (peer, tag), receive window {}, send window {}",
+      m.windows.recv_window, m.windows.send_window);
+}
 
 /// What validate() proved about a schedule that completes.
 struct ValidationResult {
@@ -22,7 +57,20 @@ struct ValidationResult {
   std::size_t compute_actions = 0;  ///< of which compute (non-SEND/RECV)
   std::size_t messages = 0;         ///< SEND/RECV pairs matched
   bool has_backward = false;        ///< whether the schedule holds B/BI/BW actions
+  std::string semantics;            ///< describe() of the ExecutionModel it was checked under
 };
+
+/// The message channel of a communication action, as the executor's workers tag them:
+/// 0 = activations (SEND_F/RECV_F between consecutive virtual stages), 1 = gradients
+/// (SEND_B/RECV_B), 2 = the inference token edge (last virtual stage -> virtual stage 0).
+/// Messages between two ranks on one channel are received in the order they were sent.
+inline int channel_of(const Shape& shape, const Action& a) noexcept {
+  if (a.op == Op::SendB || a.op == Op::RecvB) return 1;
+  const bool token = shape.mode == Mode::Inference &&
+                     ((a.op == Op::SendF && a.virtual_stage == shape.num_virtual_stages - 1) ||
+                      (a.op == Op::RecvF && a.virtual_stage == 0));
+  return token ? 2 : 0;
+}
 
 namespace detail {
 
@@ -84,8 +132,12 @@ struct Where {
 
 class Validator {
  public:
-  explicit Validator(const Schedule& s) : s_(s), sh_(s.shape) {
+  Validator(const Schedule& s, const ExecutionModel& model) : s_(s), sh_(s.shape), model_(model) {
     check_program_shape(s, "validate");
+    BRIGADE_CHECK(model.windows.recv_window >= 1 && model.windows.send_window >= 1,
+                  Errc::InvalidArgument,
+                  "validate: receive window {} and send window {}, expected both >= 1",
+                  model.windows.recv_window, model.windows.send_window);
     n_ = sh_.num_virtual_stages;
     m_ = sh_.num_microbatches;
     c_ = sh_.num_chunks;
@@ -100,7 +152,12 @@ class Validator {
 
   ValidationResult run() {
     static_pass();
-    dynamic_pass();
+    if (model_.sends == SendSemantics::Eager)
+      dynamic_pass();
+    else
+      rendezvous_pass();
+    order_pass();
+    result_.semantics = describe(model_);
     return result_;
   }
 
@@ -408,6 +465,155 @@ class Validator {
     if (!stuck.empty()) report_deadlock(pc, stuck);
   }
 
+  // ---- matching: receives of a channel take its messages in the order they were sent -------
+  /// The executor posts receives in program order and the transport hands a (peer, tag)'s
+  /// messages to them in order, so the k-th receive of a channel must be the counterpart of the
+  /// k-th send on it; otherwise the executor fails with HeaderMismatch (or waits forever).
+  void order_pass() const {
+    struct Entry {
+      Action action;
+      int rank;
+      int index;
+    };
+    const auto P = static_cast<std::size_t>(sh_.num_ranks);
+    auto chan = [&](int from, int to, int c) {
+      return (static_cast<std::size_t>(from) * P + static_cast<std::size_t>(to)) * 3 +
+             static_cast<std::size_t>(c);
+    };
+    std::vector<std::vector<Entry>> sends(P * P * 3), recvs(P * P * 3);
+    for (int r = 0; r < sh_.num_ranks; ++r) {
+      const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < prog.size(); ++i) {
+        const Action& a = prog[i];
+        if (!is_communication(a.op)) continue;
+        const int peer = sh_.rank_of(counterpart(sh_, a)->virtual_stage);
+        const bool send = a.op == Op::SendF || a.op == Op::SendB;
+        const int c = channel_of(sh_, a);
+        (send ? sends[chan(r, peer, c)] : recvs[chan(peer, r, c)])
+            .push_back({a, r, static_cast<int>(i)});
+      }
+    }
+    static constexpr std::array<std::string_view, 3> names = {"activation", "gradient", "token"};
+    for (std::size_t ch = 0; ch < sends.size(); ++ch) {
+      const auto& snd = sends[ch];
+      const auto& rcv = recvs[ch];
+      for (std::size_t k = 0; k < std::min(snd.size(), rcv.size()); ++k) {
+        if (*counterpart(sh_, snd[k].action) == rcv[k].action) continue;
+        fail_grid(Errc::InvalidArgument,
+                  fmt::format("validate: rank {} step {}: {} is receive #{} from rank {} on the "
+                              "{} channel, but message #{} that rank {} sends on it is {} (step "
+                              "{}); receives match sends in order per (peer, tag), so the "
+                              "executor would fail with HeaderMismatch: send them in the order "
+                              "they are received",
+                              rcv[k].rank, rcv[k].index, to_string(rcv[k].action), k + 1,
+                              snd[k].rank, names[ch % 3], k + 1, snd[k].rank,
+                              to_string(snd[k].action), snd[k].index),
+                  {{rcv[k].rank, rcv[k].index}, {snd[k].rank, snd[k].index}});
+      }
+    }
+  }
+
+  // ---- rendezvous: a send completes only when its receive is posted ------------------------
+  /// The executor with bounded windows over a transport whose sends complete only when the
+  /// matching receive has been posted: a rank posts its RECVs in program order at most
+  /// recv_window ahead of the next one it waits on; a SEND with send_window sends in flight
+  /// first waits for the oldest; the program ends by waiting for all its sends.
+  void rendezvous_pass() {
+    const int P = sh_.num_ranks;
+    const auto W = static_cast<std::size_t>(model_.windows.recv_window);
+    const auto SW = static_cast<std::size_t>(model_.windows.send_window);
+    // Rank-local index of every RECV among its rank's receives, by the receiver's key.
+    std::vector<std::int32_t> recv_index_f(bits_.size(), -1), recv_index_b(bits_.size(), -1);
+    for (int r = 0; r < P; ++r) {
+      std::int32_t k = 0;
+      for (const auto& a : s_.ranks[static_cast<std::size_t>(r)]) {
+        if (a.op == Op::RecvF) recv_index_f[key(a)] = k++;
+        if (a.op == Op::RecvB) recv_index_b[key(a)] = k++;
+      }
+    }
+    struct InFlight {
+      int to;
+      std::int32_t recv;  // receiver-local receive index
+      std::size_t step;
+    };
+    std::vector<std::size_t> pc(static_cast<std::size_t>(P), 0), rdone(static_cast<std::size_t>(P), 0);
+    std::vector<std::vector<InFlight>> flight(static_cast<std::size_t>(P));
+    std::vector<std::size_t> head(static_cast<std::size_t>(P), 0);
+    auto posted = [&](const InFlight& f) {
+      return static_cast<std::size_t>(f.recv) < rdone[static_cast<std::size_t>(f.to)] + W;
+    };
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (int r = 0; r < P; ++r) {
+        const auto ur = static_cast<std::size_t>(r);
+        const auto& prog = s_.ranks[ur];
+        auto& fl = flight[ur];
+        for (;;) {
+          const std::size_t in_flight = fl.size() - head[ur];
+          if (pc[ur] == prog.size()) {
+            if (in_flight > 0 && posted(fl[head[ur]])) {
+              ++head[ur];
+              progress = true;
+              continue;
+            }
+            break;
+          }
+          const Action& a = prog[pc[ur]];
+          if (a.op == Op::RecvF || a.op == Op::RecvB) {
+            std::uint32_t& b = bits_[key(a)];
+            if (!(b & (a.op == Op::RecvF ? kPostedF : kPostedB))) break;
+            b |= a.op == Op::RecvF ? kDoneRecvF : kDoneRecvB;
+            ++result_.messages;
+            ++rdone[ur];
+          } else if (a.op == Op::SendF || a.op == Op::SendB) {
+            if (in_flight == SW) {
+              if (!posted(fl[head[ur]])) break;
+              ++head[ur];
+            }
+            execute_local(r, pc[ur], a);
+            const Action peer = *counterpart(sh_, a);
+            bits_[key(peer)] |= a.op == Op::SendF ? kPostedF : kPostedB;
+            const auto idx = (a.op == Op::SendF ? recv_index_f : recv_index_b)[key(peer)];
+            fl.push_back({sh_.rank_of(peer.virtual_stage), idx, pc[ur]});
+          } else {
+            execute_local(r, pc[ur], a);
+          }
+          ++pc[ur];
+          progress = true;
+        }
+      }
+    }
+    std::vector<int> stuck;
+    for (int r = 0; r < P; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      if (pc[ur] < s_.ranks[ur].size() || head[ur] < flight[ur].size()) stuck.push_back(r);
+    }
+    if (stuck.empty()) return;
+    std::string msg = fmt::format("validate ({}): deadlock:\n", describe(model_));
+    std::vector<Step> marks;
+    for (int r : stuck) {
+      const auto ur = static_cast<std::size_t>(r);
+      const auto& prog = s_.ranks[ur];
+      const bool at_end = pc[ur] == prog.size();
+      const Action* a = at_end ? nullptr : &prog[pc[ur]];
+      if (a && (a->op == Op::RecvF || a->op == Op::RecvB)) {
+        msg += fmt::format("  rank {} blocks at step {} on {} (not yet sent)\n", r, pc[ur],
+                           to_string(*a));
+      } else {
+        const auto& f = flight[ur][head[ur]];
+        msg += fmt::format(
+            "  rank {} blocks at step {} ({}) waiting for its send {} (step {}) to complete: rank "
+            "{} has not posted that receive (its receive #{}, {} received so far, window {})\n",
+            r, pc[ur], at_end ? std::string("end of program") : to_string(*a),
+            to_string(prog[f.step]), f.step, f.to, f.recv + 1, rdone[static_cast<std::size_t>(f.to)],
+            W);
+      }
+      marks.push_back({r, static_cast<int>(std::min(pc[ur], prog.empty() ? 0 : prog.size() - 1))});
+    }
+    fail_grid(Errc::Deadlock, msg, marks);
+  }
+
   /// Every stuck rank waits on a RECV; its sender is blocked earlier in its own program, or the
   /// send does not exist. Follows the wait-for edges and reports a cycle, else a chain that ends
   /// at the missing send.
@@ -494,6 +700,7 @@ class Validator {
 
   const Schedule& s_;
   const Shape& sh_;
+  ExecutionModel model_;
   int n_ = 0, m_ = 0, c_ = 0;
   std::vector<std::uint32_t> bits_;
   std::vector<Where> send_f_, send_b_;  // indexed by the receiver's key
@@ -504,9 +711,14 @@ class Validator {
 
 /// Executes a lowered schedule symbolically and proves that every rank's program completes.
 ///
-/// Semantics (the contract an executor must honour): sends are eager (buffered, they never
-/// block); a RECV blocks until its matching SEND (see counterpart()) has been issued; a compute
-/// action never blocks, so its inputs must already be present on its rank when it is reached.
+/// Semantics: those of engine::execute, so "validates" means "the executor completes". A RECV
+/// blocks until its matching SEND (see counterpart()) has been issued; a compute action never
+/// blocks, so its inputs must already be present on its rank when it is reached; the receives
+/// of a channel (sender rank, receiver rank, channel_of()) take its messages in the order they
+/// were sent. Sends, by `model.sends`: Eager (buffered, they never block) or Rendezvous (a send
+/// completes only once its receive is posted; the executor's windows `model.windows` then
+/// decide when a rank waits: it posts RECVs at most recv_window ahead, waits for its oldest
+/// send before exceeding send_window sends in flight, and for all of them at the end).
 ///
 /// Checks, in order:
 /// 1. the shape, every action's range, and that each action runs on its virtual stage's rank;
@@ -515,20 +727,26 @@ class Validator {
 /// 3. completeness: every (virtual stage, micro-batch, chunk) has its F; if any backward op is
 ///    present, exactly one B or one BI + BW each; inference samples every round;
 /// 4. the symbolic run: dependencies (a backward before its forward, a forward before its input
-///    arrived, BW before BI, OPT before the weight gradients) and termination.
+///    arrived, BW before BI, OPT before the weight gradients) and termination;
+/// 5. matching: the k-th receive of every channel is the counterpart of the k-th send on it
+///    (else the executor would fail with HeaderMismatch).
 ///
-/// Runs in O(actions + stages x micro-batches x chunks) time.
+/// Runs in O(actions + stages x micro-batches x chunks) time with eager sends; the rendezvous
+/// run is a fixed point over the ranks, O(ranks x actions) in the worst case.
 ///
 /// @param lowered a schedule with explicit communication (lower()'s output, or hand-written)
-/// @return counts of what was proved
+/// @param model   the send semantics and windows to check against (default: eager)
+/// @return counts of what was proved, and `semantics`, the line describing `model`
 /// @throws brigade::Error{Errc::Deadlock} when the programs cannot all finish; the message names
 ///         the wait-for cycle ("rank 1 waits 1RECV_F3 <- rank 0 waits 0RECV_B2 <- rank 1"), or
 ///         the chain ending at a receive whose send is missing, followed by the render_grid()
-///         excerpt around the blocked steps
-/// @throws brigade::Error{Errc::InvalidArgument} for a failed check of 1-3 or a dependency
+///         excerpt around the blocked steps; under Rendezvous, each blocked rank and the send or
+///         receive it waits for
+/// @throws brigade::Error{Errc::InvalidArgument} for a failed check of 1-3 or 5, a window < 1,
+///         or a dependency
 ///         violation, naming the rank, the step and the action, with a grid excerpt
-inline ValidationResult validate(const Schedule& lowered) {
-  detail::Validator v(lowered);
+inline ValidationResult validate(const Schedule& lowered, const ExecutionModel& model = {}) {
+  detail::Validator v(lowered, model);
   return v.run();
 }
 
