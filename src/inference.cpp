@@ -389,9 +389,6 @@ InferenceReport generate(const model::LlamaWeights& weights, const partition::Pa
   BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
                 "generate: the partition covers {} layers, the model has {}",
                 partition.num_layers(), spec.num_layers());
-  BRIGADE_CHECK(partition.num_ranks() == partition.num_stages(), Errc::InvalidArgument,
-                "generate: {} stages on {} ranks; pipelined generation runs one stage per rank",
-                partition.num_stages(), partition.num_ranks());
   BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "generate: no requests");
   BRIGADE_CHECK(options.microbatches >= 0, Errc::InvalidArgument,
                 "generate: microbatches = {}, expected >= 0 (0 = automatic)", options.microbatches);

@@ -34,7 +34,7 @@ struct GenerateArgs {
   std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
-  int steps = 256, stages = 2, microbatches = 0, threads = 1;
+  int steps = 256, stages = 2, microbatches = 0, threads = 1, ring = 1;
   float temperature = 1.0f, top_p = 0.9f;
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
@@ -162,9 +162,17 @@ int run(const GenerateArgs& a) {
       (under_mpi ? 1 : stages_used) * threads_used,
       under_mpi ? fmt::format("--threads {}", threads_used)
                 : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
-  partition::Partition part = [&] {
+  // Ring windows: each rank holds --ring layer ranges (prima.cpp's pipelined ring).
+  BRIGADE_CHECK(!planned || a.ring == 1, Errc::InvalidArgument,
+                "--plan auto picks one layer range per stage; give --stages with --ring {}",
+                a.ring);
+  const int windows = stages_used * a.ring;
+  BRIGADE_CHECK(windows <= weights.config.n_layers + 4, Errc::InvalidArgument,
+                "--stages {} x --ring {} = {} windows, more than the model's {} layers",
+                stages_used, a.ring, windows, spec.num_layers());
+  const partition::Partition windowed = [&] {
     if (planned) return planned->partition(spec.num_layers());
-    if (a.partition == "uniform") return partition::uniform(spec, num_stages);
+    if (a.partition == "uniform") return partition::uniform(spec, windows);
     // Balanced for the decode step that dominates generation: one token per sequence of a
     // micro-batch, attending to half the run's positions on average.
     const int groups = a.microbatches > 0 ? a.microbatches
@@ -173,8 +181,9 @@ int run(const GenerateArgs& a) {
     work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
     work.tokens = work.sequences;
     work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
-    return partition::balanced(spec, num_stages, work);
+    return partition::balanced(spec, windows, work);
   }();
+  const partition::Partition part = partition::ring(windowed, stages_used);
 
   engine::InferenceOptions opt;
   opt.microbatches = planned ? planned->microbatches : a.microbatches;
@@ -211,7 +220,9 @@ int run(const GenerateArgs& a) {
   const int S = part.num_stages();
   fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
              weights.config.n_layers, weights.config.dim, S, a.partition, part.to_string());
-  if (under_mpi) fmt::print(stderr, "transport: MPI, {} processes (one stage each)\n", S);
+  if (under_mpi)
+    fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used,
+               a.ring > 1 ? fmt::format("{} ring windows", a.ring) : std::string("one stage"));
   fmt::print(stderr,
              "sequences: {}, prompt tokens: {}, generated tokens: {}, wall: {:.3f} s\n"
              "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
@@ -220,8 +231,13 @@ int run(const GenerateArgs& a) {
   nlohmann::json stages = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {
     const auto& r = part.stage(s);
-    const double busy = report.wall_s > 0 ? report.timeline.busy(s) / report.wall_s : 0.0;
-    fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last, busy * 100);
+    const double busy = report.wall_s > 0 ? report.timeline.busy(r.rank) / report.wall_s : 0.0;
+    if (a.ring > 1)
+      fmt::print(stderr, "window {}: layers [{}, {}) on rank {}, rank busy {:.1f}%\n", s, r.first,
+                 r.last, r.rank, busy * 100);
+    else
+      fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last,
+                 busy * 100);
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
                       {"busy_fraction", busy}});
   }
@@ -237,11 +253,12 @@ int run(const GenerateArgs& a) {
                       {"stopped_on_bos", s.stopped_on_bos}, {"ttft_s", s.ttft_s},
                       {"tpot_s", s.tpot_s()}, {"tokens", s.tokens}});
     nlohmann::json m = {{"model", model_name},
-                        {"stages", S},
+                        {"stages", stages_used},
+                        {"ring", a.ring},
                         {"partition", a.partition},
                         {"microbatches", opt.microbatches > 0
                                              ? std::min<int>(opt.microbatches, static_cast<int>(requests.size()))
-                                             : std::min<int>(static_cast<int>(requests.size()), S)},
+                                             : std::min<int>(static_cast<int>(requests.size()), stages_used)},
                         {"wall_s", report.wall_s},
                         {"prompt_tokens", report.prompt_tokens},
                         {"generated_tokens", report.generated_tokens},
@@ -287,6 +304,12 @@ std::function<int()> setup(CLI::App& sub) {
                                     "pipeline stages (one thread each; under mpirun: one process "
                                     "each, default the number of processes)")
       ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))->capture_default_str();
+  sub.add_option("--ring", a->ring,
+                 "ring windows per stage: each of the --stages ranks holds this many "
+                 "non-contiguous layer ranges, and the token walks the ring of "
+                 "ranks this many times per position (prima.cpp)")
+      ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
+      ->capture_default_str();
   sub.add_option("--partition", a->partition, "uniform (by layer count) or balanced (by cost)")
       ->check(CLI::IsMember({"uniform", "balanced"}))->capture_default_str();
   sub.add_option("--microbatches", a->microbatches,

@@ -93,6 +93,22 @@ TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same
   CHECK(bad.err.find("--plan") != std::string::npos);
 }
 
+TEST_CASE("cli.generate: --ring 2 puts two layer windows on each of 2 ranks and still prints "
+          "run.c's text" * doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref["cases"][1]["stdout"];
+  auto r = run_cli("generate " + model_flags() +
+                   " --temperature 0 --stages 2 --ring 2 --steps 64 --prompt \"Once upon a time\"");
+  REQUIRE(r.rc == 0);
+  CHECK(r.out == one);
+  CHECK(r.err.find("window 2: layers [") != std::string::npos);
+  CHECK(r.err.find(") on rank 0, rank busy") != std::string::npos);
+  auto bad = run_cli("generate " + model_flags() + " --stages 3 --ring 4");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("--stages 3 x --ring 4 = 12 windows, more than the model's 9 layers") !=
+        std::string::npos);
+}
+
 TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   SUBCASE("unknown flag") {

@@ -173,7 +173,63 @@ TEST_CASE("pipeline.errors: bad requests and partitions fail with an Error, not 
   const partition::Partition wrong(5, 2, {{0, 0, 2}, {1, 2, 5}});
   CHECK_THROWS_WITH_AS(engine::generate(R.weights, wrong, ok, opt),
                        doctest::Contains("covers 5 layers, the model has 9"), Error);
-  const partition::Partition two_on_one(9, 1, {{0, 0, 4}, {0, 4, 9}});
-  CHECK_THROWS_WITH_AS(engine::generate(R.weights, two_on_one, ok, opt),
-                       doctest::Contains("one stage per rank"), Error);
+  CHECK_THROWS_WITH_AS(partition::ring(part, 4),
+                       doctest::Contains("partition::ring: 4 ranks for 3 windows, expected 1..3"),
+                       Error);
+}
+
+TEST_CASE("pipeline.stories260K: ring windows (several layer ranges per rank, the token walks the "
+          "ring of ranks twice per position) equal run.c, 2 ranks x 2 windows and 1 x 2") {
+  const auto& R = ref();
+  const model::ModelSpec spec(R.weights.config);
+  for (const auto& [ranks, windows] : {std::pair{2, 2}, std::pair{1, 2}, std::pair{2, 1}}) {
+    CAPTURE(ranks);
+    CAPTURE(windows);
+    const auto part = partition::ring(partition::uniform(spec, ranks * windows), ranks);
+    REQUIRE(part.num_ranks() == ranks);
+    if (windows > 1) CHECK(part.stage(ranks).rank == 0);  // window `ranks` wraps to rank 0
+    for (int mbs : {1, 2}) {
+      CAPTURE(mbs);
+      std::vector<engine::GenerationRequest> req;
+      for (const auto& c : R.cases) req.push_back({c.prompt_ids, c.steps});
+      engine::InferenceOptions opt;
+      opt.sampler.temperature = 0.0f;
+      opt.microbatches = mbs;
+      const auto rep = engine::generate(R.weights, part, req, opt);
+      REQUIRE(rep.sequences.size() == 2);
+      for (std::size_t i = 0; i < 2; ++i) check_case_output(R.cases[i], rep.sequences[i]);
+      CHECK(rep.timeline.num_ranks() == ranks);
+      // Rank 0 computes both of its windows: virtual stages 0 and `ranks`.
+      bool first = false, wrapped = false;
+      for (const auto& iv : rep.timeline.intervals()) {
+        if (iv.rank != 0 || iv.op != Op::F) continue;
+        first = first || iv.virtual_stage == 0;
+        wrapped = wrapped || iv.virtual_stage == ranks;
+      }
+      CHECK(first);
+      CHECK(wrapped == (ranks * windows > ranks));
+    }
+  }
+}
+
+TEST_CASE("pipeline.ring: the 42M synthetic model with 2 ranks x 4 windows and 4 ranks x 2 "
+          "windows gives the greedy tokens of one stage") {
+  const auto w = model::make_synthetic_weights(model::named_config("42M"), 42);
+  const model::ModelSpec spec(w.config);
+  std::vector<engine::GenerationRequest> req;
+  for (int i = 0; i < 3; ++i) req.push_back({{1, 500 + 7 * i, 900 + 11 * i}, 10});
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 2;
+  const auto one = engine::generate(w, partition::uniform(spec, 1), req, opt);
+  for (const auto& [ranks, windows] : {std::pair{2, 4}, std::pair{4, 2}}) {
+    CAPTURE(ranks);
+    CAPTURE(windows);
+    const auto rep = engine::generate(
+        w, partition::ring(partition::uniform(spec, ranks * windows), ranks), req, opt);
+    for (std::size_t i = 0; i < req.size(); ++i) {
+      CHECK(rep.sequences[i].tokens == one.sequences[i].tokens);
+      CHECK(rep.sequences[i].generated == 8);
+    }
+  }
 }

@@ -78,4 +78,18 @@ if(_rc EQUAL 0)
   fail("--stages ${_wrong} under ${NP} processes was accepted")
 endif()
 require_in("${_err}" "--stages ${_wrong} but mpirun started ${NP} processes" "no clear --stages error")
+
+# 4. Ring windows: each process holds two non-contiguous layer ranges and the token walks the
+#    ring of processes twice per position; still run.c's text (stories260K has 5 decoder
+#    layers: 2 processes x 2 windows).
+if(NP EQUAL 2)
+run_cli(--temperature 0 --partition uniform --ring 2 --steps 64 --prompt "Once upon a time")
+if(NOT _rc EQUAL 0)
+  fail("--ring 2: exit code ${_rc}")
+endif()
+if(NOT "${_out}" STREQUAL "${_once_upon}")
+  fail("--ring 2: stdout differs from run.c's (the 64-step case)")
+endif()
+require_in("${_err}" "transport: MPI, ${NP} processes (2 ring windows each)" "--ring 2: no MPI ring line")
+endif()
 message(STATUS "np ${NP}: token-exact, one summary, ${_nrows} trace rows")

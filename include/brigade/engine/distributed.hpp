@@ -128,14 +128,14 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
 
 }  // namespace detail
 
-/// Runs this rank's part of a pipelined generation over `transport`, one stage per rank: the
-/// stage s with `partition.stage(s).rank == transport.rank()`. Every rank of the transport's world
-/// calls it with the same weights, partition, requests and options (the SPMD form of
-/// engine::generate; under MPI, one process per stage).
+/// Runs this rank's part of a pipelined generation over `transport`: the stages s with
+/// `partition.stage(s).rank == transport.rank()` (one, or several ring windows). Every rank of
+/// the transport's world calls it with the same weights, partition, requests and options (the
+/// SPMD form of engine::generate; under MPI, one process per rank).
 ///
 /// Protocol: the rank of stage 0 sends every other rank a start message (tag 4) and every rank
 /// starts its clock when it has it, so the Timelines of all ranks share one origin (to within one
-/// message latency); then each rank runs run_inference_stage; then every other rank sends its
+/// message latency); then each rank runs run_inference_rank; then every other rank sends its
 /// Timeline intervals and end time to the rank of stage 0 (tags 5 and 6), which merges them.
 /// Greedy output is token for token that of engine::generate for the same partition.
 ///
@@ -164,12 +164,9 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
   BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
                 "generate_on: the partition covers {} layers, the model has {}",
                 partition.num_layers(), spec.num_layers());
-  BRIGADE_CHECK(partition.num_ranks() == partition.num_stages(), Errc::InvalidArgument,
-                "generate_on: {} stages on {} ranks; pipelined generation runs one stage per rank",
-                partition.num_stages(), partition.num_ranks());
   BRIGADE_CHECK(partition.num_ranks() == world, Errc::InvalidArgument,
                 "generate_on: the partition has {} ranks, the transport's world has {} (run one "
-                "process per stage, e.g. mpirun -np {})",
+                "process per rank, e.g. mpirun -np {})",
                 partition.num_ranks(), world, partition.num_ranks());
   BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "generate_on: no requests");
   BRIGADE_CHECK(options.microbatches >= 0, Errc::InvalidArgument,

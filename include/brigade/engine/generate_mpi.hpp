@@ -7,9 +7,9 @@
 namespace brigade::engine {
 inline namespace v0 {
 
-/// Runs this process's stage of a pipelined generation over an MpiTransport on a duplicate of
-/// MPI_COMM_WORLD: engine::generate_on with one process per stage (stage s on the process of rank
-/// `partition.stage(s).rank`). Every process of the job calls it with the same arguments; the
+/// Runs this process's stages of a pipelined generation over an MpiTransport on a duplicate of
+/// MPI_COMM_WORLD: engine::generate_on with one process per rank (stage s on the process of rank
+/// `partition.stage(s).rank`; several stages per process are ring windows). Every process of the job calls it with the same arguments; the
 /// process of stage 0 gets the full report (sequences and the Timeline of every stage, gathered),
 /// the others their own stage's Timeline only. Greedy output is token for token that of
 /// engine::generate.

@@ -217,11 +217,13 @@ void run_inference_rank(T& transport, const model::LlamaWeights& weights,
 }
 
 
-/// Generates every request with the model split by `partition`, one thread per stage over an
-/// InProcessTransport. Greedy output (temperature 0) is the same token for token for every
-/// partition and micro-batch count; with one request and a seed it samples as run.c does.
+/// Generates every request with the model split by `partition`, one thread per rank over an
+/// InProcessTransport. A rank may hold several stages (ring windows, partition::ring): the
+/// token then walks the ring of ranks several times per position (prima.cpp's pipelined ring).
+/// Greedy output (temperature 0) is the same token for token for every partition, placement
+/// and micro-batch count; with one request and a seed it samples as run.c does.
 /// @throws brigade::Error{InvalidArgument} for an empty prompt, a prompt not starting at a valid
-///         token, a partition of another model or with several stages on one rank;
+///         token, a partition of another model;
 ///         any stage's error (the other stages are stopped and the first error is rethrown)
 InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,
                          std::span<const GenerationRequest> requests,
