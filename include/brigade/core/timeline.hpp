@@ -18,7 +18,7 @@ struct Interval {
   Op op = Op::F;              ///< what it did
   int virtual_stage = 0;      ///< which virtual stage (equal to the stage when not interleaved)
   int microbatch = 0;         ///< which micro-batch
-  int chunk = 0;              ///< PACS/InfiniPipe chunk index; 0 when unchunked
+  int chunk = 0;              ///< PACS/InfiniPipe chunk index (0 when unchunked); inference: the round
   double start = 0.0;         ///< seconds since the Timeline's origin
   double end = 0.0;           ///< seconds since the Timeline's origin, >= start
   std::int64_t tokens = 0;    ///< tokens processed by this interval (0 when not meaningful)
