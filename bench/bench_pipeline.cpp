@@ -4,9 +4,10 @@
 //   BM_Decode/stages:S/threads:T/seqs:N/mb:G  `brigade generate --synthetic 42M` as a library
 //       call: N sequences (one-token prompts) decode 48 positions with S stages of T intra-op
 //       threads each in G micro-batches (0 = min(N, S)); counters: tokens_per_s (generated
-//       tokens / wall), bubble (1 - mean stage busy fraction).
-//   BM_PlannedDecode/seqs:N  the same run with plan::best_inference_plan's pick for 2 cores
-//       (rates measured in this run); label = the pick, predicted_tokens_per_s its prediction.
+//       tokens / wall), bubble (1 - mean stage busy fraction), timeline_bubble
+//       (Timeline::bubble_ratio of the measured run) and simulated_bubble (the simulator on the
+//       same lowered inference schedule with the op costs measured in that run,
+//       engine::simulated_bubble), and their ratio sim_over_measured.
 //   BM_GemmCeiling/threads:T   T independent single-threaded SGEMMs at once (the compute-bound
 //       ceiling of T cores for independent work, which is what pipeline stages do).
 //   BM_TriadCeiling/threads:T  T threads running a STREAM triad on private arrays (the
@@ -17,6 +18,9 @@
 //       (weight_GB_per_s, against BM_TriadCeiling/threads:1 of the same run).
 #include <brigade/backend/cpu.hpp>
 #include <brigade/engine/inference.hpp>
+#include <brigade/engine/training.hpp>
+#include <brigade/schedule/generators.hpp>
+#include <brigade/schedule/lower.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
 #include <brigade/plan/inference_plan.hpp>
@@ -73,11 +77,16 @@ void BM_Decode(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(1));
   const int seqs = static_cast<int>(state.range(2));
   const int mb = static_cast<int>(state.range(3));
-  double tokens = 0, seconds = 0, busy = 0;
+  double tokens = 0, seconds = 0, busy = 0, measured = 0, simulated = 0;
   for (auto _ : state) {
     const auto rep = decode_run(stages, threads, seqs, 48, 1, mb);
     tokens += static_cast<double>(rep.generated_tokens);
     seconds += rep.wall_s;
+    // The plan that ran: every group runs 48 rounds (one-token prompts, no early stop).
+    const int groups = mb > 0 ? std::min(seqs, mb) : std::min(seqs, stages);
+    const auto lowered = schedule::lower(schedule::inference({stages, groups, 1, 47}));
+    measured += rep.timeline.bubble_ratio();
+    simulated += engine::simulated_bubble(lowered, rep.timeline);
     double b = 0;
     for (int s = 0; s < stages; ++s) b += rep.timeline.busy(s) / rep.wall_s;
     busy += b / stages;
@@ -86,6 +95,9 @@ void BM_Decode(benchmark::State& state) {
   }
   state.counters["tokens_per_s"] = tokens / seconds;
   state.counters["bubble"] = 1.0 - busy / static_cast<double>(state.iterations());
+  state.counters["timeline_bubble"] = measured / static_cast<double>(state.iterations());
+  state.counters["simulated_bubble"] = simulated / static_cast<double>(state.iterations());
+  state.counters["sim_over_measured"] = measured > 0 ? simulated / measured : 0.0;
   cpu::set_blas_threads(1);
 }
 // mb = micro-batches (0 = the engine's default, min(sequences, stages)).
