@@ -2,6 +2,7 @@
 // inference rounds equal the lowered generator, the in-order matching rule (issue 9, item 5),
 // rendezvous sends, and the property that what validates completes and what it rejects fails.
 #include <brigade/engine/executor.hpp>
+#include <brigade/engine/training.hpp>
 #include <brigade/engine/threads.hpp>
 #include <brigade/schedule.hpp>
 #include <brigade/transport/in_process.hpp>
@@ -268,4 +269,15 @@ TEST_CASE("executor.property: random legal reorderings that validate complete in
   MESSAGE("accepted ", accepted, ", rejected ", rejected);
   CHECK(accepted > 0);
   CHECK(rejected > 0);
+}
+
+TEST_CASE("executor.training: chunked and inference schedules are refused by the training worker") {
+  auto sh = sch::gpipe({2, 2}).shape;
+  sh.num_chunks = 2;
+  CHECK(error_of([&] { eng::TrainingWorker(std::span<const Action>{}, sh, 0, {}, {}, 1.0, 8); })
+            .find("executor: a schedule in training mode with 2 chunk(s) per micro-batch; the "
+                  "training worker runs training schedules of 1 chunk only") != std::string::npos);
+  const auto inf = sch::inference({2, 2, 1, 1}).shape;
+  CHECK(error_of([&] { eng::TrainingWorker(std::span<const Action>{}, inf, 0, {}, {}, 1.0, 8); })
+            .find("a schedule in inference mode with 2 chunk(s)") != std::string::npos);
 }

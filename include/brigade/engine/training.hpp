@@ -44,11 +44,18 @@ class TrainingWorker {
   /// @param batches   the step's micro-batches
   /// @param grad_denominator the step's total target rows (the loss is their mean)
   /// @param dim       the model width (columns of every message)
+  /// @throws brigade::Error{InvalidArgument} for an inference shape or one with chunks > 1
+  ///         (chunked training, PACS, is simulated but not executed yet)
   TrainingWorker(std::span<const schedule::Action> program, const schedule::Shape& shape, int rank,
                  std::span<runtime::TrainStage* const> stages,
                  std::span<const data::PackedBatch> batches, double grad_denominator, int dim)
       : shape_(&shape), rank_(rank), stages_(stages), batches_(batches),
         denominator_(grad_denominator), dim_(dim) {
+    BRIGADE_CHECK(shape.mode == schedule::Mode::Training && shape.num_chunks == 1,
+                  Errc::InvalidArgument,
+                  "executor: a schedule in {} mode with {} chunk(s) per micro-batch; the "
+                  "training worker runs training schedules of 1 chunk only",
+                  schedule::to_string(shape.mode), shape.num_chunks);
     const auto keys = static_cast<std::size_t>(shape.num_virtual_stages) *
                       static_cast<std::size_t>(shape.num_microbatches);
     recomputed_.assign(keys, 0);
