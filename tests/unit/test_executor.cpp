@@ -197,8 +197,17 @@ TEST_CASE("executor.rendezvous: the generators' schedules complete with the exec
       }
   for (int P = 2; P <= 4; ++P)
     for (int M : {P, 2 * P, 4 * P}) sch::validate(sch::lower(sch::interleaved_1f1b({P, M, 2})), rv);
+  // Inference sends two messages (descriptor, activations) per SEND_F: half the send window.
+  sch::ExecutionModel rv_inference = rv;
+  rv_inference.windows.send_window = eng::ExecutorWindows{}.send_window / 2;
   for (int P = 2; P <= 3; ++P)
-    sch::validate(sch::lower(sch::inference({P, 2 * P, 2, 3})), rv);
+    for (int V = 1; V <= 2; ++V)
+      for (int M : {1, P, 4 * P}) {
+        CAPTURE(P);
+        CAPTURE(V);
+        CAPTURE(M);
+        sch::validate(sch::lower(sch::inference({P, M, V, 3})), rv_inference);
+      }
   // Virtual stages 0 and 2 on rank 0, 1 on rank 1: rank 0 sends micro-batch 1's activation (X)
   // and then micro-batch 0's gradient (Y) to rank 1, which receives Y first. With one send in
   // flight and one receive posted ahead, rank 0 waits for X to be received before it sends Y,
