@@ -195,8 +195,14 @@ TEST_CASE("executor.rendezvous: the generators' schedules complete with the exec
         const auto r = sch::validate(sch::lower(sch::generate(name, {P, M})), rv);
         CHECK(r.semantics.find("rendezvous sends") != std::string::npos);
       }
-  for (int P = 2; P <= 4; ++P)
-    for (int M : {P, 2 * P, 4 * P}) sch::validate(sch::lower(sch::interleaved_1f1b({P, M, 2})), rv);
+  for (const char* name : {"interleaved-1f1b", "zb-v", "dualpipe-v"})
+    for (int P = 2; P <= 4; ++P)
+      for (int M : {2 * P, 4 * P}) {
+        CAPTURE(name);
+        CAPTURE(P);
+        CAPTURE(M);
+        sch::validate(sch::lower(sch::generate(name, {P, M, 2})), rv);
+      }
   // Inference sends two messages (descriptor, activations) per SEND_F: half the send window.
   sch::ExecutionModel rv_inference = rv;
   rv_inference.windows.send_window = eng::ExecutorWindows{}.send_window / 2;
@@ -239,12 +245,12 @@ TEST_CASE("executor.property: random legal reorderings that validate complete in
           "those it rejects fail or hang there") {
   std::mt19937 rng(20261130);
   int accepted = 0, rejected = 0;
-  for (int trial = 0; trial < 60; ++trial) {
-    const char* names[] = {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"};
-    const char* name = names[trial % 4];
+  for (int trial = 0; trial < 72; ++trial) {
+    const char* names[] = {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v"};
+    const char* name = names[trial % 6];
     const int P = 2 + static_cast<int>(rng() % 2);
-    const int V = std::string(name) == "interleaved-1f1b" ? 2 : 1;
-    const int M = V > 1 ? P * (1 + static_cast<int>(rng() % 2)) : 1 + static_cast<int>(rng() % 4);
+    const int V = trial % 6 >= 3 ? 2 : 1;
+    const int M = V > 1 ? 2 * P * (1 + static_cast<int>(rng() % 2)) : 1 + static_cast<int>(rng() % 4);
     auto s = sch::lower(sch::generate(name, {P, M, V}));
     // A few random adjacent swaps within one rank's program.
     const int swaps = 1 + static_cast<int>(rng() % 3);
