@@ -93,10 +93,12 @@ concept ProgramSource = requires(S& s, std::vector<schedule::Action>& out) {
   { s.fill(out) } -> std::same_as<bool>;
 };
 
-/// A ProgramSource over a fixed, fully known action list.
+/// A ProgramSource over a fixed, fully known action list (a training step).
 class FixedProgram {
  public:
+  /// @param program the rank's lowered actions; must outlive the source
   explicit FixedProgram(std::span<const schedule::Action> program) : program_(program) {}
+  /// The whole program on the first call; false afterwards.
   bool fill(std::vector<schedule::Action>& out) {
     if (given_) return false;
     given_ = true;
@@ -200,9 +202,10 @@ class SendRing final : public Outbox {
 }  // namespace detail
 
 /// Runs one rank's lowered program: the actions `source` gives, in order, over `worker` and
-/// `transport`, and records one Timeline interval per compute action (op, virtual stage,
-/// micro-batch, chunk = round in inference), per RECV (the wait) and per SEND (from its post to
-/// when the executor saw it complete).
+/// `transport`, and records one Timeline interval per compute action that ran (op, virtual
+/// stage, micro-batch, chunk = round in inference), per RECV (the wait) and per message of a
+/// SEND (from its post to when the executor saw it complete). Receive and send buffers live in
+/// slots reused across the run (no allocation per action once their capacity is reached).
 ///
 /// Semantics (what schedule::validate() models, ExecutionModel): RECVs are posted in program
 /// order within `run.windows.recv_window`; a RECV action waits for its messages; sends are

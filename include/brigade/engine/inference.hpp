@@ -160,11 +160,24 @@ class InferenceWorker {
                   const detail::GenerationLayout& layout, detail::SequenceBook* book,
                   std::chrono::steady_clock::time_point t0);
 
-  /// ProgramSource: the next round's actions over the micro-batches still running.
+  /// ProgramSource: appends the next round's lowered actions (append_inference_round) over the
+  /// micro-batches still running; false once none is left or the shape's rounds are used up.
   bool fill(std::vector<schedule::Action>& out);
+  /// F: virtual stage 0 builds the round's micro-batch from the SequenceBook (prefill or the
+  /// sampled tokens; an empty one closes the group), every stage runs its layers; SAMPLE: one
+  /// token per sequence. A closed micro-batch computes nothing (Work::ran false).
+  /// @throws brigade::Error{InvalidArgument} for another op; the stage's errors
   Work compute(const schedule::Action& a);
+  /// RECV_F on virtual stage 0: the tokens (I32 [kAny, 3]); elsewhere the descriptor and the
+  /// activations (buffers sized for the group's prefill).
   void recv_messages(const schedule::Action& a, std::vector<MessageSpec>& out);
+  /// Checks what arrived against the sequences this rank expects and keeps it.
+  /// @throws brigade::Error{HeaderMismatch} naming the rank, micro-batch, round, the expected and
+  ///         the seen sequence and position, or a descriptor that disagrees with its activations
   void received(const schedule::Action& a, std::span<const Received> msgs);
+  /// SEND_F: the descriptor and the activations to the next virtual stage, or from the last
+  /// virtual stage the sampled (seq, position, token) rows to virtual stage 0 (nothing once the
+  /// micro-batch is closed).
   void send(const schedule::Action& a, Outbox& out);
 
  private:
