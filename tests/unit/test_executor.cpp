@@ -296,3 +296,33 @@ TEST_CASE("executor.training: chunked and inference schedules are refused by the
   CHECK(error_of([&] { eng::TrainingWorker(std::span<const Action>{}, inf, 0, {}, {}, 1.0, 8); })
             .find("a schedule in inference mode with 2 chunk(s)") != std::string::npos);
 }
+
+namespace {
+
+/// A user's generator: GPipe with the backwards in reverse micro-batch order.
+sch::Schedule reverse_gpipe(const sch::Params& p) {
+  auto s = sch::gpipe(p);
+  for (auto& prog : s.ranks) std::reverse(prog.begin() + p.microbatches, prog.end());
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("schedule.registry: a generator registered at run time is found by name, validates "
+          "and runs in the executor; names are unique") {
+  sch::register_generator({"reverse-gpipe", "GPipe, backwards last micro-batch first",
+                           &reverse_gpipe, false});
+  CHECK(sch::find_generator("reverse-gpipe").summary == "GPipe, backwards last micro-batch first");
+  CHECK(sch::generators().back().name == "reverse-gpipe");
+  const auto s = sch::lower(sch::generate("reverse-gpipe", {3, 4}));
+  CHECK(s.ranks[0][8] == Action{Op::RecvB, 0, 3, 0});
+  sch::validate(s);
+  execute_all(s, 30.0);
+  CHECK(error_of([] {
+          sch::register_generator({"reverse-gpipe", "again", &reverse_gpipe, false});
+        }).find("a generator called 'reverse-gpipe' exists already") != std::string::npos);
+  CHECK(error_of([] { sch::register_generator({"", "no name", &reverse_gpipe, false}); })
+            .find("needs a name and a function") != std::string::npos);
+  CHECK(error_of([] { sch::generate("nope", {2, 2}); }).find("reverse-gpipe") !=
+        std::string::npos);
+}

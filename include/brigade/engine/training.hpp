@@ -211,7 +211,8 @@ void run_training_program(std::span<const schedule::Action> program, const sched
 
 /// How a TrainingEngine splits the model and orders its work.
 struct TrainingConfig {
-  /// A training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v.
+  /// A training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v, or one added
+  /// by schedule::register_generator.
   std::string schedule = "1f1b";
   int ranks = 1;                  ///< P: pipeline ranks (threads)
   int virtual_stages = 1;         ///< V: virtual stages per rank (2 for zb-v and dualpipe-v)
