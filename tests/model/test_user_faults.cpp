@@ -279,9 +279,11 @@ TEST_CASE("faults.flags: thread counts are bounded by the machine and by what ca
                                "from 1 to {} (this machine's hardware threads) (see --help)",
                                hw + 1, hw));
 #ifndef __SANITIZE_ADDRESS__  // AddressSanitizer's shadow memory does not fit under ulimit -v
-  // Under a 200 MB address-space limit a thread's 8 MB stack no longer fits many times: the run
-  // stops before it starts, with the flags named, and exits (timeout 60 s: never a hang).
-  const auto u = run_shell(fmt::format("ulimit -v 200000; timeout 60 {} generate {} --stages 8 "
+  // A thread's stack is ulimit -s (glibc's default for new threads): with 64 MB stacks under a
+  // 400 MB address-space limit, 8 stage threads (512 MB of stacks) cannot all start whatever the
+  // binary's own footprint, so the run stops before it starts, with the flags named, and exits
+  // (timeout 60 s: never a hang).
+  const auto u = run_shell(fmt::format("ulimit -s 65536; ulimit -v 400000; timeout 60 {} generate {} --stages 8 "
                                        "--threads 1 --steps 8",
                                        BRIGADE_CLI, model_flags()));
   CHECK(u.rc == 2);
