@@ -170,3 +170,21 @@ TEST_CASE("sim.cli.errors: bad flags and inputs give one line and a non-zero exi
     CHECK(contains(r.output, b.needle));
   }
 }
+
+TEST_CASE("io.write_file_atomic: errors name the file asked for, not its temporary") {
+  const auto folder = scratch("no-such-folder");
+  fs::remove_all(folder);
+  const auto target = folder / "x.svg";
+  CHECK_THROWS_WITH_AS(brigade::io::write_file_atomic(target, "x"),
+                       (target.string() + ": cannot write: folder " + folder.string() +
+                        " does not exist")
+                           .c_str(),
+                       brigade::Error);
+  CHECK_FALSE(fs::exists(folder));
+  // A folder in the place of the file: the open fails, and the message names the file.
+  fs::create_directories(folder / "x.svg.tmp");
+  CHECK_THROWS_WITH_AS(brigade::io::write_file_atomic(target, "x"),
+                       (target.string() + ": cannot open for writing").c_str(), brigade::Error);
+  CHECK_FALSE(fs::exists(target));
+  fs::remove_all(folder);
+}

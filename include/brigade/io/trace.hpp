@@ -43,20 +43,25 @@ inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
-/// Writes `text` to `path` atomically: a temporary file beside it, then rename, so a failure
-/// never leaves a half-written file.
-/// @throws brigade::Error{BadFile} if the file cannot be written
+/// Writes `text` to `path` atomically: a temporary file beside it (`path` + ".tmp"), then rename,
+/// so a failure never leaves a half-written file. Errors name `path`, not the temporary file.
+/// @throws brigade::Error{BadFile} if the file cannot be written (a missing folder is named)
 inline void write_file_atomic(const std::filesystem::path& path, const std::string& text) {
   const std::filesystem::path tmp = path.string() + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    BRIGADE_CHECK(out.good(), Errc::BadFile, "{}: cannot open for writing", tmp.string());
+    if (!out.good()) {
+      const auto folder = path.parent_path();
+      BRIGADE_CHECK(folder.empty() || std::filesystem::is_directory(folder), Errc::BadFile,
+                    "{}: cannot write: folder {} does not exist", path.string(), folder.string());
+      detail::fail(Errc::BadFile, "{}: cannot open for writing", path.string());
+    }
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     out.flush();
     if (!out.good()) {
       std::error_code ec;
       std::filesystem::remove(tmp, ec);
-      detail::fail(Errc::BadFile, "{}: write failed", tmp.string());
+      detail::fail(Errc::BadFile, "{}: write failed", path.string());
     }
   }
   std::error_code ec;
