@@ -211,11 +211,4 @@ BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  brigade::bench::add_machine_context();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return brigade::bench::run_benchmarks(argc, argv); }

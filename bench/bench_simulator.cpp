@@ -106,11 +106,4 @@ BENCHMARK(BM_Validate)->Apply(shapes);
 BENCHMARK(BM_Simulate)->Apply(shapes);
 BENCHMARK(BM_ValidateSimulate)->Apply(shapes);
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  brigade::bench::add_machine_context();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return brigade::bench::run_benchmarks(argc, argv); }

@@ -104,11 +104,4 @@ BENCHMARK(BM_TrainSchedule)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  brigade::bench::add_machine_context();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return brigade::bench::run_benchmarks(argc, argv); }

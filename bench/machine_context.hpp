@@ -55,4 +55,15 @@ inline void add_machine_context() {
                                   " cores)");
 }
 
+/// The main() of a benchmark binary: Google Benchmark's flags, the machine context above, then
+/// every registered benchmark. @returns 1 for an unrecognised argument, else 0
+inline int run_benchmarks(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  add_machine_context();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
 }  // namespace brigade::bench

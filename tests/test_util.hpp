@@ -1,8 +1,10 @@
 // Helpers shared by brigade's test files.
 #pragma once
 
+#include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <brigade/core/error.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/model/tokenizer.hpp>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -22,6 +25,20 @@
 #include <unistd.h>
 
 namespace brigade::test {
+
+/// The message of the brigade::Error that `f` throws; fails the test when `f` throws nothing or
+/// throws with another code than `code`.
+inline std::string error_of(Errc code, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    INFO("message: " << std::string(e.what()));
+    CHECK(to_string(e.code()) == to_string(code));
+    return e.what();
+  }
+  FAIL("expected brigade::Error, nothing was thrown");
+  return {};
+}
 
 /// A fresh directory under the system temp dir (unique per process and instance), removed with
 /// its contents at scope exit.

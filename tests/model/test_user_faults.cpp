@@ -27,6 +27,7 @@ namespace fs = std::filesystem;
 using namespace brigade;
 using brigade::test::run_cli;
 using brigade::test::run_shell;
+using brigade::test::error_of;
 
 namespace {
 
@@ -45,19 +46,6 @@ std::string line(const brigade::test::Run& r) {
   return r.err.substr(0, r.err.find('\n'));
 }
 
-/// The message of the brigade::Error `f` throws (its code must be `code`).
-template <class F>
-std::string error_of(Errc code, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    INFO("message: " << std::string(e.what()));
-    CHECK(to_string(e.code()) == to_string(code));
-    return e.what();
-  }
-  FAIL("expected brigade::Error, nothing was thrown");
-  return {};
-}
 
 }  // namespace
 

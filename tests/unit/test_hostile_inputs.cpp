@@ -30,6 +30,7 @@ using brigade::Errc;
 using brigade::Error;
 using brigade::model::LlamaWeights;
 using brigade::model::Tokenizer;
+using brigade::test::error_of;
 
 namespace {
 
@@ -43,18 +44,6 @@ void write_bytes(const fs::path& p, std::string_view bytes) {
   REQUIRE(out.good());
 }
 
-/// The message of the brigade::Error `f` throws (its code must be `code`).
-std::string error_of(Errc code, const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    INFO("message: " << std::string(e.what()));
-    CHECK(to_string(e.code()) == to_string(code));
-    return e.what();
-  }
-  FAIL("expected brigade::Error, nothing was thrown");
-  return {};
-}
 
 /// A small synthetic model (dim 16, 2 layers, vocab 32, separate classifier when `shared` is
 /// false) saved to `path`.
