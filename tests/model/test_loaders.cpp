@@ -225,7 +225,8 @@ TEST_CASE("loaders.tok512: encode matches run.c") {
   CHECK(t.encode("", true, false) == std::vector<int>{1});
   CHECK(t.encode("Once upon a time", true, true) ==
         std::vector<int>{1, 403, 407, 261, 378, 2});
-  for (const auto& c : reference()["cases"]) {
+  const auto ref = reference();  // a range-for over reference()["cases"] would outlive it
+  for (const auto& c : ref["cases"]) {
     CAPTURE(c["name"].get<std::string>());
     CHECK(t.encode(c["prompt"].get<std::string>(), true, false) ==
           c["prompt_ids"].get<std::vector<int>>());
