@@ -60,6 +60,20 @@ std::vector<data::Sample> story_samples() { return test::story_samples(tok()); }
 
 using test::relative_error;
 
+/// Checks one pipelined step against the single-stage reference: the loss and every gradient
+/// tensor (same names) to 1e-5 relative.
+template <class Step, class Grads>
+void check_matches_reference(const Step& step, const Grads& grads, const Step& ref_step,
+                             const Grads& ref_grads) {
+  CHECK(step.loss == doctest::Approx(ref_step.loss).epsilon(1e-5));
+  REQUIRE(grads.size() == ref_grads.size());
+  for (const auto& [name, g] : ref_grads) {
+    CAPTURE(name);
+    REQUIRE(grads.count(name) == 1);
+    CHECK(relative_error(grads.at(name), g) < 1e-5);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("training.gradients: every schedule, 1-5 stages and 1-8 micro-batches give the "
@@ -97,14 +111,7 @@ TEST_CASE("training.gradients: every schedule, 1-5 stages and 1-8 micro-batches 
       engine::TrainingEngine eng(stories(), cfg);
       const auto batches = split(samples, m);
       const auto step = eng.compute_gradients(batches);
-      CHECK(step.loss == doctest::Approx(ref_step.loss).epsilon(1e-5));
-      const auto grads = eng.gradients();
-      REQUIRE(grads.size() == ref_grads.size());
-      for (const auto& [name, g] : ref_grads) {
-        CAPTURE(name);
-        REQUIRE(grads.count(name) == 1);
-        CHECK(relative_error(grads.at(name), g) < 1e-5);
-      }
+      check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
       ++runs;
     }
   }
@@ -160,14 +167,7 @@ TEST_CASE("training.gradients.v-shapes: zb-v and dualpipe-v on 1, 2 and 4 ranks 
           CHECK(eng.partition().stage(2 * P - 1).rank == 0);
           CHECK(eng.partition().stage(P).rank == P - 1);
           const auto step = eng.compute_gradients(split(samples, m));
-          CHECK(step.loss == doctest::Approx(ref_step.loss).epsilon(1e-5));
-          const auto grads = eng.gradients();
-          REQUIRE(grads.size() == ref_grads.size());
-          for (const auto& [name, g] : ref_grads) {
-            CAPTURE(name);
-            REQUIRE(grads.count(name) == 1);
-            CHECK(relative_error(grads.at(name), g) < 1e-5);
-          }
+          check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
           ++runs;
         }
       }
