@@ -60,7 +60,7 @@ void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
     tokens += static_cast<double>(r.tokens);
     seconds += r.seconds;
     measured += r.timeline.bubble_ratio();
-    simulated += engine::simulated_bubble(eng.schedule(), r.timeline);
+    simulated += engine::simulated_bubble(eng.plan().schedule(), r.timeline);
     if (!std::isfinite(r.loss) || r.loss < 5.0) state.SkipWithError("implausible loss");
   }
   const auto n = static_cast<double>(state.iterations());

@@ -22,10 +22,13 @@ inline namespace v0 {
 namespace fs = std::filesystem;
 
 struct TrainingEngine::Impl {
+  Impl(const model::LlamaConfig& c, plan::Plan p, const TrainingOptions& o)
+      : config(c), cfg(o), plan(std::move(p)), lowered(plan.schedule()), part(plan.partition()) {}
   model::LlamaConfig config;
-  TrainingConfig cfg;
-  schedule::Schedule lowered;
-  partition::Partition part{1, 1, {{0, 0, 1}}};
+  TrainingOptions cfg;
+  plan::Plan plan;
+  const schedule::Schedule& lowered;     // plan.schedule()
+  const partition::Partition& part;      // plan.partition()
   std::vector<std::unique_ptr<runtime::TrainStage>> stages;  // by virtual stage
   std::vector<std::unique_ptr<AdamW>> optimizers;            // by virtual stage
   std::int64_t steps = 0;
@@ -44,38 +47,47 @@ runtime::ParamRef find_param(runtime::TrainStage& stage, const std::string& name
   brigade::detail::fail(Errc::Internal, "TrainingEngine: stage has no parameter {}", name);
 }
 
-TrainingPlan make_training_plan(const model::LlamaConfig& model, const TrainingConfig& config) {
+void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model,
+                         const TrainingOptions& options) {
+  BRIGADE_CHECK(options.threads_per_rank >= 1, Errc::InvalidArgument,
+                "TrainingEngine: threads_per_rank = {}, expected >= 1", options.threads_per_rank);
+  const auto& sh = plan.shape();
+  BRIGADE_CHECK(sh.mode == schedule::Mode::Training && sh.num_chunks == 1, Errc::InvalidArgument,
+                "TrainingEngine: a plan in {} mode with {} chunk(s) per micro-batch; training "
+                "runs training plans of 1 chunk",
+                schedule::to_string(sh.mode), sh.num_chunks);
+  const model::ModelSpec spec(model);
+  BRIGADE_CHECK(plan.partition().num_layers() == spec.num_layers(), Errc::InvalidArgument,
+                "TrainingEngine: the plan splits {} layers, the model has {}",
+                plan.partition().num_layers(), spec.num_layers());
+}
+
+}  // namespace detail
+
+plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& config) {
   BRIGADE_CHECK(config.threads_per_rank >= 1, Errc::InvalidArgument,
                 "TrainingEngine: threads_per_rank = {}, expected >= 1", config.threads_per_rank);
-  const auto& gen = schedule::find_generator(config.schedule);
-  schedule::Params params;
-  params.ranks = config.ranks;
-  params.microbatches = config.microbatches;
-  params.virtual_stages = config.virtual_stages;
-  const schedule::Schedule compute = gen.make(params);
+  BRIGADE_CHECK(config.seq_len_hint >= 1, Errc::InvalidArgument,
+                "TrainingEngine: seq_len_hint = {}, expected >= 1", config.seq_len_hint);
+  plan::PlanRequest req;
+  req.schedule = config.schedule;
+  req.params.ranks = config.ranks;
+  req.params.microbatches = config.microbatches;
+  req.params.virtual_stages = config.virtual_stages;
+  req.partition = config.partition;
+  const std::int64_t S = config.seq_len_hint;
+  req.balance_for = {S, 1, static_cast<double>(S) / 2.0};
+  const schedule::Schedule compute = schedule::generate(req.schedule, req.params);
   BRIGADE_CHECK(compute.shape.mode == schedule::Mode::Training, Errc::InvalidArgument,
                 "TrainingEngine: schedule '{}' is an inference schedule", config.schedule);
-  const model::ModelSpec spec(model);
   const int N = compute.shape.num_virtual_stages;
   BRIGADE_CHECK(N <= model.n_layers, Errc::InvalidArgument,
-                "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers",
-                N, config.ranks, config.virtual_stages, model.n_layers);
-  BRIGADE_CHECK(config.partition == "balanced" || config.partition == "uniform",
-                Errc::InvalidArgument,
-                "TrainingEngine: partition '{}', expected 'balanced' or 'uniform'", config.partition);
-  TrainingPlan plan;
-  if (config.partition == "uniform") {
-    std::vector<partition::StageRange> st = partition::uniform(spec, N).stages();
-    for (int v = 0; v < N; ++v) st[static_cast<std::size_t>(v)].rank = compute.shape.rank_of(v);
-    plan.part = partition::Partition(spec.num_layers(), compute.shape.num_ranks, std::move(st));
-  } else {
-    plan.part = training_partition(spec, compute.shape.placement, compute.shape.num_ranks,
-                                   config.seq_len_hint);
-  }
-  plan.lowered = schedule::lower(compute, plan.part);
-  schedule::validate(plan.lowered);
-  return plan;
+                "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers", N,
+                config.ranks, config.virtual_stages, model.n_layers);
+  return plan::make_plan(model::ModelSpec(model), compute, req);
 }
+
+namespace detail {
 
 std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage& stage, const AdamWConfig& config) {
   std::vector<ParamSlot> slots;
@@ -112,24 +124,20 @@ double global_grad_norm(std::span<const double> per_stage, double tied) {
 
 }  // namespace detail
 
-TrainingEngine::TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config)
-    : impl_(std::make_unique<Impl>()) {
+TrainingEngine::TrainingEngine(const model::LlamaWeights& init, plan::Plan plan,
+                               TrainingOptions options) {
+  detail::check_training_plan(plan, init.config, options);
+  impl_ = std::make_unique<Impl>(init.config, std::move(plan), options);
   auto& I = *impl_;
-  I.config = init.config;
-  I.cfg = config;
-  auto plan = detail::make_training_plan(init.config, config);
-  I.lowered = std::move(plan.lowered);
-  I.part = std::move(plan.part);
   for (int v = 0; v < I.lowered.shape.num_virtual_stages; ++v) {
     I.stages.push_back(std::make_unique<runtime::TrainStage>(init, I.part.stage(v)));
-    I.optimizers.push_back(detail::make_stage_optimizer(*I.stages.back(), config.optimizer));
+    I.optimizers.push_back(detail::make_stage_optimizer(*I.stages.back(), options.optimizer));
   }
 }
 
 TrainingEngine::~TrainingEngine() = default;
 
-const schedule::Schedule& TrainingEngine::schedule() const noexcept { return impl_->lowered; }
-const partition::Partition& TrainingEngine::partition() const noexcept { return impl_->part; }
+const plan::Plan& TrainingEngine::plan() const noexcept { return impl_->plan; }
 std::int64_t TrainingEngine::steps() const noexcept { return impl_->steps; }
 
 StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
@@ -444,31 +452,6 @@ std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   const auto [steps, position] = detail::read_optimizer_file(dir, stages, optimizers);
   I.steps = steps;
   return position;
-}
-
-partition::Partition training_partition(const model::ModelSpec& spec,
-                                        std::span<const int> placement, int num_ranks,
-                                        int seq_len_hint) {
-  const int L = spec.config().n_layers;
-  const int N = static_cast<int>(placement.size());
-  BRIGADE_CHECK(seq_len_hint >= 1, Errc::InvalidArgument,
-                "training_partition: seq_len_hint = {}, expected >= 1", seq_len_hint);
-  // Every row reaches the LM head in training: price it with sequences = tokens.
-  const model::WorkItem work{seq_len_hint, seq_len_hint, seq_len_hint / 2.0};
-  const auto layer = partition::layer_seconds(spec, work);
-  std::vector<double> units(layer.begin(), layer.begin() + L + 1);  // embedding, decoders
-  double tail = 0.0;
-  for (int l = L + 1; l < spec.num_layers(); ++l) tail += layer[static_cast<std::size_t>(l)];
-  units.push_back(tail);  // final norm + LM head + loss: one unit
-  const auto unit_part = partition::balanced(static_cast<int>(units.size()), N, units);
-  std::vector<partition::StageRange> st;
-  for (int v = 0; v < N; ++v) {
-    auto r = unit_part.stage(v);
-    r.rank = placement[static_cast<std::size_t>(v)];
-    if (v + 1 == N) r.last = spec.num_layers();
-    st.push_back(r);
-  }
-  return partition::Partition(spec.num_layers(), num_ranks, std::move(st));
 }
 
 MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline)

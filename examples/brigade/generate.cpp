@@ -9,6 +9,7 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/partition/policies.hpp>
 #include <brigade/plan/inference_plan.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 #if BRIGADE_HAS_MPI
@@ -170,20 +171,21 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(windows <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} x --ring {} = {} windows, more than the model's {} layers",
                 stages_used, a.ring, windows, spec.num_layers());
-  const partition::Partition windowed = [&] {
-    if (planned) return planned->partition(spec.num_layers());
-    if (a.partition == "uniform") return partition::uniform(spec, windows);
-    // Balanced for the decode step that dominates generation: one token per sequence of a
+  const partition::Partition part = [&] {
+    if (planned) return partition::ring(planned->partition(spec.num_layers()), stages_used);
+    // The policy by name (partition::policies()), window w on rank w mod stages; "balanced"
+    // balances the decode step that dominates generation: one token per sequence of a
     // micro-batch, attending to half the run's positions on average.
+    partition::PolicyRequest req;
+    for (int w = 0; w < windows; ++w) req.placement.push_back(w % stages_used);
+    req.num_ranks = stages_used;
     const int groups = a.microbatches > 0 ? a.microbatches
                                           : std::min<int>(static_cast<int>(requests.size()), num_stages);
-    model::WorkItem work;
-    work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
-    work.tokens = work.sequences;
-    work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
-    return partition::balanced(spec, windows, work);
+    req.work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
+    req.work.tokens = req.work.sequences;
+    req.work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
+    return partition::make_partition(spec, a.partition, req);
   }();
-  const partition::Partition part = partition::ring(windowed, stages_used);
 
   engine::InferenceOptions opt;
   opt.microbatches = planned ? planned->microbatches : a.microbatches;
@@ -310,8 +312,12 @@ std::function<int()> setup(CLI::App& sub) {
                  "ranks this many times per position (prima.cpp)")
       ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
       ->capture_default_str();
-  sub.add_option("--partition", a->partition, "uniform (by layer count) or balanced (by cost)")
-      ->check(CLI::IsMember({"uniform", "balanced"}))->capture_default_str();
+  std::vector<std::string> policies;
+  for (const auto& p : brigade::partition::policies()) policies.emplace_back(p.name);
+  sub.add_option("--partition", a->partition,
+                 "a partition policy: uniform (by layer count), balanced (by cost), or one "
+                 "registered with partition::register_policy")
+      ->check(CLI::IsMember(policies))->capture_default_str();
   sub.add_option("--microbatches", a->microbatches,
                  "sequence groups in flight; 0 = min(sequences, stages)")
       ->check(brigade::cli::number_in<int>(0, 65536, "0 (automatic) or a whole number from 1 to 65536"))

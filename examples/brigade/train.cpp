@@ -100,7 +100,7 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
     for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
     const auto r = eng.train_step(batches);
     measured_sum += r.timeline.bubble_ratio();
-    if (root) simulated_sum += engine::simulated_bubble(eng.schedule(), r.timeline);
+    if (root) simulated_sum += engine::simulated_bubble(eng.plan().schedule(), r.timeline);
     seconds += r.seconds;
     tokens += r.tokens;
     ++done;

@@ -2,6 +2,7 @@
 // learning on the fortunes corpus, exact resume from a checkpoint.
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
+#include <brigade/partition/policies.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 
@@ -163,9 +164,9 @@ TEST_CASE("training.gradients.v-shapes: zb-v and dualpipe-v on 1, 2 and 4 ranks 
           engine::TrainingEngine eng(*weights, cfg);
           // The V: virtual stages v and 2P-1-v on rank v, so the head shares rank 0 with the
           // embedding.
-          CHECK(eng.partition().stage(0).rank == 0);
-          CHECK(eng.partition().stage(2 * P - 1).rank == 0);
-          CHECK(eng.partition().stage(P).rank == P - 1);
+          CHECK(eng.plan().partition().stage(0).rank == 0);
+          CHECK(eng.plan().partition().stage(2 * P - 1).rank == 0);
+          CHECK(eng.plan().partition().stage(P).rank == P - 1);
           const auto step = eng.compute_gradients(split(samples, m));
           check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
           ++runs;
@@ -286,14 +287,23 @@ TEST_CASE("training.errors: bad configurations and inputs are refused") {
 
 TEST_CASE("training.partition: the balanced split keeps the head together and lightens the tail") {
   const model::ModelSpec spec(model::named_config("42M"));  // LM head ~5 decoder layers of work
-  const std::vector<int> placement{0, 1};
-  const auto p = engine::training_partition(spec, placement, 2, 256);
+  partition::PolicyRequest req;
+  req.placement = {0, 1};
+  req.num_ranks = 2;
+  req.work = {256, 1, 128.0};
+  req.training = true;
+  const auto p = partition::make_partition(spec, "balanced", req);
   CHECK(p.stage(1).last == spec.num_layers());
   CHECK(p.stage(1).first > partition::uniform(spec, 2).stage(1).first);
   CHECK(p.stage(1).first <= spec.config().n_layers + 1);  // the head unit is whole
-  const std::vector<int> interleaved{0, 1, 0, 1};
-  const auto q = engine::training_partition(spec, interleaved, 2, 256);
+  req.placement = {0, 1, 0, 1};
+  const auto q = partition::make_partition(spec, "balanced", req);
   CHECK(q.num_stages() == 4);
   CHECK(q.stage(2).rank == 0);
   CHECK(q.stage(3).last == spec.num_layers());
+  // The engine's plan for the same request is this split.
+  engine::TrainingConfig cfg;
+  cfg.ranks = 2;
+  cfg.microbatches = 2;
+  CHECK(engine::training_plan(spec.config(), cfg).partition() == p);
 }

@@ -126,9 +126,9 @@ TEST_CASE("cost.roofline.260K.inference: prefill costs more than a decode step, 
   const auto s = sch::inference({2, 2, 1, 3});
   const auto part = RooflineCostModel::placed_uniform(spec, s.shape);
   const RooflineCostModel rc(spec, part, s.shape);
-  CHECK(rc.work(0).tokens == 256);
-  CHECK(rc.work(2).tokens == 1);
-  CHECK(rc.work(2).context == doctest::Approx(258.0));
+  CHECK(rc.work(0, 0).tokens == 256);
+  CHECK(rc.work(0, 2).tokens == 1);
+  CHECK(rc.work(0, 2).context == doctest::Approx(258.0));
   CHECK(rc.compute_seconds({Op::F, 0, 0, 0}) > rc.compute_seconds({Op::F, 0, 0, 1}));
   CHECK(rc.compute_seconds({Op::Sample, 1, 0, 1}) > 0.0);
   CHECK(rc.message_bytes({Op::SendF, 1, 0, 0}) == doctest::Approx(4.0));  // one token id

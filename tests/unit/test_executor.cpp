@@ -320,7 +320,7 @@ TEST_CASE("schedule.registry: a generator registered at run time is found by nam
   execute_all(s, 30.0);
   CHECK(error_of([] {
           sch::register_generator({"reverse-gpipe", "again", &reverse_gpipe, false});
-        }).find("a generator called 'reverse-gpipe' exists already") != std::string::npos);
+        }).find("a schedule called 'reverse-gpipe' exists already") != std::string::npos);
   CHECK(error_of([] { sch::register_generator({"", "no name", &reverse_gpipe, false}); })
             .find("needs a name and a function") != std::string::npos);
   CHECK(error_of([] { sch::generate("nope", {2, 2}); }).find("reverse-gpipe") !=

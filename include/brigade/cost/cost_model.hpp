@@ -6,6 +6,7 @@
 #include "brigade/model/config.hpp"
 #include "brigade/model/layer_cost.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/plan/plan.hpp"
 #include "brigade/schedule/action.hpp"
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <span>
 #include <vector>
 
 namespace brigade::cost {
@@ -162,7 +164,8 @@ struct RooflineOptions {
 /// time is the sum over its virtual stage's layers of
 /// max(FLOPs / flops_per_s, bytes / bytes_per_s) from model::layer_cost() for its WorkItem.
 ///
-/// WorkItems (B = workload.batch, S = workload.seq_len, C = shape.num_chunks):
+/// WorkItems (work(): each micro-batch's from a plan::Plan's work, else B = workload.batch,
+/// S = workload.seq_len for all; C = shape.num_chunks):
 /// - training: tokens B*S/C per chunk, B sequences, context S/2 (causal mean); the final norm
 ///   and LM head run on every token (training logits), not only the last;
 /// - inference round 0 (prefill): tokens B*S, context S/2; round c >= 1 (decode): tokens B,
@@ -187,7 +190,21 @@ class RooflineCostModel {
   ///         workload or a rate is not positive, or rank_rates has the wrong size
   RooflineCostModel(const model::ModelSpec& spec, const partition::Partition& partition,
                     const schedule::Shape& shape, RooflineOptions options = {})
-      : shape_(shape), opt_(std::move(options)) {
+      : RooflineCostModel(spec, partition, shape, std::move(options), {}) {}
+
+  /// Prices `plan`: its partition and shape, and the work of each micro-batch from plan.work()
+  /// (options.workload for every micro-batch when the plan carries none); see work().
+  /// @throws brigade::Error{InvalidArgument} as the other constructor
+  RooflineCostModel(const model::ModelSpec& spec, const plan::Plan& plan,
+                    RooflineOptions options = {})
+      : RooflineCostModel(spec, plan.partition(), plan.shape(), std::move(options), plan.work()) {}
+
+ private:
+  RooflineCostModel(const model::ModelSpec& spec, const partition::Partition& partition,
+                    const schedule::Shape& shape, RooflineOptions options,
+                    std::span<const model::WorkItem> per_microbatch)
+      : shape_(shape), opt_(std::move(options)),
+        per_mb_(per_microbatch.begin(), per_microbatch.end()) {
     shape_.check();
     BRIGADE_CHECK(partition.num_stages() == shape_.num_virtual_stages &&
                       partition.num_ranks() == shape_.num_ranks,
@@ -216,14 +233,21 @@ class RooflineCostModel {
     check_rates(opt_.rates);
     for (const auto& r : opt_.rank_rates) check_rates(r);
     opt_.link.check();
+    BRIGADE_CHECK(per_mb_.empty() ||
+                      per_mb_.size() == static_cast<std::size_t>(shape_.num_microbatches),
+                  Errc::InvalidArgument, "RooflineCostModel: work of {} micro-batches for {}",
+                  per_mb_.size(), shape_.num_microbatches);
     const auto& cfg = spec.config();
     const int N = shape_.num_virtual_stages, C = shape_.num_chunks;
-    table_.resize(static_cast<std::size_t>(N) * static_cast<std::size_t>(C));
+    const int Mw = per_mb_.empty() ? 1 : shape_.num_microbatches;
+    table_.resize(static_cast<std::size_t>(N) * static_cast<std::size_t>(Mw) *
+                  static_cast<std::size_t>(C));
     for (int v = 0; v < N; ++v) {
       const auto& st = partition.stage(v);
       const model::DeviceRates& rates = rates_of(st.rank);
+      for (int m = 0; m < Mw; ++m)
       for (int c = 0; c < C; ++c) {
-        const model::WorkItem w = work(c);
+        const model::WorkItem w = work(m, c);
         model::WorkItem every_token = w;  // training logits: every position
         every_token.sequences = w.tokens;
         Entry e;
@@ -255,25 +279,32 @@ class RooflineCostModel {
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
         e.message = static_cast<double>(w.tokens) * cfg.dim * 4.0;
         e.token_message = static_cast<double>(w.sequences) * 4.0;
-        table_[index(v, c)] = e;
+        table_[index(v, m, c)] = e;
       }
     }
   }
 
-  /// The WorkItem of one micro-batch's chunk (training) or round (inference) `chunk`.
-  [[nodiscard]] model::WorkItem work(int chunk) const noexcept {
-    const std::int64_t B = opt_.workload.batch, S = opt_.workload.seq_len;
-    model::WorkItem w;
-    w.sequences = B;
-    if (shape_.mode == schedule::Mode::Training) {
-      w.tokens = std::max<std::int64_t>(1, B * S / shape_.num_chunks);
-      w.context = static_cast<double>(S) / 2.0;
-    } else if (chunk == 0) {
-      w.tokens = B * S;
-      w.context = static_cast<double>(S) / 2.0;
+ public:
+  /// The WorkItem of micro-batch `microbatch`'s chunk (training) or round (inference) `chunk`.
+  /// Its base is the plan's work of that micro-batch, or else B = workload.batch sequences of
+  /// S = workload.seq_len tokens (B S tokens, context S / 2). Training: base tokens / C per chunk
+  /// (at least 1), the base's sequences and context. Inference round 0 (prefill): the base;
+  /// round c >= 1 (decode): one token per sequence at context base.tokens / base.sequences + c.
+  [[nodiscard]] model::WorkItem work(int microbatch, int chunk) const noexcept {
+    model::WorkItem base;
+    if (per_mb_.empty()) {
+      const std::int64_t B = opt_.workload.batch, S = opt_.workload.seq_len;
+      base = {B * S, B, static_cast<double>(S) / 2.0};
     } else {
-      w.tokens = B;
-      w.context = static_cast<double>(S + chunk);
+      base = per_mb_[static_cast<std::size_t>(
+          std::clamp(microbatch, 0, static_cast<int>(per_mb_.size()) - 1))];
+    }
+    model::WorkItem w = base;
+    if (shape_.mode == schedule::Mode::Training) {
+      w.tokens = std::max<std::int64_t>(1, base.tokens / shape_.num_chunks);
+    } else if (chunk > 0) {
+      w.tokens = base.sequences;
+      w.context = static_cast<double>(base.tokens) / static_cast<double>(base.sequences) + chunk;
     }
     return w;
   }
@@ -327,14 +358,17 @@ class RooflineCostModel {
     double forward = 0.0, sample = 0.0, optimizer = 0.0, activation = 0.0, message = 0.0,
            token_message = 0.0;
   };
-  [[nodiscard]] std::size_t index(int v, int c) const noexcept {
-    return static_cast<std::size_t>(v) * static_cast<std::size_t>(shape_.num_chunks) +
+  [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {
+    const std::size_t Mw = per_mb_.empty() ? 1 : per_mb_.size();
+    return (static_cast<std::size_t>(v) * Mw + static_cast<std::size_t>(m)) *
+               static_cast<std::size_t>(shape_.num_chunks) +
            static_cast<std::size_t>(c);
   }
   [[nodiscard]] const Entry& entry(const schedule::Action& a) const noexcept {
     const int v = std::clamp(a.virtual_stage, 0, shape_.num_virtual_stages - 1);
+    const int m = per_mb_.empty() ? 0 : std::clamp(a.microbatch, 0, shape_.num_microbatches - 1);
     const int c = std::clamp(a.chunk, 0, shape_.num_chunks - 1);
-    return table_[index(v, c)];
+    return table_[index(v, m, c)];
   }
   [[nodiscard]] const model::DeviceRates& rates_of(int rank) const noexcept {
     return opt_.rank_rates.empty() ? opt_.rates : opt_.rank_rates[static_cast<std::size_t>(rank)];
@@ -342,6 +376,7 @@ class RooflineCostModel {
 
   schedule::Shape shape_;
   RooflineOptions opt_;
+  std::vector<model::WorkItem> per_mb_;  // empty: opt_.workload for every micro-batch
   std::vector<Entry> table_;
 };
 

@@ -9,6 +9,7 @@
 #include "brigade/engine/optimizer.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/plan/plan.hpp"
 #include "brigade/runtime/train_stage.hpp"
 #include "brigade/schedule/action.hpp"
 #include "brigade/schedule/dataflow.hpp"
@@ -209,33 +210,36 @@ void run_training_program(std::span<const schedule::Action> program, const sched
   execute(source, worker, transport, ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
 }
 
-/// How a TrainingEngine splits the model and orders its work.
-struct TrainingConfig {
+/// How a training engine runs a plan: the optimizer, the wait limit and intra-op threads.
+struct TrainingOptions {
+  AdamWConfig optimizer;     ///< AdamW and its learning-rate schedule
+  double timeout_s = 120.0;  ///< a rank waiting longer on a peer fails (PeerTimeout)
+  int threads_per_rank = 1;  ///< intra-op GEMM threads of each rank (cpu::set_blas_threads)
+};
+
+/// A training run by names: the plan to build (training_plan()) and how to run it.
+struct TrainingConfig : TrainingOptions {
   /// A training generator: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v, or one added
   /// by schedule::register_generator.
   std::string schedule = "1f1b";
-  int ranks = 1;                  ///< P: pipeline ranks (threads)
-  int virtual_stages = 1;         ///< V: virtual stages per rank (2 for zb-v and dualpipe-v)
-  int microbatches = 1;           ///< M: micro-batches per step
-  AdamWConfig optimizer;          ///< AdamW and its learning-rate schedule
-  double timeout_s = 120.0;       ///< a rank waiting longer on a peer fails (PeerTimeout)
-  int threads_per_rank = 1;       ///< intra-op GEMM threads of each rank (cpu::set_blas_threads)
-  /// How layers are split over the P x V virtual stages: "balanced" (training_partition()) or
-  /// "uniform" (partition::uniform: decoder layers evenly, the head on the last stage).
+  int ranks = 1;           ///< P: pipeline ranks (threads)
+  int virtual_stages = 1;  ///< V: virtual stages per rank (2 for zb-v and dualpipe-v)
+  int microbatches = 1;    ///< M: micro-batches per step
+  /// How layers are split over the P x V virtual stages: a partition policy
+  /// (partition::policies(): "balanced", "uniform", or one added by partition::register_policy).
   std::string partition = "balanced";
-  int seq_len_hint = 256;         ///< typical sequence length, for the balanced split's attention cost
+  int seq_len_hint = 256;  ///< typical sequence length, for the balanced split's attention cost
 };
 
-/// The balanced split for training: partition::balanced over the roofline cost of a training
-/// step's forward for `seq_len_hint`-token sequences (the backward is about twice the forward for
-/// every layer, so the forward's proportions decide), with the LM head priced for every token
-/// (training computes logits and the loss at every position, not only the last) and the final
-/// norm, LM head and loss kept together as one unit on the last stage. Virtual stage v goes to
-/// rank `placement[v]`.
-/// @throws brigade::Error{InvalidArgument} if there are more stages than embedding + decoder
-///         layers + 1, or the placement is malformed
-partition::Partition training_partition(const model::ModelSpec& spec, std::span<const int> placement,
-                                        int num_ranks, int seq_len_hint);
+/// The plan of a training run named by `config`: the generator's schedule, the split by the
+/// policy config.partition (balanced for one `seq_len_hint`-token sequence per micro-batch, the
+/// LM head priced for every token and kept with the final norm and loss on the last stage), and
+/// the lowered, validated program of every rank. Identical inputs give identical plans, so every
+/// process of a distributed run agrees on the split.
+/// @throws brigade::Error{InvalidArgument} for an unknown generator or policy, an inference
+///         schedule, threads_per_rank or seq_len_hint < 1, more virtual stages than decoder
+///         layers, or a configuration the generator rejects
+plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& config);
 
 /// What one step did.
 struct StepResult {
@@ -248,20 +252,22 @@ struct StepResult {
 };
 
 /// Trains a Llama split into pipeline stages, one thread per rank over an InProcessTransport,
-/// driven by a lowered Schedule from the generator table.
-///
-/// Partition: the decoder layers are split uniformly over the P x V virtual stages
-/// (partition::uniform), virtual stage v on rank `shape.placement[v]` of the generator's shape
-/// (v mod P; the V shape of zb-v and dualpipe-v puts v and 2P-1-v on rank v); the embedding
-/// joins the first virtual stage, the final norm, LM head and loss the last. A shared classifier
+/// running a plan::Plan: its partition (virtual stage v's layers, on rank
+/// `partition.stage(v).rank`; the embedding is in the first virtual stage, the final norm, LM
+/// head and loss in the last) and its lowered schedule, every step. A shared classifier
 /// is held by both the first and the last virtual stage: their two gradients are summed after
 /// each step and both copies take the same update, so they stay equal (Megatron's embedding
 /// group).
 class TrainingEngine {
  public:
-  /// @throws brigade::Error{InvalidArgument} for an unknown or inference schedule, a
-  ///         configuration the generator rejects, or more virtual stages than decoder layers
-  TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config);
+  /// Runs `plan` (a training plan of one chunk per micro-batch for a model of init's layers).
+  /// @throws brigade::Error{InvalidArgument} for an inference plan, one with chunks > 1, a
+  ///         partition of another layer count, or threads_per_rank < 1
+  TrainingEngine(const model::LlamaWeights& init, plan::Plan plan, TrainingOptions options = {});
+  /// Runs training_plan(init.config, config) with config's options.
+  /// @throws brigade::Error{InvalidArgument} as training_plan()
+  TrainingEngine(const model::LlamaWeights& init, const TrainingConfig& config)
+      : TrainingEngine(init, training_plan(init.config, config), config) {}
   ~TrainingEngine();
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;
@@ -295,9 +301,8 @@ class TrainingEngine {
   ///         model or split
   std::int64_t load_optimizer_state(const std::filesystem::path& dir);
 
-  /// The lowered schedule every step runs.
-  [[nodiscard]] const schedule::Schedule& schedule() const noexcept;
-  [[nodiscard]] const partition::Partition& partition() const noexcept;
+  /// The plan every step runs (partition, lowered schedule).
+  [[nodiscard]] const plan::Plan& plan() const noexcept;
   /// Optimizer steps taken.
   [[nodiscard]] std::int64_t steps() const noexcept;
 
@@ -308,17 +313,10 @@ class TrainingEngine {
 
 namespace detail {
 
-/// What TrainingEngine and DistributedTrainer share: the lowered schedule and the split.
-struct TrainingPlan {
-  schedule::Schedule lowered;                     ///< the generator's schedule, lowered and validated
-  partition::Partition part{1, 1, {{0, 0, 1}}};   ///< virtual stage v -> layers and rank
-};
-
-/// Validates `config` for a model of `model` and builds its plan: the generator's schedule,
-/// the split (config.partition) and the lowered, validated program of every rank. Identical
-/// inputs give identical plans, so every process of a distributed run agrees on the split.
-/// @throws brigade::Error{InvalidArgument} as the TrainingEngine constructor
-TrainingPlan make_training_plan(const model::LlamaConfig& model, const TrainingConfig& config);
+/// Checks that `plan` is one a training engine runs for a model of `model` with `options`.
+/// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor
+void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model,
+                         const TrainingOptions& options);
 
 /// AdamW over every parameter of `stage` (pointers into the stage: the stage must outlive it).
 std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage& stage, const AdamWConfig& config);

@@ -82,7 +82,7 @@ inline void decode_tensors(const std::string& bytes, std::map<std::string, std::
 /// sequence of collective calls (compute_gradients, optimizer_step, train_step, evaluate,
 /// save_checkpoint, load_optimizer_state) with the same batches.
 ///
-/// The split and the lowered schedule are TrainingEngine's (detail::make_training_plan), each
+/// The split and the lowered schedule are TrainingEngine's (training_plan()), each
 /// rank builds only the virtual stages v with `shape.rank_of(v) == transport.rank()`, and runs
 /// run_training_program for its rank. After the program:
 /// - the tied embedding: the ranks of the first and the last virtual stage exchange their
@@ -109,39 +109,47 @@ inline void decode_tensors(const std::string& bytes, std::map<std::string, std::
 template <transport::Transport T>
 class DistributedTrainer {
  public:
+  /// Runs `plan` on this rank: builds the virtual stages v with
+  /// `plan.partition().stage(v).rank == transport.rank()`.
   /// @param transport this rank's endpoint; must outlive the trainer
+  /// @param plan      the same training plan on every rank (plan.shape().num_ranks ranks)
   /// @param fault test-only: rank `fault.rank` ends its process with std::_Exit(3) (after one line
   ///        on stderr) when its compute_gradients is called for the (after_steps + 1)-th time in
   ///        this process, i.e. after `after_steps` completed steps (and their checkpoints)
-  /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor; if config.ranks
-  ///         differs from transport.world_size(); for a bad FaultInjection
-  DistributedTrainer(T& transport, const model::LlamaWeights& init, const TrainingConfig& config,
-                     FaultInjection fault = {})
-      : tp_(&transport), config_(init.config), cfg_(config), fault_(fault) {
+  /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor; if the plan's ranks
+  ///         differ from transport.world_size(); for a bad FaultInjection
+  DistributedTrainer(T& transport, const model::LlamaWeights& init, plan::Plan plan,
+                     TrainingOptions options = {}, FaultInjection fault = {})
+      : tp_(&transport), config_(init.config), cfg_(options), fault_(fault), plan_(std::move(plan)) {
+    detail::check_training_plan(plan_, init.config, options);
     const int world = transport.world_size();
-    BRIGADE_CHECK(config.ranks == world, Errc::InvalidArgument,
+    const int ranks = plan_.shape().num_ranks;
+    BRIGADE_CHECK(ranks == world, Errc::InvalidArgument,
                   "DistributedTrainer: {} pipeline ranks, the transport's world has {} (run one "
                   "process per rank, e.g. mpirun -np {})",
-                  config.ranks, world, config.ranks);
+                  ranks, world, ranks);
     BRIGADE_CHECK(fault.rank < world, Errc::InvalidArgument,
                   "DistributedTrainer: fault injection on rank {}, outside [0, {})", fault.rank,
                   world);
     BRIGADE_CHECK(fault.rank < 0 || fault.after_steps >= 1, Errc::InvalidArgument,
                   "DistributedTrainer: fault injection after {} steps, expected >= 1",
                   fault.after_steps);
-    auto plan = detail::make_training_plan(init.config, config);
-    lowered_ = std::move(plan.lowered);
-    part_ = std::move(plan.part);
-    const int N = lowered_.shape.num_virtual_stages;
+    const int N = plan_.shape().num_virtual_stages;
     stages_.resize(static_cast<std::size_t>(N));
     optimizers_.resize(static_cast<std::size_t>(N));
     for (int v = 0; v < N; ++v) {
-      if (lowered_.shape.rank_of(v) != rank()) continue;
+      if (plan_.partition().stage(v).rank != rank()) continue;
       const auto i = static_cast<std::size_t>(v);
-      stages_[i] = std::make_unique<runtime::TrainStage>(init, part_.stage(v));
-      optimizers_[i] = detail::make_stage_optimizer(*stages_[i], config.optimizer);
+      stages_[i] = std::make_unique<runtime::TrainStage>(init, plan_.partition().stage(v));
+      optimizers_[i] = detail::make_stage_optimizer(*stages_[i], options.optimizer);
     }
   }
+
+  /// Runs training_plan(init.config, config) with config's options (see the Plan overload).
+  /// @throws brigade::Error{InvalidArgument} as training_plan() and the Plan overload
+  DistributedTrainer(T& transport, const model::LlamaWeights& init, const TrainingConfig& config,
+                     FaultInjection fault = {})
+      : DistributedTrainer(transport, init, training_plan(init.config, config), config, fault) {}
 
   /// Forward and backward of every micro-batch by the schedule (collective). Gradients of the
   /// mean loss are left in this rank's stages, the tied copies summed across ranks.
@@ -151,7 +159,7 @@ class DistributedTrainer {
   ///         the stages or the transport (PeerTimeout naming the rank that stopped answering,
   ///         Aborted, HeaderMismatch, Mpi)
   StepResult compute_gradients(std::span<const data::PackedBatch> batches) {
-    const auto& shape = lowered_.shape;
+    const auto& shape = plan_.shape();
     BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches,
                   Errc::InvalidArgument, "TrainingEngine: {} micro-batches for a schedule of {}",
                   batches.size(), shape.num_microbatches);
@@ -176,7 +184,7 @@ class DistributedTrainer {
       const int P = shape.num_ranks;
       const auto t0 = start_clock();
       Timeline tl(P);
-      run_training_program(lowered_.ranks[static_cast<std::size_t>(rank())], shape, rank(),
+      run_training_program(plan_.program(rank()), shape, rank(),
                            stage_ptrs(), batches, static_cast<double>(rows), *tp_, t0,
                            cfg_.timeout_s, tl, config_.dim);
       StepResult res;
@@ -195,7 +203,7 @@ class DistributedTrainer {
   /// gradient sums are exchanged). @return {learning rate, gradient norm before clipping}
   std::pair<double, double> optimizer_step() {
     return guarded([&] {
-      const int N = lowered_.shape.num_virtual_stages;
+      const int N = plan_.shape().num_virtual_stages;
       std::vector<AdamW*> opts;
       for (auto& o : optimizers_) opts.push_back(o.get());
       std::vector<double> mine = detail::grad_square_sums(opts);
@@ -206,9 +214,9 @@ class DistributedTrainer {
       std::vector<double> per_stage(static_cast<std::size_t>(N));
       for (int v = 0; v < N; ++v)
         per_stage[static_cast<std::size_t>(v)] =
-            all[static_cast<std::size_t>(lowered_.shape.rank_of(v) * (N + 1) + v)];
+            all[static_cast<std::size_t>(plan_.shape().rank_of(v) * (N + 1) + v)];
       const double tied =
-          all[static_cast<std::size_t>(lowered_.shape.rank_of(N - 1) * (N + 1) + N)];
+          all[static_cast<std::size_t>(plan_.shape().rank_of(N - 1) * (N + 1) + N)];
       const double norm = detail::global_grad_norm(per_stage, tied);
       const double lr = detail::step_optimizers(opts, norm);
       ++steps_;
@@ -235,7 +243,7 @@ class DistributedTrainer {
     BRIGADE_CHECK(!batches.empty(), Errc::InvalidArgument, "TrainingEngine::evaluate: no batches");
     return guarded([&] {
       cpu::set_blas_threads(cfg_.threads_per_rank);
-      schedule::Shape shape = lowered_.shape;
+      schedule::Shape shape = plan_.shape();
       shape.num_microbatches = static_cast<int>(batches.size());
       const int N = shape.num_virtual_stages, me = rank();
       using schedule::Op;
@@ -282,7 +290,7 @@ class DistributedTrainer {
   ///         get Aborted); transport errors
   void save_checkpoint(const std::filesystem::path& dir, std::int64_t data_position) {
     guarded([&] {
-      const int N = lowered_.shape.num_virtual_stages;
+      const int N = plan_.shape().num_virtual_stages;
       const int me = rank();
       const auto deadline = [&] { return transport::Deadline::after(cfg_.timeout_s); };
       if (me != 0) {
@@ -303,7 +311,7 @@ class DistributedTrainer {
       std::string entries;
       std::int64_t count = 0;
       for (int v = 0; v < N; ++v) {
-        const int from = lowered_.shape.rank_of(v);
+        const int from = plan_.shape().rank_of(v);
         auto& t = tensors[static_cast<std::size_t>(v)];
         if (from == 0) {
           stage(v).export_to(t);
@@ -327,7 +335,7 @@ class DistributedTrainer {
       io::write_file_atomic(dir / "optimizer.bin",
                             detail::optimizer_file_header(steps_, data_position, count) + entries);
       std::vector<transport::Request> done;
-      for (int r = 1; r < lowered_.shape.num_ranks; ++r)
+      for (int r = 1; r < plan_.shape().num_ranks; ++r)
         done.push_back(tp_->isend(r, detail::kTagCheckpointDone, bytes_header(0), {}));
       for (auto& r : done) tp_->wait(r, deadline());
       return 0;
@@ -350,10 +358,8 @@ class DistributedTrainer {
     return position;
   }
 
-  /// The lowered schedule every step runs (every rank's program).
-  [[nodiscard]] const schedule::Schedule& schedule() const noexcept { return lowered_; }
-  /// The split (identical on every rank).
-  [[nodiscard]] const partition::Partition& partition() const noexcept { return part_; }
+  /// The plan every step runs (identical on every rank).
+  [[nodiscard]] const plan::Plan& plan() const noexcept { return plan_; }
   /// Optimizer steps taken.
   [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
   /// This rank (the transport's).
@@ -417,7 +423,7 @@ class DistributedTrainer {
     const auto deadline = transport::Deadline::after(cfg_.timeout_s);
     if (rank() == 0) {
       std::vector<transport::Request> starts;
-      for (int r = 1; r < lowered_.shape.num_ranks; ++r)
+      for (int r = 1; r < plan_.shape().num_ranks; ++r)
         starts.push_back(tp_->isend(r, detail::kTagTrainStart, bytes_header(0), {}));
       const auto t0 = std::chrono::steady_clock::now();
       for (auto& s : starts) tp_->wait(s, deadline);
@@ -451,7 +457,7 @@ class DistributedTrainer {
 
   /// Every rank's `mine` (same length everywhere), rank-major: result[r * n + i].
   std::vector<double> all_gather(const std::vector<double>& mine) {
-    const int P = lowered_.shape.num_ranks, me = rank();
+    const int P = plan_.shape().num_ranks, me = rank();
     const std::size_t n = mine.size();
     std::vector<double> all(n * static_cast<std::size_t>(P), 0.0);
     std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(n) * me);
@@ -474,14 +480,14 @@ class DistributedTrainer {
   /// The tail rank's loss (computed by `tail_loss` there) on every rank.
   template <class F>
   cpu::CrossEntropyLoss reduce_loss(F&& tail_loss) {
-    const int N = lowered_.shape.num_virtual_stages;
+    const int N = plan_.shape().num_virtual_stages;
     std::vector<double> mine(2, 0.0);
     if (holds(N - 1)) {
       const auto l = tail_loss();
       mine = {l.sum, static_cast<double>(l.count)};
     }
     const auto all = all_gather(mine);
-    const auto at = static_cast<std::size_t>(lowered_.shape.rank_of(N - 1) * 2);
+    const auto at = static_cast<std::size_t>(plan_.shape().rank_of(N - 1) * 2);
     cpu::CrossEntropyLoss out;
     out.sum = all[at];
     out.count = static_cast<std::int64_t>(all[at + 1]);
@@ -491,8 +497,8 @@ class DistributedTrainer {
   /// The tied classifier: the first and the last virtual stage both get first + last.
   void sum_tied_gradients() {
     if (!tied_across_stages()) return;
-    const int N = lowered_.shape.num_virtual_stages;
-    const int first = lowered_.shape.rank_of(0), last = lowered_.shape.rank_of(N - 1);
+    const int N = plan_.shape().num_virtual_stages;
+    const int first = plan_.shape().rank_of(0), last = plan_.shape().rank_of(N - 1);
     if (first == last) {
       if (rank() != first) return;
       auto a = detail::find_param(stage(0), "tok_embeddings");
@@ -522,7 +528,7 @@ class DistributedTrainer {
 
   /// Rank 0: every rank's intervals merged; elsewhere: `tl` itself (after sending it).
   Timeline gather_timeline(const Timeline& tl, double end_s) {
-    const int P = lowered_.shape.num_ranks;
+    const int P = plan_.shape().num_ranks;
     if (rank() != 0) {
       send_blob(0, detail::encode_rank_result(tl, end_s));
       return tl;
@@ -534,10 +540,9 @@ class DistributedTrainer {
 
   T* tp_;
   model::LlamaConfig config_;
-  TrainingConfig cfg_;
+  TrainingOptions cfg_;
   FaultInjection fault_;
-  schedule::Schedule lowered_;
-  partition::Partition part_{1, 1, {{0, 0, 1}}};
+  plan::Plan plan_;
   std::vector<std::unique_ptr<runtime::TrainStage>> stages_;  // by virtual stage; null elsewhere
   std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
   std::int64_t steps_ = 0;

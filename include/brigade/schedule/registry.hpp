@@ -3,10 +3,9 @@
 #pragma once
 
 #include "brigade/core/error.hpp"
+#include "brigade/core/registry.hpp"
 #include "brigade/schedule/generators.hpp"
 
-#include <deque>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,40 +30,30 @@ struct GeneratorInfo {
 
 namespace detail {
 
-/// The generator table: the built-in generators, then those registered at run time. Capacity is
-/// reserved once, so references and spans handed out stay valid when entries are added.
-struct GeneratorTable {
-  static constexpr std::size_t kCapacity = 256;
-  std::vector<GeneratorInfo> entries;
-  std::deque<std::string> text;  // owned names and summaries of registered entries
-  std::mutex mutex;
-  GeneratorTable() {
-    entries.reserve(kCapacity);
-    entries.assign({
-        {"gpipe", "all forwards, then all backwards (Huang et al. 2019)", &gpipe, false},
-        {"1f1b", "one forward one backward, PipeDream-Flush (Narayanan et al. 2021)",
-         &one_f_one_b, false},
-        {"interleaved-1f1b",
-         "V model chunks per rank in Megatron's order (Narayanan et al. 2021, PTD-P 2.2)",
-         &interleaved_1f1b, true},
-        {"zb-h1", "zero bubble H1: backward split into BI and BW (Qi et al. 2023, section 3)",
-         &zero_bubble_h1, false},
-        {"zb-v",
-         "zero bubble V: two chunks per rank in a V, BI/BW split (Qi et al. 2023, section 6)",
-         &zero_bubble_v, true, 2},
-        {"dualpipe-v",
-         "DualPipeV: DeepSeek-V3's DualPipe cut in half, overlapped F & B pairs "
-         "(deepseek-ai/DualPipe)",
-         &dualpipe_v, true, 2},
-        {"inference",
-         "prefill + decode rounds of M sequence groups; the sampled token returns to stage 0",
-         &inference, true},
-    });
-  }
-};
-
-inline GeneratorTable& generator_table() {
-  static GeneratorTable table;
+/// The generator table: the built-in generators, then those registered at run time.
+inline Registry<GeneratorInfo>& generator_table() {
+  static Registry<GeneratorInfo> table(
+      "schedule",
+      {
+          {"gpipe", "all forwards, then all backwards (Huang et al. 2019)", &gpipe, false},
+          {"1f1b", "one forward one backward, PipeDream-Flush (Narayanan et al. 2021)",
+           &one_f_one_b, false},
+          {"interleaved-1f1b",
+           "V model chunks per rank in Megatron's order (Narayanan et al. 2021, PTD-P 2.2)",
+           &interleaved_1f1b, true},
+          {"zb-h1", "zero bubble H1: backward split into BI and BW (Qi et al. 2023, section 3)",
+           &zero_bubble_h1, false},
+          {"zb-v",
+           "zero bubble V: two chunks per rank in a V, BI/BW split (Qi et al. 2023, section 6)",
+           &zero_bubble_v, true, 2},
+          {"dualpipe-v",
+           "DualPipeV: DeepSeek-V3's DualPipe cut in half, overlapped F & B pairs "
+           "(deepseek-ai/DualPipe)",
+           &dualpipe_v, true, 2},
+          {"inference",
+           "prefill + decode rounds of M sequence groups; the sampled token returns to stage 0",
+           &inference, true},
+      });
   return table;
 }
 
@@ -74,7 +63,7 @@ inline GeneratorTable& generator_table() {
 /// interleaved-1f1b, zb-h1, zb-v, dualpipe-v, inference), then those added by
 /// register_generator() in registration order.
 inline std::span<const GeneratorInfo> generators() noexcept {
-  return detail::generator_table().entries;
+  return detail::generator_table().entries();
 }
 
 /// Adds a user generator to the table at run time, so engines (TrainingConfig::schedule), the
@@ -84,35 +73,13 @@ inline std::span<const GeneratorInfo> generators() noexcept {
 /// @throws brigade::Error{InvalidArgument} for an empty name, a name already taken, a null
 ///         `make`, or more than 256 generators in all
 inline void register_generator(const GeneratorInfo& info) {
-  auto& t = detail::generator_table();
-  const std::lock_guard lock(t.mutex);
-  BRIGADE_CHECK(!info.name.empty() && info.make != nullptr, Errc::InvalidArgument,
-                "register_generator: a generator needs a name and a function (name '{}')",
-                info.name);
-  for (const auto& g : t.entries)
-    BRIGADE_CHECK(g.name != info.name, Errc::InvalidArgument,
-                  "register_generator: a generator called '{}' exists already", info.name);
-  BRIGADE_CHECK(t.entries.size() < detail::GeneratorTable::kCapacity, Errc::InvalidArgument,
-                "register_generator: the table holds {} generators already (the limit)",
-                t.entries.size());
-  GeneratorInfo copy = info;
-  copy.name = t.text.emplace_back(info.name);
-  copy.summary = t.text.emplace_back(info.summary);
-  t.entries.push_back(copy);
+  detail::generator_table().add(info, info.make != nullptr);
 }
 
 /// The generator called `name`.
 /// @throws brigade::Error{InvalidArgument} for an unknown name, listing the known ones
 inline const GeneratorInfo& find_generator(std::string_view name) {
-  for (const auto& g : generators())
-    if (g.name == name) return g;
-  std::string known;
-  for (const auto& g : generators()) {
-    if (!known.empty()) known += ", ";
-    known += g.name;
-  }
-  ::brigade::detail::fail(Errc::InvalidArgument, "unknown schedule '{}', expected one of: {}", name,
-                          known);
+  return detail::generator_table().find(name);
 }
 
 /// The V the generator called `name` runs with when none is asked for: its required_virtual

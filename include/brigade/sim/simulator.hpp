@@ -5,6 +5,7 @@
 #include "brigade/core/error.hpp"
 #include "brigade/core/timeline.hpp"
 #include "brigade/cost/cost_model.hpp"
+#include "brigade/plan/plan.hpp"
 #include "brigade/schedule/action.hpp"
 #include "brigade/schedule/dataflow.hpp"
 #include "brigade/schedule/validate.hpp"
@@ -273,6 +274,15 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
     }
   }
   return detail::run(lowered, table, options);
+}
+
+/// Simulates `plan`'s lowered schedule (validated when the plan was built) with the costs of
+/// `cost` (e.g. cost::RooflineCostModel(spec, plan), which prices each micro-batch's work).
+/// @throws brigade::Error as simulate(const schedule::Schedule&, ...)
+template <cost::CostModel Cost>
+SimResult simulate(const plan::Plan& plan, const Cost& cost_model, SimOptions options = {}) {
+  options.validate = false;  // the Plan's constructor validated it
+  return simulate(plan.schedule(), cost_model, options);
 }
 
 /// The metrics of a simulation as JSON (what `brigade simulate --metrics` writes):
