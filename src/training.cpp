@@ -14,6 +14,8 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -454,25 +456,84 @@ std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   return position;
 }
 
+namespace {
+
+/// Inference rounds: 0 = prefill, 1 = every decode round; training: always 0.
+int phase_of(const schedule::Shape& shape, int chunk) {
+  return shape.mode == schedule::Mode::Inference && chunk > 0 ? 1 : 0;
+}
+
+}  // namespace
+
 MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline)
-    : num_virtual_stages_(shape.num_virtual_stages),
-      mean_(static_cast<std::size_t>(kNumOps * shape.num_virtual_stages), 0.0) {
+    : shape_(shape),
+      mean_(static_cast<std::size_t>(kNumOps * shape.num_virtual_stages * 2), 0.0),
+      latency_(static_cast<std::size_t>(shape.num_ranks * shape.num_ranks), 0.0) {
+  const int N = shape.num_virtual_stages;
   std::vector<int> n(mean_.size(), 0);
+  // The first message of each SEND action (its post time) and each RECV's interval, by key.
+  struct Key {
+    Op op;
+    int v, mb, chunk;
+    auto operator<=>(const Key&) const = default;
+  };
+  std::map<Key, double> posted;
+  std::map<Key, std::pair<double, double>> waited;
   for (const auto& iv : timeline.intervals()) {
-    if (is_communication(iv.op) || iv.virtual_stage < 0 || iv.virtual_stage >= num_virtual_stages_)
+    if (iv.virtual_stage < 0 || iv.virtual_stage >= N) continue;
+    if (iv.op == Op::SendF || iv.op == Op::SendB) {
+      auto [it, fresh] = posted.try_emplace({iv.op, iv.virtual_stage, iv.microbatch, iv.chunk},
+                                            iv.start);
+      if (!fresh) it->second = std::min(it->second, iv.start);
       continue;
-    const auto i = static_cast<std::size_t>(static_cast<int>(iv.op) * num_virtual_stages_ + iv.virtual_stage);
+    }
+    if (iv.op == Op::RecvF || iv.op == Op::RecvB) {
+      waited[{iv.op, iv.virtual_stage, iv.microbatch, iv.chunk}] = {iv.start, iv.end};
+      continue;
+    }
+    const auto i = static_cast<std::size_t>(
+        (static_cast<int>(iv.op) * N + iv.virtual_stage) * 2 + phase_of(shape, iv.chunk));
     mean_[i] += iv.duration();
     ++n[i];
   }
   for (std::size_t i = 0; i < mean_.size(); ++i)
     if (n[i]) mean_[i] /= n[i];
+  // Delivery latency of a link: from the SEND's post to the end of its RECV, over the messages
+  // whose receiver was already waiting when they were posted (otherwise the RECV's end says
+  // when the receiver got there, not when the message arrived); the median of those.
+  std::vector<std::vector<double>> samples(latency_.size());
+  for (const auto& [k, t_post] : posted) {
+    const auto recv = schedule::counterpart(shape, schedule::Action{k.op, k.v, k.mb, k.chunk});
+    if (!recv) continue;
+    const auto it = waited.find({recv->op, recv->virtual_stage, recv->microbatch, recv->chunk});
+    if (it == waited.end() || it->second.first > t_post) continue;
+    const int src = shape.rank_of(k.v), dst = shape.rank_of(recv->virtual_stage);
+    samples[static_cast<std::size_t>(src * shape.num_ranks + dst)].push_back(it->second.second -
+                                                                              t_post);
+  }
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    auto& x = samples[i];
+    if (x.empty()) continue;
+    std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(x.size() / 2), x.end());
+    latency_[i] = std::max(0.0, x[x.size() / 2]);
+  }
 }
 
 double MeasuredCostModel::compute_seconds(const schedule::Action& a) const noexcept {
-  if (is_communication(a.op) || a.virtual_stage < 0 || a.virtual_stage >= num_virtual_stages_)
-    return 0.0;
-  return mean_[static_cast<std::size_t>(static_cast<int>(a.op) * num_virtual_stages_ + a.virtual_stage)];
+  const int N = shape_.num_virtual_stages;
+  if (is_communication(a.op) || a.virtual_stage < 0 || a.virtual_stage >= N) return 0.0;
+  const auto i = static_cast<std::size_t>(
+      (static_cast<int>(a.op) * N + a.virtual_stage) * 2 + phase_of(shape_, a.chunk));
+  const double m = mean_[i];
+  // A phase the timeline never ran (e.g. no decode round): the other phase's mean.
+  return m > 0.0 ? m : mean_[i ^ 1U];
+}
+
+cost::Link MeasuredCostModel::link(int src, int dst) const noexcept {
+  const int P = shape_.num_ranks;
+  if (src < 0 || dst < 0 || src >= P || dst >= P) return {};
+  return {latency_[static_cast<std::size_t>(src * P + dst)],
+          std::numeric_limits<double>::infinity()};
 }
 
 double simulated_bubble(const schedule::Schedule& lowered, const Timeline& timeline) {

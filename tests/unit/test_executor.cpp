@@ -326,3 +326,39 @@ TEST_CASE("schedule.registry: a generator registered at run time is found by nam
   CHECK(error_of([] { sch::generate("nope", {2, 2}); }).find("reverse-gpipe") !=
         std::string::npos);
 }
+
+TEST_CASE("executor.measured_costs: prefill and decode means, link latency from waiting "
+          "receivers only") {
+  // Two ranks, one micro-batch, three rounds of inference.
+  const auto shape = sch::Shape::make(2, 1, 1, 3, sch::Mode::Inference);
+  brigade::Timeline tl(2);
+  auto add = [&](int rank, Op op, int v, int round, double start, double end) {
+    brigade::Interval iv;
+    iv.rank = rank;
+    iv.op = op;
+    iv.virtual_stage = v;
+    iv.chunk = round;
+    iv.start = start;
+    iv.end = end;
+    tl.add(iv);
+  };
+  add(0, Op::F, 0, 0, 0.0, 1.0);      // prefill
+  add(0, Op::F, 0, 1, 2.0, 2.5);      // decode
+  add(0, Op::F, 0, 2, 3.0, 3.7);      // decode
+  add(0, Op::SendF, 0, 1, 2.5, 2.6);  // two messages of one SEND: the first post counts
+  add(0, Op::SendF, 0, 1, 2.55, 2.6);
+  add(1, Op::RecvF, 1, 1, 2.0, 2.7);  // waiting since 2.0: latency 2.7 - 2.5 = 0.2
+  add(0, Op::SendF, 0, 2, 3.7, 3.8);
+  add(1, Op::RecvF, 1, 2, 3.9, 4.5);  // arrived before the receiver got there: not a sample
+  add(1, Op::F, 1, 1, 2.7, 3.0);
+  const eng::MeasuredCostModel m(shape, tl);
+  CHECK(m.compute_seconds({Op::F, 0, 0, 0}) == doctest::Approx(1.0));
+  CHECK(m.compute_seconds({Op::F, 0, 0, 1}) == doctest::Approx(0.6));  // (0.5 + 0.7) / 2
+  CHECK(m.compute_seconds({Op::F, 0, 0, 2}) == doctest::Approx(0.6));
+  // Stage 1 never ran a prefill: the decode mean stands in.
+  CHECK(m.compute_seconds({Op::F, 1, 0, 0}) == doctest::Approx(0.3));
+  CHECK(m.compute_seconds({Op::SendF, 0, 0, 1}) == 0.0);
+  CHECK(m.link(0, 1).latency_s == doctest::Approx(0.2));
+  CHECK(m.link(1, 0).latency_s == 0.0);
+  CHECK(m.link(0, 1).is_free() == false);
+}

@@ -372,26 +372,37 @@ std::pair<std::int64_t, std::int64_t> read_optimizer_file(
 
 }  // namespace detail
 
-/// A cost model that replays measured timings: the mean duration of each (op, virtual stage)
-/// in a Timeline, free links, no activation accounting. Simulating a schedule with it predicts
-/// the bubble of a run whose actions took those times, for the measured-vs-simulated comparison.
+/// A cost model that replays measured timings, for the measured-vs-simulated comparison:
+///
+/// - compute: the mean duration of each (op, virtual stage) in the Timeline, separately for the
+///   prefill round and the decode rounds of an inference run (one mean in training);
+/// - links: each (sender rank, receiver rank) pair's delivery latency, the median over its
+///   messages of the time from the SEND's post to the end of the matching RECV (the wake-up,
+///   the copy and the worker's check of what arrived), counting only messages whose receiver
+///   was already waiting when they were posted; unlimited bandwidth; 0 for a pair with no such
+///   message;
+/// - no activation or message bytes (the simulator's memory columns are then zero).
+///
+/// Simulating a schedule with it predicts the bubble of a run whose actions took those times.
 class MeasuredCostModel {
  public:
+  /// @param shape    the shape of the schedule that ran
   /// @param timeline a measured run (executor output) of a schedule of `shape`
   MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline);
-  /// Mean measured seconds of `a`'s (op, virtual stage) in the timeline; 0 for SEND/RECV and
+  /// Mean measured seconds of `a`'s (op, virtual stage, prefill or decode); 0 for SEND/RECV and
   /// for pairs the timeline never ran.
   [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept;
-  /// 0: activation memory is not measured (the simulator's memory columns are then zero).
+  /// 0: activation memory is not measured.
   [[nodiscard]] double activation_bytes(const schedule::Action&) const noexcept { return 0.0; }
-  /// 0: messages are modelled as free (in-process copies take microseconds).
+  /// 0: the measured latency already holds the copy.
   [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
-  /// A free link (no latency, unlimited bandwidth) between every pair of ranks.
-  [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
+  /// The measured delivery latency from rank src to rank dst, unlimited bandwidth.
+  [[nodiscard]] cost::Link link(int src, int dst) const noexcept;
 
  private:
-  int num_virtual_stages_;
-  std::vector<double> mean_;  // [op * N + v]
+  schedule::Shape shape_;
+  std::vector<double> mean_;     // [((op * N) + v) * 2 + phase]
+  std::vector<double> latency_;  // [src * P + dst], seconds
 };
 
 /// Bubble ratio the simulator predicts for `lowered` with the costs measured in `timeline`.
