@@ -3,6 +3,8 @@
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/partition/policies.hpp>
+#include <brigade/plan/plan.hpp>
+#include <brigade/schedule/generators.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 
@@ -306,4 +308,45 @@ TEST_CASE("training.partition: the balanced split keeps the head together and li
   cfg.ranks = 2;
   cfg.microbatches = 2;
   CHECK(engine::training_plan(spec.config(), cfg).partition() == p);
+}
+
+TEST_CASE("training.plan: a Plan built by names or by hand runs the same step as the config") {
+  const auto samples = story_samples();
+  const auto batches = split(samples, 4);
+  const model::ModelSpec spec(stories().config);
+  engine::TrainingConfig cfg;
+  cfg.schedule = "zb-h1";
+  cfg.ranks = 2;
+  cfg.microbatches = 4;
+  engine::TrainingEngine by_config(stories(), cfg);
+  const auto ref = by_config.compute_gradients(batches);
+  const auto ref_grads = by_config.gradients();
+  // The same plan from make_plan, with each micro-batch's work.
+  plan::PlanRequest req;
+  req.schedule = "zb-h1";
+  req.params = {2, 4};
+  req.partition = "balanced";
+  for (const auto& b : batches)
+    req.work.push_back({b.rows(), static_cast<std::int64_t>(b.offsets.size() - 1), 16.0});
+  const plan::Plan p = plan::make_plan(spec, req);
+  CHECK(p.partition() == by_config.plan().partition());
+  CHECK(p.schedule() == by_config.plan().schedule());
+  engine::TrainingEngine by_plan(stories(), p);
+  const auto step = by_plan.compute_gradients(batches);
+  CHECK(step.loss == ref.loss);  // same split, same schedule: the same bits
+  CHECK(by_plan.gradients() == ref_grads);
+  // A hand-made split the policies would not choose still trains to the single-stage gradients.
+  const plan::Plan hand(partition::Partition(spec.num_layers(), 2, {{0, 0, 2}, {1, 2, 9}}),
+                        schedule::one_f_one_b({2, 4}));
+  engine::TrainingEngine by_hand(stories(), hand);
+  const auto hand_step = by_hand.compute_gradients(batches);
+  check_matches_reference(hand_step, by_hand.gradients(), ref, ref_grads);
+  // Plans an engine cannot run.
+  CHECK_THROWS_WITH_AS(engine::TrainingEngine(stories(), plan::Plan(partition::uniform(spec, 2),
+                                                                  schedule::inference({2, 2}))),
+                       doctest::Contains("a plan in inference mode"), Error);
+  const model::ModelSpec other(model::named_config("15M"));
+  req.work.clear();
+  CHECK_THROWS_WITH_AS(engine::TrainingEngine(stories(), plan::make_plan(other, req)),
+                       doctest::Contains("the plan splits 10 layers, the model has 9"), Error);
 }
