@@ -112,7 +112,84 @@ schedule::Shape inference_shape(const partition::Partition& partition,
   return s;
 }
 
+std::vector<model::WorkItem> prefill_work(const GenerationLayout& layout) {
+  std::vector<model::WorkItem> out;
+  for (const auto& group : layout.prefill) {
+    model::WorkItem w{0, 0, 0.0};
+    double context = 0.0;  // sum over the group's prompt tokens of the positions they attend to
+    for (const auto& e : group) {
+      w.tokens += e.tokens;
+      ++w.sequences;
+      context += static_cast<double>(e.tokens) * (e.tokens + 1) / 2.0;
+    }
+    if (w.sequences == 0) w = {1, 1, 1.0};  // a group with nothing to run (prompt >= steps)
+    else w.context = context / static_cast<double>(w.tokens);
+    out.push_back(w);
+  }
+  return out;
+}
+
 }  // namespace detail
+
+plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Partition& partition,
+                          std::span<const GenerationRequest> requests, int microbatches) {
+  const model::ModelSpec spec(config);
+  BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
+                "inference_plan: the partition covers {} layers, the model has {}",
+                partition.num_layers(), spec.num_layers());
+  BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "inference_plan: no requests");
+  BRIGADE_CHECK(microbatches >= 0, Errc::InvalidArgument,
+                "inference_plan: microbatches = {}, expected >= 0 (0 = automatic)", microbatches);
+  const int groups = detail::group_count(static_cast<int>(requests.size()),
+                                         partition.num_ranks(), microbatches);
+  const auto layout = detail::make_layout(requests, config, groups);
+  schedule::Schedule lowered{detail::inference_shape(partition, layout), {}};
+  const auto& sh = lowered.shape;
+  lowered.ranks.resize(static_cast<std::size_t>(sh.num_ranks));
+  const std::vector<char> live(static_cast<std::size_t>(groups), 1);
+  for (int r = 0; r < sh.num_ranks; ++r)
+    for (int c = 0; c < sh.num_chunks; ++c)
+      schedule::append_inference_round(sh, r, c, live, lowered.ranks[static_cast<std::size_t>(r)]);
+  return plan::Plan(partition, lowered, detail::prefill_work(layout));
+}
+
+detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
+                                              const model::LlamaConfig& config,
+                                              std::span<const GenerationRequest> requests,
+                                              const InferenceOptions& options,
+                                              std::string_view who) {
+  const model::ModelSpec spec(config);
+  const auto& sh = plan.shape();
+  BRIGADE_CHECK(sh.mode == schedule::Mode::Inference, Errc::InvalidArgument,
+                "{}: the plan is a {} plan, expected an inference plan", who,
+                schedule::to_string(sh.mode));
+  BRIGADE_CHECK(plan.partition().num_layers() == spec.num_layers(), Errc::InvalidArgument,
+                "{}: the partition covers {} layers, the model has {}", who,
+                plan.partition().num_layers(), spec.num_layers());
+  BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "{}: no requests", who);
+  BRIGADE_CHECK(options.blas_threads >= 1, Errc::InvalidArgument,
+                "{}: blas_threads = {}, expected >= 1", who, options.blas_threads);
+  const int n = static_cast<int>(requests.size());
+  BRIGADE_CHECK(sh.num_microbatches <= n &&
+                    (options.microbatches == 0 ||
+                     std::min(options.microbatches, n) == sh.num_microbatches),
+                Errc::InvalidArgument,
+                "{}: the plan has {} micro-batches for {} requests with microbatches = {} (expected "
+                "at most one per request, and microbatches 0 or the plan's)",
+                who, sh.num_microbatches, n, options.microbatches);
+  auto layout = detail::make_layout(requests, config, sh.num_microbatches);
+  const auto work = detail::prefill_work(layout);
+  const auto planned = plan.work();
+  bool same = sh.num_chunks == layout.max_rounds && planned.size() == work.size();
+  for (std::size_t m = 0; same && m < work.size(); ++m)
+    same = planned[m].tokens == work[m].tokens && planned[m].sequences == work[m].sequences;
+  BRIGADE_CHECK(same, Errc::InvalidArgument,
+                "{}: the plan was made for other requests ({} rounds, prefill work of {} "
+                "micro-batches; these requests need {} rounds); build it with "
+                "engine::inference_plan for these requests",
+                who, sh.num_chunks, planned.size(), layout.max_rounds);
+  return layout;
+}
 
 using schedule::Action;
 using schedule::Op;
@@ -382,34 +459,21 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                  : transport::as_bytes(std::span<const float>(mb.act)));
 }
 
-InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,
+InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,
                          std::span<const GenerationRequest> requests,
                          const InferenceOptions& options) {
-  const model::ModelSpec spec(weights.config);
-  BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
-                "generate: the partition covers {} layers, the model has {}",
-                partition.num_layers(), spec.num_layers());
-  BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "generate: no requests");
-  BRIGADE_CHECK(options.microbatches >= 0, Errc::InvalidArgument,
-                "generate: microbatches = {}, expected >= 0 (0 = automatic)", options.microbatches);
-  BRIGADE_CHECK(options.blas_threads >= 1, Errc::InvalidArgument,
-                "generate: blas_threads = {}, expected >= 1", options.blas_threads);
-  const int P = partition.num_ranks();
-  const int n = static_cast<int>(requests.size());
-  int groups = options.microbatches > 0 ? options.microbatches : std::min(n, P);
-  groups = std::min(groups, n);
-
+  const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
+  const int P = plan.shape().num_ranks;
+  const int root = plan.shape().rank_of(0);
   cpu::set_blas_threads(options.blas_threads);
-  detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  const auto layout = detail::make_layout(requests, weights.config, groups);
-  const int root = partition.stage(0).rank;
+  detail::SequenceBook book(requests, weights.config.seq_len, plan.shape().num_microbatches);
 
   transport::InProcessFabric fabric(P);
   std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
   const auto t0 = std::chrono::steady_clock::now();
   detail::run_on_threads(P, fabric, "rank", [&](int r) {
     transport::InProcessTransport tp(fabric, r);
-    run_inference_rank(tp, weights, partition, layout, r == root ? &book : nullptr, options, t0,
+    run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
                        timelines[static_cast<std::size_t>(r)]);
   });
 
@@ -423,6 +487,14 @@ InferenceReport generate(const model::LlamaWeights& weights, const partition::Pa
     report.prompt_tokens += r.prompt_tokens;
   }
   return report;
+}
+
+InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,
+                         std::span<const GenerationRequest> requests,
+                         const InferenceOptions& options) {
+  return generate(weights,
+                  inference_plan(weights.config, partition, requests, options.microbatches),
+                  requests, options);
 }
 
 }  // namespace v0

@@ -2,7 +2,10 @@
 // threads over InProcessTransport (one call per rank): stories260K token-exact, the Timeline
 // gathered to the rank of stage 0, and its argument checks. The MPI run is tests/mpi/.
 #include <brigade/engine/distributed.hpp>
+#include <brigade/cost/cost_model.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/schedule/generators.hpp>
+#include <brigade/sim/simulator.hpp>
 #include <brigade/transport/in_process.hpp>
 
 #include <doctest/doctest.h>
@@ -333,4 +336,50 @@ TEST_CASE("engine.generate: two stages compute at the same time (15M synthetic m
           a.microbatch != b.microbatch && a.start < b.end && b.start < a.end)
         overlap = true;
   CHECK(overlap);
+}
+
+TEST_CASE("engine.generate: an inference Plan runs token for token like its partition, the "
+          "simulator prices it, and a plan for other requests is refused") {
+  const auto& F = fixture();
+  const model::ModelSpec spec(F.weights.config);
+  const std::vector<engine::GenerationRequest> req{{F.prompt(0), 256}, {F.prompt(1), 64}};
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  const auto part = partition::uniform(spec, 2);
+  const plan::Plan p = engine::inference_plan(F.weights.config, part, req, 2);
+  CHECK(p.shape().mode == schedule::Mode::Inference);
+  CHECK(p.shape().num_microbatches == 2);
+  REQUIRE(p.work().size() == 2);
+  CHECK(p.work()[0].tokens == static_cast<std::int64_t>(F.prompt(0).size()));
+  CHECK(p.work()[1].sequences == 1);
+  const auto rep = engine::generate(F.weights, p, req, opt);
+  for (int m = 0; m < 2; ++m) CHECK(rep.sequences[static_cast<std::size_t>(m)].tokens == F.ids(m));
+  // The simulator takes the same value: every group runs the plan's bound on rounds.
+  cost::RooflineOptions ro;
+  ro.rates = {1e10, 1e10};
+  const auto sim = sim::simulate(p, cost::RooflineCostModel(spec, p, ro));
+  CHECK(sim.actions == p.schedule().num_actions());
+  CHECK(sim.makespan > 0.0);
+  // Plans and options that do not fit the requests.
+  const std::vector<engine::GenerationRequest> longer{{F.prompt(0), 200}, {F.prompt(1), 64}};
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, p, longer, opt),
+                       doctest::Contains("the plan was made for other requests"), Error);
+  opt.microbatches = 1;
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, p, req, opt),
+                       doctest::Contains("the plan has 2 micro-batches for 2 requests with "
+                                         "microbatches = 1"),
+                       Error);
+  opt.microbatches = 0;
+  const auto train = plan::Plan(part, schedule::one_f_one_b({2, 2}));
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, train, req, opt),
+                       doctest::Contains("the plan is a training plan"), Error);
+  const model::ModelSpec other(model::named_config("15M"));
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, partition::uniform(other, 2), req, opt),
+                       doctest::Contains("the partition covers 10 layers, the model has 9"),
+                       Error);
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, part, {}, opt),
+                       doctest::Contains("no requests"), Error);
+  opt.microbatches = -1;
+  CHECK_THROWS_WITH_AS(engine::generate(F.weights, part, req, opt),
+                       doctest::Contains("microbatches = -1, expected >= 0"), Error);
 }

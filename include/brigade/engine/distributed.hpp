@@ -158,35 +158,25 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
                             const InferenceOptions& options = {}, FaultInjection fault = {}) {
   using transport::DType;
   using transport::MessageHeader;
-  const model::ModelSpec spec(weights.config);
   const int me = transport.rank();
   const int world = transport.world_size();
-  BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
-                "generate_on: the partition covers {} layers, the model has {}",
-                partition.num_layers(), spec.num_layers());
   BRIGADE_CHECK(partition.num_ranks() == world, Errc::InvalidArgument,
                 "generate_on: the partition has {} ranks, the transport's world has {} (run one "
                 "process per rank, e.g. mpirun -np {})",
                 partition.num_ranks(), world, partition.num_ranks());
-  BRIGADE_CHECK(!requests.empty(), Errc::InvalidArgument, "generate_on: no requests");
-  BRIGADE_CHECK(options.microbatches >= 0, Errc::InvalidArgument,
-                "generate_on: microbatches = {}, expected >= 0 (0 = automatic)",
-                options.microbatches);
-  BRIGADE_CHECK(options.blas_threads >= 1, Errc::InvalidArgument,
-                "generate_on: blas_threads = {}, expected >= 1", options.blas_threads);
   BRIGADE_CHECK(fault.rank < world, Errc::InvalidArgument,
                 "generate_on: fault injection on rank {}, outside [0, {})", fault.rank, world);
   BRIGADE_CHECK(fault.rank < 0 || fault.after_steps >= 1, Errc::InvalidArgument,
                 "generate_on: fault injection after {} steps, expected >= 1", fault.after_steps);
-
+  // Every rank builds the same plan from the same arguments.
+  const plan::Plan plan = inference_plan(weights.config, partition, requests, options.microbatches);
+  const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate_on");
   const int P = partition.num_ranks();
   const int root = partition.stage(0).rank;
-  const int n = static_cast<int>(requests.size());
-  const int groups = std::min(options.microbatches > 0 ? options.microbatches : std::min(n, P), n);
+  const int groups = plan.shape().num_microbatches;
 
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  const auto layout = detail::make_layout(requests, weights.config, groups);
   detail::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
   auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
   const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
@@ -207,7 +197,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
       tp.wait(r, deadline());
     }
     const auto t0 = std::chrono::steady_clock::now();
-    run_inference_rank(tp, weights, partition, layout, me == root ? &book : nullptr, options, t0,
+    run_inference_rank(tp, weights, plan, layout, me == root ? &book : nullptr, options, t0,
                        report.timeline);
     double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

@@ -8,14 +8,17 @@
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/plan/plan.hpp"
 #include "brigade/runtime/inference_stage.hpp"
 #include "brigade/schedule/rounds.hpp"
 #include "brigade/transport/transport.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace brigade::engine {
@@ -133,7 +136,29 @@ GenerationLayout make_layout(std::span<const GenerationRequest> requests,
 schedule::Shape inference_shape(const partition::Partition& partition,
                                 const GenerationLayout& layout);
 
+/// Micro-batches of a generation of `n` requests on `ranks` ranks: `microbatches`, or
+/// min(n, ranks) when 0; at most n.
+inline int group_count(int n, int ranks, int microbatches) {
+  return std::min(microbatches > 0 ? microbatches : std::min(n, ranks), n);
+}
+
+/// The work of each group's prefill (Plan::work): its prompt tokens, its sequences, and the
+/// mean causal context of a prompt token ((p + 1) / 2 for a prompt of p tokens, averaged over
+/// the group's tokens).
+std::vector<model::WorkItem> prefill_work(const GenerationLayout& layout);
+
 }  // namespace detail
+
+/// The plan of a generation: `partition` (its placement: virtual stage -> rank), the requests
+/// split into `microbatches` contiguous groups (0 = min(requests, ranks)), and the lowered
+/// program of every rank with every group running the bound on rounds (prefill, decode rounds,
+/// the closing round; schedule::append_inference_round, validated), with each group's prefill
+/// as its work. engine::generate runs it (a group that finishes early stops earlier than the
+/// plan's bound); sim::simulate predicts it. Every rank computes the same plan.
+/// @throws brigade::Error{InvalidArgument} for no requests, an empty prompt, microbatches < 0,
+///         a partition of another model
+plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Partition& partition,
+                          std::span<const GenerationRequest> requests, int microbatches = 0);
 
 /// The inference side of the executor (engine::execute) on one rank: its InferenceStages (one
 /// per virtual stage it holds), and its program, emitted round by round
@@ -203,25 +228,24 @@ class InferenceWorker {
 };
 
 /// Runs this rank's part of a pipelined generation over `transport`: builds the InferenceStages
-/// of the virtual stages `partition` places on `transport.rank()` and runs the executor over an
+/// of the virtual stages `plan` places on `transport.rank()` and runs the executor over an
 /// InferenceWorker. Every rank calls it with the same arguments (`book` only on the rank of
 /// virtual stage 0, null elsewhere).
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T>
-void run_inference_rank(T& transport, const model::LlamaWeights& weights,
-                        const partition::Partition& partition,
+void run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
                         const detail::GenerationLayout& layout, detail::SequenceBook* book,
                         const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
                         Timeline& timeline) {
-  const auto shape = detail::inference_shape(partition, layout);
+  const auto& shape = plan.shape();
   const int me = transport.rank();
   std::vector<std::unique_ptr<runtime::InferenceStage>> owned;
   std::vector<runtime::InferenceStage*> stages(static_cast<std::size_t>(shape.num_virtual_stages),
                                                nullptr);
   for (int v = 0; v < shape.num_virtual_stages; ++v) {
     if (shape.rank_of(v) != me) continue;
-    owned.push_back(std::make_unique<runtime::InferenceStage>(weights, partition.stage(v),
-                                                              layout.capacities, options.sampler));
+    owned.push_back(std::make_unique<runtime::InferenceStage>(
+        weights, plan.partition().stage(v), layout.capacities, options.sampler));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0);
@@ -229,15 +253,34 @@ void run_inference_rank(T& transport, const model::LlamaWeights& weights,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
 }
 
+/// Checks that `plan` is the inference plan of `requests` for a model of `config` (what
+/// inference_plan() builds: an inference shape, the model's layers, one group per micro-batch,
+/// the requests' bound on rounds and prefill work) and of `options`, and returns the
+/// requests' layout. `who` names the caller in the messages.
+/// @throws brigade::Error{InvalidArgument} naming what differs
+detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
+                                              const model::LlamaConfig& config,
+                                              std::span<const GenerationRequest> requests,
+                                              const InferenceOptions& options,
+                                              std::string_view who);
 
-/// Generates every request with the model split by `partition`, one thread per rank over an
-/// InProcessTransport. A rank may hold several stages (ring windows, partition::ring): the
-/// token then walks the ring of ranks several times per position (prima.cpp's pipelined ring).
-/// Greedy output (temperature 0) is the same token for token for every partition, placement
-/// and micro-batch count; with one request and a seed it samples as run.c does.
+/// Generates every request by `plan` (from inference_plan() for these requests, or a planner),
+/// one thread per rank over an InProcessTransport. A rank may hold several stages (ring windows,
+/// partition::ring): the token then walks the ring of ranks several times per position
+/// (prima.cpp's pipelined ring). Greedy output (temperature 0) is the same token for token for
+/// every partition, placement and micro-batch count; with one request and a seed it samples as
+/// run.c does. options.microbatches must be 0 or (clamped to the requests) the plan's.
+/// @throws brigade::Error{InvalidArgument} as check_inference_plan(), for a prompt not starting
+///         at a valid token; any stage's error (the other stages are stopped and the first error
+///         is rethrown)
+InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,
+                         std::span<const GenerationRequest> requests,
+                         const InferenceOptions& options = {});
+
+/// generate(weights, inference_plan(weights.config, partition, requests,
+/// options.microbatches), requests, options): the model split by `partition`.
 /// @throws brigade::Error{InvalidArgument} for an empty prompt, a prompt not starting at a valid
-///         token, a partition of another model;
-///         any stage's error (the other stages are stopped and the first error is rethrown)
+///         token, a partition of another model; any stage's error
 InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,
                          std::span<const GenerationRequest> requests,
                          const InferenceOptions& options = {});
