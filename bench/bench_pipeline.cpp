@@ -44,8 +44,14 @@ const model::LlamaWeights& weights42m() {
   return w;
 }
 
-engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
-                                   int microbatches = 0) {
+/// A decode run and the plan it ran (engine::inference_plan of its partition and requests).
+struct DecodeRun {
+  engine::InferenceReport report;
+  plan::Plan plan;
+};
+
+DecodeRun decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
+                     int microbatches = 0) {
   const auto& w = weights42m();
   const model::ModelSpec spec(w.config);
   const int groups = microbatches > 0 ? std::min(seqs, microbatches) : std::min(seqs, std::max(stages, 1));
@@ -61,7 +67,9 @@ engine::InferenceReport decode_run(int stages, int threads, int seqs, int steps,
   opt.sampler.temperature = 0.0f;
   opt.blas_threads = threads;
   opt.microbatches = microbatches;
-  return engine::generate(w, part, reqs, opt);
+  auto p = engine::inference_plan(w.config, part, reqs, microbatches);
+  auto rep = engine::generate(w, p, reqs, opt);
+  return {std::move(rep), std::move(p)};
 }
 
 /// Weight bytes one decode step streams (every layer's weights once, the classifier included).
@@ -79,14 +87,13 @@ void BM_Decode(benchmark::State& state) {
   const int mb = static_cast<int>(state.range(3));
   double tokens = 0, seconds = 0, busy = 0, measured = 0, simulated = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(stages, threads, seqs, 48, 1, mb);
+    const auto run = decode_run(stages, threads, seqs, 48, 1, mb);
+    const auto& rep = run.report;
     tokens += static_cast<double>(rep.generated_tokens);
     seconds += rep.wall_s;
-    // The plan that ran: every group runs 48 rounds (one-token prompts, no early stop).
-    const int groups = mb > 0 ? std::min(seqs, mb) : std::min(seqs, stages);
-    const auto lowered = schedule::lower(schedule::inference({stages, groups, 1, 47}));
+    // The plan that ran (one-token prompts: every group runs all its rounds).
     measured += rep.timeline.bubble_ratio();
-    simulated += engine::simulated_bubble(lowered, rep.timeline);
+    simulated += engine::simulated_bubble(run.plan.schedule(), rep.timeline);
     double b = 0;
     for (int s = 0; s < stages; ++s) b += rep.timeline.busy(s) / rep.wall_s;
     busy += b / stages;
@@ -119,7 +126,7 @@ void BM_PlannedDecode(benchmark::State& state) {
   state.SetLabel(p.describe(seqs));
   double tokens = 0, seconds = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(p.stages, p.threads, seqs, 48, 1, p.microbatches);
+    const auto rep = decode_run(p.stages, p.threads, seqs, 48, 1, p.microbatches).report;
     tokens += static_cast<double>(rep.generated_tokens);
     seconds += rep.wall_s;
   }
@@ -183,7 +190,7 @@ void BM_Llama42M_Prefill(benchmark::State& state) {
   double tokens = 0, seconds = 0;
   for (auto _ : state) {
     // steps = prompt length: the prefill of 512 tokens and one sampled token.
-    const auto rep = decode_run(1, threads, 1, 512, 512);
+    const auto rep = decode_run(1, threads, 1, 512, 512).report;
     tokens += 512;
     seconds += rep.sequences[0].ttft_s;
   }
@@ -197,7 +204,7 @@ void BM_Llama42M_Decode(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   double tps = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(1, threads, 1, 129, 1);
+    const auto rep = decode_run(1, threads, 1, 129, 1).report;
     tps += 1.0 / rep.sequences[0].tpot_s();
   }
   const double rate = tps / static_cast<double>(state.iterations());
