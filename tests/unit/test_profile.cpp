@@ -1,0 +1,174 @@
+// Device profiles: the JSON schema and its errors, look-ups, the datasheet profiles, and
+// `brigade profile` measuring this machine.
+#include <brigade/cost/profile.hpp>
+#include <brigade/io/trace.hpp>
+
+#include <doctest/doctest.h>
+
+#include "test_util.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kProfiles = BRIGADE_PROFILE_DIR;
+
+/// A small valid profile, by hand.
+cost::DeviceProfile sample() {
+  cost::DeviceProfile p;
+  p.name = "test box";
+  p.kind = "cpu";
+  p.source = "by hand";
+  p.dtype = "f32";
+  p.cores = 4;
+  p.gemm = {{1, 1, 10e9}, {16, 1, 50e9}, {256, 1, 90e9}, {1, 4, 30e9}};
+  p.attention = {{100, 64, 1e-6}, {1000, 64, 8e-6}};
+  p.core_bytes_per_s = 20e9;
+  p.memory_bytes_per_s = 40e9;
+  p.memory_capacity_bytes = 16e9;
+  p.disk_bytes_per_s = 2e9;
+  p.links = {{"in-process", 2e-6, 5e9}};
+  return p;
+}
+
+std::string error_of(const nlohmann::json& j) {
+  try {
+    (void)cost::profile_from_json(j, "p.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("profile.json: a profile survives JSON both ways; look-ups interpolate as documented") {
+  const auto p = sample();
+  const auto q = cost::profile_from_json(cost::to_json(p));
+  CHECK(cost::to_json(q) == cost::to_json(p));
+  // Products: exact at points, linear in log(rows) between, flat outside; thread counts.
+  CHECK(p.gemm_flops_per_s(16) == 50e9);
+  CHECK(p.gemm_flops_per_s(4) == doctest::Approx(30e9));  // log 4 is halfway from 1 to 16
+  CHECK(p.gemm_flops_per_s(4096) == 90e9);
+  CHECK(p.gemm_flops_per_s(64, 4) == 30e9);   // only one point at 4 threads
+  CHECK(p.gemm_flops_per_s(64, 2) == doctest::Approx(70e9));  // 2 threads: the 1-thread points
+  // Attention: linear in context, proportional beyond the last point, per head and token.
+  CHECK(p.attention_seconds(1, 1, 64, 550.0) == doctest::Approx(4.5e-6));
+  CHECK(p.attention_seconds(2, 8, 128, 2000.0) == doctest::Approx(2 * 8 * 2 * 16e-6));
+  CHECK(p.attention_seconds(1, 1, 64, 10.0) == doctest::Approx(1e-6));
+  CHECK(p.link("in-process").latency_s == 2e-6);
+  CHECK_THROWS_WITH_AS((void)p.link("nvlink"),
+                       doctest::Contains("has no link 'nvlink' (it has: in-process)"), Error);
+  CHECK_NOTHROW(p.check_fits(15e9, "rank 0"));
+  CHECK_THROWS_WITH_AS(p.check_fits(17e9, "rank 1 (weights and KV cache)"),
+                       doctest::Contains("rank 1 (weights and KV cache): 17000000000 bytes do not "
+                                         "fit in test box's 16000000000 bytes"),
+                       Error);
+}
+
+TEST_CASE("profile.errors: a bad profile names the field") {
+  const auto good = cost::to_json(sample());
+  auto without = [&](const char* key) {
+    auto j = good;
+    j.erase(key);
+    return j;
+  };
+  CHECK(error_of(without("memory_bytes_per_s")) ==
+        "p.json: field 'memory_bytes_per_s' is missing");
+  CHECK(error_of(without("links")) == "p.json: field 'links' is missing");
+  auto j = good;
+  j["gemm"][1]["flops_per_s"] = -5.0;
+  CHECK(error_of(j).find("field 'gemm[1].flops_per_s' = -5, expected > 0") != std::string::npos);
+  j = good;
+  j["links"][0]["bytes_per_s"] = 0.0;
+  CHECK(error_of(j).find("field 'links[0].bytes_per_s' = 0, expected > 0") != std::string::npos);
+  j = good;
+  j["gemm"][0].erase("rows");
+  CHECK(error_of(j) == "p.json: field 'gemm[0].rows' is missing");
+  j = good;
+  j["attention"][1]["context"] = 2.5;
+  CHECK(error_of(j).find("field 'attention[1].context' = 2.5, expected a whole number") !=
+        std::string::npos);
+  j = good;
+  j["cores"] = "four";
+  CHECK(error_of(j).find("field 'cores' is \"four\", expected a number") != std::string::npos);
+  j = good;
+  j["schema"] = "other/9";
+  CHECK(error_of(j).find("field 'schema' = 'other/9', expected 'brigade.device_profile/1'") !=
+        std::string::npos);
+  j = good;
+  j["kind"] = "tpu";
+  CHECK(error_of(j).find("field 'kind' = 'tpu', expected 'cpu' or 'gpu'") != std::string::npos);
+  j = good;
+  j["attention"] = nlohmann::json::array();
+  CHECK(error_of(j).find("need at least one entry each (4, 0, 1)") != std::string::npos);
+  j = good;
+  j["memory_capacity_bytes"] = -1;
+  CHECK(error_of(j).find("field 'memory_capacity_bytes' = -1, expected > 0") !=
+        std::string::npos);
+  CHECK(error_of(nlohmann::json::array()) == "p.json: a profile is a JSON object");
+  // Files: not JSON, missing.
+  const auto bad = fs::temp_directory_path() / "brigade_test_profile_bad.json";
+  io::write_file_atomic(bad, "{\"schema\": ");
+  CHECK_THROWS_WITH_AS((void)cost::load_profile(bad), doctest::Contains("not JSON"), Error);
+  fs::remove(bad);
+  CHECK_THROWS_AS((void)cost::load_profile("/nonexistent/p.json"), Error);
+  // Saving validates first: nothing is written for a bad profile.
+  auto p = sample();
+  p.disk_bytes_per_s = 0.0;
+  const auto out = fs::temp_directory_path() / "brigade_test_profile_unwritten.json";
+  CHECK_THROWS_WITH_AS(cost::save_profile(out, p),
+                       doctest::Contains("field 'disk_bytes_per_s' = 0, expected > 0"), Error);
+  CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("profile.datasheets: the H100 and H200 profiles load and follow their rooflines") {
+  const auto h200 = cost::load_profile(kProfiles / "nvidia_h200_sxm.json");
+  const auto h100 = cost::load_profile(kProfiles / "nvidia_h100_sxm.json");
+  CHECK(h200.kind == "gpu");
+  // Decode is bandwidth-bound: one row moves 2 FLOP per bf16 weight (2 bytes) read.
+  CHECK(h200.gemm_flops_per_s(1) == doctest::Approx(h200.memory_bytes_per_s));
+  CHECK(h100.gemm_flops_per_s(1) == doctest::Approx(h100.memory_bytes_per_s));
+  CHECK(h200.gemm_flops_per_s(8) / h100.gemm_flops_per_s(8) == doctest::Approx(4.8 / 3.35));
+  CHECK(h200.gemm_flops_per_s(4096) == doctest::Approx(989e12));
+  // Attention at 32768 positions: K and V rows of 128 bf16 read at the memory bandwidth.
+  CHECK(h200.attention_seconds(1, 1, 128, 32768) ==
+        doctest::Approx(2.0 * 32768 * 128 * 2 / 4.8e12).epsilon(0.01));
+  CHECK(h200.memory_capacity_bytes > h100.memory_capacity_bytes);
+  CHECK(h200.link("nvlink").bytes_per_s == 4.5e11);
+}
+
+TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a profile") {
+  if (std::string(BRIGADE_CLI).empty()) return;
+  const auto out = fs::temp_directory_path() / "brigade_test_profile.json";
+  const auto r = test::run_cli("profile --quick --cores 1 --out " + out.string());
+  REQUIRE(r.rc == 0);
+  const auto p = cost::load_profile(out);
+  CHECK(p.kind == "cpu");
+  CHECK(p.cores == 1);
+  CHECK(p.gemm.size() == 3);  // --quick: 1, 16, 64 rows on one thread
+  CHECK(p.attention.size() == 2);
+  CHECK(p.links.at(0).transport == "in-process");
+  CHECK(p.memory_capacity_bytes > 1e8);
+  CHECK(p.source.find("measured by brigade profile") == 0);
+  CHECK(r.err.find("written: " + out.string()) != std::string::npos);
+  fs::remove(out);
+  const auto ok = test::run_cli("profile --check " + (kProfiles / "nvidia_h100_sxm.json").string());
+  CHECK(ok.rc == 0);
+  CHECK(ok.err.find("profile: NVIDIA H100 SXM (gpu, bf16, 1 cores)") == 0);
+  const auto none = test::run_cli("profile");
+  CHECK(none.rc != 0);
+  CHECK(none.err.find("give --out FILE to measure this machine, or --check FILE") !=
+        std::string::npos);
+  const auto bad = fs::temp_directory_path() / "brigade_test_profile_cli_bad.json";
+  io::write_file_atomic(bad, "{\"schema\": \"brigade.device_profile/1\", \"name\": \"x\"}");
+  const auto b = test::run_cli("profile --check " + bad.string());
+  CHECK(b.rc != 0);
+  CHECK(b.err.find("field 'kind' is missing") != std::string::npos);
+  fs::remove(bad);
+}
