@@ -10,6 +10,8 @@
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
 #include <brigade/partition/policies.hpp>
+#include <brigade/cost/profile.hpp>
+#include <brigade/cost/profiled.hpp>
 #include <brigade/plan/inference_plan.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 #if BRIGADE_HAS_MPI
@@ -32,6 +34,7 @@ namespace {
 
 struct GenerateArgs {
   std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
+  std::string profile;  // a device profile (docs/profiles.md) for the balanced split
   std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
@@ -171,6 +174,8 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(windows <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} x --ring {} = {} windows, more than the model's {} layers",
                 stages_used, a.ring, windows, spec.num_layers());
+  std::optional<cost::DeviceProfile> profile;
+  if (!a.profile.empty()) profile = cost::load_profile(a.profile);
   const partition::Partition part = [&] {
     if (planned) return partition::ring(planned->partition(spec.num_layers()), stages_used);
     // The policy by name (partition::policies()), window w on rank w mod stages; "balanced"
@@ -184,6 +189,10 @@ int run(const GenerateArgs& a) {
     req.work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
     req.work.tokens = req.work.sequences;
     req.work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
+    if (profile)
+      req.layer_seconds = [&](const model::ModelSpec& m, int l, const model::WorkItem& w) {
+        return cost::profiled_layer_seconds(m, l, w, *profile, a.threads);
+      };
     return partition::make_partition(spec, a.partition, req);
   }();
 
@@ -221,7 +230,9 @@ int run(const GenerateArgs& a) {
   if (with_tpot) tpot /= with_tpot;
   const int S = part.num_stages();
   fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
-             weights.config.n_layers, weights.config.dim, S, a.partition, part.to_string());
+             weights.config.n_layers, weights.config.dim, S,
+             profile ? fmt::format("{} (profile {})", a.partition, profile->name) : a.partition,
+             part.to_string());
   if (under_mpi)
     fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used,
                a.ring > 1 ? fmt::format("{} ring windows", a.ring) : std::string("one stage"));
@@ -318,6 +329,9 @@ std::function<int()> setup(CLI::App& sub) {
                  "a partition policy: uniform (by layer count), balanced (by cost), or one "
                  "registered with partition::register_policy")
       ->check(CLI::IsMember(policies))->capture_default_str();
+  sub.add_option("--profile", a->profile,
+                 "a device profile (brigade profile --out FILE; docs/profiles.md): the "
+                 "partition policy prices layers with it instead of the default-rate roofline");
   sub.add_option("--microbatches", a->microbatches,
                  "sequence groups in flight; 0 = min(sequences, stages)")
       ->check(brigade::cli::number_in<int>(0, 65536, "0 (automatic) or a whole number from 1 to 65536"))

@@ -1,6 +1,8 @@
 // Device profiles: the JSON schema and its errors, look-ups, the datasheet profiles, and
 // `brigade profile` measuring this machine.
 #include <brigade/cost/profile.hpp>
+#include <brigade/cost/profiled.hpp>
+#include <brigade/partition/policies.hpp>
 #include <brigade/io/trace.hpp>
 
 #include <doctest/doctest.h>
@@ -171,4 +173,45 @@ TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a p
   CHECK(b.rc != 0);
   CHECK(b.err.find("field 'kind' is missing") != std::string::npos);
   fs::remove(bad);
+}
+
+TEST_CASE("profile.layer_seconds: a layer's time from the profile's products, attention and "
+          "bandwidth; the balanced policy splits by it") {
+  const model::ModelSpec spec(model::named_config("42M"));  // dim 512, hidden 1376, vocab 32000
+  const auto p = sample();  // products 10 GFLOP/s at 1 row, 50 at 16, 90 at 256; 20 GB/s one core
+  const double d = 512, h = 1376, v = 32000, kv = 512;
+  const double proj = 2 * d * d + 2 * d * kv + 3 * d * h;
+  // Decode, 16 sequences at context 550: products at 50 GFLOP/s (their 4-byte weights would take
+  // proj * 4 / 20e9 = 0.63 ms, less than the 1.0 ms of FLOPs); attention 4.5 us per token-head.
+  const model::WorkItem decode{16, 16, 550.0};
+  const double act = 16 * (6 * d + 2 * kv + 3 * h) * 4.0;
+  CHECK(cost::profiled_layer_seconds(spec, 1, decode, p) ==
+        doctest::Approx(2 * 16 * proj / 50e9 + 16 * 8 * 4.5e-6 + act / 20e9));
+  // One row: bound by streaming the weights.
+  const double one = cost::profiled_layer_seconds(spec, 1, {1, 1, 10.0}, p);
+  CHECK(one >= proj * 4 / 20e9);
+  CHECK(one == doctest::Approx(std::max(2 * proj / 10e9, proj * 4 / 20e9) + 8 * 1e-6 +
+                               (6 * d + 2 * kv + 3 * h) * 4.0 / 20e9));
+  // LM head: rows are sequences, or every token when asked.
+  CHECK(cost::profiled_layer_seconds(spec, 10, decode, p) ==
+        doctest::Approx(2 * 16 * d * v / 50e9 + 16 * (d + v) * 4 / 20e9));
+  CHECK(cost::profiled_layer_seconds(spec, 10, {256, 1, 128.0}, p, 1, true) ==
+        doctest::Approx(2 * 256 * d * v / 90e9 + 256 * (d + v) * 4 / 20e9));
+  // On 4 threads the 4-thread points and the all-core bandwidth.
+  CHECK(cost::profiled_layer_seconds(spec, 10, decode, p, 4) ==
+        doctest::Approx(std::max(2 * 16 * d * v / 30e9, d * v * 4 / 40e9) + 16 * (d + v) * 4 / 40e9));
+  CHECK_THROWS_AS((void)cost::profiled_layer_seconds(spec, 1, decode, p, 0), Error);
+  // The balanced policy with these costs matches balanced() over the same per-layer costs.
+  partition::PolicyRequest req;
+  req.placement = {0, 1};
+  req.num_ranks = 2;
+  req.work = decode;
+  req.layer_seconds = [&](const model::ModelSpec& m, int l, const model::WorkItem& w) {
+    return cost::profiled_layer_seconds(m, l, w, p);
+  };
+  std::vector<double> costs;
+  for (int l = 0; l < spec.num_layers(); ++l)
+    costs.push_back(cost::profiled_layer_seconds(spec, l, decode, p));
+  const auto expect = partition::balanced(spec.num_layers(), 2, costs);
+  CHECK(partition::make_partition(spec, "balanced", req).to_string() == expect.to_string());
 }

@@ -9,6 +9,7 @@
 #include "brigade/model/layer_cost.hpp"
 #include "brigade/partition/partition.hpp"
 
+#include <functional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -31,6 +32,19 @@ struct PolicyRequest {
   bool training = false;
   /// Device rates the roofline costs use (the split depends only on their ratio).
   model::DeviceRates rates{};
+  /// Seconds of one layer for a work item, replacing the roofline on `rates` when set (e.g.
+  /// cost::profiled_layer_seconds on a measured device profile). In training it is called with
+  /// sequences = tokens (logits at every position).
+  std::function<double(const model::ModelSpec&, int layer, const model::WorkItem&)> layer_seconds;
+
+  /// Per-layer seconds of `spec` for `work`: layer_seconds when set, else the roofline on rates.
+  [[nodiscard]] std::vector<double> costs(const model::ModelSpec& spec,
+                                          const model::WorkItem& work) const {
+    if (!layer_seconds) return partition::layer_seconds(spec, work, rates);
+    std::vector<double> out;
+    for (int l = 0; l < spec.num_layers(); ++l) out.push_back(layer_seconds(spec, l, work));
+    return out;
+  }
 
   /// N, the number of stages asked for.
   [[nodiscard]] int num_stages() const noexcept { return static_cast<int>(placement.size()); }
@@ -65,8 +79,9 @@ inline Partition uniform_policy(const model::ModelSpec& spec, const PolicyReques
   return placed(uniform(spec, request.num_stages()), request.placement, request.num_ranks);
 }
 
-/// The "balanced" policy: the exact min-max split (balanced()) of the roofline cost of every
-/// layer for request.work on request.rates. In training the LM head is priced for every token
+/// The "balanced" policy: the exact min-max split (balanced()) of the cost of every layer for
+/// request.work (request.layer_seconds when set, else the roofline on request.rates). In
+/// training the LM head is priced for every token
 /// and the final norm, LM head and loss are one unit that stays on the last stage; in inference
 /// the head and sampler are priced per sequence, so the tail stage is not overloaded in either.
 /// @throws brigade::Error{InvalidArgument} if there are more stages than units to split (in
@@ -74,11 +89,11 @@ inline Partition uniform_policy(const model::ModelSpec& spec, const PolicyReques
 inline Partition balanced_policy(const model::ModelSpec& spec, const PolicyRequest& request) {
   const int N = request.num_stages();
   if (!request.training)
-    return placed(balanced(spec, N, request.work, request.rates), request.placement,
-                  request.num_ranks);
+    return placed(balanced(spec.num_layers(), N, request.costs(spec, request.work)),
+                  request.placement, request.num_ranks);
   model::WorkItem every_token = request.work;
   every_token.sequences = request.work.tokens;  // logits and loss at every position
-  const auto layer = layer_seconds(spec, every_token, request.rates);
+  const auto layer = request.costs(spec, every_token);
   const int L = spec.config().n_layers;
   std::vector<double> units(layer.begin(), layer.begin() + L + 1);  // embedding, decoders
   double tail = 0.0;

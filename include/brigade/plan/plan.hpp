@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -140,6 +141,9 @@ struct PlanRequest {
   /// The micro-batch the partition policy balances for (tokens, sequences, mean context).
   model::WorkItem balance_for{256, 1, 128.0};
   model::DeviceRates rates{};  ///< the roofline rates the policy prices layers with
+  /// Seconds of a layer for a work item, replacing the roofline when set
+  /// (partition::PolicyRequest::layer_seconds; e.g. cost::profiled_layer_seconds).
+  std::function<double(const model::ModelSpec&, int layer, const model::WorkItem&)> layer_seconds;
   std::vector<model::WorkItem> work;  ///< per micro-batch work for the Plan (may be empty)
   schedule::ExecutionModel execution{};
 };
@@ -157,6 +161,7 @@ inline Plan make_plan(const model::ModelSpec& spec, const schedule::Schedule& co
   pr.work = request.balance_for;
   pr.training = compute.shape.mode == schedule::Mode::Training;
   pr.rates = request.rates;
+  pr.layer_seconds = request.layer_seconds;
   return Plan(partition::make_partition(spec, request.partition, pr), compute, request.work,
               request.execution);
 }
