@@ -17,6 +17,8 @@
 //       prefill of 512 tokens, and decode tokens/s with the weight bytes streamed per second
 //       (weight_GB_per_s, against BM_TriadCeiling/threads:1 of the same run).
 #include <brigade/backend/cpu.hpp>
+#include <brigade/cost/profile.hpp>
+#include <brigade/cost/profiled.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/schedule/generators.hpp>
@@ -215,6 +217,48 @@ void BM_Llama42M_Decode(benchmark::State& state) {
 }
 BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+/// The calibrated model's prediction error on held-out work: a device profile measured once in
+/// this run (cost::measure_profile: synthetic shapes, not the model), then the 42M model on one
+/// stage of one thread: seqs sequences decoding (or one 512-token prefill when seqs is 0).
+/// Counters: measured and predicted seconds of the stage's mean F (every layer but the
+/// sampler; decode rounds only, or the prefill), and predicted / measured.
+void BM_ProfiledPrediction(benchmark::State& state) {
+  const int seqs = static_cast<int>(state.range(0));
+  static const cost::DeviceProfile profile = [] {
+    cost::ProfileOptions o;
+    o.cores = 1;
+    return cost::measure_profile(o);
+  }();
+  const model::ModelSpec spec(weights42m().config);
+  double measured = 0, predicted = 0;
+  for (auto _ : state) {
+    const auto rep = seqs > 0 ? decode_run(1, 1, seqs, 48, 1).report
+                              : decode_run(1, 1, 1, 512, 512).report;
+    double sum = 0, ctx = 0;
+    int n = 0;
+    for (const auto& iv : rep.timeline.intervals())
+      if (iv.op == Op::F && (seqs > 0) == (iv.chunk > 0)) {
+        sum += iv.duration();
+        ctx += seqs > 0 ? iv.chunk + 1 : 256.5;  // decode round c attends to c + 1 positions
+        ++n;
+      }
+    measured += sum / n;
+    const model::WorkItem w = seqs > 0 ? model::WorkItem{seqs, seqs, ctx / n}
+                                       : model::WorkItem{512, 1, 256.5};
+    double p = 0;
+    for (int l = 0; l < spec.num_layers(); ++l)
+      if (spec.layer(l).kind != model::LayerKind::Sampler)
+        p += cost::profiled_layer_seconds(spec, l, w, profile);
+    predicted += p;
+  }
+  const auto it = static_cast<double>(state.iterations());
+  state.counters["measured_ms"] = measured / it * 1e3;
+  state.counters["predicted_ms"] = predicted / it * 1e3;
+  state.counters["predicted_over_measured"] = predicted / measured;
+}
+BENCHMARK(BM_ProfiledPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 
 }  // namespace
 

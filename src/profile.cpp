@@ -410,16 +410,23 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
   const double budget = o.seconds_per_point;
   const int threads_before = cpu::blas_threads();
 
-  // Products: one weight of gemm_out x gemm_in read by `rows` activation rows, on 1 thread and
-  // on `cores` intra-op threads.
-  std::vector<float> w(static_cast<std::size_t>(o.gemm_out * o.gemm_in), 0.25f);
+  // Products: a weight of gemm_out x gemm_in read by `rows` activation rows, on 1 thread and on
+  // `cores` intra-op threads. Each repetition reads the next of as many copies of the weight as
+  // fill options.stream_bytes, so weights come from memory as a model's do (a model's layers
+  // are larger than the caches), not from a cache that one small weight would fit in.
+  const auto wsize = static_cast<std::size_t>(o.gemm_out * o.gemm_in);
+  const std::size_t copies = std::max<std::size_t>(
+      1, static_cast<std::size_t>(o.stream_bytes) / (wsize * sizeof(float)));
+  std::vector<float> w(wsize * copies, 0.25f);
   for (int threads : {1, o.cores}) {
     cpu::set_blas_threads(threads);
     for (auto rows : o.rows) {
       std::vector<float> x(static_cast<std::size_t>(rows * o.gemm_in), 0.5f),
           y(static_cast<std::size_t>(rows * o.gemm_out));
+      std::size_t next = 0;
       const double s = best_seconds(budget, [&] {
-        cpu::matmul_wt(x.data(), w.data(), y.data(), rows, o.gemm_in, o.gemm_out);
+        cpu::matmul_wt(x.data(), w.data() + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
+        next = (next + 1) % copies;
       });
       p.gemm.push_back({rows, threads, 2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out) / s});
     }
@@ -453,10 +460,10 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   p.source = fmt::format(
-      "measured by brigade profile on {} (products {} x {} f32; triad {} MiB per thread; {} s "
-      "per point; disk {} MiB, {})",
-      date, o.gemm_out, o.gemm_in, o.stream_bytes >> 20, o.seconds_per_point, o.disk_bytes >> 20,
-      disk_note);
+      "measured by brigade profile on {} (products {} x {} f32 over {} MiB of weight copies; "
+      "triad {} MiB per thread; {} s per point; disk {} MiB, {})",
+      date, o.gemm_out, o.gemm_in, (wsize * copies * sizeof(float)) >> 20, o.stream_bytes >> 20,
+      o.seconds_per_point, o.disk_bytes >> 20, disk_note);
   p.validate();
   return p;
 }

@@ -108,14 +108,16 @@ struct ProfileOptions {
   std::int64_t gemm_out = 1376;  ///< weight rows (e.g. the FFN width)
   std::vector<std::int64_t> contexts{64, 256, 1024, 4096};  ///< attention points
   int head_dim = 64;
-  std::int64_t stream_bytes = std::int64_t{96} << 20;  ///< triad footprint per thread, bytes
+  /// Triad footprint per thread, and the bytes of weight copies the products cycle through.
+  std::int64_t stream_bytes = std::int64_t{96} << 20;
   std::int64_t disk_bytes = std::int64_t{256} << 20;   ///< file written then read back, bytes
   std::filesystem::path disk_dir;  ///< where that file goes (empty: the temporary directory)
   double seconds_per_point = 0.05; ///< repetition budget of each point (best repetition counts)
 };
 
 /// Measures this machine (CPU): matmul_wt FP32 rates at options.rows on 1 thread and on
-/// options.cores threads, decode attention at options.contexts, STREAM triad bandwidth of one
+/// options.cores threads (weights read from memory: each repetition takes the next of enough
+/// copies to fill options.stream_bytes), decode attention at options.contexts, STREAM triad bandwidth of one
 /// core and of all, the in-process transport's latency (ping-pong of empty messages) and
 /// bandwidth (16 MiB messages), the disk read rate of a file written, synced and dropped from
 /// the page cache (posix_fadvise DONTNEED; where the kernel keeps it cached anyway the rate is
