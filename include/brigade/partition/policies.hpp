@@ -37,12 +37,12 @@ struct PolicyRequest {
   /// sequences = tokens (logits at every position).
   std::function<double(const model::ModelSpec&, int layer, const model::WorkItem&)> layer_seconds;
 
-  /// Per-layer seconds of `spec` for `work`: layer_seconds when set, else the roofline on rates.
+  /// Per-layer seconds of `spec` for `item`: layer_seconds when set, else the roofline on rates.
   [[nodiscard]] std::vector<double> costs(const model::ModelSpec& spec,
-                                          const model::WorkItem& work) const {
-    if (!layer_seconds) return partition::layer_seconds(spec, work, rates);
+                                          const model::WorkItem& item) const {
+    if (!layer_seconds) return partition::layer_seconds(spec, item, rates);
     std::vector<double> out;
-    for (int l = 0; l < spec.num_layers(); ++l) out.push_back(layer_seconds(spec, l, work));
+    for (int l = 0; l < spec.num_layers(); ++l) out.push_back(layer_seconds(spec, l, item));
     return out;
   }
 
