@@ -5,7 +5,9 @@
 //       1F1B over S ranks (one thread each, one GEMM thread per rank). Counters:
 //       tokens_per_s (target rows / step wall time), bubble_measured (Timeline of the run),
 //       bubble_simulated (the simulator on the same lowered schedule with the measured mean
-//       action costs), and their ratio.
+//       action costs), and their ratio; peak_mib_measured and peak_mib_simulated (the largest
+//       rank's peak memory, StepResult::peak_memory_bytes, against the simulator's figure for
+//       the same micro-batches, the plan with the micro-batches' work (engine::microbatch_work); MiB).
 //   BM_TrainSchedule/schedule:K/microbatches:M  the same model and batches on 2 ranks, one
 //       schedule per K: 0 = 1f1b, 1 = interleaved-1f1b (V = 2), 2 = zb-h1, 3 = zb-v,
 //       4 = dualpipe-v (issue 20: the schedules side by side in one run, each with the
@@ -13,11 +15,13 @@
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/sim/simulator.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include "machine_context.hpp"
 
+#include <algorithm>
 #include <random>
 
 using namespace brigade;
@@ -54,19 +58,29 @@ void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
   const int m = cfg.microbatches;
   engine::TrainingEngine eng(weights42m(), cfg);
   const auto data = batches(m, 7);
-  double tokens = 0, seconds = 0, measured = 0, simulated = 0;
+  double tokens = 0, seconds = 0, measured = 0, simulated = 0, peak = 0, peak_sim = 0;
+  // The plan with these micro-batches' work: the roofline model's sizes are then exact for them.
+  const plan::Plan step(eng.plan().partition(), eng.plan().schedule(),
+                        engine::microbatch_work(data), eng.plan().execution());
+  const cost::RooflineCostModel sizes(model::ModelSpec(weights42m().config), step);
   for (auto _ : state) {
     const auto r = eng.train_step(data);
     tokens += static_cast<double>(r.tokens);
     seconds += r.seconds;
     measured += r.timeline.bubble_ratio();
-    simulated += engine::simulated_bubble(eng.plan().schedule(), r.timeline);
+    const auto predicted = sim::simulate(
+        step, engine::MeasuredCostModel(step.shape(), r.timeline, sizes));
+    simulated += predicted.bubble_ratio;
+    for (double b : r.peak_memory_bytes) peak = std::max(peak, b);
+    for (double b : predicted.peak_memory_bytes) peak_sim = std::max(peak_sim, b);
     if (!std::isfinite(r.loss) || r.loss < 5.0) state.SkipWithError("implausible loss");
   }
   const auto n = static_cast<double>(state.iterations());
   state.counters["tokens_per_s"] = tokens / seconds;
   state.counters["bubble_measured"] = measured / n;
   state.counters["bubble_simulated"] = simulated / n;
+  state.counters["peak_mib_measured"] = peak / (1 << 20);
+  state.counters["peak_mib_simulated"] = peak_sim / (1 << 20);
 }
 
 void BM_Train(benchmark::State& state) {

@@ -578,9 +578,9 @@ std::size_t DecoderActivations::bytes() const noexcept {
   for (const std::vector<float>* vec :
        {&x_in, &inv_rms_att, &xb_att, &q, &k, &v, &lse, &att, &x_mid, &inv_rms_ffn, &xb_ffn, &h1,
         &h3, &d_mid, &dy, &hb, &d_rms_att, &d_rms_ffn})
-    floats += vec->size();
-  return floats * sizeof(float) + pos.size() * sizeof(std::int32_t) +
-         offsets.size() * sizeof(std::int64_t);
+    floats += vec->capacity();
+  return floats * sizeof(float) + pos.capacity() * sizeof(std::int32_t) +
+         offsets.capacity() * sizeof(std::int64_t);
 }
 
 void DecoderActivations::clear() noexcept {

@@ -148,119 +148,131 @@ void TrainStage::run_forward(int mb, Micro& m, const float* x_in) {
 
 void TrainStage::forward(int mb, const data::PackedBatch& batch, const float* x_in,
                          double grad_denominator, bool keep_activations) {
-  BRIGADE_CHECK(has_embedding() || x_in != nullptr, Errc::InvalidArgument,
-                "TrainStage [{}, {}): forward of micro-batch {} without an input activation",
-                range_.first, range_.last, mb);
-  BRIGADE_CHECK(batch.rows() >= 1 && batch.targets.size() == batch.inputs.size() &&
-                    batch.offsets.size() >= 2 && batch.offsets.back() == batch.rows(),
-                Errc::InvalidArgument,
-                "TrainStage: micro-batch {} is malformed ({} inputs, {} targets, offsets ending "
-                "at {})",
-                mb, batch.inputs.size(), batch.targets.size(),
-                batch.offsets.empty() ? -1 : batch.offsets.back());
-  if (has_embedding())
-    for (std::size_t i = 0; i < batch.inputs.size(); ++i)
-      BRIGADE_CHECK(batch.inputs[i] >= 0 && batch.inputs[i] < config_.vocab_size,
-                    Errc::InvalidArgument,
-                    "TrainStage: micro-batch {} row {} has token id {}, outside the vocabulary "
-                    "[0, {})",
-                    mb, i, batch.inputs[i], config_.vocab_size);
-  BRIGADE_CHECK(grad_denominator > 0, Errc::InvalidArgument,
-                "TrainStage: gradient denominator {} <= 0", grad_denominator);
-  Micro& m = micro_[mb];
-  m = Micro{};
-  m.batch = &batch;
-  m.denominator = grad_denominator;
-  m.forwarded = true;
-  if (!keep_activations && !has_embedding())
-    m.input.assign(x_in, x_in + batch.rows() * config_.dim);
-  run_forward(mb, m, x_in);
-  if (!keep_activations) {
-    for (auto& a : m.acts) a.clear();
-    m.head = {};
-    m.full = false;
-    if (has_head_) m.output.clear();  // the head's gradient is rebuilt by the recompute
-  }
+  accounted(mb, [&] {
+    BRIGADE_CHECK(has_embedding() || x_in != nullptr, Errc::InvalidArgument,
+                  "TrainStage [{}, {}): forward of micro-batch {} without an input activation",
+                  range_.first, range_.last, mb);
+    BRIGADE_CHECK(batch.rows() >= 1 && batch.targets.size() == batch.inputs.size() &&
+                      batch.offsets.size() >= 2 && batch.offsets.back() == batch.rows(),
+                  Errc::InvalidArgument,
+                  "TrainStage: micro-batch {} is malformed ({} inputs, {} targets, offsets ending "
+                  "at {})",
+                  mb, batch.inputs.size(), batch.targets.size(),
+                  batch.offsets.empty() ? -1 : batch.offsets.back());
+    if (has_embedding())
+      for (std::size_t i = 0; i < batch.inputs.size(); ++i)
+        BRIGADE_CHECK(batch.inputs[i] >= 0 && batch.inputs[i] < config_.vocab_size,
+                      Errc::InvalidArgument,
+                      "TrainStage: micro-batch {} row {} has token id {}, outside the vocabulary "
+                      "[0, {})",
+                      mb, i, batch.inputs[i], config_.vocab_size);
+    BRIGADE_CHECK(grad_denominator > 0, Errc::InvalidArgument,
+                  "TrainStage: gradient denominator {} <= 0", grad_denominator);
+    Micro& m = micro_[mb];
+    m = Micro{};
+    m.batch = &batch;
+    m.denominator = grad_denominator;
+    m.forwarded = true;
+    if (!keep_activations && !has_embedding())
+      m.input.assign(x_in, x_in + batch.rows() * config_.dim);
+    run_forward(mb, m, x_in);
+    if (!keep_activations) {
+      for (auto& a : m.acts) a.clear();
+      m.head = {};
+      m.full = false;
+      if (has_head_) m.output = {};  // the head's gradient is rebuilt by the recompute
+    }
+  });
 }
 
 void TrainStage::recompute(int mb) {
-  Micro& m = micro(mb, "RECOMPUTE");
-  BRIGADE_CHECK(has_embedding() || !m.input.empty(), Errc::InvalidUsage,
-                "TrainStage [{}, {}): RECOMPUTE of micro-batch {} without a stashed input",
-                range_.first, range_.last, mb);
-  const std::vector<float> out = m.output;  // a non-tail output may already be released
-  run_forward(mb, m, has_embedding() ? nullptr : m.input.data());
-  if (!has_head_) m.output = out;
-  m.input.clear();
-  m.input.shrink_to_fit();
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "RECOMPUTE");
+    BRIGADE_CHECK(has_embedding() || !m.input.empty(), Errc::InvalidUsage,
+                  "TrainStage [{}, {}): RECOMPUTE of micro-batch {} without a stashed input",
+                  range_.first, range_.last, mb);
+    std::vector<float> out = m.output;  // a non-tail output may already be released
+    run_forward(mb, m, has_embedding() ? nullptr : m.input.data());
+    if (!has_head_) m.output = std::move(out);
+    m.input.clear();
+    m.input.shrink_to_fit();
+  });
 }
 
 void TrainStage::backward_input(int mb, const float* dy) {
-  Micro& m = micro(mb, "BI");
-  BRIGADE_CHECK(m.full, Errc::InvalidUsage,
-                "TrainStage [{}, {}): BI of micro-batch {} whose activations were dropped and "
-                "not recomputed",
-                range_.first, range_.last, mb);
-  BRIGADE_CHECK(has_head_ || dy != nullptr, Errc::InvalidArgument,
-                "TrainStage [{}, {}): BI of micro-batch {} without an output gradient",
-                range_.first, range_.last, mb);
-  const std::int64_t rows = m.batch->rows();
-  std::vector<float> g;
-  if (has_head_) {
-    g = std::move(m.output);
-  } else {
-    g.assign(dy, dy + rows * config_.dim);
-  }
-  m.output = {};
-  for (int i = num_decoders_ - 1; i >= 0; --i)
-    cpu::decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
-                                m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
-                                &scratch_);
-  check_stage_buffer(g, rows, config_.dim, range_, mb, "gradient of the stage's input");
-  (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
-  m.bi_done = true;
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "BI");
+    BRIGADE_CHECK(m.full, Errc::InvalidUsage,
+                  "TrainStage [{}, {}): BI of micro-batch {} whose activations were dropped and "
+                  "not recomputed",
+                  range_.first, range_.last, mb);
+    BRIGADE_CHECK(has_head_ || dy != nullptr, Errc::InvalidArgument,
+                  "TrainStage [{}, {}): BI of micro-batch {} without an output gradient",
+                  range_.first, range_.last, mb);
+    const std::int64_t rows = m.batch->rows();
+    std::vector<float> g;
+    if (has_head_) {
+      g = std::move(m.output);
+    } else {
+      g.assign(dy, dy + rows * config_.dim);
+    }
+    m.output = {};
+    for (int i = num_decoders_ - 1; i >= 0; --i)
+      cpu::decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
+                                  m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
+                                  &scratch_);
+    check_stage_buffer(g, rows, config_.dim, range_, mb, "gradient of the stage's input");
+    (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
+    m.bi_done = true;
+  });
 }
 
 void TrainStage::backward_weight(int mb) {
-  Micro& m = micro(mb, "BW");
-  BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
-                "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
-                range_.last, mb);
-  for (int i = 0; i < num_decoders_; ++i)
-    cpu::decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
-                                 d_decoders_[static_cast<std::size_t>(i)]);
-  if (has_head_) {
-    float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
-    cpu::head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
-  }
-  if (has_embedding())
-    cpu::embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
-                            m.batch->rows(), config_.dim, config_.vocab_size);
-  const auto loss = m.loss;
-  const auto* batch = m.batch;
-  auto grad_in = std::move(m.grad_in);
-  m = Micro{};
-  m.loss = loss;
-  m.batch = batch;
-  m.grad_in = std::move(grad_in);
-  m.forwarded = true;  // keeps loss() and grad_input() readable until zero_grad()
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "BW");
+    BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
+                  "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
+                  range_.last, mb);
+    for (int i = 0; i < num_decoders_; ++i)
+      cpu::decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
+                                   d_decoders_[static_cast<std::size_t>(i)]);
+    if (has_head_) {
+      float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
+      cpu::head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
+    }
+    if (has_embedding())
+      cpu::embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
+                              m.batch->rows(), config_.dim, config_.vocab_size);
+    const auto loss = m.loss;
+    const auto* batch = m.batch;
+    auto grad_in = std::move(m.grad_in);
+    m = Micro{};
+    m.loss = loss;
+    m.batch = batch;
+    m.grad_in = std::move(grad_in);
+    m.forwarded = true;  // keeps loss() and grad_input() readable until zero_grad()
+  });
 }
 
 std::span<const float> TrainStage::output(int mb) const { return micro(mb, "output").output; }
 std::span<const float> TrainStage::grad_input(int mb) const { return micro(mb, "grad_input").grad_in; }
 
 void TrainStage::release_output(int mb) {
-  Micro& m = micro(mb, "release_output");
-  if (!has_head_) {
-    m.output.clear();
-    m.output.shrink_to_fit();
-  }
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "release_output");
+    if (!has_head_) {
+      m.output.clear();
+      m.output.shrink_to_fit();
+    }
+  });
 }
 
 void TrainStage::release_grad_input(int mb) {
-  Micro& m = micro(mb, "release_grad_input");
-  m.grad_in.clear();
-  m.grad_in.shrink_to_fit();
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "release_grad_input");
+    m.grad_in.clear();
+    m.grad_in.shrink_to_fit();
+  });
 }
 
 cpu::CrossEntropyLoss TrainStage::loss(int mb) const { return micro(mb, "loss").loss; }
@@ -275,7 +287,7 @@ cpu::CrossEntropyLoss TrainStage::total_loss() const {
 }
 
 void TrainStage::zero_grad() {
-  micro_.clear();
+  clear_microbatches();
   std::fill(d_embedding_.begin(), d_embedding_.end(), 0.0f);
   std::fill(d_rms_final_.begin(), d_rms_final_.end(), 0.0f);
   std::fill(d_wcls_.begin(), d_wcls_.end(), 0.0f);
@@ -311,14 +323,28 @@ void TrainStage::export_to(std::map<std::string, std::vector<float>>& out) const
     out[p.name].assign(p.value, p.value + p.size);
 }
 
-std::size_t TrainStage::stashed_bytes() const {
-  std::size_t b = 0;
-  for (const auto& [mb, m] : micro_) {
-    b += (m.input.size() + m.output.size() + m.grad_in.size() + m.emb_dy.size()) * sizeof(float);
-    b += m.head.bytes();
-    for (const auto& a : m.acts) b += a.bytes();
-  }
+std::size_t TrainStage::bytes_of(const Micro& m) noexcept {
+  std::size_t b = (m.input.capacity() + m.output.capacity() + m.grad_in.capacity() +
+                   m.emb_dy.capacity()) *
+                  sizeof(float);
+  b += m.head.bytes();
+  for (const auto& a : m.acts) b += a.bytes();
   return b;
+}
+
+template <class F>
+void TrainStage::accounted(int mb, F&& f) {
+  auto bytes_now = [&] {
+    const auto it = micro_.find(mb);
+    return it == micro_.end() ? std::size_t{0} : bytes_of(it->second);
+  };
+  struct Update {
+    TrainStage* self;
+    decltype(bytes_now)& now;
+    std::size_t before;
+    ~Update() { self->held_bytes_ = self->held_bytes_ - before + now(); }
+  } update{this, bytes_now, bytes_now()};
+  f();
 }
 
 }  // namespace v0

@@ -159,6 +159,7 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
   const int P = shape.num_ranks;
   transport::InProcessFabric fabric(P);
   std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
+  std::vector<double> peaks(static_cast<std::size_t>(P), 0.0);
   std::vector<runtime::TrainStage*> ptrs;
   for (auto& s : I.stages) ptrs.push_back(s.get());
   const auto t0 = std::chrono::steady_clock::now();
@@ -167,11 +168,15 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
     for (std::size_t v = 0; v < ptrs.size(); ++v)
       if (shape.rank_of(static_cast<int>(v)) == r) mine[v] = ptrs[v];
     transport::InProcessTransport tp(fabric, r);
-    run_training_program(I.lowered.ranks[static_cast<std::size_t>(r)], shape, r, mine, batches,
-                         static_cast<double>(rows), tp, t0, I.cfg.timeout_s,
-                         tls[static_cast<std::size_t>(r)], I.config.dim);
+    peaks[static_cast<std::size_t>(r)] = static_cast<double>(
+        run_training_program(I.lowered.ranks[static_cast<std::size_t>(r)], shape, r, mine,
+                             batches, static_cast<double>(rows), tp, t0, I.cfg.timeout_s,
+                             tls[static_cast<std::size_t>(r)], I.config.dim,
+                             I.plan.execution().windows)
+            .peak_memory_bytes);
   });
   StepResult res;
+  res.peak_memory_bytes = std::move(peaks);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.timeline = Timeline(P);
   for (const auto& tl : tls) res.timeline.merge(tl);
@@ -456,6 +461,25 @@ std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   return position;
 }
 
+std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> batches) {
+  std::vector<model::WorkItem> out;
+  for (std::size_t m = 0; m < batches.size(); ++m) {
+    const auto& b = batches[m];
+    BRIGADE_CHECK(b.rows() >= 1 && b.offsets.size() >= 2, Errc::InvalidArgument,
+                  "microbatch_work: micro-batch {} has {} rows in {} sequences", m, b.rows(),
+                  b.offsets.empty() ? 0 : b.offsets.size() - 1);
+    double attended = 0.0;
+    for (std::size_t s = 0; s + 1 < b.offsets.size(); ++s) {
+      const auto n = static_cast<double>(b.offsets[s + 1] - b.offsets[s]);
+      attended += n * (n + 1) / 2;
+    }
+    const auto rows = b.rows();
+    out.push_back({rows, static_cast<std::int64_t>(b.offsets.size()) - 1,
+                   attended / static_cast<double>(rows)});
+  }
+  return out;
+}
+
 namespace {
 
 /// Inference rounds: 0 = prefill, 1 = every decode round; training: always 0.
@@ -465,10 +489,12 @@ int phase_of(const schedule::Shape& shape, int chunk) {
 
 }  // namespace
 
-MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline)
+MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline,
+                                     std::optional<cost::RooflineCostModel> sizes)
     : shape_(shape),
       mean_(static_cast<std::size_t>(kNumOps * shape.num_virtual_stages * 2), 0.0),
-      latency_(static_cast<std::size_t>(shape.num_ranks * shape.num_ranks), 0.0) {
+      latency_(static_cast<std::size_t>(shape.num_ranks * shape.num_ranks), 0.0),
+      sizes_(std::move(sizes)) {
   const int N = shape.num_virtual_stages;
   std::vector<int> n(mean_.size(), 0);
   // The first message of each SEND action (its post time) and each RECV's interval, by key.

@@ -226,8 +226,8 @@ int run(const Options& o) {
     fmt::print("peak stash   {} micro-batch activations per rank\n",
                per_rank(r.peak_stash, [](int x) { return fmt::format("{}", x); }));
     fmt::print("peak memory  {} {}\n",
-               per_rank(r.peak_activation_bytes, [](double x) { return fmt::format("{:.4g}", x); }),
-               use_model ? "bytes of activations per rank"
+               per_rank(r.peak_memory_bytes, [](double x) { return fmt::format("{:.4g}", x); }),
+               use_model ? "bytes per rank (stashes + messages held + receive/send windows)"
                          : "units (1 = a rank's activations for one micro-batch)");
   }
 

@@ -9,16 +9,20 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/schedule/registry.hpp>
+#include <brigade/sim/simulator.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 #include <unistd.h>
 
 namespace {
@@ -92,6 +96,7 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
   const bool tty = isatty(fileno(stderr)) != 0;
   Timeline trace_tl(d.ranks);
   double measured_sum = 0, simulated_sum = 0, seconds = 0;
+  std::vector<double> peak_measured, peak_simulated;  // per rank, the most over the steps
   std::int64_t tokens = 0;
   int done = 0;
   const std::int64_t first = eng.steps();
@@ -100,7 +105,25 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
     for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
     const auto r = eng.train_step(batches);
     measured_sum += r.timeline.bubble_ratio();
-    if (root) simulated_sum += engine::simulated_bubble(eng.plan().schedule(), r.timeline);
+    if (root) {
+      // One simulation of the step with its measured action costs and the memory of its
+      // micro-batches (the plan with their work, priced by the roofline model's sizes).
+      const plan::Plan with_work(eng.plan().partition(), eng.plan().schedule(),
+                                 engine::microbatch_work(batches), eng.plan().execution());
+      const engine::MeasuredCostModel costs(
+          with_work.shape(), r.timeline,
+          cost::RooflineCostModel(model::ModelSpec(d.weights.config), with_work));
+      sim::SimOptions so;
+      so.record_timeline = false;
+      const auto predicted = sim::simulate(with_work, costs, so);
+      simulated_sum += predicted.bubble_ratio;
+      peak_measured.resize(r.peak_memory_bytes.size(), 0.0);
+      peak_simulated.resize(predicted.peak_memory_bytes.size(), 0.0);
+      for (std::size_t k = 0; k < peak_measured.size(); ++k)
+        peak_measured[k] = std::max(peak_measured[k], r.peak_memory_bytes[k]);
+      for (std::size_t k = 0; k < peak_simulated.size(); ++k)
+        peak_simulated[k] = std::max(peak_simulated[k], predicted.peak_memory_bytes[k]);
+    }
     seconds += r.seconds;
     tokens += r.tokens;
     ++done;
@@ -119,7 +142,8 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
     if (metrics) {
       *metrics << nlohmann::json{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
                                  {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-                                 {"bubble_measured", r.timeline.bubble_ratio()}}
+                                 {"bubble_measured", r.timeline.bubble_ratio()},
+                                 {"peak_memory_bytes", r.peak_memory_bytes}}
                       .dump()
                << "\n";
       metrics->flush();
@@ -140,6 +164,14 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
         "{:.3f} for the same schedule and measured action costs\n",
         done, tokens, static_cast<double>(tokens) / seconds, measured_sum / done,
         simulated_sum / done);
+    auto mib = [](const std::vector<double>& v) {
+      std::string out;
+      for (double x : v) out += fmt::format("{}{:.2f}", out.empty() ? "" : " ", x / (1 << 20));
+      return out;
+    };
+    say("peak memory per rank (MiB of activations, messages held and window buffers): "
+        "measured {}, simulated {}\n",
+        mib(peak_measured), mib(peak_simulated));
   }
   if (!a.checkpoint_dir.empty())
     say("checkpoint: {} (brigade generate --model {})\n", (ckpt / "model.bin").string(),

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <regex>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -166,6 +167,12 @@ TEST_CASE("cli.train: a short run checkpoints a model that generate loads, with 
                    " --metrics " + metrics.string());
   REQUIRE(r.rc == 0);
   CHECK(r.err.find("bubble ratio measured") != std::string::npos);
+  // The peak memory per rank, measured and simulated for the same steps: the same figures.
+  std::smatch mem;
+  REQUIRE(std::regex_search(r.err, mem,
+                            std::regex(R"(peak memory per rank \([^)]*\): measured ([0-9. ]+), )"
+                                       R"(simulated ([0-9. ]+)\n)")));
+  CHECK(mem[1].str() == mem[2].str());
   std::ifstream mf(metrics);
   int lines = 0;
   for (std::string line; std::getline(mf, line); ++lines) {
@@ -173,6 +180,9 @@ TEST_CASE("cli.train: a short run checkpoints a model that generate loads, with 
     CHECK(j["step"] == lines + 1);
     CHECK(j["loss"].get<double>() > 0.0);
     CHECK(j["tokens"].get<int>() > 0);
+    REQUIRE(j["peak_memory_bytes"].size() == 2);
+    CHECK(j["peak_memory_bytes"][0].get<double>() > 0.0);
+    CHECK(j["peak_memory_bytes"][1].get<double>() > 0.0);
   }
   CHECK(lines == 4);
   auto g = run_cli("generate --model " + (dir / "model.bin").string() + " --tokenizer " +

@@ -166,9 +166,11 @@ TEST_CASE("engine.generate_on: timelines survive the gather encoding exactly") {
   iv.label = "decode \"quoted\"";
   tl.add(iv);
   Timeline back(3);
-  const double end = engine::detail::decode_rank_result(engine::detail::encode_rank_result(tl, 1.5),
-                                                        2, back);
+  double peak = 0.0;
+  const double end = engine::detail::decode_rank_result(
+      engine::detail::encode_rank_result(tl, 1.5, 123456.0), 2, back, &peak);
   CHECK(end == 1.5);
+  CHECK(peak == 123456.0);
   REQUIRE(back.intervals().size() == 1);
   const auto& b = back.intervals()[0];
   CHECK(b.rank == 2);

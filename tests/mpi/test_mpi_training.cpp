@@ -65,6 +65,13 @@ TEST_CASE("mpi.training: one process per rank gives the in-process engine's grad
       CHECK(g == ref_grads.at(name));  // bitwise, every element
     }
     if (tp.rank() == 0) CHECK(got.timeline.num_ranks() == tp.world_size());
+    // Memory depends on each rank's program and micro-batches, not on the transport: every
+    // rank's peak (gathered on rank 0) is the in-process engine's to the byte.
+    if (tp.rank() == 0) {
+      CHECK(got.peak_memory_bytes == want.peak_memory_bytes);
+    } else {
+      CHECK(got.peak_memory_bytes.empty());
+    }
     const auto [lr_ref, norm_ref] = ref.optimizer_step();
     const auto [lr, norm] = dist.optimizer_step();
     CHECK(lr == lr_ref);

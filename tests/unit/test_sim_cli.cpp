@@ -88,7 +88,7 @@ TEST_CASE("sim.cli.interleaved-and-model: V and a named model size") {
   CAPTURE(m.output);
   CHECK(m.status == 0);
   CHECK(contains(m.output, "roofline, model 110M"));
-  CHECK(contains(m.output, "bytes of activations per rank"));
+  CHECK(contains(m.output, "bytes per rank (stashes + messages held + receive/send windows)"));
   const Run inf =
       brigade_cli("simulate --schedule inference --ranks 2 --microbatches 2 --model 260K");
   CAPTURE(inf.output);

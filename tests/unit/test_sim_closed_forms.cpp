@@ -103,7 +103,7 @@ TEST_CASE("sim.1f1b-vs-gpipe.peak-stash: rank 0 holds min(P, M) micro-batches vs
           CHECK(one.peak_stash[uk] == std::min(P - k, M));
           CHECK(gp.peak_stash[uk] == M);
           // Unit activations: one unit per micro-batch and rank.
-          CHECK(one.peak_activation_bytes[uk] == doctest::Approx(std::min(P - k, M)));
+          CHECK(one.peak_memory_bytes[uk] == doctest::Approx(std::min(P - k, M)));
         }
         // ZB-H1 holds an activation until its BW, and its BW runs before the next forward:
         // every rank peaks at min(P, M), 1F1B's rank-0 figure.
@@ -221,10 +221,10 @@ TEST_CASE("sim.zb-v.claims: F=BI=BW=1 per chunk, free links: only the P-1 fill, 
         CHECK(r.makespan - r.busy_seconds[uk] == doctest::Approx(P - 1.0));
         // 2P chunks = P units (a unit = one micro-batch of a whole rank's layers), 1F1B's peak.
         CHECK(r.peak_stash[uk] == 2 * P);
-        CHECK(r.peak_activation_bytes[uk] == doctest::Approx(P));
+        CHECK(r.peak_memory_bytes[uk] == doctest::Approx(P));
       }
       const auto one = run(sch::one_f_one_b({P, M}), 2, 4);
-      CHECK(one.peak_activation_bytes[0] == doctest::Approx(P));
+      CHECK(one.peak_memory_bytes[0] == doctest::Approx(P));
     }
 }
 

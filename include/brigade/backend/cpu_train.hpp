@@ -203,9 +203,9 @@ struct HeadActivations {
   std::vector<float> xn;       ///< [tokens x dim] normalised input of the classifier
   std::vector<float> dlogits;  ///< [tokens x vocab] gradient of the logits
   std::vector<float> d_rms;    ///< [dim] this micro-batch's gradient of the final norm's gain
-  /// Bytes held by the vectors (their sizes, not capacities).
+  /// Bytes allocated by the vectors (their capacities).
   [[nodiscard]] std::size_t bytes() const noexcept {
-    return (xn.size() + dlogits.size() + d_rms.size()) * sizeof(float);
+    return (xn.capacity() + dlogits.capacity() + d_rms.capacity()) * sizeof(float);
   }
 };
 
@@ -314,7 +314,8 @@ struct DecoderActivations {
   std::vector<float> d_rms_att;  ///< [dim] this micro-batch's rms_att gradient
   std::vector<float> d_rms_ffn;  ///< [dim] this micro-batch's rms_ffn gradient
 
-  /// Bytes held by the vectors (sizes, not capacities).
+  /// Bytes allocated by the vectors (capacities, positions and offsets included; the kernels
+  /// size every buffer exactly, so this is the per-token figure above times tokens).
   [[nodiscard]] std::size_t bytes() const noexcept;
   /// Drops the stash and releases its memory; phase becomes Empty.
   void clear() noexcept;

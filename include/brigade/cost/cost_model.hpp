@@ -52,9 +52,13 @@ struct Link {
 ///
 /// - `compute_seconds(a)`: seconds a compute action (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT) keeps
 ///   its rank busy; 0 for communication actions.
-/// - `activation_bytes(a)`: bytes the forward `a` (op F) stashes on its rank until its backward
-///   (B, or BW after BI) frees them.
-/// - `message_bytes(a)`: bytes a SEND_F/SEND_B moves (see schedule::counterpart()).
+/// - `activation_bytes(a)`: bytes the stash of a's (virtual stage, micro-batch) holds on its rank
+///   once compute action `a` has run (training; 0 in inference): after F or RECOMPUTE what the
+///   backward needs, after BI what the BW needs (it differs: training_stash() for a Llama),
+///   after B or BW nothing. Not counted here: the F's output and the BI's input gradient waiting
+///   to be sent (message_bytes() of the SEND they feed; the simulator adds them).
+/// - `message_bytes(a)`: bytes a SEND_F/SEND_B moves (see schedule::counterpart()); also the size
+///   of the receive buffer of its RECV.
 /// - `link(src, dst)`: the link from rank src to rank dst.
 template <class C>
 concept CostModel = requires(const C& c, const schedule::Action& a, int src, int dst) {
@@ -123,9 +127,11 @@ class UnitCostModel {
         return 0.0;
     }
   }
-  /// 1 / V units per forward (a rank's whole share for one micro-batch is one unit).
+  /// 1 / V units held after F, BI and RECOMPUTE (a rank's whole share for one micro-batch is
+  /// one unit); 0 after B and BW.
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
-    return share(a.virtual_stage);
+    using schedule::Op;
+    return a.op == Op::F || a.op == Op::BI || a.op == Op::Recompute ? share(a.virtual_stage) : 0.0;
   }
   /// UnitCostOptions::message_bytes for every SEND.
   [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept {
@@ -145,6 +151,73 @@ class UnitCostModel {
   UnitCostOptions opt_;
   std::vector<double> share_;
 };
+
+/// Bytes a training stage (runtime::TrainStage over the CPU kernels, float32) holds for one
+/// micro-batch between its passes, besides the messages it sends.
+struct StageStash {
+  double forward = 0.0;         ///< after F (or RECOMPUTE), until BI
+  double backward_input = 0.0;  ///< after BI, until BW
+  /// What is held once compute op `op` has run: `forward` after F or RECOMPUTE,
+  /// `backward_input` after BI, 0 after B, BW and anything else.
+  [[nodiscard]] double after(schedule::Op op) const noexcept {
+    using schedule::Op;
+    if (op == Op::F || op == Op::Recompute) return forward;
+    return op == Op::BI ? backward_input : 0.0;
+  }
+};
+
+/// What a training stage of layers [first, last) of `spec` keeps for one micro-batch of `tokens`
+/// packed rows in `sequences` sequences: exactly the buffers of cpu::DecoderActivations and
+/// cpu::HeadActivations (FlashAttention-2's recipe: the attention keeps its log-sum-exp, one
+/// float per token and head, never the probabilities; Dao 2023, §3.1). Per layer, with
+/// d = dim, kv = kv_dim, f = hidden_dim, H = n_heads, V = vocab_size, n = tokens, s = sequences:
+/// - decoder, after F: n (6d + 2kv + 2f + H + 2) floats (x_in, xb_att, q, k, v, att, x_mid,
+///   xb_ffn, h1, h3, lse, two inverse RMS) + n int32 positions + (s + 1) int64 offsets;
+///   after BI: n (6d + 2kv + 3f) floats (xb_att, dq, dk, dv, att, d_mid, xb_ffn, dh1, dh3, dy,
+///   hb) + 2d floats (norm-gain gradients) + the same positions and offsets;
+/// - final norm (the tail: norm, LM head and loss run together, with the head's BI inside F):
+///   2nd + d floats after F (normalised input, the gradient of the head's input, norm-gain
+///   gradient), nd + d after BI (the gradient has moved on to the BI's output);
+/// - LM head: nV floats (the logits' gradient) after F and after BI;
+/// - embedding: nothing after F, nd floats after BI (the gradient at its output, for BW).
+/// The stage's input (kept only when a RECOMPUTE follows) and the output or input gradient
+/// waiting to be sent are n d floats each, counted with the messages, not here.
+/// @throws brigade::Error{InvalidArgument} for a range outside the model or tokens < 1
+inline StageStash training_stash(const model::ModelSpec& spec, partition::StageRange range,
+                                 std::int64_t tokens, std::int64_t sequences) {
+  BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= spec.num_layers() &&
+                    tokens >= 1 && sequences >= 1,
+                Errc::InvalidArgument,
+                "training_stash: layers [{}, {}) of {}, {} tokens in {} sequences", range.first,
+                range.last, spec.num_layers(), tokens, sequences);
+  const auto& c = spec.config();
+  const double n = static_cast<double>(tokens), d = c.dim, kv = c.kv_dim(), f = c.hidden_dim,
+               H = c.n_heads, V = c.vocab_size, f32 = 4.0;
+  const double index_bytes = n * 4.0 + (static_cast<double>(sequences) + 1.0) * 8.0;
+  StageStash s;
+  for (int l = range.first; l < range.last; ++l) {
+    switch (spec.layer(l).kind) {
+      case model::LayerKind::Embedding:
+        s.backward_input += n * d * f32;
+        break;
+      case model::LayerKind::Decoder:
+        s.forward += n * (6 * d + 2 * kv + 2 * f + H + 2) * f32 + index_bytes;
+        s.backward_input += (n * (6 * d + 2 * kv + 3 * f) + 2 * d) * f32 + index_bytes;
+        break;
+      case model::LayerKind::FinalNorm:
+        s.forward += (2 * n * d + d) * f32;
+        s.backward_input += (n * d + d) * f32;
+        break;
+      case model::LayerKind::LMHead:
+        s.forward += n * V * f32;
+        s.backward_input += n * V * f32;
+        break;
+      case model::LayerKind::Sampler:
+        break;
+    }
+  }
+  return s;
+}
 
 /// The work of one micro-batch, from which RooflineCostModel derives each action's WorkItem.
 struct Workload {
@@ -176,9 +249,10 @@ struct RooflineOptions {
 /// the stage's Sampler layers, which F excludes; OPT reads and writes the weights three times
 /// (AdamW: weights, two moments) at memory bandwidth.
 ///
-/// Activations stashed by F (training only), per token, in float32: per decoder layer
-/// 6 dim + 2 kv_dim + 3 hidden + n_heads * context (attention probabilities); dim for the final
-/// norm; vocab for the LM head's logits. Messages: SEND_F/SEND_B move tokens x dim floats; the
+/// Memory (training only): activation_bytes() is training_stash() of the virtual stage for the
+/// micro-batch's WorkItem (tokens and sequences; what our kernels keep: the attention's
+/// log-sum-exp, not its probabilities), so a plan whose work is the step's micro-batches
+/// (engine::microbatch_work) gives their memory to the byte. Messages: SEND_F/SEND_B move tokens x dim floats; the
 /// inference token edge moves one int32 per sequence.
 class RooflineCostModel {
  public:
@@ -265,17 +339,8 @@ class RooflineCostModel {
             continue;
           }
           e.forward += t;
-          const double tok = static_cast<double>(w.tokens);
-          if (kind == model::LayerKind::Decoder)
-            e.activation += tok *
-                            (6.0 * cfg.dim + 2.0 * cfg.kv_dim() + 3.0 * cfg.hidden_dim +
-                             cfg.n_heads * w.context) *
-                            4.0;
-          else if (kind == model::LayerKind::FinalNorm)
-            e.activation += tok * cfg.dim * 4.0;
-          else if (kind == model::LayerKind::LMHead)
-            e.activation += tok * cfg.vocab_size * 4.0;
         }
+        if (shape_.mode == schedule::Mode::Training) e.stash = training_stash(spec, st, w.tokens, w.sequences);
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
         e.message = static_cast<double>(w.tokens) * cfg.dim * 4.0;
         e.token_message = static_cast<double>(w.sequences) * 4.0;
@@ -328,9 +393,11 @@ class RooflineCostModel {
         return 0.0;
     }
   }
-  /// Bytes a forward stashes for its backward (training; 0 in inference).
+  /// Bytes a's stash holds once `a` has run (training_stash(); the CostModel concept's
+  /// semantics: F and RECOMPUTE the forward stash, BI the backward-input stash, else 0; 0 in
+  /// inference).
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
-    return shape_.mode == schedule::Mode::Training ? entry(a).activation : 0.0;
+    return entry(a).stash.after(a.op);
   }
   /// Bytes a SEND moves: the hidden state (or its gradient), or the sampled token ids.
   [[nodiscard]] double message_bytes(const schedule::Action& a) const noexcept {
@@ -355,8 +422,8 @@ class RooflineCostModel {
 
  private:
   struct Entry {
-    double forward = 0.0, sample = 0.0, optimizer = 0.0, activation = 0.0, message = 0.0,
-           token_message = 0.0;
+    double forward = 0.0, sample = 0.0, optimizer = 0.0, message = 0.0, token_message = 0.0;
+    StageStash stash;  // zero in inference
   };
   [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {
     const std::size_t Mw = per_mb_.empty() ? 1 : per_mb_.size();

@@ -87,20 +87,27 @@ class ExitAfterSteps {
   int steps_ = 0;
 };
 
-/// One rank's Timeline intervals and end time as JSON text.
-inline std::string encode_rank_result(const Timeline& tl, double end_s) {
+/// One rank's Timeline intervals, end time and peak memory (bytes; ExecutorStats) as JSON text.
+inline std::string encode_rank_result(const Timeline& tl, double end_s,
+                                      double peak_memory_bytes = 0.0) {
   nlohmann::json iv = nlohmann::json::array();
   for (const auto& i : tl.intervals())
     iv.push_back({i.rank, static_cast<int>(i.op), i.virtual_stage, i.microbatch, i.chunk, i.start,
                   i.end, i.tokens, i.label});
-  return nlohmann::json{{"end_s", end_s}, {"intervals", iv}}.dump();
+  return nlohmann::json{
+      {"end_s", end_s}, {"intervals", iv}, {"peak_memory_bytes", peak_memory_bytes}}
+      .dump();
 }
 
-/// Inverse of encode_rank_result: adds the intervals to `tl`, returns the end time.
+/// Inverse of encode_rank_result: adds the intervals to `tl`, stores the peak memory in
+/// `*peak_memory_bytes` (when given), returns the end time.
 /// @throws brigade::Error{Internal} for text that is not encode_rank_result's output
-inline double decode_rank_result(const std::string& text, int from_rank, Timeline& tl) {
+inline double decode_rank_result(const std::string& text, int from_rank, Timeline& tl,
+                                 double* peak_memory_bytes = nullptr) {
   try {
     const auto j = nlohmann::json::parse(text);
+    if (peak_memory_bytes != nullptr)
+      *peak_memory_bytes = j.at("peak_memory_bytes").get<double>();
     for (const auto& a : j.at("intervals")) {
       Interval i;
       i.rank = a.at(0).get<int>();

@@ -75,6 +75,9 @@ class Outbox {
 /// - `received(a, msgs)`: hands over what arrived for `a` (the bytes are valid only during the
 ///   call: the worker copies what it keeps);
 /// - `send(a, out)`: posts the messages of SEND action `a` through the Outbox (zero or more).
+///
+/// A Worker may also report the bytes it holds for the program right now, `held_bytes()` ->
+/// std::size_t (an O(1) counter; see ExecutorStats): the executor then adds it to its own.
 template <class W>
 concept Worker = requires(W& w, const schedule::Action& a, std::vector<MessageSpec>& specs,
                           std::span<const Received> msgs, Outbox& out) {
@@ -111,6 +114,18 @@ class FixedProgram {
   bool given_ = false;
 };
 
+/// What one executor run measured.
+struct ExecutorStats {
+  /// The most bytes held at once, sampled after each receive posting and after each action: the
+  /// capacities of the receive window's buffers (each slot keeps the largest message posted into
+  /// it) and of the send window's copies (likewise), plus the Worker's held_bytes() when it has
+  /// one (training: the stashes, received copies, and outputs and input gradients waiting to be
+  /// sent; runtime::TrainStage::held_bytes). Not counted: parameters, gradients, kernel scratch,
+  /// the transport's own buffers, bookkeeping (vectors of requests, maps). sim::simulate predicts
+  /// this figure (SimResult::peak_memory_bytes).
+  std::size_t peak_memory_bytes = 0;
+};
+
 /// Settings of one executor run.
 struct ExecutorRun {
   const schedule::Shape* shape = nullptr;  ///< placement (peers of SEND/RECV) and mode
@@ -130,6 +145,16 @@ struct RecvSlot {
   std::vector<transport::Request> requests;
   std::vector<std::vector<std::byte>> buffers;
 };
+
+/// Makes `buf` exactly `n` bytes long, growing its allocation to exactly n when it is smaller
+/// (std::vector::resize may double it), so that byte counts are the bytes asked for.
+/// @return the growth of the allocation in bytes
+inline std::size_t fit(std::vector<std::byte>& buf, std::size_t n) {
+  const std::size_t before = buf.capacity();
+  if (before < n) buf.reserve(n);
+  buf.resize(n);
+  return buf.capacity() - before;
+}
 
 /// A send in flight, with the copy of its payload.
 struct SendSlot {
@@ -158,7 +183,7 @@ class SendRing final : public Outbox {
            transport::ConstBytes payload) override {
     if (count_ == slots_.size()) retire(true);
     auto& s = slots_[(head_ + count_) % slots_.size()];
-    s.buffer.resize(payload.size());
+    bytes_ += fit(s.buffer, payload.size());
     if (!payload.empty()) std::memcpy(s.buffer.data(), payload.data(), payload.size());
     s.action = action_;
     s.posted_s = posted_s_;
@@ -174,6 +199,8 @@ class SendRing final : public Outbox {
   void drain() {
     while (count_ > 0) retire(true);
   }
+  /// Bytes allocated by the slots' copies (slots keep their buffers after the send completes).
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
 
  private:
   bool retire(bool block) {
@@ -193,7 +220,7 @@ class SendRing final : public Outbox {
   std::vector<SendSlot> slots_;
   std::function<void(const SendSlot&)> on_done_;
   std::function<transport::Deadline()> deadline_;
-  std::size_t head_ = 0, count_ = 0;
+  std::size_t head_ = 0, count_ = 0, bytes_ = 0;
   int peer_ = 0;
   schedule::Action action_;
   double posted_s_ = 0.0;
@@ -211,10 +238,12 @@ class SendRing final : public Outbox {
 /// order within `run.windows.recv_window`; a RECV action waits for its messages; sends are
 /// asynchronous within `run.windows.send_window` and completed at the end.
 ///
+/// @return the run's peak memory (ExecutorStats)
 /// @throws brigade::Error{InvalidArgument} for windows < 1 or a missing shape; the worker's and
 ///         the transport's errors (PeerTimeout, HeaderMismatch, Aborted)
 template <ProgramSource Source, Worker Wk, transport::Transport T>
-void execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run, Timeline& timeline) {
+ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run,
+                      Timeline& timeline) {
   using schedule::Action;
   using schedule::Op;
   BRIGADE_CHECK(run.shape != nullptr, Errc::InvalidArgument, "execute: no shape");
@@ -255,6 +284,16 @@ void execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run, T
                             },
                             deadline);
 
+  // Memory: the windows' buffers plus what the worker reports, sampled between actions.
+  ExecutorStats stats;
+  std::size_t recv_bytes = 0;
+  auto sample = [&] {
+    std::size_t b = recv_bytes + sends.bytes();
+    if constexpr (requires { { worker.held_bytes() } -> std::convertible_to<std::size_t>; })
+      b += worker.held_bytes();
+    stats.peak_memory_bytes = std::max(stats.peak_memory_bytes, b);
+  };
+
   std::vector<Action> program;
   std::size_t pc = 0, post = 0;  // next action to run, next action to consider for posting
   auto post_receives = [&] {
@@ -273,7 +312,7 @@ void execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run, T
       const int peer = schedule::peer_rank(shape, a);
       for (std::size_t i = 0; i < specs.size(); ++i) {
         auto& buf = slot.buffers[i];
-        if (buf.size() < specs[i].capacity) buf.resize(specs[i].capacity);
+        if (buf.size() < specs[i].capacity) recv_bytes += detail::fit(buf, specs[i].capacity);
         slot.requests[i] = transport.irecv(peer, specs[i].tag, specs[i].header,
                                            transport::MutableBytes(buf.data(), specs[i].capacity));
       }
@@ -289,6 +328,7 @@ void execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run, T
       continue;
     }
     post_receives();
+    sample();
     const Action a = program[pc++];
     const double start = now();
     switch (a.op) {
@@ -324,8 +364,10 @@ void execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run, T
     }
     // Reap the sends that have completed meanwhile (in order), without blocking.
     sends.reap();
+    sample();
   }
   sends.drain();
+  return stats;
 }
 
 }  // namespace v0

@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,7 +37,8 @@ inline namespace v0 {
 /// F whose (virtual stage, micro-batch) has a RECOMPUTE later in the program keeps only its
 /// input. OPT and SAMPLE do nothing here (the engine steps the optimizer after the step).
 /// Received activations and gradients are held per (virtual stage, micro-batch) from their RECV
-/// until the F or BI that consumes them.
+/// until the F or BI that consumes them; a stage's output (input gradient) is released by its
+/// SEND, or by the next virtual stage's F (BI) when that stage is on this rank.
 class TrainingWorker {
  public:
   /// @param program   the rank's lowered actions (read once, for the RECOMPUTE set)
@@ -73,9 +75,11 @@ class TrainingWorker {
       case Op::F: {
         const bool keep = !recomputed_[key(v, mb)];
         auto& in = in_f_[key(v, mb)];
-        const float* x = v == 0 ? nullptr : !in.empty() ? in.data() : local_output(v, mb);
+        const bool local = v > 0 && in.empty();
+        const float* x = v == 0 ? nullptr : local ? local_output(v, mb) : in.data();
         stage(v).forward(mb, batch(mb), x, denominator_, keep);
-        if (!in.empty()) release(in);
+        if (local) stage(v - 1).release_output(mb);
+        else release(in);
         break;
       }
       case Op::Recompute:
@@ -109,8 +113,19 @@ class TrainingWorker {
   void received(const schedule::Action& a, std::span<const Received> msgs) {
     auto& dst = (a.op == schedule::Op::RecvF ? in_f_ : in_b_)[key(a.virtual_stage, a.microbatch)];
     const auto& p = msgs[0].payload;
+    release(dst);
     dst.resize(p.size() / sizeof(float));
+    copies_bytes_ += dst.capacity() * sizeof(float);
     std::memcpy(dst.data(), p.data(), p.size());
+  }
+
+  /// Bytes held right now: the received copies plus every stage's TrainStage::held_bytes()
+  /// (O(virtual stages)); what ExecutorStats::peak_memory_bytes adds to the windows.
+  [[nodiscard]] std::size_t held_bytes() const noexcept {
+    std::size_t b = copies_bytes_;
+    for (const runtime::TrainStage* st : stages_)
+      if (st != nullptr) b += st->held_bytes();
+    return b;
   }
 
   void send(const schedule::Action& a, Outbox& out) {
@@ -172,9 +187,9 @@ class TrainingWorker {
     if (!in.empty()) release(in);
     else if (!tail) stage(v + 1).release_grad_input(mb);
   }
-  static void release(std::vector<float>& v) {
-    v.clear();
-    v.shrink_to_fit();
+  void release(std::vector<float>& v) noexcept {
+    copies_bytes_ -= v.capacity() * sizeof(float);
+    std::vector<float>().swap(v);
   }
 
   const schedule::Shape* shape_;
@@ -185,6 +200,7 @@ class TrainingWorker {
   int dim_;
   std::vector<char> recomputed_;
   std::vector<std::vector<float>> in_f_, in_b_;  // received, per (virtual stage, micro-batch)
+  std::size_t copies_bytes_ = 0;                 // capacities of in_f_ and in_b_
 };
 
 /// Runs one rank's lowered program for one training step: engine::execute over a
@@ -197,9 +213,11 @@ class TrainingWorker {
 /// @param batches   the step's micro-batches (every rank sees all of them)
 /// @param grad_denominator the step's total target rows (the loss is their mean)
 /// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
+/// @return the rank's peak memory (ExecutorStats; the stages should hold nothing at the start,
+///         as after TrainStage::zero_grad)
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T>
-void run_training_program(std::span<const schedule::Action> program, const schedule::Shape& shape,
+ExecutorStats run_training_program(std::span<const schedule::Action> program, const schedule::Shape& shape,
                           int rank, std::span<runtime::TrainStage* const> stages,
                           std::span<const data::PackedBatch> batches, double grad_denominator,
                           T& transport, std::chrono::steady_clock::time_point t0,
@@ -207,7 +225,8 @@ void run_training_program(std::span<const schedule::Action> program, const sched
                           ExecutorWindows windows = {}) {
   TrainingWorker worker(program, shape, rank, stages, batches, grad_denominator, dim);
   FixedProgram source(program);
-  execute(source, worker, transport, ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
+  return execute(source, worker, transport, ExecutorRun{&shape, rank, t0, timeout_s, windows},
+                 timeline);
 }
 
 /// How a training engine runs a plan: the optimizer, the wait limit and intra-op threads.
@@ -249,6 +268,11 @@ struct StepResult {
   double lr = 0.0;               ///< learning rate used (0 when no optimizer step was taken)
   double grad_norm = 0.0;        ///< global gradient norm before clipping
   Timeline timeline{1};          ///< measured intervals, one row per rank
+  /// Per rank: the step's peak memory in bytes (ExecutorStats::peak_memory_bytes: activation
+  /// stashes + received copies + outputs and input gradients waiting to be sent + the receive
+  /// and send windows' buffers), what sim::simulate predicts as SimResult::peak_memory_bytes.
+  /// DistributedTrainer: every rank's on rank 0, empty on the other ranks.
+  std::vector<double> peak_memory_bytes;
 };
 
 /// Trains a Llama split into pipeline stages, one thread per rank over an InProcessTransport,
@@ -372,6 +396,12 @@ std::pair<std::int64_t, std::int64_t> read_optimizer_file(
 
 }  // namespace detail
 
+/// The work of each micro-batch, for a plan::Plan (and so for cost::RooflineCostModel, whose
+/// memory is then exact for these batches): tokens = rows, sequences = offsets.size() - 1, and
+/// the mean causal context sum over sequences of n (n + 1) / 2, divided by the rows.
+/// @throws brigade::Error{InvalidArgument} for a micro-batch without rows or sequences
+std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> batches);
+
 /// A cost model that replays measured timings, for the measured-vs-simulated comparison:
 ///
 /// - compute: the mean duration of each (op, virtual stage) in the Timeline, separately for the
@@ -381,21 +411,31 @@ std::pair<std::int64_t, std::int64_t> read_optimizer_file(
 ///   the copy and the worker's check of what arrived), counting only messages whose receiver
 ///   was already waiting when they were posted; unlimited bandwidth; 0 for a pair with no such
 ///   message;
-/// - no activation or message bytes (the simulator's memory columns are then zero).
+/// - sizes (activation and message bytes): another model's, optionally; a roofline model of
+///   the plan with the step's micro-batches as work (microbatch_work()) is exact for them, and
+///   the simulator then predicts the run's peak memory; without one every size is 0 (the
+///   simulator's memory columns are then zero). Sizes take no time: the links have unlimited
+///   bandwidth, and the measured latency already holds the copy.
 ///
 /// Simulating a schedule with it predicts the bubble of a run whose actions took those times.
 class MeasuredCostModel {
  public:
   /// @param shape    the shape of the schedule that ran
   /// @param timeline a measured run (executor output) of a schedule of `shape`
-  MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline);
+  /// @param sizes activation_bytes() and message_bytes() come from it (see above); none: 0
+  MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline,
+                    std::optional<cost::RooflineCostModel> sizes = std::nullopt);
   /// Mean measured seconds of `a`'s (op, virtual stage, prefill or decode); 0 for SEND/RECV and
   /// for pairs the timeline never ran.
   [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept;
-  /// 0: activation memory is not measured.
-  [[nodiscard]] double activation_bytes(const schedule::Action&) const noexcept { return 0.0; }
-  /// 0: the measured latency already holds the copy.
-  [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  /// The sizes model's stash after `a`; 0 without one.
+  [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
+    return sizes_ ? sizes_->activation_bytes(a) : 0.0;
+  }
+  /// The sizes model's message size; 0 without one (either way it takes no time).
+  [[nodiscard]] double message_bytes(const schedule::Action& a) const noexcept {
+    return sizes_ ? sizes_->message_bytes(a) : 0.0;
+  }
   /// The measured delivery latency from rank src to rank dst, unlimited bandwidth.
   [[nodiscard]] cost::Link link(int src, int dst) const noexcept;
 
@@ -403,6 +443,7 @@ class MeasuredCostModel {
   schedule::Shape shape_;
   std::vector<double> mean_;     // [((op * N) + v) * 2 + phase]
   std::vector<double> latency_;  // [src * P + dst], seconds
+  std::optional<cost::RooflineCostModel> sizes_;
 };
 
 /// Bubble ratio the simulator predicts for `lowered` with the costs measured in `timeline`.

@@ -184,13 +184,14 @@ class DistributedTrainer {
       const int P = shape.num_ranks;
       const auto t0 = start_clock();
       Timeline tl(P);
-      run_training_program(plan_.program(rank()), shape, rank(),
-                           stage_ptrs(), batches, static_cast<double>(rows), *tp_, t0,
-                           cfg_.timeout_s, tl, config_.dim);
+      const auto stats = run_training_program(
+          plan_.program(rank()), shape, rank(), stage_ptrs(), batches, static_cast<double>(rows),
+          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows);
       StepResult res;
       const double end_s = seconds_since(t0);
       res.seconds = end_s;
-      res.timeline = gather_timeline(tl, end_s);
+      res.timeline = gather_timeline(tl, end_s, static_cast<double>(stats.peak_memory_bytes),
+                                     res.peak_memory_bytes);
       const auto loss = reduce_loss([&] { return stages_.back()->total_loss(); });
       res.tokens = loss.count;
       res.loss = loss.mean();
@@ -526,15 +527,20 @@ class DistributedTrainer {
     }
   }
 
-  /// Rank 0: every rank's intervals merged; elsewhere: `tl` itself (after sending it).
-  Timeline gather_timeline(const Timeline& tl, double end_s) {
+  /// Rank 0: every rank's intervals merged, and every rank's peak memory in `peaks`;
+  /// elsewhere: `tl` itself (after sending it with `peak`), `peaks` left empty.
+  Timeline gather_timeline(const Timeline& tl, double end_s, double peak,
+                           std::vector<double>& peaks) {
     const int P = plan_.shape().num_ranks;
     if (rank() != 0) {
-      send_blob(0, detail::encode_rank_result(tl, end_s));
+      send_blob(0, detail::encode_rank_result(tl, end_s, peak));
       return tl;
     }
+    peaks.assign(static_cast<std::size_t>(P), 0.0);
+    peaks[0] = peak;
     Timeline all = tl;
-    for (int r = 1; r < P; ++r) detail::decode_rank_result(recv_blob(r), r, all);
+    for (int r = 1; r < P; ++r)
+      detail::decode_rank_result(recv_blob(r), r, all, &peaks[static_cast<std::size_t>(r)]);
     return all;
   }
 

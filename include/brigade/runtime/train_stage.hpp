@@ -81,15 +81,22 @@ class TrainStage {
   /// Sets every gradient to zero and forgets the micro-batches of the last step.
   void zero_grad();
   /// Forgets the micro-batches (stashes, losses) but keeps the gradients.
-  void clear_microbatches() { micro_.clear(); }
+  void clear_microbatches() {
+    micro_.clear();
+    held_bytes_ = 0;
+  }
   /// The stage's parameters with their gradients, in ModelSpec order. The token embedding is
   /// "tok_embeddings"; on the tail stage with a shared classifier the classifier is also named
   /// "tok_embeddings" (the engine sums the two gradients; both copies get the same update).
   [[nodiscard]] std::vector<ParamRef> params();
   /// Copies this stage's parameters into `out`, keyed by ParamRef::name.
   void export_to(std::map<std::string, std::vector<float>>& out) const;
-  /// Bytes of activations stashed right now (all micro-batches).
-  [[nodiscard]] std::size_t stashed_bytes() const;
+  /// Bytes this stage holds for its micro-batches right now (all of them): the capacities of
+  /// their stashes (cpu::DecoderActivations, cpu::HeadActivations, the input kept for a
+  /// RECOMPUTE, the embedding's output gradient) and of the outputs and input gradients not yet
+  /// released (release_output, release_grad_input). Not counted: parameters, gradients, kernel
+  /// scratch. A running counter, updated by every call that changes a micro-batch: O(1).
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return held_bytes_; }
 
   [[nodiscard]] const partition::StageRange& range() const noexcept { return range_; }
   [[nodiscard]] bool has_embedding() const noexcept { return range_.first == 0; }
@@ -110,6 +117,10 @@ class TrainStage {
   };
   Micro& micro(int mb, const char* what);
   const Micro& micro(int mb, const char* what) const;
+  static std::size_t bytes_of(const Micro& m) noexcept;
+  /// Runs `f` and moves held_bytes_ by the change of micro-batch mb's bytes (also on a throw).
+  template <class F>
+  void accounted(int mb, F&& f);
   void run_forward(int mb, Micro& m, const float* x_in);
 
   model::LlamaConfig config_;
@@ -123,6 +134,7 @@ class TrainStage {
   std::vector<cpu::DecoderGrads> d_decoders_;
   cpu::DecoderTrainScratch scratch_;
   std::map<int, Micro> micro_;
+  std::size_t held_bytes_ = 0;  // sum of bytes_of() over micro_
 };
 
 }  // namespace v0

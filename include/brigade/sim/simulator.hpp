@@ -26,6 +26,8 @@ inline namespace v0 {
 struct SimOptions {
   bool validate = true;         ///< run schedule::validate() first (its errors are the clear ones)
   bool record_timeline = true;  ///< fill SimResult::timeline (metrics are computed either way)
+  /// The executor's receive and send windows, for the memory of their buffers (peak_memory_bytes).
+  schedule::Windows windows{};
 };
 
 /// What a simulation predicts. Times in seconds from the start of the run, memory in the cost
@@ -36,8 +38,15 @@ struct SimResult {
   double bubble_ratio = 0.0;  ///< idle rank-time / (P x makespan) = 1 - sum busy / (P makespan)
   std::vector<double> busy_seconds;  ///< per rank: seconds in compute actions
   std::vector<double> utilization;   ///< per rank: busy_seconds / makespan, in [0, 1]
-  /// Per rank: the most bytes of stashed activations held at once (training; 0 in inference).
-  std::vector<double> peak_activation_bytes;
+  /// Per rank: the most bytes held at once between two actions (training; 0 in inference), the
+  /// figure engine::execute measures (ExecutorStats::peak_memory_bytes), with the cost model's
+  /// sizes: the stashes (activation_bytes() after F, BI, RECOMPUTE; 0 after B, BW) + received
+  /// copies from their RECV until the F or BI that consumes them + each F's output and each BI's
+  /// input gradient until their SEND (or the next virtual stage's F or BI, when it is on the same
+  /// rank) + the receive window's buffers (recv_window slots, each as large as the largest message
+  /// posted into it so far) + the send window's copies (send_window slots, likewise). Slots keep
+  /// their buffers, so this depends only on each rank's program order, not on timing.
+  std::vector<double> peak_memory_bytes;
   /// Per rank: the most forwards held at once, waiting for their backward to free them (B, or
   /// BW after BI); one per (virtual stage, micro-batch, chunk). Training only.
   std::vector<int> peak_stash;
@@ -51,7 +60,6 @@ namespace detail {
 struct ActionCost {
   double seconds = 0.0;     ///< compute seconds; for a SEND, the link occupancy
   double latency = 0.0;     ///< for a SEND: the link latency
-  double activation = 0.0;  ///< for an F: the bytes it stashes
   int peer = -1;            ///< for a SEND: the receiving rank
 };
 
@@ -80,16 +88,12 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
   const double never = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> arrival_f(keys, never), arrival_b(keys, never);
   const bool training = sh.mode == schedule::Mode::Training;
-  std::vector<double> stash(training ? keys : 0, 0.0);
 
   SimResult res;
   res.timeline = Timeline(P);
   const auto up = static_cast<std::size_t>(P);
   res.busy_seconds.assign(up, 0.0);
-  res.peak_activation_bytes.assign(up, 0.0);
-  res.peak_stash.assign(up, 0);
-  std::vector<double> clock(up, 0.0), held_bytes(up, 0.0);
-  std::vector<int> held(up, 0);
+  std::vector<double> clock(up, 0.0);
   std::vector<std::size_t> pc(up, 0);
   std::vector<char> blocked(up, 0);
   std::vector<std::vector<std::pair<int, double>>> link_free(up);  // (peer, free at)
@@ -165,17 +169,6 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
           record(r, a, t, t + ac.seconds);
           t += ac.seconds;
           res.busy_seconds[ur] += ac.seconds;
-          if (!training) break;
-          if (a.op == Op::F) {
-            stash[key(a)] = ac.activation;
-            held_bytes[ur] += ac.activation;
-            ++held[ur];
-            res.peak_activation_bytes[ur] = std::max(res.peak_activation_bytes[ur], held_bytes[ur]);
-            res.peak_stash[ur] = std::max(res.peak_stash[ur], held[ur]);
-          } else if (a.op == Op::B || a.op == Op::BW) {
-            held_bytes[ur] -= stash[key(a)];
-            --held[ur];
-          }
           break;
         }
       }
@@ -202,6 +195,120 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
   return res;
 }
 
+/// The memory of every rank as engine::execute holds it (SimResult::peak_memory_bytes, whose
+/// comment lists what is counted), and the most forwards held at once (peak_stash). Walks each
+/// rank's program in order: the executor's memory between two actions depends on nothing else.
+/// @throws brigade::Error{InvalidArgument} if the cost model gives a negative or non-finite size
+template <cost::CostModel Cost>
+void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::Windows& windows,
+                 SimResult& res) {
+  using schedule::Action;
+  using schedule::Op;
+  const auto& sh = s.shape;
+  const auto up = static_cast<std::size_t>(sh.num_ranks);
+  res.peak_memory_bytes.assign(up, 0.0);
+  res.peak_stash.assign(up, 0);
+  if (sh.mode != schedule::Mode::Training) return;
+  BRIGADE_CHECK(windows.recv_window >= 1 && windows.send_window >= 1, Errc::InvalidArgument,
+                "simulate: windows recv {} send {}, expected both >= 1", windows.recv_window,
+                windows.send_window);
+  const int N = sh.num_virtual_stages;
+  const std::int64_t M = sh.num_microbatches, C = sh.num_chunks;
+  const auto keys = static_cast<std::size_t>(N * M * C);
+  auto key = [&](int v, int mb, int c) {
+    return static_cast<std::size_t>((static_cast<std::int64_t>(v) * M + mb) * C + c);
+  };
+  auto size = [&](double b, const Action& a, const char* what) {
+    BRIGADE_CHECK(b >= 0.0 && std::isfinite(b), Errc::InvalidArgument,
+                  "simulate: the cost model gives {} {} bytes for {}", b, what,
+                  schedule::to_string(a));
+    return b;
+  };
+  auto message = [&](Op send, int v, int mb, int c) {
+    const Action a{send, v, mb, c};
+    return size(static_cast<double>(cost.message_bytes(a)), a, "message");
+  };
+  const auto W = static_cast<std::size_t>(windows.recv_window);
+  const auto SW = static_cast<std::size_t>(windows.send_window);
+  std::vector<double> stash(keys), out(keys), grad(keys), in_f(keys), in_b(keys);
+  std::vector<char> recomputed(keys);
+  std::vector<double> recv_slot(W), send_slot(SW);
+  for (std::size_t ur = 0; ur < up; ++ur) {
+    const int r = static_cast<int>(ur);
+    const auto& prog = s.ranks[ur];
+    for (auto* v : {&stash, &out, &grad, &in_f, &in_b}) std::fill(v->begin(), v->end(), 0.0);
+    std::fill(recomputed.begin(), recomputed.end(), 0);
+    std::fill(recv_slot.begin(), recv_slot.end(), 0.0);
+    std::fill(send_slot.begin(), send_slot.end(), 0.0);
+    for (const auto& a : prog)
+      if (a.op == Op::Recompute) recomputed[key(a.virtual_stage, a.microbatch, a.chunk)] = 1;
+    double bytes = 0.0, peak = 0.0;
+    int held = 0, peak_held = 0;
+    auto set = [&](double& slot, double b) {
+      bytes += b - slot;
+      slot = b;
+    };
+    auto grow = [&](double& slot, double b) { set(slot, std::max(slot, b)); };
+    std::size_t next_post = 0, posted = 0, done = 0, sent = 0;
+    for (const Action& a : prog) {
+      // The executor posts receives in program order, at most W ahead of the one it waits on.
+      for (; posted - done < W && next_post < prog.size(); ++next_post) {
+        const Action& p = prog[next_post];
+        if (p.op != Op::RecvF && p.op != Op::RecvB) continue;
+        const Action from = *schedule::counterpart(sh, p);
+        grow(recv_slot[posted++ % W], message(from.op, from.virtual_stage, from.microbatch, from.chunk));
+      }
+      peak = std::max(peak, bytes);
+      const int v = a.virtual_stage, mb = a.microbatch, c = a.chunk;
+      const std::size_t k = key(v, mb, c);
+      switch (a.op) {
+        case Op::RecvF:
+        case Op::RecvB: {
+          ++done;
+          const Action from = *schedule::counterpart(sh, a);
+          set((a.op == Op::RecvF ? in_f : in_b)[k],
+              message(from.op, from.virtual_stage, from.microbatch, from.chunk));
+          break;
+        }
+        case Op::SendF:
+        case Op::SendB:
+          grow(send_slot[sent++ % SW], message(a.op, v, mb, c));
+          set((a.op == Op::SendF ? out : grad)[k], 0.0);
+          break;
+        case Op::F:
+          set(in_f[k], 0.0);
+          if (v > 0 && sh.rank_of(v - 1) == r) set(out[key(v - 1, mb, c)], 0.0);
+          set(stash[k], recomputed[k] ? (v > 0 ? message(Op::SendF, v - 1, mb, c) : 0.0)
+                                      : size(static_cast<double>(cost.activation_bytes(a)), a,
+                                             "activation"));
+          if (v < N - 1) set(out[k], message(Op::SendF, v, mb, c));
+          peak_held = std::max(peak_held, ++held);
+          break;
+        case Op::Recompute:
+          set(stash[k], size(static_cast<double>(cost.activation_bytes(a)), a, "activation"));
+          break;
+        case Op::BI:
+        case Op::B:
+          set(in_b[k], 0.0);
+          if (v < N - 1 && sh.rank_of(v + 1) == r) set(grad[key(v + 1, mb, c)], 0.0);
+          set(stash[k], size(static_cast<double>(cost.activation_bytes(a)), a, "activation"));
+          if (v > 0) set(grad[k], message(Op::SendB, v, mb, c));
+          if (a.op == Op::B) --held;
+          break;
+        case Op::BW:
+          set(stash[k], size(static_cast<double>(cost.activation_bytes(a)), a, "activation"));
+          --held;
+          break;
+        default:
+          break;
+      }
+      peak = std::max(peak, bytes);
+    }
+    res.peak_memory_bytes[ur] = peak;
+    res.peak_stash[ur] = peak_held;
+  }
+}
+
 }  // namespace detail
 
 /// Simulates a lowered schedule with the costs of `cost`.
@@ -210,8 +317,10 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
 /// `cost_model.compute_seconds(a)`. A SEND does not block its rank (sends overlap compute); it
 /// holds the link `cost_model.link(src, dst)` for message_bytes / bandwidth, queueing behind
 /// earlier sends on that link, and arrives latency later. A RECV waits until its message has
-/// arrived. Activations: an F stashes `cost_model.activation_bytes(a)` until its B (or BW) frees
-/// them (training only). The metrics follow the Timeline's definitions: bubble ratio = idle
+/// arrived. Memory (training only): SimResult::peak_memory_bytes, from
+/// `cost_model.activation_bytes()` (each stash as it is after F, BI, RECOMPUTE, B, BW),
+/// `cost_model.message_bytes()` (received copies, outputs waiting for their SEND, and the
+/// buffers of `options.windows`). The metrics follow the Timeline's definitions: bubble ratio = idle
 /// rank-time / (P x makespan), where busy time counts compute actions only.
 ///
 /// @param lowered a lowered schedule (lower()'s output or hand-written with SEND/RECV)
@@ -264,35 +373,33 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
         BRIGADE_CHECK(finite(c.seconds), Errc::InvalidArgument,
                       "simulate: the cost model gives {} s for {}, expected finite and >= 0",
                       c.seconds, schedule::to_string(a));
-        if (a.op == Op::F) {
-          c.activation = static_cast<double>(cost_model.activation_bytes(a));
-          BRIGADE_CHECK(finite(c.activation), Errc::InvalidArgument,
-                        "simulate: the cost model gives {} activation bytes for {}", c.activation,
-                        schedule::to_string(a));
-        }
       }
     }
   }
-  return detail::run(lowered, table, options);
+  SimResult res = detail::run(lowered, table, options);
+  detail::peak_memory(lowered, cost_model, options.windows, res);
+  return res;
 }
 
 /// Simulates `plan`'s lowered schedule (validated when the plan was built) with the costs of
-/// `cost` (e.g. cost::RooflineCostModel(spec, plan), which prices each micro-batch's work).
+/// `cost` (e.g. cost::RooflineCostModel(spec, plan), which prices each micro-batch's work),
+/// under the plan's executor windows (plan.execution().windows replaces options.windows).
 /// @throws brigade::Error as simulate(const schedule::Schedule&, ...)
 template <cost::CostModel Cost>
 SimResult simulate(const plan::Plan& plan, const Cost& cost_model, SimOptions options = {}) {
   options.validate = false;  // the Plan's constructor validated it
+  options.windows = plan.execution().windows;
   return simulate(plan.schedule(), cost_model, options);
 }
 
 /// The metrics of a simulation as JSON (what `brigade simulate --metrics` writes):
 /// {"makespan_s", "bubble_ratio", "actions", "messages", "ranks": P, "busy_s": [...],
-///  "utilization": [...], "peak_activation_bytes": [...], "peak_stash": [...]}.
+///  "utilization": [...], "peak_memory_bytes": [...], "peak_stash": [...]}.
 inline nlohmann::json metrics_json(const SimResult& r) {
   return {{"makespan_s", r.makespan},       {"bubble_ratio", r.bubble_ratio},
           {"actions", r.actions},           {"messages", r.messages},
           {"ranks", r.busy_seconds.size()}, {"busy_s", r.busy_seconds},
-          {"utilization", r.utilization},   {"peak_activation_bytes", r.peak_activation_bytes},
+          {"utilization", r.utilization},   {"peak_memory_bytes", r.peak_memory_bytes},
           {"peak_stash", r.peak_stash}};
 }
 
