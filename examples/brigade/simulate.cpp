@@ -228,7 +228,9 @@ int run(const Options& o) {
     fmt::print("peak memory  {} {}\n",
                per_rank(r.peak_memory_bytes, [](double x) { return fmt::format("{:.4g}", x); }),
                use_model ? "bytes per rank (stashes + messages held + receive/send windows)"
-                         : "units (1 = a rank's activations for one micro-batch)");
+               : o.link_bandwidth
+                   ? "units (1 = a rank's activations for one micro-batch, or one message)"
+                   : "units (1 = a rank's activations for one micro-batch)");
   }
 
   if (!o.trace.empty()) brigade::io::write_chrome_trace(o.trace, r.timeline);
