@@ -494,6 +494,7 @@ MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timelin
     : shape_(shape),
       mean_(static_cast<std::size_t>(kNumOps * shape.num_virtual_stages * 2), 0.0),
       latency_(static_cast<std::size_t>(shape.num_ranks * shape.num_ranks), 0.0),
+      overhead_(static_cast<std::size_t>(shape.num_ranks), 0.0),
       sizes_(std::move(sizes)) {
   const int N = shape.num_virtual_stages;
   std::vector<int> n(mean_.size(), 0);
@@ -505,8 +506,20 @@ MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timelin
   };
   std::map<Key, double> posted;
   std::map<Key, std::pair<double, double>> waited;
+  // Per rank: its first start and last end, and the seconds in compute and in RECV waits.
+  const auto P = static_cast<std::size_t>(shape.num_ranks);
+  std::vector<double> first(P, std::numeric_limits<double>::infinity()), last(P, 0.0),
+      accounted(P, 0.0);
   for (const auto& iv : timeline.intervals()) {
-    if (iv.virtual_stage < 0 || iv.virtual_stage >= N) continue;
+    if (iv.virtual_stage < 0 || iv.virtual_stage >= N || iv.rank < 0 ||
+        iv.rank >= shape.num_ranks)
+      continue;
+    const auto r = static_cast<std::size_t>(iv.rank);
+    first[r] = std::min(first[r], iv.start);
+    if (iv.op != Op::SendF && iv.op != Op::SendB) {  // a SEND's interval runs past its post
+      last[r] = std::max(last[r], iv.end);
+      accounted[r] += iv.duration();
+    }
     if (iv.op == Op::SendF || iv.op == Op::SendB) {
       auto [it, fresh] = posted.try_emplace({iv.op, iv.virtual_stage, iv.microbatch, iv.chunk},
                                             iv.start);
@@ -524,6 +537,13 @@ MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timelin
   }
   for (std::size_t i = 0; i < mean_.size(); ++i)
     if (n[i]) mean_[i] /= n[i];
+  // The rest of each rank's time (the executor and the worker between actions: building and
+  // copying messages, posting them and the receives, recording) is charged to its SENDs.
+  std::vector<int> sends(P, 0);
+  for (const auto& [k, t_post] : posted) ++sends[static_cast<std::size_t>(shape.rank_of(k.v))];
+  for (std::size_t r = 0; r < P; ++r)
+    if (sends[r] > 0 && last[r] > first[r])
+      overhead_[r] = std::max(0.0, last[r] - first[r] - accounted[r]) / sends[r];
   // Delivery latency of a link: from the SEND's post to the end of its RECV, over the messages
   // whose receiver was already waiting when they were posted (otherwise the RECV's end says
   // when the receiver got there, not when the message arrived); the median of those.
@@ -553,6 +573,11 @@ double MeasuredCostModel::compute_seconds(const schedule::Action& a) const noexc
   const double m = mean_[i];
   // A phase the timeline never ran (e.g. no decode round): the other phase's mean.
   return m > 0.0 ? m : mean_[i ^ 1U];
+}
+
+double MeasuredCostModel::send_overhead_seconds(const schedule::Action& a) const noexcept {
+  if (a.virtual_stage < 0 || a.virtual_stage >= shape_.num_virtual_stages) return 0.0;
+  return overhead_[static_cast<std::size_t>(shape_.rank_of(a.virtual_stage))];
 }
 
 cost::Link MeasuredCostModel::link(int src, int dst) const noexcept {

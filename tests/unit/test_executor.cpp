@@ -361,4 +361,7 @@ TEST_CASE("executor.measured_costs: prefill and decode means, link latency from 
   CHECK(m.link(0, 1).latency_s == doctest::Approx(0.2));
   CHECK(m.link(1, 0).latency_s == 0.0);
   CHECK(m.link(0, 1).is_free() == false);
+  // Rank 0 ran from 0 to 3.7 s with 2.2 s of F: 1.5 s outside intervals over its 2 SENDs.
+  CHECK(m.send_overhead_seconds({Op::SendF, 0, 0, 1}) == doctest::Approx(0.75));
+  CHECK(m.send_overhead_seconds({Op::SendF, 1, 0, 1}) == 0.0);  // rank 1 sent nothing
 }

@@ -60,6 +60,10 @@ struct Link {
 /// - `message_bytes(a)`: bytes a SEND_F/SEND_B moves (see schedule::counterpart()); also the size
 ///   of the receive buffer of its RECV.
 /// - `link(src, dst)`: the link from rank src to rank dst.
+///
+/// Optional, read by the simulator when present: `send_overhead_seconds(a)`, the CPU seconds
+/// the sender of SEND `a` spends copying and posting it (its rank is then neither busy nor free
+/// to compute). engine::MeasuredCostModel has it.
 template <class C>
 concept CostModel = requires(const C& c, const schedule::Action& a, int src, int dst) {
   { c.compute_seconds(a) } -> std::convertible_to<double>;

@@ -411,6 +411,9 @@ std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> 
 ///   the copy and the worker's check of what arrived), counting only messages whose receiver
 ///   was already waiting when they were posted; unlimited bandwidth; 0 for a pair with no such
 ///   message;
+/// - send overhead: the part of each rank's run (first start to last end) in neither a compute
+///   interval nor a RECV wait (the executor and the worker building, copying and posting
+///   messages and receives between actions), divided evenly over its SEND actions;
 /// - sizes (activation and message bytes): another model's, optionally; a roofline model of
 ///   the plan with the step's micro-batches as work (microbatch_work()) is exact for them, and
 ///   the simulator then predicts the run's peak memory; without one every size is 0 (the
@@ -438,11 +441,14 @@ class MeasuredCostModel {
   }
   /// The measured delivery latency from rank src to rank dst, unlimited bandwidth.
   [[nodiscard]] cost::Link link(int src, int dst) const noexcept;
+  /// The sender's measured seconds per SEND outside compute and waits (see above).
+  [[nodiscard]] double send_overhead_seconds(const schedule::Action& a) const noexcept;
 
  private:
   schedule::Shape shape_;
   std::vector<double> mean_;     // [((op * N) + v) * 2 + phase]
   std::vector<double> latency_;  // [src * P + dst], seconds
+  std::vector<double> overhead_;  // per rank, seconds per SEND
   std::optional<cost::RooflineCostModel> sizes_;
 };
 

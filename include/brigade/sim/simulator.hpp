@@ -60,6 +60,7 @@ namespace detail {
 struct ActionCost {
   double seconds = 0.0;     ///< compute seconds; for a SEND, the link occupancy
   double latency = 0.0;     ///< for a SEND: the link latency
+  double overhead = 0.0;    ///< for a SEND: seconds the sender's CPU spends posting it
   int peer = -1;            ///< for a SEND: the receiving rank
 };
 
@@ -68,7 +69,8 @@ using CostTable = std::vector<std::vector<ActionCost>>;
 /// The event loop over gathered costs (not a template: one copy for every cost model).
 ///
 /// Each rank has a clock. A compute action starts at the clock and advances it by its
-/// seconds. A SEND never blocks its rank: it leaves at max(clock, the time its link is free),
+/// seconds. A SEND advances the clock by its overhead only (the sender's CPU time to post it),
+/// then leaves at max(clock, the time its link is free),
 /// holds the link for its occupancy, and arrives latency later. A RECV advances the clock to
 /// the message's arrival. Ranks whose RECV has no message yet wait on a worklist; a send wakes
 /// its receiver. Link order is each sender's program order, so the result is exact without a
@@ -153,6 +155,7 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
           auto it = std::find_if(links.begin(), links.end(),
                                  [&](const auto& l) { return l.first == ac.peer; });
           if (it == links.end()) it = links.insert(links.end(), {ac.peer, 0.0});
+          t += ac.overhead;  // the sender copies and posts it (not busy: no compute interval)
           const double leave = std::max(t, it->second);
           it->second = leave + ac.seconds;
           const double arrive = leave + ac.seconds + ac.latency;
@@ -314,8 +317,10 @@ void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::
 /// Simulates a lowered schedule with the costs of `cost`.
 ///
 /// Model: each rank runs its program in order. A compute action keeps its rank busy for
-/// `cost_model.compute_seconds(a)`. A SEND does not block its rank (sends overlap compute); it
-/// holds the link `cost_model.link(src, dst)` for message_bytes / bandwidth, queueing behind
+/// `cost_model.compute_seconds(a)`. A SEND does not wait for its link (sends overlap compute);
+/// only a cost model's optional `send_overhead_seconds(a)` (the sender's CPU time to copy and
+/// post it, idle rather than busy time; 0 when the model has none) advances its rank. It holds
+/// the link `cost_model.link(src, dst)` for message_bytes / bandwidth, queueing behind
 /// earlier sends on that link, and arrives latency later. A RECV waits until its message has
 /// arrived. Memory (training only): SimResult::peak_memory_bytes, from
 /// `cost_model.activation_bytes()` (each stash as it is after F, BI, RECOMPUTE, B, BW),
@@ -368,6 +373,12 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
                       bytes, link.latency_s, link.bytes_per_s, schedule::to_string(a));
         c.seconds = link.occupancy_seconds(bytes);
         c.latency = link.latency_s;
+        if constexpr (requires { cost_model.send_overhead_seconds(a); }) {
+          c.overhead = static_cast<double>(cost_model.send_overhead_seconds(a));
+          BRIGADE_CHECK(finite(c.overhead), Errc::InvalidArgument,
+                        "simulate: the cost model gives {} s of send overhead for {}", c.overhead,
+                        schedule::to_string(a));
+        }
       } else if (schedule::is_compute(a.op)) {
         c.seconds = static_cast<double>(cost_model.compute_seconds(a));
         BRIGADE_CHECK(finite(c.seconds), Errc::InvalidArgument,
