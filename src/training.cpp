@@ -534,6 +534,7 @@ MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timelin
         (static_cast<int>(iv.op) * N + iv.virtual_stage) * 2 + phase_of(shape, iv.chunk));
     mean_[i] += iv.duration();
     ++n[i];
+    exact_[{static_cast<int>(iv.op), iv.virtual_stage, iv.microbatch, iv.chunk}] += iv.duration();
   }
   for (std::size_t i = 0; i < mean_.size(); ++i)
     if (n[i]) mean_[i] /= n[i];
@@ -570,6 +571,8 @@ double MeasuredCostModel::compute_seconds(const schedule::Action& a) const noexc
   if (is_communication(a.op) || a.virtual_stage < 0 || a.virtual_stage >= N) return 0.0;
   const auto i = static_cast<std::size_t>(
       (static_cast<int>(a.op) * N + a.virtual_stage) * 2 + phase_of(shape_, a.chunk));
+  const auto it = exact_.find({static_cast<int>(a.op), a.virtual_stage, a.microbatch, a.chunk});
+  if (it != exact_.end()) return it->second;
   const double m = mean_[i];
   // A phase the timeline never ran (e.g. no decode round): the other phase's mean.
   return m > 0.0 ? m : mean_[i ^ 1U];

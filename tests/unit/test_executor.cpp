@@ -327,8 +327,8 @@ TEST_CASE("schedule.registry: a generator registered at run time is found by nam
         std::string::npos);
 }
 
-TEST_CASE("executor.measured_costs: prefill and decode means, link latency from waiting "
-          "receivers only") {
+TEST_CASE("executor.measured_costs: each action as measured (else prefill and decode means), "
+          "link latency from waiting receivers only, send overhead") {
   // Two ranks, one micro-batch, three rounds of inference.
   const auto shape = sch::Shape::make(2, 1, 1, 3, sch::Mode::Inference);
   brigade::Timeline tl(2);
@@ -353,9 +353,13 @@ TEST_CASE("executor.measured_costs: prefill and decode means, link latency from 
   add(1, Op::F, 1, 1, 2.7, 3.0);
   const eng::MeasuredCostModel m(shape, tl);
   CHECK(m.compute_seconds({Op::F, 0, 0, 0}) == doctest::Approx(1.0));
-  CHECK(m.compute_seconds({Op::F, 0, 0, 1}) == doctest::Approx(0.6));  // (0.5 + 0.7) / 2
-  CHECK(m.compute_seconds({Op::F, 0, 0, 2}) == doctest::Approx(0.6));
-  // Stage 1 never ran a prefill: the decode mean stands in.
+  CHECK(m.compute_seconds({Op::F, 0, 0, 1}) == doctest::Approx(0.5));  // each as measured
+  CHECK(m.compute_seconds({Op::F, 0, 0, 2}) == doctest::Approx(0.7));
+  // Actions the timeline does not hold: the mean of their (op, stage, phase), or of the other
+  // phase when that one never ran (stage 1 ran no prefill).
+  const eng::MeasuredCostModel wider(sch::Shape::make(2, 2, 1, 3, sch::Mode::Inference), tl);
+  CHECK(wider.compute_seconds({Op::F, 0, 1, 2}) == doctest::Approx(0.6));  // (0.5 + 0.7) / 2
+  CHECK(wider.compute_seconds({Op::F, 0, 1, 0}) == doctest::Approx(1.0));
   CHECK(m.compute_seconds({Op::F, 1, 0, 0}) == doctest::Approx(0.3));
   CHECK(m.compute_seconds({Op::SendF, 0, 0, 1}) == 0.0);
   CHECK(m.link(0, 1).latency_s == doctest::Approx(0.2));

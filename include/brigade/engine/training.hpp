@@ -15,6 +15,7 @@
 #include "brigade/schedule/dataflow.hpp"
 #include "brigade/transport/transport.hpp"
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -404,8 +405,9 @@ std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> 
 
 /// A cost model that replays measured timings, for the measured-vs-simulated comparison:
 ///
-/// - compute: the mean duration of each (op, virtual stage) in the Timeline, separately for the
-///   prefill round and the decode rounds of an inference run (one mean in training);
+/// - compute: the measured duration of each action the Timeline holds (op, virtual stage,
+///   micro-batch, chunk or round); for an action it does not hold, the mean of its (op, virtual
+///   stage), separately for the prefill round and the decode rounds of an inference run;
 /// - links: each (sender rank, receiver rank) pair's delivery latency, the median over its
 ///   messages of the time from the SEND's post to the end of the matching RECV (the wake-up,
 ///   the copy and the worker's check of what arrived), counting only messages whose receiver
@@ -428,8 +430,8 @@ class MeasuredCostModel {
   /// @param sizes activation_bytes() and message_bytes() come from it (see above); none: 0
   MeasuredCostModel(const schedule::Shape& shape, const Timeline& timeline,
                     std::optional<cost::RooflineCostModel> sizes = std::nullopt);
-  /// Mean measured seconds of `a`'s (op, virtual stage, prefill or decode); 0 for SEND/RECV and
-  /// for pairs the timeline never ran.
+  /// Measured seconds of `a`, else the mean of its (op, virtual stage, prefill or decode); 0 for
+  /// SEND/RECV and for pairs the timeline never ran.
   [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept;
   /// The sizes model's stash after `a`; 0 without one.
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
@@ -449,6 +451,7 @@ class MeasuredCostModel {
   std::vector<double> mean_;     // [((op * N) + v) * 2 + phase]
   std::vector<double> latency_;  // [src * P + dst], seconds
   std::vector<double> overhead_;  // per rank, seconds per SEND
+  std::map<std::array<int, 4>, double> exact_;  // (op, v, mb, chunk) -> measured seconds
   std::optional<cost::RooflineCostModel> sizes_;
 };
 
