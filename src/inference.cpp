@@ -201,8 +201,9 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  std::span<runtime::InferenceStage* const> stages,
                                  const detail::GenerationLayout& layout,
                                  detail::SequenceBook* book,
-                                 std::chrono::steady_clock::time_point t0)
-    : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0) {
+                                 std::chrono::steady_clock::time_point t0, bool weight_offload)
+    : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
+      weight_offload_(weight_offload) {
   const auto M = static_cast<std::size_t>(shape.num_microbatches);
   BRIGADE_CHECK(shape.rank_of(0) != rank || book != nullptr, Errc::InvalidArgument,
                 "InferenceWorker: rank {} holds virtual stage 0 but has no SequenceBook", rank);
@@ -213,6 +214,7 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   cur_.resize(M);
   slot_.resize(M);
   tokens_.resize(M);
+  released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), 0);
 }
 
 runtime::InferenceStage& InferenceWorker::stage(int v) const {
@@ -235,7 +237,9 @@ bool InferenceWorker::fill(std::vector<Action>& out) {
   }
   ++round_;
   if (!any || round_ >= shape_->num_chunks) return false;
+  const std::size_t begin = out.size();
   schedule::append_inference_round(*shape_, rank_, round_, live_, out);
+  if (weight_offload_) schedule::add_weight_offload(out, begin);
   return true;
 }
 
@@ -308,6 +312,18 @@ Work InferenceWorker::compute(const Action& a) {
   const auto m = static_cast<std::size_t>(a.microbatch);
   auto& mb = slot_[m];
   const std::string_view label = a.chunk == 0 ? "prefill" : "decode";
+  const auto v = static_cast<std::size_t>(a.virtual_stage);
+  if (a.op == Op::Prefetch || a.op == Op::Release) {
+    auto& st = stage(a.virtual_stage);
+    const bool prefetch = a.op == Op::Prefetch;
+    const bool advised = prefetch ? st.prefetch_weights() : st.release_weights();
+    released_[v] = prefetch ? 0 : 1;
+    return {true, 0, advised ? std::string_view("madvise") : std::string_view("owned: resident")};
+  }
+  BRIGADE_CHECK(v < released_.size() && !released_[v], Errc::InvalidArgument,
+                "executor: rank {}: {} runs on virtual stage {} after its RELEASE without a "
+                "PREFETCH in between: its weights are not resident",
+                rank_, schedule::to_string(a), a.virtual_stage);
   if (a.op == Op::F) {
     if (a.virtual_stage == 0) {
       if (a.chunk == 0) {

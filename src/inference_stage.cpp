@@ -3,7 +3,12 @@
 
 #include "brigade/core/finite.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 namespace brigade::runtime {
 inline namespace v0 {
@@ -73,6 +78,55 @@ InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::St
     if (first_decoder_ < 0) first_decoder_ = spec_.layer(l).decoder_index;
     kv_.emplace_back(static_cast<std::size_t>(2 * cache_rows_total_ * c.kv_dim()), 0.0f);
   }
+  // The byte ranges of this stage's tensors, rounded out to whole pages and merged.
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;  // [begin, end)
+  auto tensor = [&](const float* p, std::int64_t floats) {
+    if (p == nullptr || floats <= 0) return;
+    const auto b = reinterpret_cast<std::uintptr_t>(p);
+    const auto bytes = static_cast<std::uintptr_t>(floats) * sizeof(float);
+    weight_bytes_ += bytes;
+    ranges.emplace_back(b / page * page, (b + bytes + page - 1) / page * page);
+  };
+  const std::int64_t dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, vocab = c.vocab_size;
+  for (int l = range.first; l < range.last; ++l) {
+    const auto& ls = spec_.layer(l);
+    switch (ls.kind) {
+      case LayerKind::Embedding:
+        tensor(weights.token_embedding, vocab * dim);
+        break;
+      case LayerKind::Decoder: {
+        const auto& d = weights.layers[static_cast<std::size_t>(ls.decoder_index)];
+        tensor(d.rms_att, dim);
+        tensor(d.wq, dim * dim);
+        tensor(d.wk, kv * dim);
+        tensor(d.wv, kv * dim);
+        tensor(d.wo, dim * dim);
+        tensor(d.rms_ffn, dim);
+        tensor(d.w1, hid * dim);
+        tensor(d.w2, dim * hid);
+        tensor(d.w3, hid * dim);
+        break;
+      }
+      case LayerKind::FinalNorm:
+        tensor(weights.rms_final, dim);
+        break;
+      case LayerKind::LMHead:
+        tensor(weights.wcls, vocab * dim);
+        break;
+      case LayerKind::Sampler:
+        break;
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (const auto& [b, e] : ranges) {
+    if (!weight_pages_.empty() && b <= weight_pages_.back().first + weight_pages_.back().second) {
+      auto& last = weight_pages_.back();
+      last.second = std::max(last.first + last.second, e) - last.first;
+    } else {
+      weight_pages_.emplace_back(b, e - b);
+    }
+  }
   if (owns_sampler()) {
     for (std::size_t i = 0; i < capacities_.size(); ++i) {
       model::SamplerConfig sc = sampler;
@@ -87,6 +141,23 @@ std::size_t InferenceStage::kv_cache_bytes() const noexcept {
   for (const auto& k : kv_) b += k.size() * sizeof(float);
   return b;
 }
+
+bool InferenceStage::advise_weights(int advice, const char* name) {
+  if (!weights_->mapped) return false;
+  for (const auto& [begin, bytes] : weight_pages_) {
+    if (::madvise(reinterpret_cast<void*>(begin), bytes, advice) != 0) {
+      const int err = errno;
+      ::brigade::detail::fail(Errc::Internal,
+                              "InferenceStage [{}, {}): madvise({}) over {} bytes failed: {}",
+                              range_.first, range_.last, name, bytes, std::strerror(err));
+    }
+  }
+  return true;
+}
+
+bool InferenceStage::prefetch_weights() { return advise_weights(MADV_WILLNEED, "MADV_WILLNEED"); }
+
+bool InferenceStage::release_weights() { return advise_weights(MADV_DONTNEED, "MADV_DONTNEED"); }
 
 float* InferenceStage::k_cache(int decoder, int seq) {
   auto& buf = kv_[static_cast<std::size_t>(decoder - first_decoder_)];

@@ -474,6 +474,7 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
     ::munmap(const_cast<void*>(p), length);
     ::close(fd);
   });
+  w.mapped = true;
   const auto* base = reinterpret_cast<const float*>(static_cast<const char*>(addr) + kHeaderBytes);
   bind(w, base, *layout);
   check_finite_weights(w, *layout, name, Errc::BadFile);

@@ -42,6 +42,7 @@ struct GenerateArgs {
   float temperature = 1.0f, top_p = 0.9f;
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
+  bool offload = false;  // --offload: PREFETCH/RELEASE every window each round
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
 };
@@ -201,6 +202,7 @@ int run(const GenerateArgs& a) {
   opt.sampler = {a.temperature, a.top_p, a.seed};
   opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
+  opt.weight_offload = a.offload;
 #if BRIGADE_HAS_MPI
   const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
                                                        {a.fail_rank, a.fail_after_steps})
@@ -323,6 +325,10 @@ std::function<int()> setup(CLI::App& sub) {
                  "ranks this many times per position (prima.cpp)")
       ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
       ->capture_default_str();
+  sub.add_flag("--offload", a->offload,
+               "weight offload (prima.cpp): each rank prefetches a window's weights one run "
+               "ahead (madvise WILLNEED on the mapped checkpoint) and releases them after its "
+               "run (madvise DONTNEED), every round; synthetic weights stay resident");
   std::vector<std::string> policies;
   for (const auto& p : brigade::partition::policies()) policies.emplace_back(p.name);
   sub.add_option("--partition", a->partition,

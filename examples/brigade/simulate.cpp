@@ -48,6 +48,9 @@ struct Options {
   std::string trace, svg, metrics, save_schedule;
   int svg_width = 1000;
   bool rendezvous = false;
+  bool offload = false;
+  double weight_load = 0.0;
+  double load_bandwidth = brigade::cost::RooflineOptions{}.weight_load_bytes_per_s;
 };
 
 /// F,B[,W] as non-negative numbers.
@@ -136,6 +139,7 @@ int run(const Options& o) {
     compute = sch::generate(o.schedule, {o.ranks, o.microbatches, V, o.decode_steps});
     lowered = sch::lower(compute);
   }
+  if (o.offload) lowered = sch::with_weight_offload(lowered);
   const auto& shape = lowered.shape;
   sch::ExecutionModel exec;
   if (o.rendezvous) exec.sends = sch::SendSemantics::Rendezvous;
@@ -155,6 +159,7 @@ int run(const Options& o) {
     brigade::cost::RooflineOptions ro;
     ro.rates = {o.flops, o.mem_bandwidth};
     ro.workload = {o.batch, o.seq_len};
+    ro.weight_load_bytes_per_s = o.load_bandwidth;
     if (o.link_latency) ro.link.latency_s = *o.link_latency;
     if (o.link_bandwidth) ro.link.bytes_per_s = *o.link_bandwidth;
     const auto part = brigade::cost::RooflineCostModel::placed_uniform(spec, shape);
@@ -162,9 +167,10 @@ int run(const Options& o) {
     r = brigade::sim::simulate(lowered, cm, sim_opt);
     costs = fmt::format(
         "roofline, model {} ({} decoder layers), batch {} x {} tokens, "
-        "{:g} FLOP/s, {:g} B/s, link {:g} s + bytes / {:g} B/s; partition {}",
+        "{:g} FLOP/s, {:g} B/s, link {:g} s + bytes / {:g} B/s, weight loads {:g} B/s; "
+        "partition {}",
         o.model, spec.config().n_layers, o.batch, o.seq_len, o.flops, o.mem_bandwidth,
-        ro.link.latency_s, ro.link.bytes_per_s, part.to_string());
+        ro.link.latency_s, ro.link.bytes_per_s, ro.weight_load_bytes_per_s, part.to_string());
     cost_json = {{"kind", "roofline"},
                  {"model", o.model},
                  {"batch", o.batch},
@@ -173,6 +179,7 @@ int run(const Options& o) {
                  {"bytes_per_s", o.mem_bandwidth},
                  {"link_latency_s", ro.link.latency_s},
                  {"link_bytes_per_s", ro.link.bytes_per_s},
+                 {"weight_load_bytes_per_s", ro.weight_load_bytes_per_s},
                  {"partition", part.to_string()}};
   } else {
     const auto u = parse_unit_costs(o.unit_costs.empty() ? "1,2" : o.unit_costs);
@@ -183,6 +190,7 @@ int run(const Options& o) {
       uo.link.bytes_per_s = *o.link_bandwidth;
       uo.message_bytes = 1.0;  // one unit message per SEND
     }
+    uo.weight_load = o.weight_load;
     const brigade::cost::UnitCostModel cm(shape, u[0], u[1], w, uo);
     r = brigade::sim::simulate(lowered, cm, sim_opt);
     costs = w ? fmt::format("unit F={:g} B(BI)={:g} W(BW)={:g} per rank and micro-batch", u[0],
@@ -191,7 +199,9 @@ int run(const Options& o) {
     costs += uo.link.is_free() ? ", links free"
                                : fmt::format(", link {:g} s + {:g} unit/s", uo.link.latency_s,
                                              uo.link.bytes_per_s);
-    cost_json = {{"kind", "unit"}, {"F", u[0]}, {"B", u[1]}};
+    if (o.weight_load > 0.0)
+      costs += fmt::format(", a rank's weights load in {:g}", o.weight_load);
+    cost_json = {{"kind", "unit"}, {"F", u[0]}, {"B", u[1]}, {"weight_load", o.weight_load}};
     if (w) cost_json["W"] = *w;
   }
 
@@ -231,6 +241,15 @@ int run(const Options& o) {
                : o.link_bandwidth
                    ? "units (1 = a rank's activations for one micro-batch, or one message)"
                    : "units (1 = a rank's activations for one micro-batch)");
+  }
+
+  if (proof.weight_actions > 0) {
+    fmt::print("weights      peak {} {}; {} PREFETCH/RELEASE\n",
+               per_rank(r.peak_weight_bytes, [](double x) { return fmt::format("{:.4g}", x); }),
+               use_model ? "bytes resident per rank" : "units resident per rank (1 = all of a rank's)",
+               proof.weight_actions);
+    fmt::print("I/O wait     {}\n",
+               per_rank(r.io_wait_seconds, [](double x) { return fmt::format("{:.4g}", x); }));
   }
 
   if (!o.trace.empty()) brigade::io::write_chrome_trace(o.trace, r.timeline);
@@ -318,6 +337,20 @@ std::function<int()> setup(CLI::App& sub) {
                  "Write makespan, bubble ratio, utilization and peak memory as JSON");
   sub.add_option("--save-schedule", o->save_schedule,
                  "Write the lowered schedule in the text form");
+  sub.add_flag("--offload", o->offload,
+               "Weight offload (prima.cpp; inference): PREFETCH each window's weights one run "
+               "ahead and RELEASE them after (schedule::with_weight_offload)");
+  auto* weight_load = sub.add_option("--weight-load", o->weight_load,
+                 "Unit costs: seconds to load one rank's whole share of weights (a PREFETCH of a "
+                 "window costs this / V)")
+      ->check(brigade::cli::number_in<double>(0, 1e9, "a number of seconds from 0 to 1e9"))
+      ->capture_default_str();
+  auto* load_bw = sub.add_option("--load-bandwidth", o->load_bandwidth,
+                 "Roofline: bytes/s a PREFETCH loads weights at (disk or host memory)")
+      ->check(brigade::cli::number_in<double>(0, 1e16, "a number of bytes/s above 0 and at most 1e16", true))
+      ->capture_default_str();
+  weight_load->excludes(model);
+  load_bw->needs(model);
   sub.add_flag("--rendezvous", o->rendezvous,
                "Validate for a transport whose sends complete only when received (large MPI or "
                "NCCL messages), with the executor's default windows");

@@ -17,16 +17,27 @@ inline namespace v0 {
 /// Qi et al. 2023); Recompute: re-run a forward whose activations were dropped;
 /// SendF/RecvF: activations between stages; SendB/RecvB: gradients between stages;
 /// Sample: pick the next token on the tail stage; Opt: optimizer step.
-enum class Op : std::uint8_t { F, B, BI, BW, Recompute, SendF, RecvF, SendB, RecvB, Sample, Opt };
+///
+/// Weight and cache movement (prima.cpp's mmap offload, Li et al. 2025; DynaPipe's KV-cache
+/// migration): Prefetch: start loading the weights of the action's virtual stage into memory,
+/// asynchronously (on the rank's I/O lane, overlapping compute; the next compute of that
+/// virtual stage waits for it); Release: drop that virtual stage's weights after their last use
+/// (a later compute needs a Prefetch first); Migrate: move the KV cache of the action's
+/// micro-batch at its virtual stage to another rank (refused by schedule::validate() for now:
+/// see docs/schedules.md).
+enum class Op : std::uint8_t {
+  F, B, BI, BW, Recompute, SendF, RecvF, SendB, RecvB, Sample, Opt, Prefetch, Release, Migrate
+};
 
 /// Number of enumerators of Op.
-inline constexpr int kNumOps = 11;
+inline constexpr int kNumOps = 14;
 
 /// Text form of an op as the schedule IR prints it: "F", "B", "BI", "BW", "RECOMPUTE",
-/// "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SAMPLE", "OPT".
+/// "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SAMPLE", "OPT", "PREFETCH", "RELEASE", "MIGRATE".
 constexpr std::string_view to_string(Op op) noexcept {
   constexpr std::array<std::string_view, kNumOps> names = {
-      "F", "B", "BI", "BW", "RECOMPUTE", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SAMPLE", "OPT"};
+      "F",      "B",      "BI",     "BW",  "RECOMPUTE", "SEND_F",  "RECV_F",
+      "SEND_B", "RECV_B", "SAMPLE", "OPT", "PREFETCH",  "RELEASE", "MIGRATE"};
   return names[static_cast<std::size_t>(op)];
 }
 
@@ -41,6 +52,16 @@ constexpr std::optional<Op> op_from_string(std::string_view s) noexcept {
 constexpr bool is_communication(Op op) noexcept {
   return op == Op::SendF || op == Op::RecvF || op == Op::SendB || op == Op::RecvB;
 }
+
+/// True for the three memory-movement ops (PREFETCH, RELEASE, MIGRATE): they move weights or
+/// KV cache, not activations, and are neither compute nor SEND/RECV.
+constexpr bool is_memory_op(Op op) noexcept {
+  return op == Op::Prefetch || op == Op::Release || op == Op::Migrate;
+}
+
+/// True for the compute ops (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT): the ones that keep a rank's
+/// compute lane busy and count as busy time in a Timeline.
+constexpr bool is_compute(Op op) noexcept { return !is_communication(op) && !is_memory_op(op); }
 
 }  // namespace v0
 }  // namespace brigade

@@ -31,7 +31,8 @@ struct Interval {
 /// Per-rank intervals of one run, measured (executor) or predicted (simulator).
 ///
 /// Intervals of one rank may overlap only when they are communication (a send in flight while
-/// the rank computes); busy time counts compute intervals (non-communication ops).
+/// the rank computes) or weight loads (a PREFETCH on the rank's I/O lane); busy time counts
+/// compute intervals only (is_compute: neither SEND/RECV nor PREFETCH/RELEASE/MIGRATE).
 class Timeline {
  public:
   /// An empty timeline for `num_ranks` ranks.
@@ -75,11 +76,11 @@ class Timeline {
     for (const auto& iv : intervals_) e = std::max(e, iv.end);
     return e - begin();
   }
-  /// Seconds rank `r` spent in compute intervals (communication excluded).
+  /// Seconds rank `r` spent in compute intervals (communication and memory ops excluded).
   [[nodiscard]] double busy(int r) const noexcept {
     double t = 0.0;
     for (const auto& iv : intervals_)
-      if (iv.rank == r && !is_communication(iv.op)) t += iv.duration();
+      if (iv.rank == r && is_compute(iv.op)) t += iv.duration();
     return t;
   }
   /// busy(r) / makespan(), in [0, 1] (0 when the timeline is empty).

@@ -72,11 +72,30 @@ concept CostModel = requires(const C& c, const schedule::Action& a, int src, int
   { c.link(src, dst) } -> std::convertible_to<Link>;
 };
 
+/// Optional member of a cost model: `weight_bytes(a)`, the bytes of the weights of action a's
+/// virtual stage (its layers' parameters). The simulator reports per-rank resident weight bytes
+/// from it (0 without it).
+template <class C>
+concept HasWeightBytes = requires(const C& c, const schedule::Action& a) {
+  { c.weight_bytes(a) } -> std::convertible_to<double>;
+};
+
+/// Optional member of a cost model: `weight_load_seconds(a)`, the seconds a PREFETCH `a` keeps
+/// its rank's I/O lane busy loading its virtual stage's weights (from disk or host memory).
+/// Without it a PREFETCH takes no time.
+template <class C>
+concept HasWeightLoad = requires(const C& c, const schedule::Action& a) {
+  { c.weight_load_seconds(a) } -> std::convertible_to<double>;
+};
+
 /// Extra knobs of UnitCostModel.
 struct UnitCostOptions {
   double sample = 0.0;         ///< seconds of a SAMPLE
   double message_bytes = 0.0;  ///< bytes of every SEND
   Link link{};                 ///< every link (default: free)
+  /// Seconds to load one rank's whole share of weights (PREFETCH of virtual stage v costs
+  /// weight_load / V_r, V_r = virtual stages on v's rank), >= 0.
+  double weight_load = 0.0;
 };
 
 /// Unit costs, for closed forms: `forward` and `backward` are the time of one rank's whole
@@ -87,6 +106,8 @@ struct UnitCostOptions {
 /// and a full B costs backward + weight. RECOMPUTE costs a forward. SAMPLE costs `sample`
 /// (default 0), OPT 0. Activations: one unit per micro-batch and rank (1 / V per virtual
 /// stage). Messages carry UnitCostOptions::message_bytes (default 0) over its link (default free).
+/// Weights: one unit per rank (1 / V per virtual stage), loaded by a PREFETCH in
+/// UnitCostOptions::weight_load / V seconds.
 class UnitCostModel {
  public:
   /// @param shape    the schedule's shape (its placement decides the split over virtual stages)
@@ -100,11 +121,12 @@ class UnitCostModel {
     shape.check();
     auto ok = [](double x) { return x >= 0.0 && std::isfinite(x); };
     BRIGADE_CHECK(ok(forward) && ok(backward) && (!weight || ok(*weight)) && ok(options.sample) &&
-                      ok(options.message_bytes),
+                      ok(options.message_bytes) && ok(options.weight_load),
                   Errc::InvalidArgument,
-                  "UnitCostModel: costs F={} B={} W={} sample={} message={}, expected finite and "
-                  ">= 0",
-                  forward, backward, weight ? *weight : 0.0, options.sample, options.message_bytes);
+                  "UnitCostModel: costs F={} B={} W={} sample={} message={} weight load={}, "
+                  "expected finite and >= 0",
+                  forward, backward, weight ? *weight : 0.0, options.sample, options.message_bytes,
+                  options.weight_load);
     options.link.check();
     share_.resize(static_cast<std::size_t>(shape.num_virtual_stages));
     for (int v = 0; v < shape.num_virtual_stages; ++v)
@@ -143,6 +165,14 @@ class UnitCostModel {
   }
   /// UnitCostOptions::link for every pair.
   [[nodiscard]] Link link(int, int) const noexcept { return opt_.link; }
+  /// 1 / V units of weights per virtual stage (a rank's whole share is one unit).
+  [[nodiscard]] double weight_bytes(const schedule::Action& a) const noexcept {
+    return share(a.virtual_stage);
+  }
+  /// UnitCostOptions::weight_load / V seconds per PREFETCH.
+  [[nodiscard]] double weight_load_seconds(const schedule::Action& a) const noexcept {
+    return opt_.weight_load * share(a.virtual_stage);
+  }
 
  private:
   [[nodiscard]] double share(int v) const noexcept {
@@ -235,6 +265,9 @@ struct RooflineOptions {
   std::vector<model::DeviceRates> rank_rates;  ///< ...unless given per rank (size P)
   Link link{5e-6, 25e9};                       ///< every link: 5 us, 25 GB/s by default
   Workload workload{};
+  /// Bytes per second a PREFETCH loads weights at (disk or host memory to the device), > 0;
+  /// default 2 GB/s (an NVMe SSD's sequential read).
+  double weight_load_bytes_per_s = 2e9;
 };
 
 /// Roofline costs (Williams et al. 2009) of a ModelSpec split by a Partition: each action's
@@ -252,6 +285,10 @@ struct RooflineOptions {
 /// (input and weight gradients are GEMMs of the forward's size), B = BI + BW; SAMPLE costs
 /// the stage's Sampler layers, which F excludes; OPT reads and writes the weights three times
 /// (AdamW: weights, two moments) at memory bandwidth.
+///
+/// Weights: a virtual stage's bytes are its layers' weight_bytes (model::layer_cost); a PREFETCH
+/// loads them in weight_bytes / RooflineOptions::weight_load_bytes_per_s seconds (prima.cpp's
+/// disk offload, Li et al. 2025).
 ///
 /// Memory (training only): activation_bytes() is training_stash() of the virtual stage for the
 /// micro-batch's WorkItem (tokens and sequences; what our kernels keep: the attention's
@@ -310,6 +347,9 @@ class RooflineCostModel {
     };
     check_rates(opt_.rates);
     for (const auto& r : opt_.rank_rates) check_rates(r);
+    BRIGADE_CHECK(opt_.weight_load_bytes_per_s > 0.0, Errc::InvalidArgument,
+                  "RooflineCostModel: weight load bandwidth {} bytes/s, expected > 0",
+                  opt_.weight_load_bytes_per_s);
     opt_.link.check();
     BRIGADE_CHECK(per_mb_.empty() ||
                       per_mb_.size() == static_cast<std::size_t>(shape_.num_microbatches),
@@ -346,6 +386,7 @@ class RooflineCostModel {
         }
         if (shape_.mode == schedule::Mode::Training) e.stash = training_stash(spec, st, w.tokens, w.sequences);
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
+        e.weights = weight_bytes;
         e.message = static_cast<double>(w.tokens) * cfg.dim * 4.0;
         e.token_message = static_cast<double>(w.sequences) * 4.0;
         table_[index(v, m, c)] = e;
@@ -411,6 +452,15 @@ class RooflineCostModel {
   }
   /// RooflineOptions::link for every pair.
   [[nodiscard]] Link link(int, int) const noexcept { return opt_.link; }
+  /// Bytes of the weights of a's virtual stage (the sum of its layers' weight_bytes).
+  [[nodiscard]] double weight_bytes(const schedule::Action& a) const noexcept {
+    return entry(a).weights;
+  }
+  /// Seconds a PREFETCH of a's virtual stage loads its weights: weight_bytes(a) /
+  /// RooflineOptions::weight_load_bytes_per_s.
+  [[nodiscard]] double weight_load_seconds(const schedule::Action& a) const noexcept {
+    return entry(a).weights / opt_.weight_load_bytes_per_s;
+  }
 
   /// A Partition for `shape`: the layers split uniformly (partition::uniform) into
   /// shape.num_virtual_stages stages, stage v placed on shape.rank_of(v).
@@ -426,7 +476,8 @@ class RooflineCostModel {
 
  private:
   struct Entry {
-    double forward = 0.0, sample = 0.0, optimizer = 0.0, message = 0.0, token_message = 0.0;
+    double forward = 0.0, sample = 0.0, optimizer = 0.0, message = 0.0, token_message = 0.0,
+           weights = 0.0;
     StageStash stash;  // zero in inference
   };
   [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {
@@ -453,6 +504,8 @@ class RooflineCostModel {
 
 static_assert(CostModel<UnitCostModel>, "UnitCostModel must model CostModel");
 static_assert(CostModel<RooflineCostModel>, "RooflineCostModel must model CostModel");
+static_assert(HasWeightBytes<UnitCostModel> && HasWeightLoad<UnitCostModel>);
+static_assert(HasWeightBytes<RooflineCostModel> && HasWeightLoad<RooflineCostModel>);
 
 }  // namespace v0
 }  // namespace brigade::cost

@@ -70,7 +70,10 @@ class Outbox {
 
 /// What an executor runs the actions on: the stages of one rank with their messages.
 ///
-/// - `compute(a)`: runs compute action `a` (F, B, BI, BW, RECOMPUTE, SAMPLE, ...);
+/// - `compute(a)`: runs compute action `a` (F, B, BI, BW, RECOMPUTE, SAMPLE, ...), and the
+///   weight ops PREFETCH and RELEASE of `a.virtual_stage` (a worker that cannot load or drop
+///   weights refuses them with an Error naming why, or returns a Work whose label says it did
+///   nothing);
 /// - `recv_messages(a, out)`: appends the messages RECV action `a` receives, in order;
 /// - `received(a, msgs)`: hands over what arrived for `a` (the bytes are valid only during the
 ///   call: the worker copies what it keeps);
@@ -230,8 +233,9 @@ class SendRing final : public Outbox {
 
 /// Runs one rank's lowered program: the actions `source` gives, in order, over `worker` and
 /// `transport`, and records one Timeline interval per compute action that ran (op, virtual
-/// stage, micro-batch, chunk = round in inference), per RECV (the wait) and per message of a
-/// SEND (from its post to when the executor saw it complete). Receive and send buffers live in
+/// stage, micro-batch, chunk = round in inference), per PREFETCH and RELEASE (the worker's call:
+/// with madvise, the time to issue the advice, not the asynchronous read it starts), per RECV
+/// (the wait) and per message of a SEND (from its post to when the executor saw it complete). Receive and send buffers live in
 /// slots reused across the run (no allocation per action once their capacity is reached).
 ///
 /// Semantics (what schedule::validate() models, ExecutionModel): RECVs are posted in program
@@ -239,8 +243,9 @@ class SendRing final : public Outbox {
 /// asynchronous within `run.windows.send_window` and completed at the end.
 ///
 /// @return the run's peak memory (ExecutorStats)
-/// @throws brigade::Error{InvalidArgument} for windows < 1 or a missing shape; the worker's and
-///         the transport's errors (PeerTimeout, HeaderMismatch, Aborted)
+/// @throws brigade::Error{InvalidArgument} for windows < 1 or a missing shape, or a MIGRATE
+///         action (schedule::kMigrateRefusal); the worker's and the transport's errors
+///         (PeerTimeout, HeaderMismatch, Aborted)
 template <ProgramSource Source, Worker Wk, transport::Transport T>
 ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run,
                       Timeline& timeline) {
@@ -356,6 +361,9 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
         worker.send(a, sends);
         break;
       }
+      case Op::Migrate:
+        ::brigade::detail::fail(Errc::InvalidArgument, "execute: rank {}: {}: {}", run.rank,
+                                schedule::to_string(a), schedule::kMigrateRefusal);
       default: {
         const Work w = worker.compute(a);
         if (w.ran) record(a, a.op, start, now(), w.tokens, w.label);

@@ -10,6 +10,7 @@
 #include "brigade/partition/partition.hpp"
 #include "brigade/plan/plan.hpp"
 #include "brigade/runtime/inference_stage.hpp"
+#include "brigade/schedule/offload.hpp"
 #include "brigade/schedule/rounds.hpp"
 #include "brigade/transport/transport.hpp"
 
@@ -53,6 +54,12 @@ struct InferenceOptions {
   int blas_threads = 1;         ///< BLAS threads per stage thread
   double timeout_s = 120.0;     ///< a stage waiting longer than this on a peer fails (PeerTimeout)
   ExecutorWindows windows;      ///< the executor's receive and send windows
+  /// Weight offload (prima.cpp): every round, each rank PREFETCHes each of its virtual stages'
+  /// weights one run ahead and RELEASEs them after (schedule::add_weight_offload on the round),
+  /// so a rank holds at most two windows' weights at once. Executed with madvise on mapped
+  /// weights (runtime::InferenceStage::prefetch_weights); owned (synthetic) weights stay
+  /// resident and the ops are recorded as no-ops. Tokens do not change.
+  bool weight_offload = false;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per stage).
@@ -180,18 +187,24 @@ class InferenceWorker {
  public:
   /// @param stages  stages[v] for the virtual stages on `rank` (null elsewhere)
   /// @param book    the SequenceBook when this rank holds virtual stage 0 (else null)
+  /// @param weight_offload emit each round with schedule::add_weight_offload (PREFETCH and
+  ///        RELEASE around every window's run; InferenceOptions::weight_offload)
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStage* const> stages,
                   const detail::GenerationLayout& layout, detail::SequenceBook* book,
-                  std::chrono::steady_clock::time_point t0);
+                  std::chrono::steady_clock::time_point t0, bool weight_offload = false);
 
   /// ProgramSource: appends the next round's lowered actions (append_inference_round) over the
-  /// micro-batches still running; false once none is left or the shape's rounds are used up.
+  /// micro-batches still running, with add_weight_offload when weight offload is on; false once
+  /// none is left or the shape's rounds are used up.
   bool fill(std::vector<schedule::Action>& out);
   /// F: virtual stage 0 builds the round's micro-batch from the SequenceBook (prefill or the
   /// sampled tokens; an empty one closes the group), every stage runs its layers; SAMPLE: one
   /// token per sequence. A closed micro-batch computes nothing (Work::ran false).
-  /// @throws brigade::Error{InvalidArgument} for another op; the stage's errors
+  /// PREFETCH / RELEASE: the stage's prefetch_weights() / release_weights() (madvise on mapped
+  /// weights, label "madvise"; a recorded no-op on owned weights, label "owned: resident").
+  /// @throws brigade::Error{InvalidArgument} for another op, or a compute on a virtual stage
+  ///         whose weights were released and not prefetched since; the stage's errors
   Work compute(const schedule::Action& a);
   /// RECV_F on virtual stage 0: the tokens (I32 [kAny, 3]); elsewhere the descriptor and the
   /// activations (buffers sized for the group's prefill).
@@ -221,6 +234,8 @@ class InferenceWorker {
   std::vector<char> live_;    // per micro-batch: runs in the current round
   std::vector<char> closed_;  // per micro-batch: closed in the current round
   std::vector<char> known_;   // per micro-batch: cur_ holds the current round's sequences
+  bool weight_offload_ = false;
+  std::vector<char> released_;  // per virtual stage: weights released, not prefetched since
   std::vector<std::vector<runtime::SeqEntry>> prev_, cur_;  // sequences of the last/this round
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
@@ -248,7 +263,7 @@ void run_inference_rank(T& transport, const model::LlamaWeights& weights, const 
         weights, plan.partition().stage(v), layout.capacities, options.sampler));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
-  InferenceWorker worker(shape, me, stages, layout, book, t0);
+  InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload);
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
 }

@@ -37,6 +37,8 @@ inline namespace v0 {
 /// output. B is BI then BW. RECOMPUTE rebuilds a stage's activations from its stashed input: an
 /// F whose (virtual stage, micro-batch) has a RECOMPUTE later in the program keeps only its
 /// input. OPT and SAMPLE do nothing here (the engine steps the optimizer after the step).
+/// PREFETCH and RELEASE are refused (Error{InvalidArgument}): the stages own and update their
+/// weights.
 /// Received activations and gradients are held per (virtual stage, micro-batch) from their RECV
 /// until the F or BI that consumes them; a stage's output (input gradient) is released by its
 /// SEND, or by the next virtual stage's F (BI) when that stage is on this rank.
@@ -96,6 +98,13 @@ class TrainingWorker {
       case Op::BW:
         stage(v).backward_weight(mb);
         break;
+      case Op::Prefetch:
+      case Op::Release:
+        ::brigade::detail::fail(Errc::InvalidArgument,
+                                "executor: rank {}: {}: the training worker's stages own their "
+                                "weights and update them in place, so it cannot release or "
+                                "prefetch them (schedule::validate refuses weight ops in training)",
+                                rank_, schedule::to_string(a));
       default:
         return {false, 0, {}};
     }

@@ -10,19 +10,29 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 namespace brigade::io {
 inline namespace v0 {
 
 /// Chrome trace JSON ("traceEvents" of complete "X" events, microseconds) for a Timeline:
 /// one row (tid) per rank, named "stage R"; each event is named "OP mb" with the op's text
-/// form and carries microbatch, virtual stage, chunk and tokens in "args".
+/// form and carries microbatch, virtual stage, chunk and tokens in "args". Weight and cache
+/// movement (PREFETCH, RELEASE, MIGRATE) overlaps compute, so it goes on a row of its own per
+/// rank that has any: tid P + R, named "stage R I/O".
 inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row_name = "stage") {
   nlohmann::json events = nlohmann::json::array();
   const double t0 = tl.begin();
-  for (int r = 0; r < tl.num_ranks(); ++r) {
+  const int P = tl.num_ranks();
+  std::vector<char> io_row(static_cast<std::size_t>(P), 0);
+  for (const auto& iv : tl.intervals())
+    if (is_memory_op(iv.op)) io_row[static_cast<std::size_t>(iv.rank)] = 1;
+  for (int r = 0; r < P; ++r) {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
                       {"args", {{"name", row_name + " " + std::to_string(r)}}}});
+    if (io_row[static_cast<std::size_t>(r)])
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", P + r},
+                        {"args", {{"name", row_name + " " + std::to_string(r) + " I/O"}}}});
   }
   for (const auto& iv : tl.intervals()) {
     std::string name = std::string(to_string(iv.op)) + " " + std::to_string(iv.microbatch);
@@ -31,7 +41,7 @@ inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row
                       {"cat", std::string(to_string(iv.op))},
                       {"ph", "X"},
                       {"pid", 0},
-                      {"tid", iv.rank},
+                      {"tid", is_memory_op(iv.op) ? P + iv.rank : iv.rank},
                       {"ts", (iv.start - t0) * 1e6},
                       {"dur", iv.duration() * 1e6},
                       {"args",

@@ -34,6 +34,10 @@ struct LlamaWeights {
   const float* rms_final = nullptr;        ///< [dim]
   const float* wcls = nullptr;             ///< [vocab_size x dim]; == token_embedding when shared
   std::shared_ptr<const void> storage;     ///< keeps the memory behind the pointers alive
+  /// True when the tensors point into a read-only file mapping (load_llama2c_checkpoint): pages
+  /// dropped with madvise(MADV_DONTNEED) are read back from the file on their next use. False
+  /// for owned memory (make_synthetic_weights), where dropping pages would lose the weights.
+  bool mapped = false;
 };
 
 /// Loads a llama2.c checkpoint (legacy format: 7 little-endian int32 header fields dim,

@@ -7,9 +7,11 @@
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace brigade::runtime {
@@ -97,11 +99,38 @@ class InferenceStage {
   /// Bytes held by this stage's KV cache.
   [[nodiscard]] std::size_t kv_cache_bytes() const noexcept;
 
+  /// Bytes of this stage's weights: every tensor of its layers (the embedding table, each
+  /// decoder's nine tensors, the final norm gain, the classifier; the sampler has none).
+  [[nodiscard]] std::size_t weight_bytes() const noexcept { return weight_bytes_; }
+
+  /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
+  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors,
+  /// which starts reading them into the page cache asynchronously and returns; the next
+  /// forward takes whatever has not arrived by page faults. Owned weights are always resident:
+  /// nothing is done.
+  /// @return true when the kernel was advised, false for owned weights
+  /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
+  bool prefetch_weights();
+  /// RELEASE: when the weights are mapped, madvise(MADV_DONTNEED) over the pages of this
+  /// stage's tensors: the process drops them (its resident set shrinks) and the next use reads
+  /// them back from the page cache or the file, so results do not change. The ranges are
+  /// rounded out to whole pages, so a neighbouring tensor sharing a page is dropped too (and
+  /// read back the same way). Owned weights: nothing is done (dropping anonymous pages would
+  /// zero them).
+  /// @return true when the kernel was advised, false for owned weights
+  /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
+  bool release_weights();
+
  private:
   float* k_cache(int decoder, int seq);
   float* v_cache(int decoder, int seq);
 
+  /// madvise(advice) over every page range of weight_pages_; false for owned weights.
+  bool advise_weights(int advice, const char* name);
+
   const model::LlamaWeights* weights_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
+  std::size_t weight_bytes_ = 0;
   model::ModelSpec spec_;
   partition::StageRange range_;
   int num_layers_;

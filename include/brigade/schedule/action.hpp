@@ -24,13 +24,16 @@ inline namespace v0 {
 /// The op of an action: the same enum the Timeline records (brigade::Op, core/op.hpp).
 using Op = ::brigade::Op;
 
-/// True for the compute ops (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT): everything but SEND/RECV.
-constexpr bool is_compute(Op op) noexcept { return !is_communication(op); }
+/// True for the compute ops (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT): neither SEND/RECV nor the
+/// memory ops PREFETCH, RELEASE, MIGRATE (brigade::is_compute, core/op.hpp).
+using ::brigade::is_compute;
 
 /// One step of one rank's program. Plain data: copyable, ordered, hashable by value, printable.
 ///
 /// Text form (see to_string(const Action&)): `<virtual_stage><OP><microbatch>[.c<chunk>]`,
-/// e.g. "3F7", "2SEND_B4", "5BW1.c2".
+/// e.g. "3F7", "2SEND_B4", "5BW1.c2", "2PREFETCH0.c3". A PREFETCH or RELEASE acts on the
+/// weights of its virtual stage; its micro-batch and chunk name the compute it is placed for
+/// (the Timeline shows them) and do not change what it does.
 struct Action {
   Op op = Op::F;                   ///< what to do
   std::int32_t virtual_stage = 0;  ///< global virtual-stage index in [0, shape.num_virtual_stages)

@@ -44,7 +44,9 @@ inline void check_action_range(const Shape& sh, const Action& a, int rank, std::
 /// actions keep their order (strip_communication(lower(s)) == s). The inference token edge
 /// (SAMPLE of round c on the last stage to F(0) of round c + 1) is lowered like any other.
 ///
-/// @param compute per-rank programs of compute ops only (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT)
+/// @param compute per-rank programs without communication: compute ops (F, B, BI, BW,
+///                RECOMPUTE, SAMPLE, OPT) and the memory ops (PREFETCH, RELEASE, MIGRATE), which
+///                keep their place (they have no dataflow edges)
 /// @return the lowered schedule; validate() on it succeeds iff `compute` is deadlock-free and
 ///         complete
 /// @throws brigade::Error{InvalidArgument} if `compute` holds a communication op, its shape is
@@ -61,7 +63,7 @@ inline Schedule lower(const Schedule& compute) {
     prog.reserve(in.size() * 2);
     for (std::size_t i = 0; i < in.size(); ++i) {
       const Action& a = in[i];
-      BRIGADE_CHECK(is_compute(a.op), Errc::InvalidArgument,
+      BRIGADE_CHECK(!is_communication(a.op), Errc::InvalidArgument,
                     "lower: rank {} step {}: {} is a communication op; lower() takes a "
                     "compute-only schedule (strip_communication() removes them)",
                     r, i, to_string(a));
@@ -97,13 +99,14 @@ inline Schedule lower(Schedule compute, const partition::Partition& partition) {
   return lower(compute);
 }
 
-/// The inverse of lower() on its output: every SEND/RECV removed, compute actions in order.
+/// The inverse of lower() on its output: every SEND/RECV removed, the other actions (compute
+/// and memory ops) in order.
 inline Schedule strip_communication(const Schedule& s) {
   Schedule out{s.shape, {}};
   out.ranks.resize(s.ranks.size());
   for (std::size_t r = 0; r < s.ranks.size(); ++r)
     for (const auto& a : s.ranks[r])
-      if (is_compute(a.op)) out.ranks[r].push_back(a);
+      if (!is_communication(a.op)) out.ranks[r].push_back(a);
   return out;
 }
 

@@ -54,7 +54,8 @@ inline std::string describe(const ExecutionModel& m) {
 /// What validate() proved about a schedule that completes.
 struct ValidationResult {
   std::size_t actions = 0;          ///< actions over all ranks
-  std::size_t compute_actions = 0;  ///< of which compute (non-SEND/RECV)
+  std::size_t compute_actions = 0;  ///< of which compute (is_compute: F, B, BI, BW, ...)
+  std::size_t weight_actions = 0;   ///< of which PREFETCH or RELEASE
   std::size_t messages = 0;         ///< SEND/RECV pairs matched
   bool has_backward = false;        ///< whether the schedule holds B/BI/BW actions
   std::string semantics;            ///< describe() of the ExecutionModel it was checked under
@@ -71,6 +72,14 @@ inline int channel_of(const Shape& shape, const Action& a) noexcept {
                       (a.op == Op::RecvF && a.virtual_stage == 0));
   return token ? 2 : 0;
 }
+
+/// Why validate() refuses MIGRATE: what the op would need that the IR and the executor lack.
+inline constexpr std::string_view kMigrateRefusal =
+    "MIGRATE (KV-cache migration, DynaPipe) is not executable yet: a schedule's placement is "
+    "fixed for the whole run (Shape::placement), so the action cannot name the rank the KV rows "
+    "of its virtual stage would move to, there is no counterpart on a receiving rank to pair it "
+    "with, and no worker moves KV rows; it needs a plan change between rounds (a new Partition) "
+    "and a MIGRATE message pair";
 
 namespace detail {
 
@@ -119,10 +128,15 @@ inline std::uint32_t seen_bit(Op op) noexcept {
     case Op::RecvB:
       return kSeenRecvB;
     case Op::Opt:
+    case Op::Prefetch:
+    case Op::Release:
+    case Op::Migrate:
       return 0;
   }
   return 0;
 }
+
+
 
 /// Where a SEND sits: rank and step; rank < 0 when absent.
 struct Where {
@@ -148,6 +162,7 @@ class Validator {
     bits_.assign(static_cast<std::size_t>(keys), 0);
     send_f_.assign(static_cast<std::size_t>(keys), Where{});
     send_b_.assign(static_cast<std::size_t>(keys), Where{});
+    weights_.assign(static_cast<std::size_t>(n_), WeightState{});
   }
 
   ValidationResult run() {
@@ -217,6 +232,8 @@ class Validator {
             auto& where = (a.op == Op::SendF ? send_f_ : send_b_)[key(*peer)];
             where = {r, static_cast<std::int32_t>(i)};
           }
+        } else if (is_memory_op(a.op)) {
+          weight_step(r, i, a);
         } else {
           ++result_.compute_actions;
           if (a.op == Op::B || a.op == Op::BI || a.op == Op::BW) result_.has_backward = true;
@@ -236,6 +253,7 @@ class Validator {
                 {{r, static_cast<int>(i)}});
           bits_[k] |= bit;
         }
+        if (is_compute(a.op)) weight_use(r, i, a);
       }
     }
     BRIGADE_CHECK(!(result_.has_backward && sh_.mode == Mode::Inference), Errc::InvalidArgument,
@@ -287,6 +305,78 @@ class Validator {
               {{r, static_cast<int>(i)}});
       }
     }
+  }
+
+  // ---- weights: PREFETCH / RELEASE residency, per virtual stage in its rank's program order ---
+  /// Residency of virtual stage v's weights on its rank, as the program runs. A virtual stage
+  /// whose first action in its rank's program is a PREFETCH starts absent; every other one
+  /// starts resident (a schedule without PREFETCH keeps all weights resident, as always).
+  enum class Weights : std::uint8_t { Unseen, Resident, Absent };
+  struct WeightState {
+    Weights state = Weights::Unseen;
+    std::int32_t step = -1;  // the step of the PREFETCH or RELEASE that set the state
+  };
+
+  /// Checks PREFETCH / RELEASE / MIGRATE action `a` at rank r step i and records its effect.
+  void weight_step(int r, std::size_t i, const Action& a) {
+    const int v = a.virtual_stage;
+    if (a.op == Op::Migrate)
+      fail_grid(Errc::InvalidArgument,
+                fmt::format("validate: rank {} step {}: {}: {}", r, i, to_string(a),
+                            kMigrateRefusal),
+                {{r, static_cast<int>(i)}});
+    if (sh_.mode == Mode::Training)
+      fail_grid(Errc::InvalidArgument,
+                fmt::format("validate: rank {} step {}: {} in a training schedule: training "
+                            "stages own their weights and the optimizer updates them in place, "
+                            "so released weights could not be read back from their file; weight "
+                            "offload runs in inference only",
+                            r, i, to_string(a)),
+                {{r, static_cast<int>(i)}});
+    ++result_.weight_actions;
+    auto& w = weights_[static_cast<std::size_t>(v)];
+    const auto since = [&] {
+      return w.step < 0 ? std::string("from the start")
+                        : fmt::format("since step {} ({})", w.step,
+                                      to_string(at(r, static_cast<std::size_t>(w.step))));
+    };
+    if (a.op == Op::Prefetch) {
+      if (w.state == Weights::Resident)
+        fail_grid(Errc::InvalidArgument,
+                  fmt::format("validate: rank {} step {}: {} prefetches virtual stage {}, whose "
+                              "weights are already resident ({}); RELEASE them before a new "
+                              "PREFETCH",
+                              r, i, to_string(a), v, since()),
+                  w.step < 0 ? std::vector<Step>{{r, static_cast<int>(i)}}
+                             : std::vector<Step>{{r, static_cast<int>(i)}, {r, w.step}});
+      w = {Weights::Resident, static_cast<std::int32_t>(i)};
+      return;
+    }
+    // RELEASE
+    if (w.state == Weights::Absent)
+      fail_grid(Errc::InvalidArgument,
+                fmt::format("validate: rank {} step {}: {} releases virtual stage {}, whose "
+                            "weights are not resident: released at step {} ({}) without a "
+                            "PREFETCH since",
+                            r, i, to_string(a), v, w.step,
+                            to_string(at(r, static_cast<std::size_t>(w.step)))),
+                {{r, static_cast<int>(i)}, {r, w.step}});
+    w = {Weights::Absent, static_cast<std::int32_t>(i)};
+  }
+
+  /// Checks that compute action `a` (rank r, step i) finds its virtual stage's weights resident.
+  void weight_use(int r, std::size_t i, const Action& a) {
+    auto& w = weights_[static_cast<std::size_t>(a.virtual_stage)];
+    if (w.state == Weights::Unseen) w.state = Weights::Resident;
+    if (w.state == Weights::Absent)
+      fail_grid(Errc::InvalidArgument,
+                fmt::format("validate: rank {} step {}: {} runs on virtual stage {} after {} at "
+                            "step {} without a {} in between: its weights are not resident",
+                            r, i, to_string(a), a.virtual_stage,
+                            to_string(at(r, static_cast<std::size_t>(w.step))), w.step,
+                            to_string(Action{Op::Prefetch, a.virtual_stage, a.microbatch,
+                                             a.chunk})),
+                {{r, static_cast<int>(i)}, {r, w.step}});
   }
 
   // ---- dynamic pass: eager sends, blocking receives, dependency checks ----------------------
@@ -412,6 +502,9 @@ class Validator {
         return;
       case Op::RecvF:
       case Op::RecvB:
+      case Op::Prefetch:
+      case Op::Release:
+      case Op::Migrate:
         return;
     }
   }
@@ -704,6 +797,7 @@ class Validator {
   int n_ = 0, m_ = 0, c_ = 0;
   std::vector<std::uint32_t> bits_;
   std::vector<Where> send_f_, send_b_;  // indexed by the receiver's key
+  std::vector<WeightState> weights_;    // per virtual stage
   ValidationResult result_;
 };
 
@@ -729,7 +823,13 @@ class Validator {
 /// 4. the symbolic run: dependencies (a backward before its forward, a forward before its input
 ///    arrived, BW before BI, OPT before the weight gradients) and termination;
 /// 5. matching: the k-th receive of every channel is the counterpart of the k-th send on it
-///    (else the executor would fail with HeaderMismatch).
+///    (else the executor would fail with HeaderMismatch);
+/// 6. weights (checked with 1, in each rank's program order): a virtual stage's weights are
+///    resident from the start unless its rank's first action on it is a PREFETCH; PREFETCH of
+///    resident weights, RELEASE of weights not resident (RELEASE twice), and a compute action
+///    of a virtual stage after its RELEASE without a PREFETCH in between are refused;
+///    PREFETCH/RELEASE in a training schedule are refused (training stages own and update their
+///    weights); MIGRATE is refused (kMigrateRefusal says what it lacks).
 ///
 /// Runs in O(actions + stages x micro-batches x chunks) time with eager sends; the rendezvous
 /// run is a fixed point over the ranks, O(ranks x actions) in the worst case.
@@ -742,7 +842,7 @@ class Validator {
 ///         the chain ending at a receive whose send is missing, followed by the render_grid()
 ///         excerpt around the blocked steps; under Rendezvous, each blocked rank and the send or
 ///         receive it waits for
-/// @throws brigade::Error{Errc::InvalidArgument} for a failed check of 1-3 or 5, a window < 1,
+/// @throws brigade::Error{Errc::InvalidArgument} for a failed check of 1-3, 5 or 6, a window < 1,
 ///         or a dependency
 ///         violation, naming the rank, the step and the action, with a grid excerpt
 inline ValidationResult validate(const Schedule& lowered, const ExecutionModel& model = {}) {

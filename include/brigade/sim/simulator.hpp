@@ -50,6 +50,13 @@ struct SimResult {
   /// Per rank: the most forwards held at once, waiting for their backward to free them (B, or
   /// BW after BI); one per (virtual stage, micro-batch, chunk). Training only.
   std::vector<int> peak_stash;
+  /// Per rank: the most weight bytes resident at once (cost model's weight_bytes; 0 without
+  /// it). Every virtual stage placed on a rank is resident from the start unless the rank's
+  /// first action on it is a PREFETCH; a PREFETCH adds its bytes when it starts, a RELEASE
+  /// subtracts them.
+  std::vector<double> peak_weight_bytes;
+  /// Per rank: seconds compute actions waited for a PREFETCH of their virtual stage to finish.
+  std::vector<double> io_wait_seconds;
   std::size_t actions = 0;   ///< actions simulated
   std::size_t messages = 0;  ///< SEND/RECV pairs delivered
 };
@@ -62,7 +69,12 @@ struct ActionCost {
   double latency = 0.0;     ///< for a SEND: the link latency
   double overhead = 0.0;    ///< for a SEND: seconds the sender's CPU spends posting it
   int peer = -1;            ///< for a SEND: the receiving rank
+  double weights = 0.0;     ///< for a PREFETCH or RELEASE: the weight bytes it loads or frees
 };
+
+/// Per rank: the weight bytes resident when the run starts (every virtual stage placed there
+/// whose first action on the rank is not a PREFETCH).
+using InitialWeights = std::vector<double>;
 
 using CostTable = std::vector<std::vector<ActionCost>>;
 
@@ -75,7 +87,14 @@ using CostTable = std::vector<std::vector<ActionCost>>;
 /// the message's arrival. Ranks whose RECV has no message yet wait on a worklist; a send wakes
 /// its receiver. Link order is each sender's program order, so the result is exact without a
 /// global event queue.
-inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const SimOptions& opt) {
+///
+/// Weights: each rank also has an I/O lane with its own clock. A PREFETCH of virtual stage v
+/// starts at max(rank clock, I/O lane free), holds the lane for its seconds (the rank's compute
+/// clock does not move: the load overlaps compute), and the next compute action of v starts no
+/// earlier than the load's end (the difference is I/O wait). Resident bytes start at `initial`
+/// and change by a PREFETCH (+) and a RELEASE (-) in program order.
+inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const SimOptions& opt,
+                     const InitialWeights& initial) {
   using schedule::Action;
   using schedule::Op;
   const auto& sh = s.shape;
@@ -95,6 +114,10 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
   res.timeline = Timeline(P);
   const auto up = static_cast<std::size_t>(P);
   res.busy_seconds.assign(up, 0.0);
+  res.peak_weight_bytes = initial;
+  res.io_wait_seconds.assign(up, 0.0);
+  std::vector<double> resident = initial, io_free(up, 0.0);
+  std::vector<double> weights_ready(static_cast<std::size_t>(sh.num_virtual_stages), 0.0);
   std::vector<double> clock(up, 0.0);
   std::vector<std::size_t> pc(up, 0);
   std::vector<char> blocked(up, 0);
@@ -168,7 +191,27 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
           }
           break;
         }
+        case Op::Prefetch: {
+          const double start = std::max(t, io_free[ur]);
+          io_free[ur] = start + ac.seconds;
+          weights_ready[static_cast<std::size_t>(a.virtual_stage)] = io_free[ur];
+          resident[ur] += ac.weights;
+          res.peak_weight_bytes[ur] = std::max(res.peak_weight_bytes[ur], resident[ur]);
+          record(r, a, start, io_free[ur]);
+          break;
+        }
+        case Op::Release:
+          resident[ur] -= ac.weights;
+          record(r, a, t, t);
+          break;
+        case Op::Migrate:  // refused before the run (schedule::kMigrateRefusal)
+          break;
         default: {
+          const double ready = weights_ready[static_cast<std::size_t>(a.virtual_stage)];
+          if (ready > t) {
+            res.io_wait_seconds[ur] += ready - t;
+            t = ready;
+          }
           record(r, a, t, t + ac.seconds);
           t += ac.seconds;
           res.busy_seconds[ur] += ac.seconds;
@@ -328,6 +371,15 @@ void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::
 /// buffers of `options.windows`). The metrics follow the Timeline's definitions: bubble ratio = idle
 /// rank-time / (P x makespan), where busy time counts compute actions only.
 ///
+/// Weights (prima.cpp's offload): every virtual stage placed on a rank is resident from the
+/// start, unless the rank's first action on it is a PREFETCH. A PREFETCH runs on the rank's
+/// I/O lane, a clock of its own, for `cost_model.weight_load_seconds(a)` (an optional member,
+/// cost::HasWeightLoad; 0 without it), queueing behind earlier loads of that rank but never
+/// blocking compute; the next compute action of its virtual stage waits for it (reported as
+/// io_wait_seconds). Resident bytes (`cost_model.weight_bytes(a)`, optional,
+/// cost::HasWeightBytes) grow at a PREFETCH and shrink at a RELEASE; their per-rank maximum is
+/// peak_weight_bytes. MIGRATE is refused (schedule::kMigrateRefusal).
+///
 /// @param lowered a lowered schedule (lower()'s output or hand-written with SEND/RECV)
 /// @param cost_model a CostModel built for `lowered.shape`
 /// @throws brigade::Error{Deadlock or InvalidArgument} as schedule::validate() (when
@@ -346,6 +398,9 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
       const auto& prog = lowered.ranks[static_cast<std::size_t>(r)];
       for (std::size_t i = 0; i < prog.size(); ++i) {
         schedule::detail::check_action_range(lowered.shape, prog[i], r, i, "simulate");
+        BRIGADE_CHECK(prog[i].op != Op::Migrate, Errc::InvalidArgument,
+                      "simulate: rank {} step {}: {}: {}", r, i, schedule::to_string(prog[i]),
+                      schedule::kMigrateRefusal);
         if (is_communication(prog[i].op))
           BRIGADE_CHECK(schedule::counterpart(lowered.shape, prog[i]).has_value(),
                         Errc::InvalidArgument, "simulate: rank {} step {}: {} has no counterpart",
@@ -354,6 +409,34 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
     }
   }
   auto finite = [](double x) { return x >= 0.0 && std::isfinite(x); };
+  auto weight_bytes = [&](const schedule::Action& a) {
+    double b = 0.0;
+    if constexpr (cost::HasWeightBytes<Cost>) b = static_cast<double>(cost_model.weight_bytes(a));
+    BRIGADE_CHECK(finite(b), Errc::InvalidArgument,
+                  "simulate: the cost model gives {} weight bytes for virtual stage {}, expected "
+                  "finite and >= 0",
+                  b, a.virtual_stage);
+    return b;
+  };
+  // Weights resident at the start: every virtual stage placed on a rank whose first action
+  // on it there is not a PREFETCH.
+  detail::InitialWeights initial(lowered.ranks.size(), 0.0);
+  {
+    std::vector<char> first_prefetch(static_cast<std::size_t>(lowered.shape.num_virtual_stages),
+                                     0),
+        seen(first_prefetch.size(), 0);
+    for (const auto& prog : lowered.ranks)
+      for (const auto& a : prog) {
+        const auto v = static_cast<std::size_t>(a.virtual_stage);
+        if (is_communication(a.op) || seen[v]) continue;
+        seen[v] = 1;
+        first_prefetch[v] = a.op == Op::Prefetch;
+      }
+    for (int v = 0; v < lowered.shape.num_virtual_stages; ++v)
+      if (!first_prefetch[static_cast<std::size_t>(v)])
+        initial[static_cast<std::size_t>(lowered.shape.rank_of(v))] +=
+            weight_bytes(schedule::Action{Op::F, v, 0, 0});
+  }
   detail::CostTable table(lowered.ranks.size());
   for (int r = 0; r < lowered.shape.num_ranks; ++r) {
     const auto& prog = lowered.ranks[static_cast<std::size_t>(r)];
@@ -379,6 +462,14 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
                         "simulate: the cost model gives {} s of send overhead for {}", c.overhead,
                         schedule::to_string(a));
         }
+      } else if (a.op == Op::Prefetch || a.op == Op::Release) {
+        c.weights = weight_bytes(a);
+        if constexpr (cost::HasWeightLoad<Cost>)
+          if (a.op == Op::Prefetch) c.seconds = static_cast<double>(cost_model.weight_load_seconds(a));
+        BRIGADE_CHECK(finite(c.seconds), Errc::InvalidArgument,
+                      "simulate: the cost model gives {} s to load the weights of {}, expected "
+                      "finite and >= 0",
+                      c.seconds, schedule::to_string(a));
       } else if (schedule::is_compute(a.op)) {
         c.seconds = static_cast<double>(cost_model.compute_seconds(a));
         BRIGADE_CHECK(finite(c.seconds), Errc::InvalidArgument,
@@ -387,7 +478,7 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
       }
     }
   }
-  SimResult res = detail::run(lowered, table, options);
+  SimResult res = detail::run(lowered, table, options, initial);
   detail::peak_memory(lowered, cost_model, options.windows, res);
   return res;
 }
@@ -405,13 +496,15 @@ SimResult simulate(const plan::Plan& plan, const Cost& cost_model, SimOptions op
 
 /// The metrics of a simulation as JSON (what `brigade simulate --metrics` writes):
 /// {"makespan_s", "bubble_ratio", "actions", "messages", "ranks": P, "busy_s": [...],
-///  "utilization": [...], "peak_memory_bytes": [...], "peak_stash": [...]}.
+///  "utilization": [...], "peak_memory_bytes": [...], "peak_stash": [...],
+///  "peak_weight_bytes": [...], "io_wait_s": [...]}.
 inline nlohmann::json metrics_json(const SimResult& r) {
   return {{"makespan_s", r.makespan},       {"bubble_ratio", r.bubble_ratio},
           {"actions", r.actions},           {"messages", r.messages},
           {"ranks", r.busy_seconds.size()}, {"busy_s", r.busy_seconds},
           {"utilization", r.utilization},   {"peak_memory_bytes", r.peak_memory_bytes},
-          {"peak_stash", r.peak_stash}};
+          {"peak_stash", r.peak_stash},     {"peak_weight_bytes", r.peak_weight_bytes},
+          {"io_wait_s", r.io_wait_seconds}};
 }
 
 }  // namespace v0

@@ -53,7 +53,7 @@ inline std::string xml_escape(std::string_view s) {
 }
 
 /// Fill color of an op (Tableau 10): F blue, B and BI green, BW orange, RECOMPUTE purple,
-/// SAMPLE red, OPT grey, communication light grey.
+/// SAMPLE red, OPT grey, PREFETCH teal, RELEASE yellow, MIGRATE brown, communication light grey.
 inline std::string_view op_color(Op op) noexcept {
   switch (op) {
     case Op::F:
@@ -70,6 +70,12 @@ inline std::string_view op_color(Op op) noexcept {
       return "#e15759";
     case Op::Opt:
       return "#555555";
+    case Op::Prefetch:
+      return "#76b7b2";
+    case Op::Release:
+      return "#edc948";
+    case Op::Migrate:
+      return "#9c755f";
     default:
       return "#bab0ac";
   }
@@ -98,7 +104,9 @@ inline std::string time_label(double t, double span, bool seconds) {
 /// BW orange, RECOMPUTE purple, SAMPLE red, OPT grey) holding its micro-batch number when the
 /// box is wide enough. Later model chunks of interleaved schedules (virtual stage v on rank
 /// v mod P, chunk v div P) are drawn lighter. Inference rounds after the prefill are drawn
-/// with a dashed outline. A legend lists the ops present.
+/// with a dashed outline. Weight loads and releases (PREFETCH, RELEASE, MIGRATE) overlap
+/// compute, so they are drawn as a thin strip over the top of the row (at least 1.5 px wide,
+/// so an instantaneous RELEASE shows as a tick). A legend lists the ops present.
 /// @throws brigade::Error{InvalidArgument} for width < 200 or row_height < 8
 inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
   BRIGADE_CHECK(opt.width >= 200 && opt.row_height >= 8, Errc::InvalidArgument,
@@ -134,9 +142,20 @@ inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
   }
   std::array<bool, kNumOps> present{};
   const double font = std::min(11.0, row * 0.5);
+  std::string memory_strips;  // drawn last, over the compute boxes
   for (const auto& iv : tl.intervals()) {
     const double y = top + iv.rank * (row + gap);
     const double x = x_of(iv.start), w = std::max(0.0, x_of(iv.end) - x);
+    if (is_memory_op(iv.op)) {
+      present[static_cast<std::size_t>(iv.op)] = true;
+      memory_strips += fmt::format(
+          "<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" fill=\"{}\"><title>{} "
+          "vs{}{} [{:g}, {:g}]</title></rect>\n",
+          x, y, std::max(1.5, w), std::max(3.0, row / 5.0), detail::op_color(iv.op),
+          to_string(iv.op), iv.virtual_stage,
+          iv.chunk ? fmt::format(" c{}", iv.chunk) : std::string(), iv.start, iv.end);
+      continue;
+    }
     if (is_communication(iv.op)) {
       if (!opt.show_communication) continue;
       present[static_cast<std::size_t>(iv.op)] = true;
@@ -165,6 +184,7 @@ inline std::string render_svg(const Timeline& tl, const SvgOptions& opt = {}) {
           "text-anchor=\"middle\">{}</text>\n",
           x + w / 2, y + row / 2 + font * 0.35, font, text);
   }
+  svg += memory_strips;
   // Time axis with 1-2-5 ticks.
   const double axis_y = top + rows_h + 4;
   svg +=
