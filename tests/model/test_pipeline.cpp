@@ -4,11 +4,14 @@
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/runtime/inference_stage.hpp>
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -301,4 +304,63 @@ TEST_CASE("pipeline.offload: owned (synthetic) weights stay resident; the ops ar
       CHECK(iv.label == "owned: resident");
     }
   CHECK(prefetches > 0);
+}
+
+namespace {
+
+/// Resident kB of the mapping of this process that contains `p` (/proc/self/smaps "Rss:").
+long mapping_rss_kb(const void* p) {
+  std::ifstream in("/proc/self/smaps");
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(in, line);) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      inside = addr >= lo && addr < hi;
+      continue;
+    }
+    long kb = 0;
+    if (inside && std::sscanf(line.c_str(), "Rss: %ld kB", &kb) == 1) return kb;
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("pipeline.offload: RELEASE drops a stage's pages from the process, the next forward "
+          "reads them back and gives the same logits") {
+  // A private mapping of its own, so no other test's touches interfere.
+  const auto w = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  const model::ModelSpec spec(w.config);
+  const partition::StageRange all{0, 0, spec.num_layers()};
+  const std::vector<int> caps{8};
+  runtime::InferenceStage stage(w, all, caps, model::SamplerConfig{0.0f, 0.9f, 1});
+  CHECK(stage.weight_bytes() > 900'000);  // every tensor of the 1 MB checkpoint but RoPE
+  auto run = [&] {
+    runtime::Microbatch mb;
+    mb.seqs = {{0, 0, 3}};
+    mb.token_ids = {1, 400, 401};
+    stage.forward(mb);
+    return mb.act;
+  };
+  const auto logits = run();
+  const long before = mapping_rss_kb(w.token_embedding);
+  REQUIRE(before > 0);
+  CHECK(stage.release_weights());
+  const long after = mapping_rss_kb(w.token_embedding);
+  CAPTURE(before);
+  CAPTURE(after);
+  CHECK(after < before / 4);
+  CHECK(stage.prefetch_weights());
+  // Position 0 again needs an empty KV cache: a fresh stage over the same mapping.
+  runtime::InferenceStage again(w, all, caps, model::SamplerConfig{0.0f, 0.9f, 1});
+  runtime::Microbatch mb;
+  mb.seqs = {{0, 0, 3}};
+  mb.token_ids = {1, 400, 401};
+  again.forward(mb);
+  CHECK(mb.act == logits);
+  const long reread = mapping_rss_kb(w.token_embedding);
+  CHECK(reread >= before / 2);
+  MESSAGE("resident kB of the checkpoint's mapping: " << before << " after a forward, " << after
+          << " after RELEASE, " << reread << " after the next forward");
 }

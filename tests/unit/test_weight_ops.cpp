@@ -6,6 +6,7 @@
 #include <brigade/cost/cost_model.hpp>
 #include <brigade/engine/executor.hpp>
 #include <brigade/engine/threads.hpp>
+#include <brigade/engine/training.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/config.hpp>
 #include <brigade/schedule.hpp>
@@ -16,6 +17,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
@@ -438,3 +440,44 @@ TEST_CASE("ops.chunks: a 2-chunk training schedule carries the chunk on SEND/REC
   CHECK(recorded >= 8);  // 4 compute, 2 RECV and 2 SEND of chunk 1
   CHECK(seen[1][0] == Action{Op::RecvF, 1, 0, 0});
 }
+
+TEST_CASE("ops.errors: the pass, the cost models and the training worker name what is wrong") {
+  std::vector<Action> prog{{Op::F, 0, 0, 0}};
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::add_weight_offload(prog, 2); }),
+                 "add_weight_offload: fragment start 2 past the program's 1 actions"));
+  UnitCostOptions o;
+  o.weight_load = -1.0;
+  const auto shape = ring(2, 2, 1, 1).shape;
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { UnitCostModel(shape, 1.0, 0.0, {}, o); }),
+                 "weight load=-1, expected finite and >= 0"));
+  const auto train = sch::gpipe({2, 2}).shape;
+  eng::TrainingWorker worker(std::span<const Action>{}, train, 0, {}, {}, 1.0, 8);
+  CHECK(contains(error_of(Errc::InvalidArgument,
+                          [&] { worker.compute(Action{Op::Release, 0, 0, 0}); }),
+                 "executor: rank 0: 0RELEASE0: the training worker's stages own their weights"));
+}
+
+#ifdef BRIGADE_CLI
+TEST_CASE("ops.cli: brigade simulate --offload prints the closed form, peak weights and I/O wait") {
+  if (!std::filesystem::exists(BRIGADE_CLI)) return;
+  // The 2 x 2 ring, 3 rounds, F = 1 per window, a window loads in 0.5: 4 C f + L = 12.5.
+  const auto r = brigade::test::run_cli(
+      "simulate --schedule inference --ranks 2 --microbatches 1 --virtual 2 --decode-steps 2 "
+      "--unit-costs 2,0 --offload --weight-load 1");
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  CHECK(r.rc == 0);
+  CHECK(contains(r.out, "makespan     12.5 s"));
+  CHECK(contains(r.out, "weights      peak 1 1 units resident per rank"));
+  CHECK(contains(r.out, "24 PREFETCH/RELEASE"));
+  CHECK(contains(r.out, "I/O wait     0.5 0\n"));
+  // Training schedules are refused with validate's reason; --load-bandwidth needs --model.
+  const auto t = brigade::test::run_cli("simulate --schedule 1f1b --ranks 2 --microbatches 2 --offload");
+  CHECK(t.rc == 2);
+  CHECK(contains(t.err, "0PREFETCH0 in a training schedule"));
+  const auto b = brigade::test::run_cli(
+      "simulate --schedule inference --ranks 2 --microbatches 1 --offload --load-bandwidth 1e9");
+  CHECK(b.rc != 0);
+  CHECK(contains(b.err, "--load-bandwidth requires --model"));
+}
+#endif
