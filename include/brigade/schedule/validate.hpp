@@ -309,8 +309,9 @@ class Validator {
 
   // ---- weights: PREFETCH / RELEASE residency, per virtual stage in its rank's program order ---
   /// Residency of virtual stage v's weights on its rank, as the program runs. A virtual stage
-  /// whose first action in its rank's program is a PREFETCH starts absent; every other one
-  /// starts resident (a schedule without PREFETCH keeps all weights resident, as always).
+  /// whose first action in its rank's program (SEND/RECV aside) is a PREFETCH starts absent;
+  /// every other one starts resident (a schedule without PREFETCH keeps all weights resident,
+  /// as always).
   enum class Weights : std::uint8_t { Unseen, Resident, Absent };
   struct WeightState {
     Weights state = Weights::Unseen;
