@@ -21,7 +21,7 @@ namespace {
 
 constexpr std::size_t kSlot = 128;             // bytes of one wire header
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
-constexpr std::uint32_t kWireVersion = 1;
+constexpr std::uint32_t kWireVersion = 2;  // 2: the chunk after the stage
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
 struct WireHeader {
@@ -31,6 +31,7 @@ struct WireHeader {
   std::int32_t sender;
   std::int64_t microbatch;
   std::int64_t stage;
+  std::int64_t chunk;
   std::int32_t dtype;
   std::int32_t ndim;
   std::int64_t shape[4];
@@ -275,6 +276,7 @@ struct NcclTransport::Impl {
       w.sender = rank;
       w.microbatch = op.header.microbatch;
       w.stage = op.header.stage;
+      w.chunk = op.header.chunk;
       w.dtype = static_cast<std::int32_t>(op.header.dtype);
       w.ndim = op.header.ndim;
       for (std::size_t d = 0; d < 4; ++d) w.shape[d] = op.header.shape[d];
@@ -337,6 +339,7 @@ struct NcclTransport::Impl {
     MessageHeader got;
     got.microbatch = w.microbatch;
     got.stage = w.stage;
+    got.chunk = w.chunk;
     got.dtype = static_cast<DType>(w.dtype);
     got.ndim = w.ndim;
     for (std::size_t d = 0; d < 4; ++d) got.shape[d] = w.shape[d];

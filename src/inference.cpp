@@ -365,15 +365,17 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
   const auto seqs = static_cast<std::int64_t>(layout_->prefill[m].size());
   if (a.virtual_stage == 0) {
     out.push_back({detail::kTagToken,
-                   MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}),
+                   MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}, a.chunk),
                    static_cast<std::size_t>(3 * std::max<std::int64_t>(seqs, 1)) * 4});
     return;
   }
   out.push_back({detail::kTagDescriptor,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32, {kAny, 3}),
+                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32, {kAny, 3},
+                                     a.chunk),
                  static_cast<std::size_t>(3 * (seqs + 1)) * 4});
   out.push_back({detail::kTagActivation,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny, kAny}),
+                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny, kAny},
+                                     a.chunk),
                  static_cast<std::size_t>(layout_->max_rows[m] * layout_->width) * 4});
 }
 
@@ -451,7 +453,7 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                                        mb.sampled[i]});
     out.add(detail::kTagToken,
             MessageHeader::make(a.microbatch, 0, DType::I32,
-                                {static_cast<std::int64_t>(mb.seqs.size()), 3}),
+                                {static_cast<std::int64_t>(mb.seqs.size()), 3}, a.chunk + 1),
             transport::as_bytes(std::span<const std::int32_t>(scratch_)));
     return;
   }
@@ -467,10 +469,11 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
   }
   out.add(detail::kTagDescriptor,
           MessageHeader::make(a.microbatch, to, DType::I32,
-                              {static_cast<std::int64_t>(scratch_.size() / 3), 3}),
+                              {static_cast<std::int64_t>(scratch_.size() / 3), 3}, a.chunk),
           transport::as_bytes(std::span<const std::int32_t>(scratch_)));
   const std::int64_t rows = closed ? 0 : mb.rows, width = closed ? 0 : mb.width;
-  out.add(detail::kTagActivation, MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}),
+  out.add(detail::kTagActivation,
+          MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}, a.chunk),
           closed ? transport::ConstBytes{}
                  : transport::as_bytes(std::span<const float>(mb.act)));
 }

@@ -150,7 +150,7 @@ void posting_order(T& t, int /*world*/) {
   }
 }
 
-/// Mismatched micro-batch, shape, and a buffer too small are HeaderMismatch errors naming the
+/// Mismatched micro-batch, shape, chunk, and a buffer too small are HeaderMismatch errors naming the
 /// field, the value seen and the value expected; each rejected message is consumed, so the next
 /// receive on the channel gets the next message (small and large payloads alike).
 template <Transport T>
@@ -163,7 +163,8 @@ void header_mismatch(T& t, int /*world*/) {
     const auto h = MessageHeader::make(0, 1, DType::F32, {2, 3});
     std::vector<Request> sent;
     for (int i = 0; i < 3; ++i) sent.push_back(t.isend(1, 0, h, cbytes(v)));
-    sent.push_back(t.isend(1, 0, MessageHeader::make(9, 1, DType::F32, {2, 3}), cbytes(ok)));
+    sent.push_back(t.isend(1, 0, MessageHeader::make(0, 1, DType::F32, {2, 3}, 2), cbytes(v)));
+    sent.push_back(t.isend(1, 0, MessageHeader::make(9, 1, DType::F32, {2, 3}, 5), cbytes(ok)));
     sent.push_back(t.isend(1, 4, MessageHeader::make(0, 1, DType::F32, {big}), cbytes(large)));
     sent.push_back(t.isend(1, 4, MessageHeader::make(1, 1, DType::F32, {big}), cbytes(large_ok)));
     for (auto& s : sent) t.wait(s, Deadline::after(10));
@@ -190,9 +191,16 @@ void header_mismatch(T& t, int /*world*/) {
       CHECK(contains(e.what(), "has 24 bytes, the receive buffer holds 20"));
     }
     {
-      auto r = t.irecv(0, 0, MessageHeader::make(9, 1, DType::F32, {2, 3}), mbytes(dst));
+      auto r = t.irecv(0, 0, MessageHeader::make(0, 1, DType::F32, {2, 3}, 1), mbytes(dst));
+      const auto e = error_of([&] { t.wait(r, Deadline::after(10)); });
+      CHECK(e.code() == Errc::HeaderMismatch);
+      CHECK(contains(e.what(), "chunk = 2, expected 1"));
+    }
+    {
+      auto r = t.irecv(0, 0, MessageHeader::make(9, 1, DType::F32, {2, 3}, 5), mbytes(dst));
       t.wait(r, Deadline::after(10));
       CHECK(dst == std::vector<float>{1, 2, 3, 4, 5, 6});
+      CHECK(r.header.chunk == 5);
     }
     std::vector<float> large(static_cast<std::size_t>(big), -1.0f);
     {

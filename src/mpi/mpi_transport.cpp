@@ -26,7 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD" in little-endian byte order
-constexpr std::uint32_t kWireVersion = 1;
+constexpr std::uint32_t kWireVersion = 2;  // 2: the chunk after the stage
 constexpr int kControlTag = 0;
 constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI message of a payload
 
@@ -36,13 +36,14 @@ struct WireHeader {
   std::uint32_t version = kWireVersion;
   std::int64_t microbatch = 0;
   std::int64_t stage = 0;
+  std::int64_t chunk = 0;
   std::int32_t dtype = 0;
   std::int32_t ndim = 0;
   std::array<std::int64_t, 4> shape{};
   std::uint64_t nbytes = 0;       // payload bytes
   std::uint64_t piece_bytes = 0;  // payload bytes per MPI message of the payload stream
 };
-static_assert(sizeof(WireHeader) == 80, "the wire record is 80 bytes with no padding");
+static_assert(sizeof(WireHeader) == 88, "the wire record is 88 bytes with no padding");
 
 /// A control notice on kControlTag.
 struct Notice {
@@ -352,6 +353,7 @@ struct MpiTransport::Impl {
     WireHeader w;
     w.microbatch = header.microbatch;
     w.stage = header.stage;
+    w.chunk = header.chunk;
     w.dtype = static_cast<std::int32_t>(header.dtype);
     w.ndim = header.ndim;
     w.shape = header.shape;
@@ -439,7 +441,7 @@ struct MpiTransport::Impl {
     if (static_cast<std::size_t>(count) < sizeof(WireHeader)) {
       st.error = std::make_exception_ptr(Error(
           Errc::Mpi, fmt::format("rank {}: a {}-byte message from rank {} (tag {}) is not a "
-                                 "brigade message (shorter than its 80-byte record)",
+                                 "brigade message (shorter than its 88-byte record)",
                                  rank, count, peer, tag)));
       return;
     }
@@ -454,6 +456,7 @@ struct MpiTransport::Impl {
     }
     st.got.microbatch = w.microbatch;
     st.got.stage = w.stage;
+    st.got.chunk = w.chunk;
     st.got.dtype = static_cast<DType>(w.dtype);
     st.got.ndim = w.ndim;
     st.got.shape = w.shape;

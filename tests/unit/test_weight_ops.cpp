@@ -331,7 +331,8 @@ struct CountingWorker {
   }
   void recv_messages(const Action& a, std::vector<eng::MessageSpec>& out) {
     out.push_back({sch::channel_of(*shape, a),
-                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, tp::DType::I32, {1}),
+                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, tp::DType::I32, {1},
+                                           a.chunk),
                    4});
   }
   void received(const Action& a, std::span<const eng::Received> msgs) {
@@ -347,7 +348,8 @@ struct CountingWorker {
     const Action peer = *sch::counterpart(*shape, a);
     const std::int32_t v = a.chunk;
     out.add(sch::channel_of(*shape, a),
-            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, tp::DType::I32, {1}),
+            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, tp::DType::I32, {1},
+                                    peer.chunk),
             tp::as_bytes(std::span<const std::int32_t>(&v, 1)));
   }
 };
@@ -439,6 +441,10 @@ TEST_CASE("ops.chunks: a 2-chunk training schedule carries the chunk on SEND/REC
     for (const auto& iv : tl.intervals()) recorded += iv.chunk == 1;
   CHECK(recorded >= 8);  // 4 compute, 2 RECV and 2 SEND of chunk 1
   CHECK(seen[1][0] == Action{Op::RecvF, 1, 0, 0});
+  // Without validate, the swapped program reaches the executor: the message header carries the
+  // receiver's chunk, so chunk 0's message at chunk 1's receive stops the run.
+  CHECK(contains(error_of(Errc::HeaderMismatch, [&] { execute_all(swapped); }),
+                 "has chunk = 0, expected 1"));
 }
 
 TEST_CASE("ops.errors: the pass, the cost models and the training worker name what is wrong") {

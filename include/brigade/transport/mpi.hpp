@@ -88,8 +88,9 @@ class MpiSession {
 /// the same ndim, and a buffer at least as large as the payload; micro-batch, stage and shape
 /// dimensions may be kAny on the receive side.
 ///
-/// Wire format (version 1): every message starts with an 80-byte header record (magic, version,
-/// micro-batch, stage, dtype, ndim, shape[4], payload bytes, piece bytes) on MPI tag 1 + 2t.
+/// Wire format (version 2): every message starts with an 88-byte header record (magic, version,
+/// micro-batch, stage, chunk, dtype, ndim, shape[4], payload bytes, piece bytes) on MPI tag
+/// 1 + 2t.
 /// A payload of at most kInlineBytes travels in the same MPI message, right after the record
 /// (one message, one copy on each side). A larger payload follows as a second stream on MPI tag
 /// 2 + 2t, sent straight from the caller's buffer and received straight into the caller's buffer

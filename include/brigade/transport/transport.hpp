@@ -33,22 +33,26 @@ constexpr const char* to_string(DType t) noexcept {
 inline constexpr std::int64_t kAny = -1;
 
 /// The header every message carries and every receive checks: micro-batch, the destination
-/// stage, dtype and shape (up to 4 dims, row-major). On the receive side, microbatch, stage or
-/// any shape dimension may be kAny to accept whatever arrives (the received header is then read
-/// with `received()`).
+/// stage, the chunk, dtype and shape (up to 4 dims, row-major). On the receive side,
+/// microbatch, stage, chunk or any shape dimension may be kAny to accept whatever arrives (the
+/// received header is then read with `received()`).
 struct MessageHeader {
   std::int64_t microbatch = 0;            ///< micro-batch id, or kAny
   std::int64_t stage = 0;                 ///< stage (virtual stage) the message is for, or kAny
+  /// Chunk of the receiving action (schedule::Action::chunk: the PACS/InfiniPipe chunk in
+  /// training, the round in inference), or kAny.
+  std::int64_t chunk = 0;
   DType dtype = DType::F32;               ///< element type
   std::int32_t ndim = 0;                  ///< number of dimensions in `shape`
   std::array<std::int64_t, 4> shape{};    ///< sizes, outermost first; kAny allowed when receiving
 
-  /// A header for a payload of the given dims.
+  /// A header for a payload of the given dims, for the receiving action's chunk `chunk`.
   static MessageHeader make(std::int64_t microbatch, std::int64_t stage, DType dtype,
-                            std::initializer_list<std::int64_t> dims) {
+                            std::initializer_list<std::int64_t> dims, std::int64_t chunk = 0) {
     MessageHeader h;
     h.microbatch = microbatch;
     h.stage = stage;
+    h.chunk = chunk;
     h.dtype = dtype;
     BRIGADE_CHECK(dims.size() <= 4, Errc::InvalidArgument, "MessageHeader: {} dims, at most 4",
                   dims.size());
@@ -67,9 +71,11 @@ struct MessageHeader {
   [[nodiscard]] std::size_t nbytes() const noexcept {
     return static_cast<std::size_t>(numel()) * dtype_size(dtype);
   }
-  /// Readable form: "mb 3 stage 1 f32[512, 64]".
+  /// Readable form: "mb 3 stage 1 f32[512, 64]", with " chunk c" after the stage when c != 0.
   [[nodiscard]] std::string to_string() const {
-    std::string s = fmt::format("mb {} stage {} {}[", microbatch, stage, transport::to_string(dtype));
+    std::string s = fmt::format("mb {} stage {}{} {}[", microbatch, stage,
+                                chunk != 0 ? fmt::format(" chunk {}", chunk) : std::string(),
+                                transport::to_string(dtype));
     for (int i = 0; i < ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", shape[static_cast<std::size_t>(i)]);
     return s + "]";
   }
@@ -89,6 +95,7 @@ inline void check_header(const MessageHeader& expected, const MessageHeader& got
   };
   field("microbatch", expected.microbatch, got.microbatch);
   field("stage", expected.stage, got.stage);
+  field("chunk", expected.chunk, got.chunk);
   field("dtype", static_cast<std::int64_t>(expected.dtype), static_cast<std::int64_t>(got.dtype));
   field("ndim", expected.ndim, got.ndim);
   for (int i = 0; i < expected.ndim; ++i) {
