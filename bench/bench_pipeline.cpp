@@ -16,6 +16,10 @@
 //       (dim 512, 8 layers, FFN 1376, vocab 32000, F32): one sequence, 1 stage of T threads:
 //       prefill of 512 tokens, and decode tokens/s with the weight bytes streamed per second
 //       (weight_GB_per_s, against BM_TriadCeiling/threads:1 of the same run).
+//   BM_RingOffload/offload:O  prima.cpp's ring (2 ranks x 2 windows) of the 42M model written to
+//       a file and mapped, 8 sequences in 2 groups decode 32 positions, without (0) and with (1)
+//       weight offload (PREFETCH/RELEASE of every window each round, madvise); counters:
+//       tokens_per_s and the seconds per generated token of PREFETCH, RELEASE and F intervals.
 #include <brigade/backend/cpu.hpp>
 #include <brigade/cost/profile.hpp>
 #include <brigade/cost/profiled.hpp>
@@ -32,10 +36,13 @@
 #include "machine_context.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 using namespace brigade;
 
@@ -259,6 +266,54 @@ void BM_ProfiledPrediction(benchmark::State& state) {
 }
 BENCHMARK(BM_ProfiledPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+
+/// The 42M synthetic model written once as a llama2.c file and mapped back (what `brigade
+/// generate --model FILE` does), so PREFETCH/RELEASE act on real file pages.
+const model::LlamaWeights& mapped42m() {
+  static const model::LlamaWeights w = [] {
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("brigade_bench_42m_" + std::to_string(::getpid()) + ".bin");
+    model::save_llama2c_checkpoint(path, weights42m());
+    auto mapped = model::load_llama2c_checkpoint(path);
+    std::filesystem::remove(path);  // the mapping keeps the pages; the name is not needed
+    return mapped;
+  }();
+  return w;
+}
+
+void BM_RingOffload(benchmark::State& state) {
+  // prima.cpp's pipelined ring: 2 ranks x 2 windows of the mapped 42M model, 8 sequences in 2
+  // groups decode 32 positions; offload:1 RELEASEs and PREFETCHes every window each round
+  // (madvise DONTNEED / WILLNEED; the file stays in the page cache, so this is the cost of the
+  // advice and of faulting the pages back in, not of a disk).
+  const bool offload = state.range(0) != 0;
+  const auto& w = mapped42m();
+  const model::ModelSpec spec(w.config);
+  const auto part = partition::ring(partition::uniform(spec, 4), 2);
+  std::vector<engine::GenerationRequest> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back({{1, 300 + 7 * i}, 32});
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 2;
+  opt.weight_offload = offload;
+  double tokens = 0, seconds = 0, prefetch_s = 0, release_s = 0, forward_s = 0;
+  for (auto _ : state) {
+    const auto rep = engine::generate(w, part, reqs, opt);
+    tokens += static_cast<double>(rep.generated_tokens);
+    seconds += rep.wall_s;
+    for (const auto& iv : rep.timeline.intervals()) {
+      if (iv.op == Op::Prefetch) prefetch_s += iv.duration();
+      if (iv.op == Op::Release) release_s += iv.duration();
+      if (iv.op == Op::F) forward_s += iv.duration();
+    }
+  }
+  state.counters["tokens_per_s"] = tokens / seconds;
+  state.counters["prefetch_s_per_token"] = prefetch_s / tokens;
+  state.counters["release_s_per_token"] = release_s / tokens;
+  state.counters["forward_s_per_token"] = forward_s / tokens;
+}
+BENCHMARK(BM_RingOffload)->ArgName("offload")->Arg(0)->Arg(1)
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 }  // namespace
 
