@@ -58,7 +58,9 @@ struct InferenceOptions {
   /// weights one run ahead and RELEASEs them after (schedule::add_weight_offload on the round),
   /// so a rank holds at most two windows' weights at once. Executed with madvise on mapped
   /// weights (runtime::InferenceStage::prefetch_weights); owned (synthetic) weights stay
-  /// resident and the ops are recorded as no-ops. Tokens do not change.
+  /// resident and the ops are recorded as no-ops. Tokens do not change. The Plan's schedule
+  /// stays the program without them; schedule::with_weight_offload(plan.schedule()) is the
+  /// program that runs (what sim::simulate should be given to predict it).
   bool weight_offload = false;
 };
 
