@@ -555,8 +555,9 @@ MeasuredCostModel::MeasuredCostModel(const schedule::Shape& shape, const Timelin
     const auto it = waited.find({recv->op, recv->virtual_stage, recv->microbatch, recv->chunk});
     if (it == waited.end() || it->second.first > t_post) continue;
     const int src = shape.rank_of(k.v), dst = shape.rank_of(recv->virtual_stage);
-    samples[static_cast<std::size_t>(src * shape.num_ranks + dst)].push_back(it->second.second -
-                                                                              t_post);
+    const double latency = std::max(0.0, it->second.second - t_post);
+    samples[static_cast<std::size_t>(src * shape.num_ranks + dst)].push_back(latency);
+    message_latency_[{static_cast<int>(k.op), k.v, k.mb, k.chunk}] = latency;
   }
   for (std::size_t i = 0; i < samples.size(); ++i) {
     auto& x = samples[i];
@@ -581,6 +582,16 @@ double MeasuredCostModel::compute_seconds(const schedule::Action& a) const noexc
 double MeasuredCostModel::send_overhead_seconds(const schedule::Action& a) const noexcept {
   if (a.virtual_stage < 0 || a.virtual_stage >= shape_.num_virtual_stages) return 0.0;
   return overhead_[static_cast<std::size_t>(shape_.rank_of(a.virtual_stage))];
+}
+
+double MeasuredCostModel::message_latency_seconds(const schedule::Action& a) const noexcept {
+  const auto it =
+      message_latency_.find({static_cast<int>(a.op), a.virtual_stage, a.microbatch, a.chunk});
+  if (it != message_latency_.end()) return it->second;
+  if (a.virtual_stage < 0 || a.virtual_stage >= shape_.num_virtual_stages) return 0.0;
+  const auto peer = schedule::counterpart(shape_, a);
+  if (!peer) return 0.0;
+  return link(shape_.rank_of(a.virtual_stage), shape_.rank_of(peer->virtual_stage)).latency_s;
 }
 
 cost::Link MeasuredCostModel::link(int src, int dst) const noexcept {

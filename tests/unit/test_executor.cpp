@@ -364,6 +364,8 @@ TEST_CASE("executor.measured_costs: each action as measured (else prefill and de
   CHECK(m.compute_seconds({Op::SendF, 0, 0, 1}) == 0.0);
   CHECK(m.link(0, 1).latency_s == doctest::Approx(0.2));
   CHECK(m.link(1, 0).latency_s == 0.0);
+  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 1}) == doctest::Approx(0.2));  // its own
+  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 2}) == doctest::Approx(0.2));  // the link's
   CHECK(m.link(0, 1).is_free() == false);
   // Rank 0 ran from 0 to 3.7 s with 2.2 s of F: 1.5 s outside intervals over its 2 SENDs.
   CHECK(m.send_overhead_seconds({Op::SendF, 0, 0, 1}) == doctest::Approx(0.75));

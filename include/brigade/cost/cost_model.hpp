@@ -63,7 +63,8 @@ struct Link {
 ///
 /// Optional, read by the simulator when present: `send_overhead_seconds(a)`, the CPU seconds
 /// the sender of SEND `a` spends copying and posting it (its rank is then neither busy nor free
-/// to compute). engine::MeasuredCostModel has it.
+/// to compute); `message_latency_seconds(a)`, the latency of SEND `a`'s message in place of its
+/// link's. engine::MeasuredCostModel has both.
 template <class C>
 concept CostModel = requires(const C& c, const schedule::Action& a, int src, int dst) {
   { c.compute_seconds(a) } -> std::convertible_to<double>;

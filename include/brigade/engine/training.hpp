@@ -421,7 +421,8 @@ std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> 
 ///   messages of the time from the SEND's post to the end of the matching RECV (the wake-up,
 ///   the copy and the worker's check of what arrived), counting only messages whose receiver
 ///   was already waiting when they were posted; unlimited bandwidth; 0 for a pair with no such
-///   message;
+///   message; and each such message's own latency (message_latency_seconds), the link's for the
+///   others;
 /// - send overhead: the part of each rank's run (first start to last end) in neither a compute
 ///   interval nor a RECV wait (the executor and the worker building, copying and posting
 ///   messages and receives between actions), divided evenly over its SEND actions;
@@ -454,6 +455,8 @@ class MeasuredCostModel {
   [[nodiscard]] cost::Link link(int src, int dst) const noexcept;
   /// The sender's measured seconds per SEND outside compute and waits (see above).
   [[nodiscard]] double send_overhead_seconds(const schedule::Action& a) const noexcept;
+  /// SEND `a`'s own measured latency when its receiver was waiting for it, else its link's.
+  [[nodiscard]] double message_latency_seconds(const schedule::Action& a) const noexcept;
 
  private:
   schedule::Shape shape_;
@@ -461,6 +464,7 @@ class MeasuredCostModel {
   std::vector<double> latency_;  // [src * P + dst], seconds
   std::vector<double> overhead_;  // per rank, seconds per SEND
   std::map<std::array<int, 4>, double> exact_;  // (op, v, mb, chunk) -> measured seconds
+  std::map<std::array<int, 4>, double> message_latency_;  // SEND (op, v, mb, chunk) -> seconds
   std::optional<cost::RooflineCostModel> sizes_;
 };
 

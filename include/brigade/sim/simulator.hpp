@@ -456,6 +456,12 @@ SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
                       bytes, link.latency_s, link.bytes_per_s, schedule::to_string(a));
         c.seconds = link.occupancy_seconds(bytes);
         c.latency = link.latency_s;
+        if constexpr (requires { cost_model.message_latency_seconds(a); }) {
+          c.latency = static_cast<double>(cost_model.message_latency_seconds(a));
+          BRIGADE_CHECK(finite(c.latency), Errc::InvalidArgument,
+                        "simulate: the cost model gives {} s of latency for {}", c.latency,
+                        schedule::to_string(a));
+        }
         if constexpr (requires { cost_model.send_overhead_seconds(a); }) {
           c.overhead = static_cast<double>(cost_model.send_overhead_seconds(a));
           BRIGADE_CHECK(finite(c.overhead), Errc::InvalidArgument,
