@@ -45,6 +45,8 @@ struct GenerateArgs {
   bool offload = false;  // --offload: PREFETCH/RELEASE every window each round
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
+  // The choices --plan auto makes: given explicitly they conflict with it.
+  std::vector<CLI::Option*> planned_options;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -134,6 +136,13 @@ int run(const GenerateArgs& a) {
   if (a.plan == "auto") {
     BRIGADE_CHECK(!under_mpi, Errc::InvalidArgument,
                   "--plan auto plans threads on one machine; under mpirun give --stages");
+    std::string given;
+    for (const auto* o : a.planned_options)
+      if (o->count() > 0) given += (given.empty() ? "" : ", ") + o->get_name();
+    BRIGADE_CHECK(given.empty(), Errc::InvalidArgument,
+                  "--plan auto chooses the stages, the split, the micro-batches and the threads; "
+                  "drop {} (or use --plan manual)",
+                  given);
     const int cores = a.cores > 0 ? a.cores
                                   : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     const auto rates = plan::measure_cpu_rates(cores);
@@ -331,19 +340,21 @@ std::function<int()> setup(CLI::App& sub) {
                "run (madvise DONTNEED), every round; synthetic weights stay resident");
   std::vector<std::string> policies;
   for (const auto& p : brigade::partition::policies()) policies.emplace_back(p.name);
-  sub.add_option("--partition", a->partition,
+  auto* partition_option = sub.add_option("--partition", a->partition,
                  "a partition policy: uniform (by layer count), balanced (by cost), or one "
                  "registered with partition::register_policy")
       ->check(CLI::IsMember(policies))->capture_default_str();
   sub.add_option("--profile", a->profile,
                  "a device profile (brigade profile --out FILE; docs/profiles.md): the "
                  "partition policy prices layers with it instead of the default-rate roofline");
-  sub.add_option("--microbatches", a->microbatches,
+  a->planned_options.push_back(a->stages_option);
+  a->planned_options.push_back(partition_option);
+  a->planned_options.push_back(sub.add_option("--microbatches", a->microbatches,
                  "sequence groups in flight; 0 = min(sequences, stages)")
       ->check(brigade::cli::number_in<int>(0, 65536, "0 (automatic) or a whole number from 1 to 65536"))
-      ->capture_default_str();
-  sub.add_option("--threads", a->threads, "BLAS threads per stage")
-      ->check(brigade::cli::threads_range())->capture_default_str();
+      ->capture_default_str());
+  a->planned_options.push_back(sub.add_option("--threads", a->threads, "BLAS threads per stage")
+      ->check(brigade::cli::threads_range())->capture_default_str());
   sub.add_option("--plan", a->plan,
                  "manual (--stages, --threads, --microbatches) or auto (the planner picks them from "
                  "predicted times on rates measured here, and prints every candidate)")

@@ -92,6 +92,12 @@ TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same
   auto bad = run_cli("generate " + model_flags() + " --plan sometimes");
   CHECK(bad.rc != 0);
   CHECK(bad.err.find("--plan") != std::string::npos);
+  // What the planner chooses cannot also be given: nothing given is overridden silently.
+  auto both = run_cli("generate " + model_flags() + " --plan auto --stages 2 --partition uniform");
+  CHECK(both.rc != 0);
+  CHECK(both.err.find("--plan auto chooses the stages, the split, the micro-batches and the "
+                      "threads; drop --stages, --partition (or use --plan manual)") !=
+        std::string::npos);
 }
 
 TEST_CASE("cli.generate: --ring 2 puts two layer windows on each of 2 ranks and still prints "
