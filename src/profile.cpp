@@ -7,11 +7,13 @@
 #include "brigade/transport/in_process.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -232,6 +234,15 @@ DeviceProfile profile_from_json(const nlohmann::json& j, std::string_view where)
   BRIGADE_CHECK(schema == kProfileSchema, Errc::InvalidArgument,
                 "{}: field 'schema' = '{}', expected '{}'", where,
                 ::brigade::detail::excerpt(schema), kProfileSchema);
+  // Every key is known: a misspelled field is named, not ignored.
+  static constexpr std::array<std::string_view, 13> kKeys = {
+      "schema", "name", "kind", "source", "dtype", "cores", "gemm", "attention",
+      "core_bytes_per_s", "memory_bytes_per_s", "memory_capacity_bytes", "disk_bytes_per_s",
+      "links"};
+  for (const auto& [key, value] : j.items())
+    BRIGADE_CHECK(std::find(kKeys.begin(), kKeys.end(), key) != kKeys.end(),
+                  Errc::InvalidArgument, "{}: unknown field '{}' (the schema's fields: {})", where,
+                  ::brigade::detail::excerpt(key), fmt::join(kKeys, ", "));
   DeviceProfile p;
   p.name = text(j, "name", where);
   p.kind = text(j, "kind", where);

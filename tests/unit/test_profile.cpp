@@ -114,6 +114,10 @@ TEST_CASE("profile.errors: a bad profile names the field") {
   CHECK(error_of(j).find("field 'memory_capacity_bytes' = -1, expected > 0") !=
         std::string::npos);
   CHECK(error_of(nlohmann::json::array()) == "p.json: a profile is a JSON object");
+  j = good;
+  j["memory_bandwith"] = 1e9;
+  CHECK(error_of(j).find("p.json: unknown field 'memory_bandwith' (the schema's fields: schema, "
+                         "name,") == 0);
   // Files: not JSON, missing.
   const auto bad = fs::temp_directory_path() / "brigade_test_profile_bad.json";
   io::write_file_atomic(bad, "{\"schema\": ");
