@@ -67,8 +67,6 @@ void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model
 }  // namespace detail
 
 plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& config) {
-  BRIGADE_CHECK(config.threads_per_rank >= 1, Errc::InvalidArgument,
-                "TrainingEngine: threads_per_rank = {}, expected >= 1", config.threads_per_rank);
   BRIGADE_CHECK(config.seq_len_hint >= 1, Errc::InvalidArgument,
                 "TrainingEngine: seq_len_hint = {}, expected >= 1", config.seq_len_hint);
   plan::PlanRequest req;

@@ -150,7 +150,8 @@ TEST_CASE("cost.roofline: refusals name the mismatch") {
   // A partition with stage i on rank i does not match the round-robin placement 0,1,0,1.
   const auto plain = brigade::partition::uniform(spec, 2);
   CHECK(contains(error_of([&] { RooflineCostModel rc(spec, plain, shape); }),
-                 "partition has 2 stages on 2 ranks, the shape 4 virtual stages on 2 ranks"));
+                 "RooflineCostModel: the partition has 2 stages on 2 ranks, the schedule 4 "
+                 "virtual stages on 2 ranks"));
   RooflineOptions opt;
   opt.workload.batch = 0;
   const auto part = RooflineCostModel::placed_uniform(spec, shape);

@@ -321,19 +321,7 @@ class RooflineCostModel {
                     std::span<const model::WorkItem> per_microbatch)
       : shape_(shape), opt_(std::move(options)),
         per_mb_(per_microbatch.begin(), per_microbatch.end()) {
-    shape_.check();
-    BRIGADE_CHECK(partition.num_stages() == shape_.num_virtual_stages &&
-                      partition.num_ranks() == shape_.num_ranks,
-                  Errc::InvalidArgument,
-                  "RooflineCostModel: partition has {} stages on {} ranks, the shape {} virtual "
-                  "stages on {} ranks",
-                  partition.num_stages(), partition.num_ranks(), shape_.num_virtual_stages,
-                  shape_.num_ranks);
-    for (int v = 0; v < shape_.num_virtual_stages; ++v)
-      BRIGADE_CHECK(partition.stage(v).rank == shape_.rank_of(v), Errc::InvalidArgument,
-                    "RooflineCostModel: partition stage {} is on rank {}, the shape places "
-                    "virtual stage {} on rank {}",
-                    v, partition.stage(v).rank, v, shape_.rank_of(v));
+    plan::check_placement(partition, shape_, "RooflineCostModel");
     BRIGADE_CHECK(opt_.workload.batch >= 1 && opt_.workload.seq_len >= 1, Errc::InvalidArgument,
                   "RooflineCostModel: batch {} and seq_len {}, expected both >= 1",
                   opt_.workload.batch, opt_.workload.seq_len);

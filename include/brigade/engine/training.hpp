@@ -266,7 +266,7 @@ struct TrainingConfig : TrainingOptions {
 /// the lowered, validated program of every rank. Identical inputs give identical plans, so every
 /// process of a distributed run agrees on the split.
 /// @throws brigade::Error{InvalidArgument} for an unknown generator or policy, an inference
-///         schedule, threads_per_rank or seq_len_hint < 1, more virtual stages than decoder
+///         schedule, seq_len_hint < 1, more virtual stages than decoder
 ///         layers, or a configuration the generator rejects
 plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& config);
 

@@ -18,11 +18,34 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace brigade::plan {
 inline namespace v0 {
+
+/// Checks that `shape` places its virtual stages where `partition` does: the same number of
+/// stages and ranks, and shape.rank_of(v) == partition.stage(v).rank for every v.
+/// @param who names the caller in the messages ("Plan", "RooflineCostModel")
+/// @throws brigade::Error{InvalidArgument} "<who>: the partition has S stages on P ranks, the
+///         schedule ..." or "<who>: the schedule places virtual stage v on rank r, the partition
+///         on rank q"; as Shape::check()
+inline void check_placement(const partition::Partition& partition, const schedule::Shape& shape,
+                            std::string_view who) {
+  BRIGADE_CHECK(partition.num_stages() == shape.num_virtual_stages &&
+                    partition.num_ranks() == shape.num_ranks,
+                Errc::InvalidArgument,
+                "{}: the partition has {} stages on {} ranks, the schedule {} virtual stages on "
+                "{} ranks",
+                who, partition.num_stages(), partition.num_ranks(), shape.num_virtual_stages,
+                shape.num_ranks);
+  shape.check();
+  for (int v = 0; v < shape.num_virtual_stages; ++v)
+    BRIGADE_CHECK(shape.rank_of(v) == partition.stage(v).rank, Errc::InvalidArgument,
+                  "{}: the schedule places virtual stage {} on rank {}, the partition on rank {}",
+                  who, v, shape.rank_of(v), partition.stage(v).rank);
+}
 
 /// A pipeline plan: partition + placement + lowered schedule + per-micro-batch work.
 ///
@@ -56,22 +79,10 @@ class Plan {
   Plan(partition::Partition partition, const schedule::Schedule& schedule,
        std::vector<model::WorkItem> work = {}, schedule::ExecutionModel execution = {})
       : partition_(std::move(partition)), work_(std::move(work)), execution_(execution) {
-    const auto& sh = schedule.shape;
-    BRIGADE_CHECK(partition_.num_stages() == sh.num_virtual_stages &&
-                      partition_.num_ranks() == sh.num_ranks,
-                  Errc::InvalidArgument,
-                  "Plan: the partition has {} stages on {} ranks, the schedule {} virtual stages "
-                  "on {} ranks",
-                  partition_.num_stages(), partition_.num_ranks(), sh.num_virtual_stages,
-                  sh.num_ranks);
-    sh.check();
-    for (int v = 0; v < sh.num_virtual_stages; ++v)
-      BRIGADE_CHECK(sh.rank_of(v) == partition_.stage(v).rank, Errc::InvalidArgument,
-                    "Plan: the schedule places virtual stage {} on rank {}, the partition on "
-                    "rank {}",
-                    v, sh.rank_of(v), partition_.stage(v).rank);
+    check_placement(partition_, schedule.shape, "Plan");
     lowered_ = is_lowered(schedule) ? schedule : schedule::lower(schedule);
     schedule::validate(lowered_, execution_);
+    const auto& sh = lowered_.shape;
     BRIGADE_CHECK(work_.empty() || static_cast<int>(work_.size()) == sh.num_microbatches,
                   Errc::InvalidArgument, "Plan: work for {} micro-batches, the schedule has {}",
                   work_.size(), sh.num_microbatches);
