@@ -22,6 +22,7 @@
 //       tokens_per_s and the seconds per generated token of PREFETCH, RELEASE and F intervals.
 #include <brigade/backend/cpu.hpp>
 #include <brigade/cost/profile.hpp>
+#include <brigade/cost/estimator.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/engine/training.hpp>
@@ -59,13 +60,30 @@ struct DecodeRun {
   plan::Plan plan;
 };
 
+/// This machine's device profile (2 cores), measured once per binary.
+const cost::DeviceProfile& machine_profile() {
+  static const cost::DeviceProfile p = [] {
+    cost::ProfileOptions o;
+    o.cores = 2;
+    return cost::measure_profile(o);
+  }();
+  return p;
+}
+
+/// Generates `seqs` sequences of `steps` tokens after `prompt_len`-token prompts on `stages`
+/// stages of `threads` threads, split by the balanced policy on this machine's profile (the
+/// CLI's default: cost::ProfiledLayerTimes) unless `roofline` (the default-rate roofline).
 DecodeRun decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
-                     int microbatches = 0) {
+                     int microbatches = 0, bool roofline = false) {
   const auto& w = weights42m();
   const model::ModelSpec spec(w.config);
   const int groups = microbatches > 0 ? std::min(seqs, microbatches) : std::min(seqs, std::max(stages, 1));
   const model::WorkItem work{(seqs + groups - 1) / groups, (seqs + groups - 1) / groups, steps / 2.0};
-  const auto part = partition::balanced(spec, stages, work);
+  const auto part =
+      roofline ? partition::balanced(spec, stages, work)
+               : partition::balanced(spec, stages, work,
+                                     cost::ProfiledLayerTimes(machine_profile(), threads,
+                                                              stages * threads));
   std::vector<engine::GenerationRequest> reqs;
   for (int i = 0; i < seqs; ++i) {
     std::vector<int> prompt{1};
@@ -125,12 +143,12 @@ BENCHMARK(BM_Decode)
     ->Args({2, 1, 32, 8})
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 
-/// The planner's pick for 2 cores (rates measured once, in this run), run like BM_Decode.
+/// The planner's pick for 2 cores (a device profile measured once, in this run), run like
+/// BM_Decode.
 void BM_PlannedDecode(benchmark::State& state) {
   const int seqs = static_cast<int>(state.range(0));
-  static const plan::CpuRates rates = plan::measure_cpu_rates(2);
   const model::ModelSpec spec(weights42m().config);
-  const auto plans = plan::inference_plans(spec, {seqs, 1, 47}, rates);
+  const auto plans = plan::inference_plans(spec, {seqs, 1, 47}, machine_profile());
   const auto& p = plans.front();
   state.SetLabel(p.describe(seqs));
   double tokens = 0, seconds = 0;
@@ -227,45 +245,47 @@ BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
 
 /// The calibrated model's prediction error on held-out work: a device profile measured once in
 /// this run (cost::measure_profile: synthetic shapes, not the model), then the 42M model on one
-/// stage of one thread: seqs sequences decoding (or one 512-token prefill when seqs is 0).
-/// Counters: measured and predicted seconds of the stage's mean F (every layer but the
-/// sampler; decode rounds only, or the prefill), and predicted / measured.
-void BM_ProfiledPrediction(benchmark::State& state) {
+/// stage of one thread: seqs sequences decoding 48 tokens (or one 512-token prefill when seqs
+/// is 0). Each F interval (prefill, or every decode round) is predicted by
+/// cost::LatencyEstimator from the profile alone (prior) and after observing the previous
+/// iteration's run (refined, online). Counters: median |predicted/measured - 1| of both, and
+/// the mean predicted/measured of the prior.
+void BM_CalibratedPrediction(benchmark::State& state) {
   const int seqs = static_cast<int>(state.range(0));
-  static const cost::DeviceProfile profile = [] {
-    cost::ProfileOptions o;
-    o.cores = 1;
-    return cost::measure_profile(o);
-  }();
   const model::ModelSpec spec(weights42m().config);
-  double measured = 0, predicted = 0;
+  cost::ProfileOptions one;
+  one.cores = 1;
+  static const cost::DeviceProfile profile = cost::measure_profile(one);
+  cost::LatencyEstimator est(spec, cost::ProfiledLayerTimes(profile));
+  std::vector<double> prior, refined;
+  bool first = true;
   for (auto _ : state) {
-    const auto rep = seqs > 0 ? decode_run(1, 1, seqs, 48, 1).report
-                              : decode_run(1, 1, 1, 512, 512).report;
-    double sum = 0, ctx = 0;
-    int n = 0;
-    for (const auto& iv : rep.timeline.intervals())
-      if (iv.op == Op::F && (seqs > 0) == (iv.chunk > 0)) {
-        sum += iv.duration();
-        ctx += seqs > 0 ? iv.chunk + 1 : 256.5;  // decode round c attends to c + 1 positions
-        ++n;
-      }
-    measured += sum / n;
-    const model::WorkItem w = seqs > 0 ? model::WorkItem{seqs, seqs, ctx / n}
-                                       : model::WorkItem{512, 1, 256.5};
-    double p = 0;
-    for (int l = 0; l < spec.num_layers(); ++l)
-      if (spec.layer(l).kind != model::LayerKind::Sampler)
-        p += cost::profiled_layer_seconds(spec, l, w, profile);
-    predicted += p;
+    const auto run = seqs > 0 ? decode_run(1, 1, seqs, 48, 1) : decode_run(1, 1, 1, 512, 512);
+    const auto& st = run.plan.partition().stage(0);
+    for (const auto& iv : run.report.timeline.intervals()) {
+      if (iv.op != Op::F || (seqs > 0) != (iv.chunk > 0)) continue;
+      const auto w = plan::action_work(run.plan.shape(), run.plan.work()[iv.microbatch], iv.chunk);
+      const cost::Passes passes = iv.chunk == 0 ? model::Phase::Prefill : model::Phase::Decode;
+      prior.push_back(est.prior(st.first, st.last, w, passes) / iv.duration());
+      if (!first) refined.push_back(est.predict(run.plan, iv) / iv.duration());
+    }
+    est.observe(run.plan, run.report.timeline);
+    first = false;
   }
-  const auto it = static_cast<double>(state.iterations());
-  state.counters["measured_ms"] = measured / it * 1e3;
-  state.counters["predicted_ms"] = predicted / it * 1e3;
-  state.counters["predicted_over_measured"] = predicted / measured;
+  auto median_error = [](std::vector<double> xs) {
+    if (xs.empty()) return 0.0;
+    for (double& x : xs) x = std::abs(x - 1.0);
+    std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
+    return xs[xs.size() / 2];
+  };
+  double mean = 0;
+  for (double x : prior) mean += x;
+  state.counters["prior_over_measured"] = mean / static_cast<double>(prior.size());
+  state.counters["prior_err"] = median_error(prior);
+  state.counters["refined_err"] = median_error(refined);
 }
-BENCHMARK(BM_ProfiledPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
-    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+BENCHMARK(BM_CalibratedPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 /// The 42M synthetic model written once as a llama2.c file and mapped back (what `brigade
 /// generate --model FILE` does), so PREFETCH/RELEASE act on real file pages.

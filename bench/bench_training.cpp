@@ -8,10 +8,21 @@
 //       action costs), and their ratio; peak_mib_measured and peak_mib_simulated (the largest
 //       rank's peak memory, StepResult::peak_memory_bytes, against the simulator's figure for
 //       the same micro-batches, the plan with the micro-batches' work (engine::microbatch_work); MiB).
+//       split:0 is the balanced split on the default-rate roofline, split:1 on this machine's
+//       device profile measured in the same run (cost::ProfiledLayerTimes, the CLI's default);
+//       bubble_calibrated and tokens_per_s_calibrated are the simulator's prediction of the
+//       step from that profile alone (RooflineCostModel with the profiled layer times).
+//   BM_CalibratedTrainingOps/ranks:P  held-out prediction error of the calibrated model for
+//       training ops: zb-h1 on P ranks, 4 micro-batches; every F, BI and BW of a step against
+//       cost::LatencyEstimator's prior (the profile alone) and against its prediction after
+//       observing the step before (online refinement). Counters: median |predicted/measured - 1|
+//       per op, prior and refined.
 //   BM_TrainSchedule/schedule:K/microbatches:M  the same model and batches on 2 ranks, one
 //       schedule per K: 0 = 1f1b, 1 = interleaved-1f1b (V = 2), 2 = zb-h1, 3 = zb-v,
 //       4 = dualpipe-v (issue 20: the schedules side by side in one run, each with the
 //       simulator's prediction beside its measured bubble).
+#include <brigade/cost/estimator.hpp>
+#include <brigade/cost/profiled.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/model/weights.hpp>
@@ -22,7 +33,9 @@
 #include "machine_context.hpp"
 
 #include <algorithm>
+#include <map>
 #include <random>
+#include <string>
 
 using namespace brigade;
 
@@ -31,6 +44,24 @@ namespace {
 const model::LlamaWeights& weights42m() {
   static const auto w = model::make_synthetic_weights(model::named_config("42M"), 1234);
   return w;
+}
+
+/// This machine's profile for `cores` cores, measured once per binary.
+const cost::DeviceProfile& machine_profile() {
+  static const cost::DeviceProfile p = [] {
+    cost::ProfileOptions o;
+    o.cores = 2;
+    return cost::measure_profile(o);
+  }();
+  return p;
+}
+
+/// Median of |x - 1| over xs (0 for none).
+double median_error(std::vector<double> xs) {
+  if (xs.empty()) return 0.0;
+  for (double& x : xs) x = std::abs(x - 1.0);
+  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
+  return xs[xs.size() / 2];
 }
 
 /// M micro-batches, each one sequence of 257 random tokens (256 target rows).
@@ -75,6 +106,17 @@ void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
     for (double b : predicted.peak_memory_bytes) peak_sim = std::max(peak_sim, b);
     if (!std::isfinite(r.loss) || r.loss < 5.0) state.SkipWithError("implausible loss");
   }
+  // The simulator's prediction from the device profile alone: profiled layer times per pass,
+  // the profile's in-process link.
+  cost::RooflineOptions calibrated;
+  calibrated.layer_seconds = cost::ProfiledLayerTimes(machine_profile(), 1, cfg.ranks);
+  const auto& link = machine_profile().link("in-process");
+  calibrated.link = {link.latency_s, link.bytes_per_s};
+  const auto from_profile = sim::simulate(
+      step, cost::RooflineCostModel(model::ModelSpec(weights42m().config), step, calibrated));
+  state.counters["bubble_calibrated"] = from_profile.bubble_ratio;
+  state.counters["tokens_per_s_calibrated"] =
+      static_cast<double>(m) * 256.0 / from_profile.makespan;
   const auto n = static_cast<double>(state.iterations());
   state.counters["tokens_per_s"] = tokens / seconds;
   state.counters["bubble_measured"] = measured / n;
@@ -88,12 +130,56 @@ void BM_Train(benchmark::State& state) {
   cfg.schedule = "1f1b";
   cfg.ranks = static_cast<int>(state.range(0));
   cfg.microbatches = static_cast<int>(state.range(1));
+  if (state.range(2) == 1)
+    cfg.layer_seconds = cost::ProfiledLayerTimes(machine_profile(), 1, cfg.ranks);
+  engine::TrainingEngine probe(weights42m(), cfg);
+  state.SetLabel(probe.plan().partition().to_string());
   run_training(state, cfg);
 }
 BENCHMARK(BM_Train)
-    ->ArgNames({"stages", "microbatches"})
-    ->Args({1, 4})->Args({2, 4})->Args({2, 8})->Args({2, 16})
+    ->ArgNames({"stages", "microbatches", "split"})
+    ->Args({1, 8, 1})->Args({2, 4, 1})->Args({2, 8, 0})->Args({2, 8, 1})->Args({2, 16, 1})
     ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(2);
+
+void BM_CalibratedTrainingOps(benchmark::State& state) {
+  engine::TrainingConfig cfg;
+  cfg.schedule = "zb-h1";
+  cfg.ranks = static_cast<int>(state.range(0));
+  cfg.microbatches = 4;
+  cfg.layer_seconds = cost::ProfiledLayerTimes(machine_profile(), 1, cfg.ranks);
+  engine::TrainingEngine eng(weights42m(), cfg);
+  const auto data = batches(cfg.microbatches, 11);
+  const plan::Plan step(eng.plan().partition(), eng.plan().schedule(),
+                        engine::microbatch_work(data), eng.plan().execution());
+  cost::LatencyEstimator est(model::ModelSpec(weights42m().config), cfg.layer_seconds);
+  std::map<schedule::Op, std::vector<double>> prior, refined;
+  bool first = true;
+  for (auto _ : state) {
+    const auto r = eng.train_step(data);
+    if (!first) {  // held out: predicted before this step's times are observed
+      for (const auto& iv : r.timeline.intervals()) {
+        if (iv.op != schedule::Op::F && iv.op != schedule::Op::BI && iv.op != schedule::Op::BW)
+          continue;
+        const auto& st = step.partition().stage(iv.virtual_stage);
+        const auto w = plan::action_work(step.shape(), step.work()[iv.microbatch], iv.chunk);
+        const cost::Passes passes = iv.op == schedule::Op::F    ? model::Phase::Forward
+                                    : iv.op == schedule::Op::BI ? model::Phase::BackwardInput
+                                                                : model::Phase::BackwardWeight;
+        prior[iv.op].push_back(est.prior(st.first, st.last, w, passes) / iv.duration());
+        refined[iv.op].push_back(est.predict(step, iv) / iv.duration());
+      }
+    }
+    est.observe(step, r.timeline);
+    first = false;
+  }
+  for (auto op : {schedule::Op::F, schedule::Op::BI, schedule::Op::BW}) {
+    const std::string name(brigade::to_string(op));
+    state.counters["prior_err_" + name] = median_error(prior[op]);
+    state.counters["refined_err_" + name] = median_error(refined[op]);
+  }
+}
+BENCHMARK(BM_CalibratedTrainingOps)->ArgName("ranks")->Arg(1)->Arg(2)
+    ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(3);
 
 void BM_TrainSchedule(benchmark::State& state) {
   struct Choice {

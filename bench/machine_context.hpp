@@ -1,11 +1,11 @@
 // The machine and its same-run ceilings, printed in the context header of every benchmark
 // binary (docs/benchmarks.md: every table carries them): the CPU model, the instruction set of
 // the decode kernel, one core's GEMM rate, and the STREAM triad bandwidth of one core and of all
-// cores at once (plan::measure_cpu_rates, about half a second).
+// cores at once (cost::measure_profile with one point of each kind, about a second).
 #pragma once
 
 #include <brigade/backend/cpu.hpp>
-#include <brigade/plan/inference_plan.hpp>
+#include <brigade/cost/profile.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -40,7 +40,15 @@ inline double gemm_gflops_one_core() {
 /// ceiling_triad_GBs_box (all hardware threads) to Google Benchmark's context.
 inline void add_machine_context() {
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  const auto rates = plan::measure_cpu_rates(cores);
+  cost::ProfileOptions o;
+  o.cores = cores;
+  o.rows = {16};
+  o.backward_rows = {256};
+  o.contexts = {256};
+  o.training_contexts = {128};
+  o.disk_bytes = std::int64_t{8} << 20;
+  o.seconds_per_point = 0.02;
+  const auto profile = cost::measure_profile(o);
   auto fmt1 = [](double v) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.1f", v);
@@ -49,9 +57,9 @@ inline void add_machine_context() {
   benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
   benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
   benchmark::AddCustomContext("ceiling_gemm_GFLOPs_1core", fmt1(gemm_gflops_one_core()));
-  benchmark::AddCustomContext("ceiling_triad_GBs_1core", fmt1(rates.core_bytes_per_s * 1e-9));
+  benchmark::AddCustomContext("ceiling_triad_GBs_1core", fmt1(profile.core_bytes_per_s * 1e-9));
   benchmark::AddCustomContext("ceiling_triad_GBs_box",
-                              fmt1(rates.box_bytes_per_s * 1e-9) + " (" + std::to_string(cores) +
+                              fmt1(profile.memory_bytes_per_s * 1e-9) + " (" + std::to_string(cores) +
                                   " cores)");
 }
 

@@ -2,6 +2,7 @@
 #include "brigade/cost/profile.hpp"
 
 #include "brigade/backend/cpu.hpp"
+#include "brigade/backend/cpu_train.hpp"
 #include "brigade/io/input.hpp"
 #include "brigade/io/trace.hpp"
 #include "brigade/transport/in_process.hpp"
@@ -83,6 +84,29 @@ I whole(const nlohmann::json& j, std::string_view key, std::string_view where,
   return static_cast<I>(x);
 }
 
+/// The phases a GEMM point may name, and those an attention point may name.
+constexpr std::array<model::Phase, 3> kProducts = {
+    model::Phase::Forward, model::Phase::BackwardInput, model::Phase::BackwardWeight};
+constexpr std::array<model::Phase, 3> kAttentionPhases = {
+    model::Phase::Decode, model::Phase::Forward, model::Phase::BackwardInput};
+
+template <std::size_t N>
+bool one_of(model::Phase p, const std::array<model::Phase, N>& allowed) {
+  return std::find(allowed.begin(), allowed.end(), p) != allowed.end();
+}
+
+template <std::size_t N>
+model::Phase phase_named(const nlohmann::json& j, std::string_view key, std::string_view where,
+                         std::string_view path, const std::array<model::Phase, N>& allowed) {
+  const std::string name = text(j, key, where, path);
+  for (auto p : allowed)
+    if (model::to_string(p) == name) return p;
+  std::string expect;
+  for (auto p : allowed) expect += fmt::format("{}'{}'", expect.empty() ? "" : ", ", model::to_string(p));
+  ::brigade::detail::fail(Errc::InvalidArgument, "{}: field '{}{}' = '{}', expected one of {}",
+                          where, path, key, ::brigade::detail::excerpt(name), expect);
+}
+
 }  // namespace
 
 void DeviceProfile::validate() const {
@@ -105,14 +129,32 @@ void DeviceProfile::validate() const {
                 "profile '{}': 'gemm', 'attention' and 'links' need at least one entry each "
                 "({}, {}, {})",
                 name, gemm.size(), attention.size(), links.size());
+  for (auto product : kProducts)
+    BRIGADE_CHECK(std::any_of(gemm.begin(), gemm.end(),
+                              [&](const GemmPoint& g) { return g.product == product; }),
+                  Errc::InvalidArgument, "profile '{}': field 'gemm' has no '{}' product", name,
+                  model::to_string(product));
+  for (auto phase : kAttentionPhases)
+    BRIGADE_CHECK(std::any_of(attention.begin(), attention.end(),
+                              [&](const AttentionPoint& a) { return a.phase == phase; }),
+                  Errc::InvalidArgument, "profile '{}': field 'attention' has no '{}' phase",
+                  name, model::to_string(phase));
   for (std::size_t i = 0; i < gemm.size(); ++i) {
     const auto& g = gemm[i];
+    BRIGADE_CHECK(one_of(g.product, kProducts), Errc::InvalidArgument,
+                  "profile '{}': field 'gemm[{}].product' = '{}', expected forward, "
+                  "backward_input or backward_weight",
+                  name, i, model::to_string(g.product));
     need(g.rows >= 1, fmt::format("gemm[{}].rows", i), static_cast<double>(g.rows), ">= 1");
     need(g.threads >= 1, fmt::format("gemm[{}].threads", i), g.threads, ">= 1");
     need(positive(g.flops_per_s), fmt::format("gemm[{}].flops_per_s", i), g.flops_per_s, "> 0");
   }
   for (std::size_t i = 0; i < attention.size(); ++i) {
     const auto& a = attention[i];
+    BRIGADE_CHECK(one_of(a.phase, kAttentionPhases), Errc::InvalidArgument,
+                  "profile '{}': field 'attention[{}].phase' = '{}', expected decode, forward or "
+                  "backward_input",
+                  name, i, model::to_string(a.phase));
     need(a.context >= 1, fmt::format("attention[{}].context", i), static_cast<double>(a.context),
          ">= 1");
     need(a.head_dim >= 1, fmt::format("attention[{}].head_dim", i), a.head_dim, ">= 1");
@@ -129,20 +171,27 @@ void DeviceProfile::validate() const {
   }
 }
 
-double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads) const {
+double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads,
+                                       model::Phase product) const {
   BRIGADE_CHECK(rows >= 1 && threads >= 1, Errc::InvalidArgument,
                 "profile '{}': a product of {} rows on {} threads, expected both >= 1", name, rows,
                 threads);
+  BRIGADE_CHECK(one_of(product, kProducts), Errc::InvalidArgument,
+                "profile '{}': no '{}' product (forward, backward_input, backward_weight)", name,
+                model::to_string(product));
   // The thread count to read: the largest measured <= threads, else the smallest measured.
   int use = std::numeric_limits<int>::max(), below = 0;
   for (const auto& g : gemm) {
+    if (g.product != product) continue;
     use = std::min(use, g.threads);
     if (g.threads <= threads) below = std::max(below, g.threads);
   }
   if (below > 0) use = below;
   std::vector<const GemmPoint*> pts;
   for (const auto& g : gemm)
-    if (g.threads == use) pts.push_back(&g);
+    if (g.product == product && g.threads == use) pts.push_back(&g);
+  BRIGADE_CHECK(!pts.empty(), Errc::InvalidArgument, "profile '{}' has no '{}' product points",
+                name, model::to_string(product));
   std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->rows < b->rows; });
   if (rows <= pts.front()->rows) return pts.front()->flops_per_s;
   if (rows >= pts.back()->rows) return pts.back()->flops_per_s;
@@ -157,14 +206,18 @@ double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads) const {
 }
 
 double DeviceProfile::attention_seconds(std::int64_t tokens, int heads, int head_dim,
-                                        double context) const {
+                                        double context, model::Phase phase) const {
   BRIGADE_CHECK(tokens >= 1 && heads >= 1 && head_dim >= 1 && context >= 1.0,
                 Errc::InvalidArgument,
                 "profile '{}': attention of {} tokens, {} heads of {}, context {}; expected all "
                 ">= 1",
                 name, tokens, heads, head_dim, context);
   std::vector<const AttentionPoint*> pts;
-  for (const auto& a : attention) pts.push_back(&a);
+  for (const auto& a : attention)
+    if (a.phase == phase) pts.push_back(&a);
+  BRIGADE_CHECK(!pts.empty(), Errc::InvalidArgument,
+                "profile '{}' has no '{}' attention points (decode, forward, backward_input)",
+                name, model::to_string(phase));
   std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->context < b->context; });
   auto per = [&](const AttentionPoint& p) {
     return p.seconds_per_token_head * static_cast<double>(head_dim) / p.head_dim;
@@ -205,9 +258,13 @@ nlohmann::json to_json(const DeviceProfile& p) {
   nlohmann::json gemm = nlohmann::json::array(), att = nlohmann::json::array(),
                  links = nlohmann::json::array();
   for (const auto& g : p.gemm)
-    gemm.push_back({{"rows", g.rows}, {"threads", g.threads}, {"flops_per_s", g.flops_per_s}});
+    gemm.push_back({{"product", model::to_string(g.product)},
+                    {"rows", g.rows},
+                    {"threads", g.threads},
+                    {"flops_per_s", g.flops_per_s}});
   for (const auto& a : p.attention)
-    att.push_back({{"context", a.context},
+    att.push_back({{"phase", model::to_string(a.phase)},
+                   {"context", a.context},
                    {"head_dim", a.head_dim},
                    {"seconds_per_token_head", a.seconds_per_token_head}});
   for (const auto& l : p.links)
@@ -252,14 +309,16 @@ DeviceProfile profile_from_json(const nlohmann::json& j, std::string_view where)
   const auto& gemm = array(j, "gemm", where);
   for (std::size_t i = 0; i < gemm.size(); ++i) {
     const std::string at = fmt::format("gemm[{}].", i);
-    p.gemm.push_back({whole<std::int64_t>(gemm[i], "rows", where, at, 1, 1e12),
+    p.gemm.push_back({phase_named(gemm[i], "product", where, at, kProducts),
+                      whole<std::int64_t>(gemm[i], "rows", where, at, 1, 1e12),
                       whole<int>(gemm[i], "threads", where, at, 1, 1 << 20),
                       number(gemm[i], "flops_per_s", where, at)});
   }
   const auto& att = array(j, "attention", where);
   for (std::size_t i = 0; i < att.size(); ++i) {
     const std::string at = fmt::format("attention[{}].", i);
-    p.attention.push_back({whole<std::int64_t>(att[i], "context", where, at, 1, 1e12),
+    p.attention.push_back({phase_named(att[i], "phase", where, at, kAttentionPhases),
+                           whole<std::int64_t>(att[i], "context", where, at, 1, 1e12),
                            whole<int>(att[i], "head_dim", where, at, 1, 1 << 16),
                            number(att[i], "seconds_per_token_head", where, at)});
   }
@@ -400,18 +459,23 @@ LinkProfile in_process_link(double budget) {
 }  // namespace
 
 DeviceProfile measure_profile(const ProfileOptions& o) {
-  BRIGADE_CHECK(o.cores >= 1 && !o.rows.empty() && !o.contexts.empty() && o.gemm_in >= 1 &&
+  BRIGADE_CHECK(o.cores >= 1 && !o.rows.empty() && !o.contexts.empty() &&
+                    !o.backward_rows.empty() && !o.training_contexts.empty() && o.gemm_in >= 1 &&
                     o.gemm_out >= 1 && o.head_dim >= 1 && o.stream_bytes >= 1 &&
                     o.disk_bytes >= 1 && o.seconds_per_point > 0.0,
                 Errc::InvalidArgument,
-                "measure_profile: cores {}, {} row counts, {} contexts, gemm {} x {}, head_dim {}, "
-                "stream {} B, disk {} B, {} s per point; expected all >= 1 (and > 0 s)",
-                o.cores, o.rows.size(), o.contexts.size(), o.gemm_in, o.gemm_out, o.head_dim,
+                "measure_profile: cores {}, {} row counts, {} backward row counts, {} contexts, {} "
+                "training contexts, gemm {} x {}, head_dim {}, stream {} B, disk {} B, {} s per "
+                "point; expected all >= 1 (and > 0 s)",
+                o.cores, o.rows.size(), o.backward_rows.size(), o.contexts.size(),
+                o.training_contexts.size(), o.gemm_in, o.gemm_out, o.head_dim,
                 o.stream_bytes, o.disk_bytes, o.seconds_per_point);
-  for (auto r : o.rows)
-    BRIGADE_CHECK(r >= 1, Errc::InvalidArgument, "measure_profile: rows {} < 1", r);
-  for (auto c : o.contexts)
-    BRIGADE_CHECK(c >= 1, Errc::InvalidArgument, "measure_profile: context {} < 1", c);
+  for (const auto* rows : {&o.rows, &o.backward_rows})
+    for (auto r : *rows)
+      BRIGADE_CHECK(r >= 1, Errc::InvalidArgument, "measure_profile: rows {} < 1", r);
+  for (const auto* contexts : {&o.contexts, &o.training_contexts})
+    for (auto c : *contexts)
+      BRIGADE_CHECK(c >= 1, Errc::InvalidArgument, "measure_profile: context {} < 1", c);
   DeviceProfile p;
   p.kind = "cpu";
   p.dtype = "f32";
@@ -439,7 +503,29 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
         cpu::matmul_wt(x.data(), w.data() + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
         next = (next + 1) % copies;
       });
-      p.gemm.push_back({rows, threads, 2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out) / s});
+      p.gemm.push_back({model::Phase::Forward, rows, threads,
+                        2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out) / s});
+    }
+    // Training products: dx = dy W reads the weight copies as the forward does; dW += dy^T x
+    // writes into the next gradient copy (a stage accumulates into every layer's gradients).
+    for (auto rows : o.backward_rows) {
+      std::vector<float> dy(static_cast<std::size_t>(rows * o.gemm_out), 0.5f),
+          x(static_cast<std::size_t>(rows * o.gemm_in), 0.5f),
+          dx(static_cast<std::size_t>(rows * o.gemm_in));
+      const double flops = 2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out);
+      std::size_t next = 0;
+      const double si = best_seconds(budget, [&] {
+        cpu::matmul_wt_backward_input(dy.data(), w.data() + wsize * next, dx.data(), rows,
+                                      o.gemm_in, o.gemm_out);
+        next = (next + 1) % copies;
+      });
+      p.gemm.push_back({model::Phase::BackwardInput, rows, threads, flops / si});
+      const double sw = best_seconds(budget, [&] {
+        cpu::matmul_wt_backward_weight(dy.data(), x.data(), w.data() + wsize * next, rows,
+                                       o.gemm_in, o.gemm_out);
+        next = (next + 1) % copies;
+      });
+      p.gemm.push_back({model::Phase::BackwardWeight, rows, threads, flops / sw});
     }
     if (o.cores == 1) break;
   }
@@ -455,7 +541,28 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
       cpu::attention(q.data(), k.data(), v.data(), out.data(), 1, ctx - 1, heads, heads,
                      o.head_dim);
     });
-    p.attention.push_back({ctx, o.head_dim, s / heads});
+    p.attention.push_back({model::Phase::Decode, ctx, o.head_dim, s / heads});
+  }
+  // Training attention: one packed sequence of 2 c - 1 tokens (mean context c), forward with
+  // the log-sum-exp kept, then its backward.
+  for (auto ctx : o.training_contexts) {
+    const std::int64_t n = 2 * ctx - 1;
+    const auto size = static_cast<std::size_t>(n * heads * o.head_dim);
+    std::vector<float> q(size, 0.01f), k(size, 0.02f), v(size, 0.03f), out(size), dout(size, 0.1f),
+        dq(size), dk(size), dv(size), lse(static_cast<std::size_t>(n * heads));
+    const std::array<std::int64_t, 2> offsets{0, n};
+    const double sf = best_seconds(budget, [&] {
+      cpu::attention_varlen_forward(q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                    offsets, heads, heads, o.head_dim);
+    });
+    const double sb = best_seconds(budget, [&] {
+      cpu::attention_varlen_backward(q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                     dout.data(), dq.data(), dk.data(), dv.data(), offsets, heads,
+                                     heads, o.head_dim);
+    });
+    const double per = static_cast<double>(n) * heads;
+    p.attention.push_back({model::Phase::Forward, ctx, o.head_dim, sf / per});
+    p.attention.push_back({model::Phase::BackwardInput, ctx, o.head_dim, sb / per});
   }
   cpu::set_blas_threads(threads_before);
 

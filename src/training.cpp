@@ -77,6 +77,7 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
   req.partition = config.partition;
   const std::int64_t S = config.seq_len_hint;
   req.balance_for = {S, 1, static_cast<double>(S) / 2.0};
+  req.layer_seconds = config.layer_seconds;
   const schedule::Schedule compute = schedule::generate(req.schedule, req.params);
   BRIGADE_CHECK(compute.shape.mode == schedule::Mode::Training, Errc::InvalidArgument,
                 "TrainingEngine: schedule '{}' is an inference schedule", config.schedule);

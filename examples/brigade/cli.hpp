@@ -5,6 +5,7 @@
 
 #include <brigade/config.hpp>
 #include <brigade/core/error.hpp>
+#include <brigade/cost/profile.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/format.h>
@@ -12,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <string>
@@ -158,5 +161,80 @@ class MpiLaunch {
   std::optional<transport::MpiSession> session_;
 #endif
 };
+
+/// The device profile a command prices layers with, and where it came from.
+struct ResolvedProfile {
+  std::optional<cost::DeviceProfile> profile;  ///< empty: the roofline at default rates
+  std::string origin;                          ///< for the summary line
+};
+
+/// Where `--profile auto` keeps this machine's profile for `cores` cores:
+/// $XDG_CACHE_HOME/brigade (else $HOME/.cache/brigade)/profile-<cores>c.json; empty when
+/// neither variable is set.
+inline std::filesystem::path profile_cache_path(int cores) {
+  namespace fs = std::filesystem;
+  fs::path dir;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    dir = fs::path(x) / "brigade";
+  else if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0')
+    dir = fs::path(h) / ".cache" / "brigade";
+  else
+    return {};
+  return dir / fmt::format("profile-{}c.json", cores);
+}
+
+/// Resolves --profile (docs/profiles.md, "The calibrated split by default"):
+/// - "auto": this machine's profile, read from profile_cache_path(cores) when its name names
+///   this CPU model, else measured (cost::measure_profile, about 4 s) and cached there (a cache
+///   that cannot be written is skipped); under mpirun the processes could measure different
+///   figures and split differently, so there "auto" is the roofline unless a file is given;
+/// - "none": no profile (the roofline at default rates: a split that depends on no machine);
+/// - anything else: that profile file.
+/// @throws brigade::Error from cost::load_profile or cost::measure_profile
+inline ResolvedProfile resolve_profile(const std::string& arg, int cores, bool under_mpi,
+                                       std::string_view cpu_model) {
+  if (arg == "none") return {std::nullopt, "none: roofline at default rates"};
+  if (arg != "auto") {
+    auto p = cost::load_profile(arg);
+    return {std::move(p), fmt::format("{}", arg)};
+  }
+  if (under_mpi)
+    return {std::nullopt, "auto under mpirun: roofline at default rates (give --profile FILE)"};
+  const auto path = profile_cache_path(cores);
+  std::error_code ec;
+  if (!path.empty() && std::filesystem::exists(path, ec)) {
+    try {
+      auto p = cost::load_profile(path);
+      if (p.kind == "cpu" && p.cores == cores && p.name.rfind(cpu_model, 0) == 0)
+        return {std::move(p), fmt::format("cached {}", path.string())};
+    } catch (const Error&) {
+      // An unreadable or outdated cache is measured again and replaced.
+    }
+  }
+  fmt::print(stderr, "profile: measuring this machine ({} cores, about 4 s; cached at {})\n",
+             cores, path.empty() ? std::string("nowhere: no HOME") : path.string());
+  cost::ProfileOptions o;
+  o.cores = cores;
+  auto p = cost::measure_profile(o);
+  if (!path.empty()) {
+    std::filesystem::create_directories(path.parent_path(), ec);
+    try {
+      cost::save_profile(path, p);
+    } catch (const Error&) {
+      // Not cached: the next run measures again.
+    }
+  }
+  return {std::move(p), fmt::format("measured now{}", path.empty() ? "" : ", cached " + path.string())};
+}
+
+/// Adds the --profile option (default "auto") to `sub`.
+inline CLI::Option* add_profile_option(CLI::App& sub, std::string& value) {
+  return sub
+      .add_option("--profile", value,
+                  "device profile the balanced split prices layers with: auto (this machine's, "
+                  "measured once and cached), none (roofline at default rates), or a file "
+                  "(brigade profile --out FILE; docs/profiles.md)")
+      ->capture_default_str();
+}
 
 }  // namespace brigade::cli

@@ -1,6 +1,7 @@
 // `brigade generate`: text generation with the model split into pipeline stages.
 #include "cli.hpp"
 
+#include <brigade/backend/cpu.hpp>
 #include <brigade/config.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/io/input.hpp>
@@ -34,7 +35,7 @@ namespace {
 
 struct GenerateArgs {
   std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
-  std::string profile;  // a device profile (docs/profiles.md) for the balanced split
+  std::string profile = "auto";  // device profile of the balanced split: auto, none or a file
   std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
@@ -132,6 +133,11 @@ int run(const GenerateArgs& a) {
 
   // --plan auto: the planner picks stages x threads x micro-batches from predicted times on
   // rates measured here, and prints every candidate beside its pick.
+  const int cores = a.cores > 0 ? a.cores
+                                : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const cli::ResolvedProfile resolved =
+      cli::resolve_profile(a.profile, cores, under_mpi, cpu::cpu_model_name());
+  const std::optional<cost::DeviceProfile>& profile = resolved.profile;
   std::optional<plan::InferencePlan> planned;
   if (a.plan == "auto") {
     BRIGADE_CHECK(!under_mpi, Errc::InvalidArgument,
@@ -143,9 +149,9 @@ int run(const GenerateArgs& a) {
                   "--plan auto chooses the stages, the split, the micro-batches and the threads; "
                   "drop {} (or use --plan manual)",
                   given);
-    const int cores = a.cores > 0 ? a.cores
-                                  : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-    const auto rates = plan::measure_cpu_rates(cores);
+    BRIGADE_CHECK(profile.has_value(), Errc::InvalidArgument,
+                  "--plan auto predicts times from a device profile; give --profile auto or a "
+                  "profile file, not --profile none");
     plan::InferenceWorkload wl;
     wl.sequences = static_cast<int>(requests.size());
     std::size_t longest = 1;
@@ -153,14 +159,14 @@ int run(const GenerateArgs& a) {
     wl.prompt_tokens = static_cast<int>(longest);
     wl.new_tokens = std::max(1, engine::effective_steps(requests[0], weights.config.seq_len) -
                                     wl.prompt_tokens);
-    const auto plans = plan::inference_plans(spec, wl, rates);
+    const auto plans = plan::inference_plans(spec, wl, *profile, cores);
     fmt::print(stderr,
-               "plan: {} cores, measured: decode kernel {:.1f} GFLOP/s (1 core), {:.1f} GFLOP/s "
-               "({} cores); triad {:.1f} GB/s (1 core), {:.1f} GB/s ({} cores); fork/join "
-               "{:.1f} us\n",
-               cores, rates.flops_per_s * 1e-9, rates.box_flops_per_s * 1e-9, cores,
-               rates.core_bytes_per_s * 1e-9, rates.box_bytes_per_s * 1e-9, cores,
-               rates.fork_join_s * 1e6);
+               "plan: {} cores, profile {} ({}): decode product of 16 rows {:.1f} GFLOP/s (1 "
+               "core), {:.1f} GFLOP/s ({} cores); triad {:.1f} GB/s (1 core), {:.1f} GB/s ({} "
+               "cores)\n",
+               cores, profile->name, resolved.origin, profile->gemm_flops_per_s(16, 1) * 1e-9,
+               profile->gemm_flops_per_s(16, cores) * 1e-9, cores,
+               profile->core_bytes_per_s * 1e-9, profile->memory_bytes_per_s * 1e-9, cores);
     for (std::size_t i = 0; i < plans.size(); ++i)
       fmt::print(stderr, "plan: {} {:>9.1f} tokens/s predicted  {}\n", i == 0 ? "*" : " ",
                  plans[i].tokens_per_s, plans[i].describe(wl.sequences));
@@ -184,8 +190,6 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(windows <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} x --ring {} = {} windows, more than the model's {} layers",
                 stages_used, a.ring, windows, spec.num_layers());
-  std::optional<cost::DeviceProfile> profile;
-  if (!a.profile.empty()) profile = cost::load_profile(a.profile);
   const partition::Partition part = [&] {
     if (planned) return partition::ring(planned->partition(spec.num_layers()), stages_used);
     // The policy by name (partition::policies()), window w on rank w mod stages; "balanced"
@@ -199,10 +203,9 @@ int run(const GenerateArgs& a) {
     req.work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
     req.work.tokens = req.work.sequences;
     req.work.context = std::max(1.0, engine::effective_steps(requests[0], weights.config.seq_len) / 2.0);
-    if (profile)
-      req.layer_seconds = [&](const model::ModelSpec& m, int l, const model::WorkItem& w) {
-        return cost::profiled_layer_seconds(m, l, w, *profile, a.threads);
-      };
+    if (profile)  // each stage's products on --threads threads, stages x threads cores busy
+      req.layer_seconds = cost::ProfiledLayerTimes(*profile, a.threads,
+                                                   std::max(a.threads, stages_used * a.threads));
     return partition::make_partition(spec, a.partition, req);
   }();
 
@@ -242,7 +245,9 @@ int run(const GenerateArgs& a) {
   const int S = part.num_stages();
   fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
              weights.config.n_layers, weights.config.dim, S,
-             profile ? fmt::format("{} (profile {})", a.partition, profile->name) : a.partition,
+             profile ? fmt::format("{} (profile {}, {})", a.partition, profile->name,
+                                   resolved.origin)
+                     : fmt::format("{} (profile {})", a.partition, resolved.origin),
              part.to_string());
   if (under_mpi)
     fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used,
@@ -344,9 +349,7 @@ std::function<int()> setup(CLI::App& sub) {
                  "a partition policy: uniform (by layer count), balanced (by cost), or one "
                  "registered with partition::register_policy")
       ->check(CLI::IsMember(policies))->capture_default_str();
-  sub.add_option("--profile", a->profile,
-                 "a device profile (brigade profile --out FILE; docs/profiles.md): the "
-                 "partition policy prices layers with it instead of the default-rate roofline");
+  brigade::cli::add_profile_option(sub, a->profile);
   a->planned_options.push_back(a->stages_option);
   a->planned_options.push_back(partition_option);
   a->planned_options.push_back(sub.add_option("--microbatches", a->microbatches,

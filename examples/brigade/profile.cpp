@@ -22,11 +22,12 @@ struct ProfileArgs {
 void print_summary(const brigade::cost::DeviceProfile& p) {
   fmt::print(stderr, "profile: {} ({}, {}, {} cores)\n", p.name, p.kind, p.dtype, p.cores);
   for (const auto& g : p.gemm)
-    fmt::print(stderr, "  gemm {:>4} rows x {} thread(s): {:8.1f} GFLOP/s\n", g.rows, g.threads,
-               g.flops_per_s / 1e9);
-  for (const auto& a : p.attention)
-    fmt::print(stderr, "  attention context {:>5}, head {}: {:8.2f} us per token and head\n",
-               a.context, a.head_dim, a.seconds_per_token_head * 1e6);
+    fmt::print(stderr, "  gemm {:<15} {:>4} rows x {} thread(s): {:8.1f} GFLOP/s\n",
+               brigade::model::to_string(g.product), g.rows, g.threads, g.flops_per_s * 1e-9);
+  for (const auto& at : p.attention)
+    fmt::print(stderr, "  attention {:<14} context {:>5}, head {}: {:8.2f} us per token and head\n",
+               brigade::model::to_string(at.phase), at.context, at.head_dim,
+               at.seconds_per_token_head * 1e6);
   fmt::print(stderr,
              "  memory: {:.1f} GB/s one core, {:.1f} GB/s all, {:.1f} GiB; disk {:.2f} GB/s\n",
              p.core_bytes_per_s / 1e9, p.memory_bytes_per_s / 1e9,
@@ -47,7 +48,9 @@ int run(const ProfileArgs& a) {
   if (!a.disk_dir.empty()) o.disk_dir = a.disk_dir;
   if (a.quick) {  // a few points in well under a second, for tests and smoke checks
     o.rows = {1, 16, 64};
+    o.backward_rows = {64};
     o.contexts = {64, 512};
+    o.training_contexts = {32};
     o.stream_bytes = std::int64_t{12} << 20;
     o.disk_bytes = std::int64_t{8} << 20;
     o.seconds_per_point = 0.005;

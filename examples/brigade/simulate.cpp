@@ -4,6 +4,7 @@
 
 #include <brigade/core/error.hpp>
 #include <brigade/cost/cost_model.hpp>
+#include <brigade/cost/profiled.hpp>
 #include <brigade/io/input.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/config.hpp>
@@ -38,6 +39,7 @@ struct Options {
   bool virtual_given = false;  // --virtual on the command line (else the generator's default)
   int decode_steps = 3;
   std::string model;
+  std::string profile;  // a device profile: layer times and the first link from it
   std::string unit_costs;
   int batch = 1;
   int seq_len = 256;
@@ -158,6 +160,13 @@ int run(const Options& o) {
     const brigade::model::ModelSpec spec(load_model(o.model));
     brigade::cost::RooflineOptions ro;
     ro.rates = {o.flops, o.mem_bandwidth};
+    std::optional<brigade::cost::DeviceProfile> profile;
+    if (!o.profile.empty()) {  // one device per rank: its layer times and its first link
+      profile = brigade::cost::load_profile(o.profile);
+      ro.layer_seconds = brigade::cost::ProfiledLayerTimes(*profile);
+      ro.rates.bytes_per_s = profile->memory_bytes_per_s;  // the optimizer step
+      ro.link = {profile->links.front().latency_s, profile->links.front().bytes_per_s};
+    }
     ro.workload = {o.batch, o.seq_len};
     ro.weight_load_bytes_per_s = o.load_bandwidth;
     if (o.link_latency) ro.link.latency_s = *o.link_latency;
@@ -165,13 +174,18 @@ int run(const Options& o) {
     const auto part = brigade::cost::RooflineCostModel::placed_uniform(spec, shape);
     const brigade::cost::RooflineCostModel cm(spec, part, shape, ro);
     r = brigade::sim::simulate(lowered, cm, sim_opt);
+    const std::string device =
+        profile ? fmt::format("profile {} ({})", profile->name, o.profile)
+                : fmt::format("{:g} FLOP/s, {:g} B/s", o.flops, o.mem_bandwidth);
     costs = fmt::format(
-        "roofline, model {} ({} decoder layers), batch {} x {} tokens, "
-        "{:g} FLOP/s, {:g} B/s, link {:g} s + bytes / {:g} B/s, weight loads {:g} B/s; "
+        "{}, model {} ({} decoder layers), batch {} x {} tokens, "
+        "{}, link {:g} s + bytes / {:g} B/s, weight loads {:g} B/s; "
         "partition {}",
-        o.model, spec.config().n_layers, o.batch, o.seq_len, o.flops, o.mem_bandwidth,
-        ro.link.latency_s, ro.link.bytes_per_s, ro.weight_load_bytes_per_s, part.to_string());
-    cost_json = {{"kind", "roofline"},
+        profile ? "profiled" : "roofline", o.model, spec.config().n_layers, o.batch, o.seq_len,
+        device, ro.link.latency_s, ro.link.bytes_per_s, ro.weight_load_bytes_per_s,
+        part.to_string());
+    cost_json = {{"kind", profile ? "profiled" : "roofline"},
+                 {"profile", profile ? profile->name : std::string()},
                  {"model", o.model},
                  {"batch", o.batch},
                  {"seq_len", o.seq_len},
@@ -315,6 +329,11 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--seq-len", o->seq_len,
                  "Roofline: tokens per sequence (inference: prompt length)")
       ->check(brigade::cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"))->capture_default_str();
+  sub.add_option("--profile", o->profile,
+                 "With --model: a device profile (docs/profiles.md; e.g. profiles/nvidia_h100_sxm.json), "
+                 "one device per rank: layer times per pass from it, the link from its first "
+                 "entry (--link-latency / --link-bandwidth still override)")
+      ->needs(model);
   sub.add_option("--flops", o->flops, "Roofline: device FLOP/s")
       ->check(brigade::cli::number_in<double>(0, 1e18, "a number of FLOP/s above 0 and at most 1e18", true))
       ->capture_default_str();

@@ -1,7 +1,9 @@
 // `brigade train`: pipeline training of a Llama on text, driven by a schedule of the IR.
 #include "cli.hpp"
 
+#include <brigade/backend/cpu.hpp>
 #include <brigade/config.hpp>
+#include <brigade/cost/profiled.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/engine/training_distributed.hpp>
@@ -22,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 #include <unistd.h>
 
@@ -30,7 +33,7 @@ namespace fs = std::filesystem;
 
 struct TrainArgs {
   std::string model, tokenizer, synthetic = "260K", data, schedule = "1f1b", checkpoint_dir,
-      trace, metrics;
+      trace, metrics, profile = "auto";
   int stages = 2, virtual_stages = 1, microbatches = 4, tokens_per_microbatch = 256, steps = 50,
       warmup = 10, checkpoint_every = 0, eval_every = 0;
   float lr = 1e-3f, weight_decay = 0.1f, clip = 1.0f;
@@ -58,6 +61,7 @@ struct RunData {
   const fs::path& data;
   int ranks;  ///< pipeline ranks (threads, or processes under MPI)
   bool mpi;   ///< started by mpirun: one process per rank
+  std::string profile_origin;  ///< where the balanced split's layer times came from
 };
 
 /// The training loop, shared by the in-process TrainingEngine and the per-process
@@ -84,6 +88,7 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
       d.data.string(), d.corpus.tasks.size(), d.train.samples.size(), d.held.samples.size(),
       d.corpus.num_tokens(), a.schedule, d.ranks, a.virtual_stages, a.microbatches,
       a.tokens_per_microbatch);
+  say("partition: {} (profile {})\n", eng.plan().partition().to_string(), d.profile_origin);
   if (d.mpi) say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
   const double eval_before = eng.evaluate(eval);
   say("held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);
@@ -241,7 +246,17 @@ int run(const TrainArgs& a) {
   cfg.optimizer.weight_decay = a.weight_decay;
   cfg.optimizer.clip_norm = a.clip;
   cfg.timeout_s = a.timeout;
-  const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi};
+  cfg.seq_len_hint = a.tokens_per_microbatch;
+  // The balanced split prices each layer's forward and backward passes on this machine's
+  // profile (one intra-op thread per rank, every rank's core busy).
+  const cli::ResolvedProfile resolved = cli::resolve_profile(
+      a.profile, std::max(1, static_cast<int>(std::thread::hardware_concurrency())), under_mpi,
+      cpu::cpu_model_name());
+  if (resolved.profile)
+    cfg.layer_seconds = cost::ProfiledLayerTimes(*resolved.profile, 1, num_ranks);
+  const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
+                  resolved.profile ? resolved.profile->name + ", " + resolved.origin
+                                   : resolved.origin};
 #if BRIGADE_HAS_MPI
   if (under_mpi) {
     transport::MpiTransport tp;
@@ -312,6 +327,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(brigade::cli::number_in<double>(0, 604800, "a number of seconds above 0 and at most 604800 (a week)",
                            true))
       ->capture_default_str();
+  brigade::cli::add_profile_option(sub, a->profile);
   sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
   sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
   // Fault injection for tests of runs under mpirun (hidden from --help).

@@ -237,3 +237,51 @@ TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
   CHECK(r4.rc != 0);
   CHECK(r4.err.find("/nonexistent/corpus") != std::string::npos);
 }
+
+TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it; none and a "
+          "file are taken as given" * doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const fs::path cache = fs::temp_directory_path() / fmt::format("brigade_cache_{}", ::getpid());
+  fs::remove_all(cache);
+  const std::string env = "XDG_CACHE_HOME=" + cache.string() + " ";
+  const std::string args = " generate " + model_flags() +
+                           " --temperature 0 --steps 64 --stages 2 --cores 2 --prompt \"Once upon a time\"";
+  auto first = brigade::test::run_shell(env + BRIGADE_CLI + args);
+  REQUIRE(first.rc == 0);
+  CHECK(first.out == one);  // the split changes no token
+  const fs::path cached = cache / "brigade" / "profile-2c.json";
+  CHECK(fs::exists(cached));
+  CHECK(first.err.find("profile: measuring this machine (2 cores") != std::string::npos);
+  CHECK(first.err.find(", measured now, cached " + cached.string() + ")") != std::string::npos);
+  auto second = brigade::test::run_shell(env + BRIGADE_CLI + args);
+  REQUIRE(second.rc == 0);
+  CHECK(second.out == one);
+  CHECK(second.err.find("measuring") == std::string::npos);
+  CHECK(second.err.find(", cached " + cached.string() + ")") != std::string::npos);
+  // A cache of another machine (another CPU name) is measured again and replaced.
+  auto j = nlohmann::json::parse(std::ifstream(cached));
+  j["name"] = "Some Other CPU (2 cores, avx2 decode kernel)";
+  std::ofstream(cached) << j.dump();
+  auto third = brigade::test::run_shell(env + BRIGADE_CLI + args);
+  REQUIRE(third.rc == 0);
+  CHECK(third.err.find("profile: measuring this machine") != std::string::npos);
+  // none: the roofline; a file: that profile; a missing file: an error naming it.
+  auto none = brigade::test::run_shell(env + BRIGADE_CLI + args + " --profile none");
+  REQUIRE(none.rc == 0);
+  CHECK(none.out == one);
+  CHECK(none.err.find("partition balanced (profile none: roofline at default rates)") !=
+        std::string::npos);
+  auto file = brigade::test::run_shell(env + BRIGADE_CLI + args + " --profile " + cached.string());
+  REQUIRE(file.rc == 0);
+  CHECK(file.err.find("(profile ") != std::string::npos);
+  CHECK(file.err.find(", " + cached.string() + ")") != std::string::npos);
+  auto missing = brigade::test::run_shell(env + BRIGADE_CLI + args + " --profile /nonexistent/p.json");
+  CHECK(missing.rc != 0);
+  CHECK(missing.err.find("/nonexistent/p.json") != std::string::npos);
+  auto planless = brigade::test::run_shell(env + BRIGADE_CLI + " generate " + model_flags() +
+                                           " --plan auto --profile none");
+  CHECK(planless.rc != 0);
+  CHECK(planless.err.find("--plan auto predicts times from a device profile") != std::string::npos);
+  fs::remove_all(cache);
+}

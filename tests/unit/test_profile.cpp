@@ -28,8 +28,14 @@ cost::DeviceProfile sample() {
   p.source = "by hand";
   p.dtype = "f32";
   p.cores = 4;
-  p.gemm = {{1, 1, 10e9}, {16, 1, 50e9}, {256, 1, 90e9}, {1, 4, 30e9}};
-  p.attention = {{100, 64, 1e-6}, {1000, 64, 8e-6}};
+  using model::Phase;
+  p.gemm = {{Phase::Forward, 1, 1, 10e9},         {Phase::Forward, 16, 1, 50e9},
+            {Phase::Forward, 256, 1, 90e9},       {Phase::Forward, 1, 4, 30e9},
+            {Phase::BackwardInput, 256, 1, 60e9}, {Phase::BackwardWeight, 256, 1, 45e9}};
+  p.attention = {{Phase::Decode, 100, 64, 1e-6},
+                 {Phase::Decode, 1000, 64, 8e-6},
+                 {Phase::Forward, 128, 64, 2e-6},
+                 {Phase::BackwardInput, 128, 64, 5e-6}};
   p.core_bytes_per_s = 20e9;
   p.memory_bytes_per_s = 40e9;
   p.memory_capacity_bytes = 16e9;
@@ -59,6 +65,15 @@ TEST_CASE("profile.json: a profile survives JSON both ways; look-ups interpolate
   CHECK(p.gemm_flops_per_s(4096) == 90e9);
   CHECK(p.gemm_flops_per_s(64, 4) == 30e9);   // only one point at 4 threads
   CHECK(p.gemm_flops_per_s(64, 2) == doctest::Approx(70e9));  // 2 threads: the 1-thread points
+  // Each product has its own points.
+  CHECK(p.gemm_flops_per_s(16, 1, model::Phase::BackwardInput) == 60e9);
+  CHECK(p.gemm_flops_per_s(4096, 4, model::Phase::BackwardWeight) == 45e9);
+  CHECK_THROWS_WITH_AS((void)p.gemm_flops_per_s(16, 1, model::Phase::Decode),
+                       doctest::Contains("no 'decode' product"), Error);
+  CHECK(p.attention_seconds(10, 8, 64, 256.0, model::Phase::BackwardInput) ==
+        doctest::Approx(10 * 8 * 5e-6 * 2.0));
+  CHECK_THROWS_WITH_AS((void)p.attention_seconds(1, 1, 64, 8.0, model::Phase::BackwardWeight),
+                       doctest::Contains("no 'backward_weight' attention points"), Error);
   // Attention: linear in context, proportional beyond the last point, per head and token.
   CHECK(p.attention_seconds(1, 1, 64, 550.0) == doctest::Approx(4.5e-6));
   CHECK(p.attention_seconds(2, 8, 128, 2000.0) == doctest::Approx(2 * 8 * 2 * 16e-6));
@@ -101,14 +116,24 @@ TEST_CASE("profile.errors: a bad profile names the field") {
   CHECK(error_of(j).find("field 'cores' is \"four\", expected a number") != std::string::npos);
   j = good;
   j["schema"] = "other/9";
-  CHECK(error_of(j).find("field 'schema' = 'other/9', expected 'brigade.device_profile/1'") !=
+  CHECK(error_of(j).find("field 'schema' = 'other/9', expected 'brigade.device_profile/2'") !=
         std::string::npos);
+  j = good;
+  j["gemm"][4]["product"] = "sideways";
+  CHECK(error_of(j).find("field 'gemm[4].product' = 'sideways', expected one of 'forward', "
+                         "'backward_input', 'backward_weight'") != std::string::npos);
+  j = good;
+  j["gemm"].erase(5);  // the only backward_weight point
+  CHECK(error_of(j).find("field 'gemm' has no 'backward_weight' product") != std::string::npos);
+  j = good;
+  j["attention"][2].erase("phase");
+  CHECK(error_of(j) == "p.json: field 'attention[2].phase' is missing");
   j = good;
   j["kind"] = "tpu";
   CHECK(error_of(j).find("field 'kind' = 'tpu', expected 'cpu' or 'gpu'") != std::string::npos);
   j = good;
   j["attention"] = nlohmann::json::array();
-  CHECK(error_of(j).find("need at least one entry each (4, 0, 1)") != std::string::npos);
+  CHECK(error_of(j).find("need at least one entry each (6, 0, 1)") != std::string::npos);
   j = good;
   j["memory_capacity_bytes"] = -1;
   CHECK(error_of(j).find("field 'memory_capacity_bytes' = -1, expected > 0") !=
@@ -157,8 +182,8 @@ TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a p
   const auto p = cost::load_profile(out);
   CHECK(p.kind == "cpu");
   CHECK(p.cores == 1);
-  CHECK(p.gemm.size() == 3);  // --quick: 1, 16, 64 rows on one thread
-  CHECK(p.attention.size() == 2);
+  CHECK(p.gemm.size() == 5);  // --quick: forward 1, 16, 64 rows, both backwards 64, one thread
+  CHECK(p.attention.size() == 4);  // decode at 64 and 512, training forward and backward at 32
   CHECK(p.links.at(0).transport == "in-process");
   CHECK(p.memory_capacity_bytes > 1e8);
   CHECK(p.source.find("measured by brigade profile") == 0);
@@ -172,50 +197,86 @@ TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a p
   CHECK(none.err.find("give --out FILE to measure this machine, or --check FILE") !=
         std::string::npos);
   const auto bad = fs::temp_directory_path() / "brigade_test_profile_cli_bad.json";
-  io::write_file_atomic(bad, "{\"schema\": \"brigade.device_profile/1\", \"name\": \"x\"}");
+  io::write_file_atomic(bad, "{\"schema\": \"brigade.device_profile/2\", \"name\": \"x\"}");
   const auto b = test::run_cli("profile --check " + bad.string());
   CHECK(b.rc != 0);
   CHECK(b.err.find("field 'kind' is missing") != std::string::npos);
   fs::remove(bad);
 }
 
-TEST_CASE("profile.layer_seconds: a layer's time from the profile's products, attention and "
-          "bandwidth; the balanced policy splits by it") {
+TEST_CASE("profile.layer_times: a layer's time from the profile's products, attention and "
+          "bandwidth, per phase; the balanced policy splits by it") {
+  using model::Phase;
   const model::ModelSpec spec(model::named_config("42M"));  // dim 512, hidden 1376, vocab 32000
   const auto p = sample();  // products 10 GFLOP/s at 1 row, 50 at 16, 90 at 256; 20 GB/s one core
+  const cost::ProfiledLayerTimes one_core(p);
   const double d = 512, h = 1376, v = 32000, kv = 512;
   const double proj = 2 * d * d + 2 * d * kv + 3 * d * h;
   // Decode, 16 sequences at context 550: products at 50 GFLOP/s (their 4-byte weights would take
   // proj * 4 / 20e9 = 0.63 ms, less than the 1.0 ms of FLOPs); attention 4.5 us per token-head.
   const model::WorkItem decode{16, 16, 550.0};
   const double act = 16 * (6 * d + 2 * kv + 3 * h) * 4.0;
-  CHECK(cost::profiled_layer_seconds(spec, 1, decode, p) ==
+  CHECK(one_core(spec, 1, decode, Phase::Decode) ==
         doctest::Approx(2 * 16 * proj / 50e9 + 16 * 8 * 4.5e-6 + act / 20e9));
   // One row: bound by streaming the weights.
-  const double one = cost::profiled_layer_seconds(spec, 1, {1, 1, 10.0}, p);
+  const double one = one_core(spec, 1, {1, 1, 10.0}, Phase::Decode);
   CHECK(one >= proj * 4 / 20e9);
   CHECK(one == doctest::Approx(std::max(2 * proj / 10e9, proj * 4 / 20e9) + 8 * 1e-6 +
                                (6 * d + 2 * kv + 3 * h) * 4.0 / 20e9));
-  // LM head: rows are sequences, or every token when asked.
-  CHECK(cost::profiled_layer_seconds(spec, 10, decode, p) ==
+  // LM head: rows are sequences in inference; every token in training, where the forward also
+  // computes the head's input gradient (with the loss) and the backward input is empty.
+  CHECK(one_core(spec, 10, decode, Phase::Decode) ==
         doctest::Approx(2 * 16 * d * v / 50e9 + 16 * (d + v) * 4 / 20e9));
-  CHECK(cost::profiled_layer_seconds(spec, 10, {256, 1, 128.0}, p, 1, true) ==
-        doctest::Approx(2 * 256 * d * v / 90e9 + 256 * (d + v) * 4 / 20e9));
-  // On 4 threads the 4-thread points and the all-core bandwidth.
-  CHECK(cost::profiled_layer_seconds(spec, 10, decode, p, 4) ==
+  const model::WorkItem train{256, 1, 128.0};
+  CHECK(one_core(spec, 10, train, Phase::Forward) ==
+        doctest::Approx(2 * 256 * d * v / 90e9 + 2 * 256 * d * v / 60e9 + 3 * 256 * v * 4 / 20e9));
+  CHECK(one_core(spec, 10, train, Phase::BackwardInput) == 0.0);
+  CHECK(one_core(spec, 10, train, Phase::BackwardWeight) ==
+        doctest::Approx(2 * 256 * d * v / 45e9));
+  // Decoder, training: forward with the training attention (2 us per token-head at 128), the
+  // backward input with its backward (5 us) and twice the elementwise bytes, the backward
+  // weight its 7 products alone.
+  const double act256 = 256 * (6 * d + 2 * kv + 3 * h) * 4.0;
+  CHECK(one_core(spec, 1, train, Phase::Forward) ==
+        doctest::Approx(2 * 256 * proj / 90e9 + 256 * 8 * 2e-6 + act256 / 20e9));
+  CHECK(one_core(spec, 1, train, Phase::BackwardInput) ==
+        doctest::Approx(2 * 256 * proj / 60e9 + 256 * 8 * 5e-6 + 2 * act256 / 20e9));
+  CHECK(one_core(spec, 1, train, Phase::BackwardWeight) ==
+        doctest::Approx(2 * 256 * proj / 45e9));
+  // On 4 threads the 4-thread points and the all-core bandwidth; with 2 stages of 4 threads
+  // busy at once (8 cores), half of it.
+  const cost::ProfiledLayerTimes four(p, 4);
+  CHECK(four(spec, 10, decode, Phase::Decode) ==
         doctest::Approx(std::max(2 * 16 * d * v / 30e9, d * v * 4 / 40e9) + 16 * (d + v) * 4 / 40e9));
-  CHECK_THROWS_AS((void)cost::profiled_layer_seconds(spec, 1, decode, p, 0), Error);
-  // The balanced policy with these costs matches balanced() over the same per-layer costs.
+  const cost::ProfiledLayerTimes shared(p, 4, 8);
+  CHECK(shared.bandwidth() == doctest::Approx(20e9));
+  CHECK_THROWS_AS(cost::ProfiledLayerTimes(p, 0), Error);
+  CHECK_THROWS_WITH_AS(cost::ProfiledLayerTimes(p, 4, 2),
+                       doctest::Contains("threads = 4, active cores = 2"), Error);
+  // The balanced policy with these times matches balanced() over the same per-layer costs.
   partition::PolicyRequest req;
   req.placement = {0, 1};
   req.num_ranks = 2;
   req.work = decode;
-  req.layer_seconds = [&](const model::ModelSpec& m, int l, const model::WorkItem& w) {
-    return cost::profiled_layer_seconds(m, l, w, p);
-  };
+  req.layer_seconds = one_core;
   std::vector<double> costs;
   for (int l = 0; l < spec.num_layers(); ++l)
-    costs.push_back(cost::profiled_layer_seconds(spec, l, decode, p));
+    costs.push_back(one_core(spec, l, decode, Phase::Decode));
   const auto expect = partition::balanced(spec.num_layers(), 2, costs);
   CHECK(partition::make_partition(spec, "balanced", req).to_string() == expect.to_string());
+  // Training: the split balances forward + both backward passes.
+  req.training = true;
+  req.work = train;
+  std::vector<double> units;
+  double tail = 0;
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    const double c = one_core(spec, l, train, Phase::Forward) +
+                     one_core(spec, l, train, Phase::BackwardInput) +
+                     one_core(spec, l, train, Phase::BackwardWeight);
+    if (l <= spec.config().n_layers) units.push_back(c);
+    else tail += c;
+  }
+  units.push_back(tail);
+  auto st = partition::balanced(static_cast<int>(units.size()), 2, units).stages();
+  CHECK(partition::make_partition(spec, "balanced", req).stage(0).last == st[0].last);
 }

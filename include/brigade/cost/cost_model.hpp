@@ -269,6 +269,10 @@ struct RooflineOptions {
   /// Bytes per second a PREFETCH loads weights at (disk or host memory to the device), > 0;
   /// default 2 GB/s (an NVMe SSD's sequential read).
   double weight_load_bytes_per_s = 2e9;
+  /// Layer times replacing the roofline on rates / rank_rates for every rank when set (the
+  /// calibrated model: cost::ProfiledLayerTimes on a device profile). The optimizer step stays
+  /// priced at the rates' bandwidth.
+  model::LayerSeconds layer_seconds;
 };
 
 /// Roofline costs (Williams et al. 2009) of a ModelSpec split by a Partition: each action's
@@ -285,7 +289,10 @@ struct RooflineOptions {
 /// Phases: F and RECOMPUTE cost the forward; BI and BW each cost one forward's FLOPs and bytes
 /// (input and weight gradients are GEMMs of the forward's size), B = BI + BW; SAMPLE costs
 /// the stage's Sampler layers, which F excludes; OPT reads and writes the weights three times
-/// (AdamW: weights, two moments) at memory bandwidth.
+/// (AdamW: weights, two moments) at memory bandwidth. With RooflineOptions::layer_seconds set,
+/// each layer's time comes from it instead, per phase: inference rounds in model::Phase::Prefill
+/// (round 0) and Decode, training F and RECOMPUTE in Forward, BI in BackwardInput, BW in
+/// BackwardWeight (so the calibrated model prices each pass as measured, not as a forward).
 ///
 /// Weights: a virtual stage's bytes are its layers' weight_bytes (model::layer_cost); a PREFETCH
 /// loads them in weight_bytes / RooflineOptions::weight_load_bytes_per_s seconds (prima.cpp's
@@ -359,19 +366,34 @@ class RooflineCostModel {
         every_token.sequences = w.tokens;
         Entry e;
         double weight_bytes = 0.0;
+        const bool training = shape_.mode == schedule::Mode::Training;
         for (int l = st.first; l < st.last; ++l) {
           const auto kind = spec.layer(l).kind;
-          const bool training = shape_.mode == schedule::Mode::Training;
           const bool per_token =
               training && (kind == model::LayerKind::FinalNorm || kind == model::LayerKind::LMHead);
           const model::LayerCost lc = model::layer_cost(spec, l, per_token ? every_token : w);
-          const double t = model::roofline_seconds(lc, rates);
           weight_bytes += lc.weight_bytes;
+          using model::Phase;
+          if (opt_.layer_seconds) {
+            const auto& ls = opt_.layer_seconds;
+            if (!training) {
+              const double t = ls(spec, l, w, c == 0 ? Phase::Prefill : Phase::Decode);
+              (kind == model::LayerKind::Sampler ? e.sample : e.forward) += t;
+              continue;
+            }
+            e.forward += ls(spec, l, w, Phase::Forward);
+            e.backward_input += ls(spec, l, w, Phase::BackwardInput);
+            e.backward_weight += ls(spec, l, w, Phase::BackwardWeight);
+            continue;
+          }
+          const double t = model::roofline_seconds(lc, rates);
           if (kind == model::LayerKind::Sampler) {
             e.sample += t;
             continue;
           }
           e.forward += t;
+          e.backward_input += t;
+          e.backward_weight += t;
         }
         if (shape_.mode == schedule::Mode::Training) e.stash = training_stash(spec, st, w.tokens, w.sequences);
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
@@ -398,14 +420,7 @@ class RooflineCostModel {
       base = per_mb_[static_cast<std::size_t>(
           std::clamp(microbatch, 0, static_cast<int>(per_mb_.size()) - 1))];
     }
-    model::WorkItem w = base;
-    if (shape_.mode == schedule::Mode::Training) {
-      w.tokens = std::max<std::int64_t>(1, base.tokens / shape_.num_chunks);
-    } else if (chunk > 0) {
-      w.tokens = base.sequences;
-      w.context = static_cast<double>(base.tokens) / static_cast<double>(base.sequences) + chunk;
-    }
-    return w;
+    return plan::action_work(shape_, base, chunk);
   }
 
   /// Seconds of a compute action (see the class comment); 0 for SEND/RECV.
@@ -414,11 +429,13 @@ class RooflineCostModel {
     switch (a.op) {
       case schedule::Op::F:
       case schedule::Op::Recompute:
-      case schedule::Op::BI:
-      case schedule::Op::BW:
         return e.forward;
+      case schedule::Op::BI:
+        return e.backward_input;
+      case schedule::Op::BW:
+        return e.backward_weight;
       case schedule::Op::B:
-        return 2.0 * e.forward;
+        return e.backward_input + e.backward_weight;
       case schedule::Op::Sample:
         return e.sample;
       case schedule::Op::Opt:
@@ -465,8 +482,8 @@ class RooflineCostModel {
 
  private:
   struct Entry {
-    double forward = 0.0, sample = 0.0, optimizer = 0.0, message = 0.0, token_message = 0.0,
-           weights = 0.0;
+    double forward = 0.0, backward_input = 0.0, backward_weight = 0.0, sample = 0.0,
+           optimizer = 0.0, message = 0.0, token_message = 0.0, weights = 0.0;
     StageStash stash;  // zero in inference
   };
   [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {

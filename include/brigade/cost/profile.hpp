@@ -4,6 +4,7 @@
 #pragma once
 
 #include "brigade/core/error.hpp"
+#include "brigade/model/layer_cost.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -17,20 +18,29 @@ namespace brigade::cost {
 inline namespace v0 {
 
 /// The schema tag every profile carries ("schema" field).
-inline constexpr std::string_view kProfileSchema = "brigade.device_profile/1";
+inline constexpr std::string_view kProfileSchema = "brigade.device_profile/2";
 
-/// Product rate of a projection: `rows` activation rows times a weight, on `threads` threads
-/// (CPU: intra-op threads of one product; GPU: 1 = the device).
+/// Product rate of a projection y = x W^T of `rows` activation rows, or of one of its
+/// gradients, on `threads` threads (CPU: intra-op threads of one product; GPU: 1 = the device).
 struct GemmPoint {
+  /// Which product: Phase::Forward (y = x W^T: prefill, decode and the training forward),
+  /// Phase::BackwardInput (dx = dy W) or Phase::BackwardWeight (dW += dy^T x); JSON "product":
+  /// "forward", "backward_input", "backward_weight".
+  model::Phase product = model::Phase::Forward;
   std::int64_t rows = 1;     ///< activation rows (decode: sequences of a micro-batch; prefill: tokens)
   int threads = 1;           ///< threads (CPU) the product ran on, >= 1
   double flops_per_s = 0.0;  ///< FLOP/s (a multiply-add counts 2), > 0
 };
 
-/// Attention cost of one query token against `context` cached positions, per head of
-/// `head_dim` (decode attention: QK^T, softmax, PV over the KV cache).
+/// Attention cost per query token and head of `head_dim`, at a mean of `context` attended
+/// positions. `phase`: Phase::Decode (one query token against `context` cached positions:
+/// QK^T, softmax, PV over the KV cache; used for prefill tokens too), Phase::Forward (training:
+/// causal attention over packed sequences of 2 context - 1 tokens, keeping the log-sum-exp) or
+/// Phase::BackwardInput (its backward: dQ, dK, dV); JSON "phase": "decode", "forward",
+/// "backward_input".
 struct AttentionPoint {
-  std::int64_t context = 1;             ///< cached positions attended to, >= 1
+  model::Phase phase = model::Phase::Decode;
+  std::int64_t context = 1;             ///< positions attended to (mean, in training), >= 1
   int head_dim = 64;                    ///< head size, >= 1
   double seconds_per_token_head = 0.0;  ///< seconds per query token per head, > 0
 };
@@ -50,8 +60,11 @@ struct DeviceProfile {
   std::string source;  ///< how it was obtained: "measured by brigade profile on <date>", a datasheet
   std::string dtype;   ///< the product and attention dtype: "f32", "bf16", "f16"
   int cores = 1;       ///< CPU cores the rates may use (a GPU: 1)
-  std::vector<GemmPoint> gemm;            ///< at least one point; see gemm_flops_per_s()
-  std::vector<AttentionPoint> attention;  ///< at least one point; see attention_seconds()
+  /// At least one point of each product (forward, backward_input, backward_weight); see
+  /// gemm_flops_per_s()
+  std::vector<GemmPoint> gemm;
+  /// At least one point of each phase (decode, forward, backward_input); see attention_seconds()
+  std::vector<AttentionPoint> attention;
   double core_bytes_per_s = 0.0;    ///< one core (CPU) / the device streaming memory, bytes/s, > 0
   double memory_bytes_per_s = 0.0;  ///< all `cores` streaming at once, bytes/s, > 0
   double memory_capacity_bytes = 0.0;  ///< RAM (CPU) or VRAM (GPU) for weights, KV cache and
@@ -59,18 +72,21 @@ struct DeviceProfile {
   double disk_bytes_per_s = 0.0;    ///< reading weights from storage (offload), bytes/s, > 0
   std::vector<LinkProfile> links;   ///< at least one
 
-  /// FLOP/s of a product of `rows` rows on `threads` threads: the points of that thread count
-  /// (else the largest count <= threads, else the smallest), interpolated linearly in log(rows)
-  /// between the nearest measured row counts and held constant beyond them.
-  /// @throws brigade::Error{InvalidArgument} if rows or threads < 1
-  [[nodiscard]] double gemm_flops_per_s(std::int64_t rows, int threads = 1) const;
-  /// Seconds of attention for `tokens` query tokens of `heads` heads of size `head_dim` against
-  /// `context` cached positions: the points' seconds per token and head, interpolated linearly in
-  /// context (extrapolated proportionally to context beyond the last point), scaled by
-  /// head_dim / the point's head_dim.
-  /// @throws brigade::Error{InvalidArgument} for a count < 1
+  /// FLOP/s of product `product` (Forward, BackwardInput, BackwardWeight) of `rows` rows on
+  /// `threads` threads: the points of that product and thread count (else the largest count
+  /// <= threads, else the smallest), interpolated linearly in log(rows) between the nearest
+  /// measured row counts and held constant beyond them.
+  /// @throws brigade::Error{InvalidArgument} if rows or threads < 1, or for another phase
+  [[nodiscard]] double gemm_flops_per_s(std::int64_t rows, int threads = 1,
+                                        model::Phase product = model::Phase::Forward) const;
+  /// Seconds of attention in `phase` (Decode, Forward, BackwardInput) for `tokens` query tokens
+  /// of `heads` heads of size `head_dim` at a mean of `context` attended positions: the phase's
+  /// points' seconds per token and head, interpolated linearly in context (extrapolated
+  /// proportionally to context beyond the last point), scaled by head_dim / the point's head_dim.
+  /// @throws brigade::Error{InvalidArgument} for a count < 1, or for another phase
   [[nodiscard]] double attention_seconds(std::int64_t tokens, int heads, int head_dim,
-                                         double context) const;
+                                         double context,
+                                         model::Phase phase = model::Phase::Decode) const;
   /// The link of `transport`.
   /// @throws brigade::Error{InvalidArgument} naming the transport and the ones the profile has
   [[nodiscard]] const LinkProfile& link(std::string_view transport) const;
@@ -79,7 +95,8 @@ struct DeviceProfile {
   ///         <capacity> bytes" (the caller names the rank in `what`)
   void check_fits(double bytes, std::string_view what) const;
 
-  /// Checks every field: the schema's ranges and at least one point of each list.
+  /// Checks every field: the schema's ranges, at least one point of each product and attention
+  /// phase, and at least one link.
   /// @throws brigade::Error{InvalidArgument} naming the field (e.g. "gemm[2].flops_per_s") and
   ///         the value
   void validate() const;
@@ -102,11 +119,15 @@ void save_profile(const std::filesystem::path& path, const DeviceProfile& p);
 /// What measure_profile() measures.
 struct ProfileOptions {
   int cores = 1;  ///< cores to use (threads of the all-core measurements), >= 1
-  /// Activation rows of the GEMM points (decode rows, then prefill rows).
-  std::vector<std::int64_t> rows{1, 2, 4, 8, 16, 32, 64, 128, 512};
+  /// Activation rows of the forward GEMM points (decode rows, then prefill rows).
+  std::vector<std::int64_t> rows{1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+  /// Rows of the backward GEMM points (training micro-batches' tokens).
+  std::vector<std::int64_t> backward_rows{64, 256, 1024};
   std::int64_t gemm_in = 512;    ///< weight columns (the model width)
   std::int64_t gemm_out = 1376;  ///< weight rows (e.g. the FFN width)
-  std::vector<std::int64_t> contexts{64, 256, 1024, 4096};  ///< attention points
+  std::vector<std::int64_t> contexts{64, 256, 1024, 4096};  ///< decode attention points
+  /// Mean contexts of the training attention points (sequences of 2 c - 1 tokens).
+  std::vector<std::int64_t> training_contexts{32, 128, 512};
   int head_dim = 64;
   /// Triad footprint per thread, and the bytes of weight copies the products cycle through.
   std::int64_t stream_bytes = std::int64_t{96} << 20;
@@ -117,7 +138,10 @@ struct ProfileOptions {
 
 /// Measures this machine (CPU): matmul_wt FP32 rates at options.rows on 1 thread and on
 /// options.cores threads (weights read from memory: each repetition takes the next of enough
-/// copies to fill options.stream_bytes), decode attention at options.contexts, STREAM triad bandwidth of one
+/// copies to fill options.stream_bytes); the training products (matmul_wt_backward_input and
+/// matmul_wt_backward_weight) at options.backward_rows on the same threads; decode attention at
+/// options.contexts and the training attention (attention_varlen_forward and _backward, 8 heads,
+/// one sequence of 2 c - 1 tokens) at options.training_contexts; STREAM triad bandwidth of one
 /// core and of all, the in-process transport's latency (ping-pong of empty messages) and
 /// bandwidth (16 MiB messages), the disk read rate of a file written, synced and dropped from
 /// the page cache (posix_fadvise DONTNEED; where the kernel keeps it cached anyway the rate is

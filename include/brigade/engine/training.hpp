@@ -258,6 +258,11 @@ struct TrainingConfig : TrainingOptions {
   /// (partition::policies(): "balanced", "uniform", or one added by partition::register_policy).
   std::string partition = "balanced";
   int seq_len_hint = 256;  ///< typical sequence length, for the balanced split's attention cost
+  /// Seconds of a layer per work item and phase, what the balanced split prices the forward and
+  /// both backward passes with: the roofline at default rates unless set (cost::ProfiledLayerTimes
+  /// on a device profile is the calibrated split). Every process of a distributed run must be
+  /// given the same times, so that they agree on the split.
+  model::LayerSeconds layer_seconds = model::roofline_layer_seconds();
 };
 
 /// The plan of a training run named by `config`: the generator's schedule, the split by the

@@ -3,8 +3,12 @@
 
 #include "brigade/model/config.hpp"
 
+#include "brigade/core/error.hpp"
+
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <string_view>
 
 namespace brigade::model {
 inline namespace v0 {
@@ -81,6 +85,60 @@ struct DeviceRates {
 /// Roofline time of a LayerCost on a device, in seconds (Williams et al. 2009).
 inline double roofline_seconds(const LayerCost& cost, const DeviceRates& rates) noexcept {
   return std::max(cost.flops / rates.flops_per_s, cost.bytes() / rates.bytes_per_s);
+}
+
+/// What a layer's kernels compute for a WorkItem. Inference runs Prefill (prompt tokens, KV
+/// cache written) and Decode (one new token per sequence against its KV cache); training runs
+/// Forward (activations kept for the backward), then BackwardInput (BI: the gradient of the
+/// layer's input) and BackwardWeight (BW: the gradient of its weights), the split of Qi et al.
+/// 2023 ("Zero Bubble Pipeline Parallelism", §2). A full backward B is BI + BW.
+enum class Phase { Prefill, Decode, Forward, BackwardInput, BackwardWeight };
+
+/// "prefill", "decode", "forward", "backward_input", "backward_weight".
+constexpr std::string_view to_string(Phase p) noexcept {
+  switch (p) {
+    case Phase::Prefill: return "prefill";
+    case Phase::Decode: return "decode";
+    case Phase::Forward: return "forward";
+    case Phase::BackwardInput: return "backward_input";
+    case Phase::BackwardWeight: return "backward_weight";
+  }
+  return "?";
+}
+
+/// True for the training phases (Forward, BackwardInput, BackwardWeight): the final norm and
+/// the LM head then run on every token (logits and loss at every position).
+constexpr bool is_training(Phase p) noexcept {
+  return p == Phase::Forward || p == Phase::BackwardInput || p == Phase::BackwardWeight;
+}
+
+/// The inference phase of a work item: Decode when it is one token per sequence, else Prefill.
+constexpr Phase inference_phase(const WorkItem& w) noexcept {
+  return w.tokens == w.sequences ? Phase::Decode : Phase::Prefill;
+}
+
+/// Seconds layer `layer` of a model takes for a WorkItem in a Phase: the one signature every
+/// layer-time model has (the roofline below, cost::ProfiledLayerTimes on a device profile,
+/// a user's), read by the partition policies, the plan builders and cost::RooflineCostModel.
+/// In the training phases the callers pass the micro-batch's WorkItem; a model prices the LM
+/// head and final norm on its `tokens` rows.
+using LayerSeconds = std::function<double(const ModelSpec& spec, int layer, const WorkItem& work,
+                                          Phase phase)>;
+
+/// The roofline as LayerSeconds: roofline_seconds(layer_cost(...), rates) for every phase (a
+/// backward pass costs its forward's FLOPs and bytes: the input and weight gradients are GEMMs
+/// of the forward's size); in the training phases the LM head and final norm are priced on
+/// every token.
+/// @throws brigade::Error{InvalidArgument} for rates that are not positive
+inline LayerSeconds roofline_layer_seconds(DeviceRates rates = {}) {
+  BRIGADE_CHECK(rates.flops_per_s > 0.0 && rates.bytes_per_s > 0.0, Errc::InvalidArgument,
+                "roofline: device rates {} FLOP/s and {} bytes/s, expected > 0",
+                rates.flops_per_s, rates.bytes_per_s);
+  return [rates](const ModelSpec& spec, int layer, const WorkItem& work, Phase phase) {
+    WorkItem w = work;
+    if (is_training(phase)) w.sequences = w.tokens;
+    return roofline_seconds(layer_cost(spec, layer, w), rates);
+  };
 }
 
 }  // namespace v0

@@ -203,21 +203,24 @@ inline Partition balanced(int num_layers, int stages, std::span<const double> la
   return from_bounds(n, bounds);
 }
 
-/// Per-layer roofline seconds of `spec` for `work` on `rates` (the costs balanced() takes).
+/// Per-layer seconds of `spec` for inference `work` (phase model::inference_phase(work)) under
+/// `times` (the roofline at default rates unless given; cost::ProfiledLayerTimes calibrated on
+/// a device): the costs balanced() takes.
 inline std::vector<double> layer_seconds(const model::ModelSpec& spec, const model::WorkItem& work,
-                                         const model::DeviceRates& rates = {}) {
+                                         const model::LayerSeconds& times =
+                                             model::roofline_layer_seconds()) {
   std::vector<double> out;
   for (int i = 0; i < spec.num_layers(); ++i)
-    out.push_back(model::roofline_seconds(model::layer_cost(spec, i, work), rates));
+    out.push_back(times(spec, i, work, model::inference_phase(work)));
   return out;
 }
 
-/// Balanced by the roofline cost of every layer (embedding, LM head and sampling included, so
-/// the tail stage is not overloaded) for `work` on `rates`.
+/// Balanced by the cost of every layer (embedding, LM head and sampling included, so the tail
+/// stage is not overloaded) for inference `work` under `times` (layer_seconds()).
 /// @throws brigade::Error{InvalidArgument} as balanced(int, int, span)
 inline Partition balanced(const model::ModelSpec& spec, int stages, const model::WorkItem& work,
-                          const model::DeviceRates& rates = {}) {
-  const auto costs = layer_seconds(spec, work, rates);
+                          const model::LayerSeconds& times = model::roofline_layer_seconds()) {
+  const auto costs = layer_seconds(spec, work, times);
   return balanced(spec.num_layers(), stages, costs);
 }
 

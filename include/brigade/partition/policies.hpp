@@ -30,19 +30,25 @@ struct PolicyRequest {
   /// position) and stay together on the last stage. Inference: they run on the last token of
   /// each sequence, with the sampler.
   bool training = false;
-  /// Device rates the roofline costs use (the split depends only on their ratio).
-  model::DeviceRates rates{};
-  /// Seconds of one layer for a work item, replacing the roofline on `rates` when set (e.g.
-  /// cost::profiled_layer_seconds on a measured device profile). In training it is called with
-  /// sequences = tokens (logits at every position).
-  std::function<double(const model::ModelSpec&, int layer, const model::WorkItem&)> layer_seconds;
+  /// Seconds of a layer for a work item and phase: the roofline at default rates unless set
+  /// (cost::ProfiledLayerTimes prices layers from a measured or hand-written device profile).
+  model::LayerSeconds layer_seconds = model::roofline_layer_seconds();
 
-  /// Per-layer seconds of `spec` for `item`: layer_seconds when set, else the roofline on rates.
+  /// Per-layer seconds of `spec` for `item`: in inference its phase
+  /// (model::inference_phase); in training forward + backward input + backward weight.
+  /// @throws brigade::Error{InvalidArgument} if layer_seconds is empty
   [[nodiscard]] std::vector<double> costs(const model::ModelSpec& spec,
                                           const model::WorkItem& item) const {
-    if (!layer_seconds) return partition::layer_seconds(spec, item, rates);
+    BRIGADE_CHECK(static_cast<bool>(layer_seconds), Errc::InvalidArgument,
+                  "partition: PolicyRequest::layer_seconds is empty");
     std::vector<double> out;
-    for (int l = 0; l < spec.num_layers(); ++l) out.push_back(layer_seconds(spec, l, item));
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      using model::Phase;
+      out.push_back(training ? layer_seconds(spec, l, item, Phase::Forward) +
+                                   layer_seconds(spec, l, item, Phase::BackwardInput) +
+                                   layer_seconds(spec, l, item, Phase::BackwardWeight)
+                             : layer_seconds(spec, l, item, model::inference_phase(item)));
+    }
     return out;
   }
 
@@ -80,10 +86,10 @@ inline Partition uniform_policy(const model::ModelSpec& spec, const PolicyReques
 }
 
 /// The "balanced" policy: the exact min-max split (balanced()) of the cost of every layer for
-/// request.work (request.layer_seconds when set, else the roofline on request.rates). In
-/// training the LM head is priced for every token
-/// and the final norm, LM head and loss are one unit that stays on the last stage; in inference
-/// the head and sampler are priced per sequence, so the tail stage is not overloaded in either.
+/// request.work under request.layer_seconds (request.costs(): in training the forward and both
+/// backward passes, the LM head priced for every token, and the final norm, LM head and loss
+/// one unit that stays on the last stage; in inference the head and sampler priced per
+/// sequence), so the tail stage is not overloaded in either.
 /// @throws brigade::Error{InvalidArgument} if there are more stages than units to split (in
 ///         training: embedding + decoder layers + 1), or as placed()
 inline Partition balanced_policy(const model::ModelSpec& spec, const PolicyRequest& request) {
@@ -91,9 +97,7 @@ inline Partition balanced_policy(const model::ModelSpec& spec, const PolicyReque
   if (!request.training)
     return placed(balanced(spec.num_layers(), N, request.costs(spec, request.work)),
                   request.placement, request.num_ranks);
-  model::WorkItem every_token = request.work;
-  every_token.sequences = request.work.tokens;  // logits and loss at every position
-  const auto layer = request.costs(spec, every_token);
+  const auto layer = request.costs(spec, request.work);
   const int L = spec.config().n_layers;
   std::vector<double> units(layer.begin(), layer.begin() + L + 1);  // embedding, decoders
   double tail = 0.0;
@@ -115,7 +119,8 @@ inline Registry<PolicyInfo>& policy_table() {
           {"uniform", "decoder layers evenly by count, head on the last stage (Megatron's default)",
            &uniform_policy},
           {"balanced",
-           "exact min-max split of every layer's roofline cost for the micro-batch's work",
+           "exact min-max split of every layer's cost (roofline or device profile) for the "
+           "micro-batch's work",
            &balanced_policy},
       });
   return table;

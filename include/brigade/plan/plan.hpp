@@ -140,6 +140,22 @@ class Plan {
   schedule::ExecutionModel execution_;
 };
 
+/// The work of one compute action of micro-batch work `base`: in training, chunk c of
+/// shape.num_chunks carries base.tokens / C tokens (at least 1) of the base's sequences and
+/// context; in inference, round 0 (prefill) is the base and round c >= 1 (decode) one token
+/// per sequence at context base.tokens / base.sequences + c.
+inline model::WorkItem action_work(const schedule::Shape& shape, const model::WorkItem& base,
+                                   int chunk) noexcept {
+  model::WorkItem w = base;
+  if (shape.mode == schedule::Mode::Training) {
+    w.tokens = std::max<std::int64_t>(1, base.tokens / std::max(1, shape.num_chunks));
+  } else if (chunk > 0) {
+    w.tokens = base.sequences;
+    w.context = static_cast<double>(base.tokens) / static_cast<double>(std::max<std::int64_t>(1, base.sequences)) + chunk;
+  }
+  return w;
+}
+
 /// What make_plan() builds a plan from: a generator and a partition policy, both by name.
 struct PlanRequest {
   /// A generator of schedule::generators() (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v,
@@ -151,10 +167,10 @@ struct PlanRequest {
   std::string partition = "balanced";
   /// The micro-batch the partition policy balances for (tokens, sequences, mean context).
   model::WorkItem balance_for{256, 1, 128.0};
-  model::DeviceRates rates{};  ///< the roofline rates the policy prices layers with
-  /// Seconds of a layer for a work item, replacing the roofline when set
-  /// (partition::PolicyRequest::layer_seconds; e.g. cost::profiled_layer_seconds).
-  std::function<double(const model::ModelSpec&, int layer, const model::WorkItem&)> layer_seconds;
+  /// Seconds of a layer for a work item and phase, what the policy prices layers with
+  /// (partition::PolicyRequest::layer_seconds): the roofline at default rates unless set, e.g.
+  /// to cost::ProfiledLayerTimes on a device profile.
+  model::LayerSeconds layer_seconds = model::roofline_layer_seconds();
   std::vector<model::WorkItem> work;  ///< per micro-batch work for the Plan (may be empty)
   schedule::ExecutionModel execution{};
 };
@@ -171,7 +187,6 @@ inline Plan make_plan(const model::ModelSpec& spec, const schedule::Schedule& co
   pr.num_ranks = compute.shape.num_ranks;
   pr.work = request.balance_for;
   pr.training = compute.shape.mode == schedule::Mode::Training;
-  pr.rates = request.rates;
   pr.layer_seconds = request.layer_seconds;
   return Plan(partition::make_partition(spec, request.partition, pr), compute, request.work,
               request.execution);
