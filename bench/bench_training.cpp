@@ -16,7 +16,7 @@
 //       training ops: zb-h1 on P ranks, 4 micro-batches; every F, BI and BW of a step against
 //       cost::LatencyEstimator's prior (the profile alone) and against its prediction after
 //       observing the step before (online refinement). Counters: median |predicted/measured - 1|
-//       per op, prior and refined.
+//       per op, prior and refined, and the prior's median predicted/measured.
 //   BM_TrainSchedule/schedule:K/microbatches:M  the same model and batches on 2 ranks, one
 //       schedule per K: 0 = 1f1b, 1 = interleaved-1f1b (V = 2), 2 = zb-h1, 3 = zb-v,
 //       4 = dualpipe-v (issue 20: the schedules side by side in one run, each with the
@@ -54,6 +54,13 @@ const cost::DeviceProfile& machine_profile() {
     return cost::measure_profile(o);
   }();
   return p;
+}
+
+/// Median of xs (0 for none).
+double median(std::vector<double> xs) {
+  if (xs.empty()) return 0.0;
+  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
+  return xs[xs.size() / 2];
 }
 
 /// Median of |x - 1| over xs (0 for none).
@@ -175,6 +182,7 @@ void BM_CalibratedTrainingOps(benchmark::State& state) {
   for (auto op : {schedule::Op::F, schedule::Op::BI, schedule::Op::BW}) {
     const std::string name(brigade::to_string(op));
     state.counters["prior_err_" + name] = median_error(prior[op]);
+    state.counters["prior_ratio_" + name] = median(prior[op]);
     state.counters["refined_err_" + name] = median_error(refined[op]);
   }
 }

@@ -1,6 +1,8 @@
 // DeviceProfile: JSON schema, look-ups, and measure_profile() on this machine.
 #include "brigade/cost/profile.hpp"
 
+#include "brigade/cost/link_probe.hpp"
+
 #include "brigade/backend/cpu.hpp"
 #include "brigade/backend/cpu_train.hpp"
 #include "brigade/io/input.hpp"
@@ -33,19 +35,7 @@ double now_s() {
       .count();
 }
 
-/// Best time of `fn` over repetitions filling about `budget` seconds (at least 3, the first a
-/// warm-up that does not count).
-template <class Fn>
-double best_seconds(double budget, Fn&& fn) {
-  double best = std::numeric_limits<double>::infinity();
-  const double start = now_s();
-  for (int rep = 0; rep < 3 || (now_s() - start < budget && rep < 10000); ++rep) {
-    const double t0 = now_s();
-    fn();
-    if (rep > 0) best = std::min(best, now_s() - t0);
-  }
-  return best;
-}
+using detail::best_seconds;
 
 // JSON readers that name the field.
 const nlohmann::json& field(const nlohmann::json& j, std::string_view key, std::string_view where,
@@ -420,40 +410,14 @@ double disk_read(const ProfileOptions& o, std::string& note) {
 
 LinkProfile in_process_link(double budget) {
   transport::InProcessFabric fabric(2);
-  const std::size_t big = std::size_t{16} << 20;
-  std::vector<std::byte> out(big), in(big);
-  double latency = 0.0, bandwidth = 0.0;
   std::thread echo([&] {
     transport::InProcessTransport tp(fabric, 1);
-    std::vector<std::byte> buf(big);
-    for (;;) {
-      auto r = tp.irecv(0, 1, transport::MessageHeader::make(0, 0, transport::DType::Bytes,
-                                                             {transport::kAny}),
-                        transport::MutableBytes(buf));
-      tp.wait(r, transport::Deadline::after(30.0));
-      if (r.header.nbytes() == 1) return;  // stop
-      auto s = tp.isend(0, 2, r.header, transport::ConstBytes(buf.data(), r.header.nbytes()));
-      tp.wait(s, transport::Deadline::after(30.0));
-    }
+    (void)measure_link(tp, 0, false, "in-process", budget);
   });
-  {
-    transport::InProcessTransport tp(fabric, 0);
-    auto round_trip = [&](std::size_t n) {
-      const auto h = transport::MessageHeader::make(0, 0, transport::DType::Bytes,
-                                                    {static_cast<std::int64_t>(n)});
-      auto s = tp.isend(1, 1, h, transport::ConstBytes(out.data(), n));
-      auto r = tp.irecv(1, 2, h, transport::MutableBytes(in.data(), n));
-      tp.wait(s, transport::Deadline::after(30.0));
-      tp.wait(r, transport::Deadline::after(30.0));
-    };
-    latency = best_seconds(budget, [&] { round_trip(0); }) / 2.0;
-    bandwidth = static_cast<double>(big) / (best_seconds(budget, [&] { round_trip(big); }) / 2.0);
-    const auto stop = transport::MessageHeader::make(0, 0, transport::DType::Bytes, {1});
-    auto s = tp.isend(1, 1, stop, transport::ConstBytes(out.data(), 1));
-    tp.wait(s, transport::Deadline::after(30.0));
-  }
+  transport::InProcessTransport tp(fabric, 0);
+  LinkProfile link = measure_link(tp, 1, true, "in-process", budget);
   echo.join();
-  return {"in-process", latency, bandwidth};
+  return link;
 }
 
 }  // namespace

@@ -2,11 +2,16 @@
 // a profile file.
 #include "cli.hpp"
 
+#include <brigade/cost/link_probe.hpp>
 #include <brigade/cost/profile.hpp>
+#include <brigade/transport/mpi.hpp>
 
 #include <fmt/format.h>
 
+#include <array>
 #include <cstdio>
+#include <filesystem>
+#include <span>
 #include <memory>
 #include <string>
 
@@ -55,16 +60,63 @@ int run(const ProfileArgs& a) {
     o.disk_bytes = std::int64_t{8} << 20;
     o.seconds_per_point = 0.005;
   }
-  const auto p = brigade::cost::measure_profile(o);
-  brigade::cost::save_profile(a.out, p);
-  print_summary(p);
-  fmt::print(stderr, "written: {}\n", a.out);
+  const brigade::cli::MpiLaunch launch(-1);
+  if (!launch.active() || launch.world() == 1) {
+    const auto p = brigade::cost::measure_profile(o);
+    brigade::cost::save_profile(a.out, p);
+    print_summary(p);
+    fmt::print(stderr, "written: {}\n", a.out);
+    return 0;
+  }
+#if BRIGADE_HAS_MPI
+  // Under mpirun: one profile per process (its device), measured one process after the other
+  // (processes sharing a machine would otherwise slow each other's figures), plus the "mpi"
+  // link timed between ranks 0 and 1 and handed to every rank; written to OUT.rank<r>.json.
+  namespace tr = brigade::transport;
+  tr::MpiTransport tp;
+  const int me = tp.rank(), world = tp.world_size();
+  const auto deadline = [] { return tr::Deadline::after(600.0); };
+  const auto token = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {0});
+  if (me > 0) {
+    auto r = tp.irecv(me - 1, 100, token, tr::MutableBytes{});
+    tp.wait(r, deadline());
+  }
+  auto p = brigade::cost::measure_profile(o);
+  if (me + 1 < world) {
+    auto s = tp.isend(me + 1, 100, token, tr::ConstBytes{});
+    tp.wait(s, deadline());
+  }
+  brigade::cost::LinkProfile link;
+  if (me <= 1) link = brigade::cost::measure_link(tp, 1 - me, me == 0, "mpi", o.seconds_per_point, 1);
+  std::array<double, 2> figures{link.latency_s, link.bytes_per_s};
+  const auto h = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {sizeof figures});
+  if (me == 0) {
+    for (int r = 1; r < world; ++r) {
+      auto s = tp.isend(r, 101, h, tr::as_bytes(std::span<const double>(figures)));
+      tp.wait(s, deadline());
+    }
+  } else {
+    auto r = tp.irecv(0, 101, h, tr::as_writable_bytes(std::span<double>(figures)));
+    tp.wait(r, deadline());
+  }
+  p.links.push_back({"mpi", figures[0], figures[1]});
+  const std::filesystem::path out(a.out);
+  const auto mine = out.parent_path() /
+                    fmt::format("{}.rank{}{}", out.stem().string(), me, out.extension().string());
+  brigade::cost::save_profile(mine, p);
+  if (me == 0) print_summary(p);
+  fmt::print(stderr, "rank {}: written: {}\n", me, mine.string());
   return 0;
+#else
+  return 1;  // MpiLaunch refuses mpirun without the mpi component
+#endif
 }
 
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<ProfileArgs>();
-  auto* out = sub.add_option("--out", a->out, "write the measured profile (JSON) to this file");
+  auto* out = sub.add_option("--out", a->out,
+                             "write the measured profile (JSON) to this file; under mpirun each "
+                             "process writes OUT.rank<r>.json, with the 'mpi' link it measured");
   auto* check = sub.add_option("--check", a->check,
                                "read a profile file (measured or hand-written), check every "
                                "field and print it");
