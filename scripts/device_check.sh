@@ -128,7 +128,7 @@ run_checks() {
   fi
 
   step configure 240 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DBRIGADE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBRIGADE_ENABLE_MPI=OFF \
+    -DBRIGADE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBRIGADE_ENABLE_MPI=OFF -DBRIGADE_NATIVE=ON \
     -DBRIGADE_BUILD_TESTS=ON -DBRIGADE_BUILD_EXAMPLES=ON -DBRIGADE_BUILD_BENCHMARKS=ON \
     "-DBRIGADE_DATA_DIR=$data" "${cmake_extra[@]}" &&
     step build 420 cmake --build "$build" -j "$jobs" --target brigade_cuda_tests cuda_generate \

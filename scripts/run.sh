@@ -11,7 +11,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/deps.sh"
 build="${BRIGADE_BUILD_DIR:-$root/build}"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBRIGADE_BUILD_TESTS=OFF \
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBRIGADE_NATIVE=ON -DBRIGADE_BUILD_TESTS=OFF \
       -DBRIGADE_BUILD_BENCHMARKS=OFF >/dev/null
 cmake --build "$build" --target brigade_cli -j"$(nproc)" >&2   # stdout is the text only
 if (($# == 0)); then

@@ -65,7 +65,7 @@ fi
 build="${BRIGADE_BUILD_DIR:-$root/build}"
 werror=OFF
 [[ -n "${CI:-}" ]] && werror=ON
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBRIGADE_WERROR=$werror \
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBRIGADE_WERROR=$werror -DBRIGADE_NATIVE=ON \
       -DBRIGADE_BUILD_TESTS=ON -DBRIGADE_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build "$build" -j"$jobs"
 cd "$build"

@@ -4,7 +4,6 @@
 #include "brigade/config.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/core/op.hpp"
-#include "brigade/core/tensor.hpp"
 #include "brigade/core/timeline.hpp"
 #include "brigade/backend/cpu.hpp"
 #include "brigade/io/trace.hpp"

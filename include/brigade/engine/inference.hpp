@@ -64,7 +64,7 @@ struct InferenceOptions {
   bool weight_offload = false;
 };
 
-/// The outcome of a run: per-sequence results and the measured Timeline (one row per stage).
+/// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
 struct InferenceReport {
   std::vector<SequenceResult> sequences;  ///< in request order
   /// Measured intervals, one row per rank: F (label prefill/decode), SAMPLE, RECV (the wait)

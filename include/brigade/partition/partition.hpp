@@ -15,10 +15,11 @@
 namespace brigade::partition {
 inline namespace v0 {
 
-/// One stage: the contiguous layer range [first, last) of a ModelSpec, run by `rank` as its
-/// `virtual_stage`-th model chunk (0 unless the partition is interleaved).
+/// One stage: the contiguous layer range [first, last) of a ModelSpec, run by `rank`. A rank
+/// may run several stages (interleaved or V placements): they are its virtual stages, in
+/// pipeline order.
 struct StageRange {
-  int rank = 0;
+  int rank = 0;   ///< the rank (worker) that runs it
   int first = 0;  ///< first ModelSpec layer, inclusive
   int last = 0;   ///< last ModelSpec layer, exclusive
   friend bool operator==(const StageRange&, const StageRange&) = default;
