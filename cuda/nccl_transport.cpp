@@ -21,7 +21,7 @@ namespace {
 
 constexpr std::size_t kSlot = 128;             // bytes of one wire header
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
-constexpr std::uint32_t kWireVersion = 2;  // 2: the chunk after the stage
+constexpr std::uint32_t kWireVersion = 3;  // 2: the chunk after the stage; 3: the kind
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
 struct WireHeader {
@@ -29,6 +29,7 @@ struct WireHeader {
   std::uint32_t version;
   std::int32_t tag;
   std::int32_t sender;
+  std::int64_t kind;  // MessageKind
   std::int64_t microbatch;
   std::int64_t stage;
   std::int64_t chunk;
@@ -274,6 +275,7 @@ struct NcclTransport::Impl {
       w.version = kWireVersion;
       w.tag = op.tag;
       w.sender = rank;
+      w.kind = static_cast<std::int64_t>(op.header.kind);
       w.microbatch = op.header.microbatch;
       w.stage = op.header.stage;
       w.chunk = op.header.chunk;
@@ -337,6 +339,7 @@ struct NcclTransport::Impl {
                   "version {}; expected {:#x}, {})",
                   rank, op.peer, op.tag, w.magic, w.version, kMagic, kWireVersion);
     MessageHeader got;
+    got.kind = static_cast<MessageKind>(w.kind);
     got.microbatch = w.microbatch;
     got.stage = w.stage;
     got.chunk = w.chunk;
@@ -467,16 +470,6 @@ Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected,
   st->nbytes = expected.nbytes();
   m.queued.push_back(st);
   return Request::posted(true, peer, tag, expected, std::move(st));
-}
-
-std::vector<Request> NcclTransport::submit(std::span<const P2POp> batch) {
-  std::vector<Request> out;
-  out.reserve(batch.size());
-  for (const auto& op : batch)
-    out.push_back(op.is_send ? isend(op.peer, op.tag, op.header, op.send_buffer)
-                             : irecv(op.peer, op.tag, op.header, op.recv_buffer));
-  flush();
-  return out;
 }
 
 void NcclTransport::flush() { impl_->flush(Deadline::after(impl_->opt.init_timeout_s)); }

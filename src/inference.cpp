@@ -196,6 +196,7 @@ using schedule::Op;
 using transport::DType;
 using transport::kAny;
 using transport::MessageHeader;
+using transport::MessageKind;
 
 InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  std::span<runtime::InferenceStage* const> stages,
@@ -365,7 +366,8 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
   const auto seqs = static_cast<std::int64_t>(layout_->prefill[m].size());
   if (a.virtual_stage == 0) {
     out.push_back({detail::kTagToken,
-                   MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}, a.chunk),
+                   MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}, a.chunk,
+                                       MessageKind::Token),
                    static_cast<std::size_t>(3 * std::max<std::int64_t>(seqs, 1)) * 4});
     return;
   }
@@ -375,7 +377,7 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
                  static_cast<std::size_t>(3 * (seqs + 1)) * 4});
   out.push_back({detail::kTagActivation,
                  MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny, kAny},
-                                     a.chunk),
+                                     a.chunk, MessageKind::Activation),
                  static_cast<std::size_t>(layout_->max_rows[m] * layout_->width) * 4});
 }
 
@@ -453,7 +455,8 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                                        mb.sampled[i]});
     out.add(detail::kTagToken,
             MessageHeader::make(a.microbatch, 0, DType::I32,
-                                {static_cast<std::int64_t>(mb.seqs.size()), 3}, a.chunk + 1),
+                                {static_cast<std::int64_t>(mb.seqs.size()), 3}, a.chunk + 1,
+                                MessageKind::Token),
             transport::as_bytes(std::span<const std::int32_t>(scratch_)));
     return;
   }
@@ -473,7 +476,8 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
           transport::as_bytes(std::span<const std::int32_t>(scratch_)));
   const std::int64_t rows = closed ? 0 : mb.rows, width = closed ? 0 : mb.width;
   out.add(detail::kTagActivation,
-          MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}, a.chunk),
+          MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}, a.chunk,
+                              MessageKind::Activation),
           closed ? transport::ConstBytes{}
                  : transport::as_bytes(std::span<const float>(mb.act)));
 }
@@ -490,8 +494,9 @@ InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& p
   transport::InProcessFabric fabric(P);
   std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
   const auto t0 = std::chrono::steady_clock::now();
-  detail::run_on_threads(P, fabric, "rank", [&](int r) {
-    transport::InProcessTransport tp(fabric, r);
+  auto endpoints = transport::endpoints(fabric);
+  run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
+    const int r = tp.rank();
     run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
                        timelines[static_cast<std::size_t>(r)]);
   });

@@ -162,11 +162,12 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
   std::vector<runtime::TrainStage*> ptrs;
   for (auto& s : I.stages) ptrs.push_back(s.get());
   const auto t0 = std::chrono::steady_clock::now();
-  detail::run_on_threads(P, fabric, "rank", [&](int r) {
+  auto endpoints = transport::endpoints(fabric);
+  run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
+    const int r = tp.rank();
     std::vector<runtime::TrainStage*> mine(ptrs.size(), nullptr);
     for (std::size_t v = 0; v < ptrs.size(); ++v)
       if (shape.rank_of(static_cast<int>(v)) == r) mine[v] = ptrs[v];
-    transport::InProcessTransport tp(fabric, r);
     peaks[static_cast<std::size_t>(r)] = static_cast<double>(
         run_training_program(I.lowered.ranks[static_cast<std::size_t>(r)], shape, r, mine,
                              batches, static_cast<double>(rows), tp, t0, I.cfg.timeout_s,

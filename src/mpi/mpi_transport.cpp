@@ -26,7 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD" in little-endian byte order
-constexpr std::uint32_t kWireVersion = 2;  // 2: the chunk after the stage
+constexpr std::uint32_t kWireVersion = 3;  // 2: the chunk after the stage; 3: the kind first
 constexpr int kControlTag = 0;
 constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI message of a payload
 
@@ -34,6 +34,7 @@ constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI messag
 struct WireHeader {
   std::uint32_t magic = kMagic;
   std::uint32_t version = kWireVersion;
+  std::int64_t kind = 0;  // MessageKind
   std::int64_t microbatch = 0;
   std::int64_t stage = 0;
   std::int64_t chunk = 0;
@@ -43,7 +44,7 @@ struct WireHeader {
   std::uint64_t nbytes = 0;       // payload bytes
   std::uint64_t piece_bytes = 0;  // payload bytes per MPI message of the payload stream
 };
-static_assert(sizeof(WireHeader) == 88, "the wire record is 88 bytes with no padding");
+static_assert(sizeof(WireHeader) == 96, "the wire record is 96 bytes with no padding");
 
 /// A control notice on kControlTag.
 struct Notice {
@@ -351,6 +352,7 @@ struct MpiTransport::Impl {
                   peer, tag, payload.size(), header.to_string(), header.nbytes());
     if (sends.size() > 64) sweep_sends();
     WireHeader w;
+    w.kind = static_cast<std::int64_t>(header.kind);
     w.microbatch = header.microbatch;
     w.stage = header.stage;
     w.chunk = header.chunk;
@@ -441,12 +443,13 @@ struct MpiTransport::Impl {
     if (static_cast<std::size_t>(count) < sizeof(WireHeader)) {
       st.error = std::make_exception_ptr(Error(
           Errc::Mpi, fmt::format("rank {}: a {}-byte message from rank {} (tag {}) is not a "
-                                 "brigade message (shorter than its 88-byte record)",
+                                 "brigade message (shorter than its 96-byte record)",
                                  rank, count, peer, tag)));
       return;
     }
     std::memcpy(&w, st.staging.data(), sizeof(WireHeader));
-    if (w.magic != kMagic || w.version != kWireVersion || w.ndim < 0 || w.ndim > 4 ||
+    if (w.magic != kMagic || w.version != kWireVersion || w.ndim < 0 || w.ndim > 4 || w.kind < 0 ||
+        w.kind >= kNumMessageKinds ||
         w.piece_bytes == 0) {
       st.error = std::make_exception_ptr(Error(
           Errc::Mpi, fmt::format("rank {}: the message from rank {} (tag {}) has record magic "
@@ -454,6 +457,7 @@ struct MpiTransport::Impl {
                                  rank, peer, tag, w.magic, w.version, kMagic, kWireVersion)));
       return;
     }
+    st.got.kind = static_cast<MessageKind>(w.kind);
     st.got.microbatch = w.microbatch;
     st.got.stage = w.stage;
     st.got.chunk = w.chunk;
@@ -662,16 +666,6 @@ Request MpiTransport::isend(int peer, int tag, const MessageHeader& header, Cons
 
 Request MpiTransport::irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
   return self().irecv(peer, tag, expected, buffer);
-}
-
-std::vector<Request> MpiTransport::submit(std::span<const P2POp> batch) {
-  auto& impl = self();
-  std::vector<Request> out;
-  out.reserve(batch.size());
-  for (const auto& op : batch)
-    out.push_back(op.is_send ? impl.isend(op.peer, op.tag, op.header, op.send_buffer)
-                             : impl.irecv(op.peer, op.tag, op.header, op.recv_buffer));
-  return out;
 }
 
 void MpiTransport::wait(Request& r, Deadline deadline) { self().wait(r, deadline); }

@@ -66,14 +66,15 @@ TEST_SUITE("transport") {
     REQUIRE(t.world_size() == 1);
     const auto dl = Deadline::after(30);
 
-    SUBCASE("submit: a send and a receive in one group; payload and header arrive") {
+    SUBCASE("a send and a receive flushed as one group; payload and header arrive") {
       DeviceFloats src(1000, 1.0f, 0), dst(1000, -7.0f, 0);
       const auto h = MessageHeader::make(3, 1, DType::F32, {10, 100});
       auto expected = h;
       expected.microbatch = kAny;
-      std::vector<P2POp> ops = {{true, 0, 5, h, src.bytes(), {}},
-                                {false, 0, 5, expected, {}, dst.wbytes()}};
-      auto reqs = t.submit(ops);
+      std::vector<Request> reqs;
+      reqs.push_back(t.isend(0, 5, h, src.bytes()));
+      reqs.push_back(t.irecv(0, 5, expected, dst.wbytes()));
+      t.flush();
       for (auto& r : reqs) t.wait(r, dl);
       CHECK(reqs[1].header == h);
       CHECK(dst.host() == src.host());
@@ -160,9 +161,9 @@ TEST_SUITE("transport") {
         DeviceFloats mine(4096, 1000.0f * static_cast<float>(rank), rank), theirs(4096, 0.0f, rank);
         const auto out_h = MessageHeader::make(7, peer, DType::F32, {4096});
         const auto in_h = MessageHeader::make(7, rank, DType::F32, {4096});
-        std::vector<P2POp> ops = {{true, peer, 1, out_h, mine.bytes(), {}},
-                                  {false, peer, 1, in_h, {}, theirs.wbytes()}};
-        auto reqs = t.submit(ops);
+        std::vector<Request> reqs;
+        reqs.push_back(t.isend(peer, 1, out_h, mine.bytes()));
+        reqs.push_back(t.irecv(peer, 1, in_h, theirs.wbytes()));
         for (auto& r : reqs) t.wait(r, Deadline::after(60));
         got[rank] = theirs.host();
         if (rank == 0) {  // rank 1 never sends this one

@@ -2,11 +2,14 @@
 // threads over InProcessTransport (one call per rank): stories260K token-exact, the Timeline
 // gathered to the rank of stage 0, and its argument checks. The MPI run is tests/mpi/.
 #include <brigade/engine/distributed.hpp>
+#include <brigade/engine/threads.hpp>
 #include <brigade/cost/cost_model.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/schedule/generators.hpp>
 #include <brigade/sim/simulator.hpp>
 #include <brigade/transport/in_process.hpp>
+
+#include "flip_scenario.hpp"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
@@ -60,37 +63,14 @@ template <class Wrap>
 std::vector<engine::InferenceReport> run_all(const partition::Partition& part,
                                              std::span<const engine::GenerationRequest> req,
                                              const engine::InferenceOptions& opt, Wrap wrap) {
-  const int n = part.num_ranks();
-  transport::InProcessFabric fabric(n);
-  std::vector<engine::InferenceReport> reports(static_cast<std::size_t>(n));
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  {
-    std::vector<std::jthread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          transport::InProcessTransport t(fabric, r);
-          decltype(auto) w = wrap(t, r);
-          reports[static_cast<std::size_t>(r)] =
-              engine::generate_on(w, fixture().weights, part, req, opt);
-        } catch (...) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-          fabric.abort("rank " + std::to_string(r) + " failed");
-        }
-      });
-    }
-  }
-  // The root cause: the first error that is not an Aborted.
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (err.code() != Errc::Aborted) throw;
-    }
-  }
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  transport::InProcessFabric fabric(part.num_ranks());
+  auto endpoints = transport::endpoints(fabric);
+  std::vector<engine::InferenceReport> reports(endpoints.size());
+  engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& t) {
+    decltype(auto) w = wrap(t, t.rank());
+    reports[static_cast<std::size_t>(t.rank())] =
+        engine::generate_on(w, fixture().weights, part, req, opt);
+  });
   return reports;
 }
 
@@ -132,6 +112,30 @@ TEST_CASE("engine.generate_on: one call per rank on threads equals run.c, and th
       CHECK(other.timeline.busy(r) > 0.0);
       for (const auto& iv : other.timeline.intervals()) CHECK(iv.rank == r);
     }
+  }
+}
+
+TEST_CASE("transport decorators: a bit flipped in one activation by a corrupting decorator is "
+          "rejected by the checking decorator of the receiving rank, naming the ranks, the kind "
+          "and the micro-batch; the other ranks stop with Aborted (threads, 2 and 3 ranks)") {
+  const auto& F = fixture();
+  const std::vector<engine::GenerationRequest> req{{F.prompt(1), 64}, {F.prompt(0), 64}};
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  opt.microbatches = 2;
+  opt.timeout_s = 60;  // a rank left waiting would end in PeerTimeout, not Aborted
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    transport::InProcessFabric fabric(world);
+    auto endpoints = transport::endpoints(fabric);
+    std::vector<test::FlipOutcome> out(endpoints.size());
+    engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& t) {
+      out[static_cast<std::size_t>(t.rank())] = test::flip_one_activation(t, F.weights, req, opt);
+    });
+    // The clean run with the check in place is run.c's text.
+    REQUIRE(out[0].clean.size() == 2);
+    CHECK(out[0].clean[0].tokens == F.ids(1));
+    for (int r = 0; r < world; ++r) test::check_flip_outcome(out[static_cast<std::size_t>(r)], r);
   }
 }
 
@@ -191,14 +195,12 @@ namespace {
 /// message of `tag` whose (seq, pos, ...) rows `pick` selects: `pick(row)` returns true for the
 /// row to corrupt, and the row's sequence id becomes `new_seq`. Used to show that stages check
 /// the pipeline's metadata instead of trusting it.
-class CorruptOne {
+class CorruptOne : public transport::ForwardingTransport<transport::InProcessTransport> {
  public:
   CorruptOne(transport::InProcessTransport& inner, int tag, int first_row,
              std::function<bool(const std::int32_t*)> pick, std::int32_t new_seq)
-      : inner_(&inner), tag_(tag), first_row_(first_row), pick_(std::move(pick)),
+      : ForwardingTransport(inner), tag_(tag), first_row_(first_row), pick_(std::move(pick)),
         new_seq_(new_seq) {}
-  [[nodiscard]] int rank() const { return inner_->rank(); }
-  [[nodiscard]] int world_size() const { return inner_->world_size(); }
   transport::Request isend(int peer, int tag, const transport::MessageHeader& h,
                            transport::ConstBytes payload) {
     if (done_ || tag != tag_) return inner_->isend(peer, tag, h, payload);
@@ -212,18 +214,8 @@ class CorruptOne {
     }
     return inner_->isend(peer, tag, h, transport::as_bytes(std::span<const std::int32_t>(v)));
   }
-  transport::Request irecv(int peer, int tag, const transport::MessageHeader& h,
-                           transport::MutableBytes buffer) {
-    return inner_->irecv(peer, tag, h, buffer);
-  }
-  std::vector<transport::Request> submit(std::span<const transport::P2POp> batch) {
-    return inner_->submit(batch);
-  }
-  void wait(transport::Request& r, transport::Deadline d) { inner_->wait(r, d); }
-  bool test(transport::Request& r) { return inner_->test(r); }
 
  private:
-  transport::InProcessTransport* inner_;
   int tag_, first_row_;
   std::function<bool(const std::int32_t*)> pick_;
   std::int32_t new_seq_;

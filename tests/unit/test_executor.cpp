@@ -105,8 +105,9 @@ void execute_all(const sch::Schedule& s, double timeout_s, eng::ExecutorWindows 
   const int P = s.shape.num_ranks;
   tp::InProcessFabric fabric(P);
   const auto t0 = std::chrono::steady_clock::now();
-  eng::detail::run_on_threads(P, fabric, "rank", [&](int r) {
-    tp::InProcessTransport t(fabric, r);
+  auto endpoints = tp::endpoints(fabric);
+  eng::run_ranks(std::span(endpoints), [&](tp::InProcessTransport& t) {
+    const int r = t.rank();
     CheckingWorker worker(s.shape, r);
     eng::FixedProgram program(s.ranks[static_cast<std::size_t>(r)]);
     brigade::Timeline tl(P);

@@ -45,13 +45,17 @@ struct NoTest {
   int world_size() const { return 1; }
   Request isend(int, int, const MessageHeader&, ConstBytes) { return {}; }
   Request irecv(int, int, const MessageHeader&, MutableBytes) { return {}; }
-  std::vector<Request> submit(std::span<const P2POp>) { return {}; }
   void wait(Request&, Deadline) {}
 };
 static_assert(!Transport<NoTest>, "a type without test() must not model Transport");
-static_assert(Transport<InProcessTransport>);
+// abort is the optional part: a Transport without it is not an AbortableTransport.
+struct NoAbort : NoTest {
+  bool test(Request&) { return true; }
+};
+static_assert(Transport<NoAbort> && !AbortableTransport<NoAbort>);
+static_assert(AbortableTransport<InProcessTransport>);
 // The MPI model's header compiles without MPI (only linking needs brigade::mpi).
-static_assert(Transport<MpiTransport>);
+static_assert(AbortableTransport<MpiTransport>);
 
 // The conformance suite (tests/transport_conformance.hpp) on threads in one process; the same
 // cases run on MpiTransport in tests/mpi/test_mpi_transport.cpp.

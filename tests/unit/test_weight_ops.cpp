@@ -361,8 +361,9 @@ std::vector<brigade::Timeline> execute_all(const sch::Schedule& s,
   std::vector<brigade::Timeline> tls(static_cast<std::size_t>(P), brigade::Timeline(P));
   if (seen) seen->assign(static_cast<std::size_t>(P), {});
   const auto t0 = std::chrono::steady_clock::now();
-  eng::detail::run_on_threads(P, fabric, "rank", [&](int r) {
-    tp::InProcessTransport t(fabric, r);
+  auto endpoints = tp::endpoints(fabric);
+  eng::run_ranks(std::span(endpoints), [&](tp::InProcessTransport& t) {
+    const int r = t.rank();
     CountingWorker w{&s.shape, {}};
     eng::FixedProgram program(s.ranks[static_cast<std::size_t>(r)]);
     eng::execute(program, w, t, eng::ExecutorRun{&s.shape, r, t0, 10.0, {}},

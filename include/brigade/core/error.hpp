@@ -24,6 +24,7 @@ enum class Errc : int {
   Mpi,              ///< an MPI call failed
   Internal,         ///< a broken invariant inside brigade (a bug: please report it)
   NonFinite,        ///< a NaN or infinity in weights, activations, logits, a loss or a gradient
+  Rejected,         ///< a received message an inspection hook refused (transport::InspectingTransport)
 };
 
 /// Name of an error code, e.g. "BadFile".
@@ -41,6 +42,7 @@ constexpr std::string_view to_string(Errc c) noexcept {
     case Errc::Mpi: return "Mpi";
     case Errc::Internal: return "Internal";
     case Errc::NonFinite: return "NonFinite";
+    case Errc::Rejected: return "Rejected";
   }
   return "Unknown";
 }

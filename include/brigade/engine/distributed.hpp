@@ -5,6 +5,7 @@
 
 #include "brigade/backend/cpu.hpp"
 #include "brigade/engine/inference.hpp"
+#include "brigade/transport/decorators.hpp"
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -26,7 +27,8 @@ inline namespace v0 {
 /// Test-only fault injection for multi-process runs: rank `rank` ends its process with
 /// `std::_Exit(3)` (no cleanup, no MPI_Finalize, as a crash would) right after it has received
 /// its `after_steps`-th micro-batch input: activations for a stage > 0, sampled tokens for
-/// stage 0. It prints one line on stderr first. The CLI's `--fail-rank R --fail-after-steps K`.
+/// stage 0 (transport::ExitAfterSteps). It prints one line on stderr first. The CLI's
+/// `--fail-rank R --fail-after-steps K`.
 struct FaultInjection {
   int rank = -1;        ///< the rank that exits; -1 = no fault
   int after_steps = 1;  ///< micro-batch inputs it receives before exiting, >= 1
@@ -38,54 +40,6 @@ namespace detail {
 inline constexpr int kTagRunStart = 4;   // Bytes [0]: the stage-0 rank starts every rank's clock
 inline constexpr int kTagGatherSize = 5; // Bytes [8]: size of the next message (uint64)
 inline constexpr int kTagGather = 6;     // Bytes [n]: one rank's timeline and end time (JSON)
-
-/// A Transport that forwards to `inner` and ends the process after `after_steps` completed
-/// receives of micro-batch inputs (kTagActivation or kTagToken); after_steps = 0 never does.
-template <transport::Transport T>
-class ExitAfterSteps {
- public:
-  ExitAfterSteps(T& inner, int after_steps) : inner_(&inner), limit_(after_steps) {}
-
-  [[nodiscard]] int rank() const { return inner_->rank(); }
-  [[nodiscard]] int world_size() const { return inner_->world_size(); }
-  transport::Request isend(int peer, int tag, const transport::MessageHeader& h,
-                           transport::ConstBytes payload) {
-    return inner_->isend(peer, tag, h, payload);
-  }
-  transport::Request irecv(int peer, int tag, const transport::MessageHeader& h,
-                           transport::MutableBytes buffer) {
-    return inner_->irecv(peer, tag, h, buffer);
-  }
-  std::vector<transport::Request> submit(std::span<const transport::P2POp> batch) {
-    return inner_->submit(batch);
-  }
-  void wait(transport::Request& r, transport::Deadline d) {
-    const bool was_done = r.done;
-    inner_->wait(r, d);
-    if (!was_done) count(r);
-  }
-  bool test(transport::Request& r) {
-    const bool was_done = r.done;
-    const bool done = inner_->test(r);
-    if (done && !was_done) count(r);
-    return done;
-  }
-
- private:
-  void count(const transport::Request& r) {
-    if (limit_ <= 0 || !r.is_recv || (r.tag != kTagActivation && r.tag != kTagToken)) return;
-    if (++steps_ < limit_) return;
-    fmt::print(stderr, "brigade: fault injection: rank {} exits (code 3) after {} step(s)\n",
-               inner_->rank(), steps_);
-    std::fflush(stderr);
-    std::fflush(stdout);
-    std::_Exit(3);
-  }
-
-  T* inner_;
-  int limit_;
-  int steps_ = 0;
-};
 
 /// One rank's Timeline intervals, end time and peak memory (bytes; ExecutorStats) as JSON text.
 inline std::string encode_rank_result(const Timeline& tl, double end_s,
@@ -147,8 +101,9 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
 /// Greedy output is token for token that of engine::generate for the same partition.
 ///
 /// When this rank fails with an error other than PeerTimeout or Aborted, it calls
-/// `transport.abort(reason)` if the transport has one (MpiTransport does), so the other ranks
-/// stop with Error{Aborted} quoting the reason instead of waiting for their deadline.
+/// `transport.abort(reason)` if the transport has one (transport::abort_others; InProcessTransport
+/// and MpiTransport do), so the other ranks stop with Error{Aborted} quoting the reason instead of
+/// waiting for their deadline.
 ///
 /// @param fault test-only: makes rank `fault.rank` exit mid-run (see FaultInjection)
 /// @return on the rank of stage 0: the full report (every sequence; the Timeline of all stages;
@@ -184,7 +139,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
 
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  detail::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
+  transport::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
   auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
   const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
     return MessageHeader::make(0, to_stage, DType::Bytes, {nbytes});
@@ -237,12 +192,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
     }
     report.wall_s = end_s;
   } catch (const std::exception& e) {
-    if constexpr (requires(T& t, const std::string& s) { t.abort(s); }) {
-      // A timeout or an abort is someone else's failure, already announced.
-      const auto* err = dynamic_cast<const Error*>(&e);
-      if (err == nullptr || (err->code() != Errc::PeerTimeout && err->code() != Errc::Aborted))
-        transport.abort(fmt::format("rank {} failed: {}", me, e.what()));
-    }
+    transport::abort_others(transport, e);
     throw;
   }
   report.sequences = book.results();

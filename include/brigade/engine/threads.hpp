@@ -1,47 +1,74 @@
-// Running one function per rank on threads over an InProcessFabric, with failure propagation.
+// The thread driver: one rank per thread over any Transport, with failure propagation.
 #pragma once
 
 #include "brigade/core/error.hpp"
-#include "brigade/transport/in_process.hpp"
+#include "brigade/transport/transport.hpp"
 
 #include <exception>
+#include <span>
 #include <thread>
 #include <vector>
 
-namespace brigade::engine::detail {
+namespace brigade::engine {
+inline namespace v0 {
 
-/// Runs `body(r)` for r in [0, n) on n threads and joins them. When one throws, the fabric is
-/// aborted (every rank waiting on it wakes with Errc::Aborted) and, after all have joined, the
-/// root cause is rethrown: the first error that is not an Aborted, else the first Aborted.
-/// @param what names a rank in the abort reason ("stage", "rank")
-template <class F>
-void run_on_threads(int n, transport::InProcessFabric& fabric, const char* what, F&& body) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+/// Runs `body(transports[r])` for every r on its own thread (one rank per thread, the SPMD form
+/// every engine entry point that takes a Transport expects: generate_on, DistributedTrainer,
+/// run_training_program) and joins them.
+///
+/// When a rank's body throws, the driver calls transport::abort_others on that rank's transport:
+/// for an AbortableTransport (InProcessTransport, MpiTransport, a decorator over either) every
+/// other rank's pending and later waits then throw Error{Aborted}; for a transport without
+/// abort the others stop at their own deadlines (PeerTimeout). After all threads joined, the
+/// root cause is rethrown: the first error (in rank order) that is not an Aborted or a
+/// PeerTimeout, else the first of those.
+///
+/// @code
+///   transport::InProcessFabric fabric(P);
+///   auto eps = transport::endpoints(fabric);              // one InProcessTransport per rank
+///   engine::run_ranks(std::span(eps), [&](transport::InProcessTransport& t) {
+///     engine::generate_on(t, weights, partition, requests);
+///   });
+/// @endcode
+///
+/// @param transports one endpoint per rank, `transports[r].rank() == r` expected (not checked:
+///        any transport may be driven); each is used by its thread only
+/// @param body called as body(T&) on each rank's thread
+/// @throws the root-cause error of the failed ranks, as described
+template <transport::Transport T, class F>
+void run_ranks(std::span<T> transports, F&& body) {
+  const std::size_t n = transports.size();
+  std::vector<std::exception_ptr> errors(n);
   {
     std::vector<std::jthread> threads;
-    for (int r = 0; r < n; ++r)
+    threads.reserve(n);
+    for (std::size_t r = 0; r < n; ++r)
       threads.emplace_back([&, r] {
         try {
-          body(r);
+          body(transports[r]);
         } catch (const std::exception& e) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-          fabric.abort(fmt::format("{} {} failed: {}", what, r, e.what()));
+          errors[r] = std::current_exception();
+          transport::abort_others(transports[r], e);
+        } catch (...) {
+          errors[r] = std::current_exception();
         }
       });
   }
-  std::exception_ptr aborted;
+  std::exception_ptr secondary;
   for (auto& e : errors) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);
     } catch (const Error& err) {
-      if (err.code() != Errc::Aborted) std::rethrow_exception(e);
-      if (!aborted) aborted = e;
+      if (err.code() != Errc::Aborted && err.code() != Errc::PeerTimeout)
+        std::rethrow_exception(e);
+      if (!secondary) secondary = e;
     } catch (...) {
       std::rethrow_exception(e);
     }
   }
-  if (aborted) std::rethrow_exception(aborted);
+  if (secondary) std::rethrow_exception(secondary);
 }
 
-}  // namespace brigade::engine::detail
+}  // namespace v0
+}  // namespace brigade::engine

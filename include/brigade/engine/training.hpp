@@ -115,8 +115,9 @@ class TrainingWorker {
     const std::int64_t rows = batch(a.microbatch).rows();
     const bool fwd = a.op == schedule::Op::RecvF;
     out.push_back({fwd ? kTagActivation : kTagGradient,
-                   transport::MessageHeader::make(a.microbatch, a.virtual_stage,
-                                                  transport::DType::F32, {rows, dim_}),
+                   transport::MessageHeader::make(
+                       a.microbatch, a.virtual_stage, transport::DType::F32, {rows, dim_}, 0,
+                       fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient),
                    static_cast<std::size_t>(rows * dim_) * sizeof(float)});
   }
 
@@ -144,8 +145,9 @@ class TrainingWorker {
     auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
     const auto peer = schedule::counterpart(*shape_, a);
     out.add(fwd ? kTagActivation : kTagGradient,
-            transport::MessageHeader::make(mb, peer->virtual_stage, transport::DType::F32,
-                                           {batch(mb).rows(), dim_}),
+            transport::MessageHeader::make(
+                mb, peer->virtual_stage, transport::DType::F32, {batch(mb).rows(), dim_}, 0,
+                fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient),
             transport::as_bytes(src));
     if (fwd)
       stage(v).release_output(mb);

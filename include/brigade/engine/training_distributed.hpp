@@ -299,10 +299,10 @@ class DistributedTrainer {
           if (!holds(v)) continue;
           std::map<std::string, std::vector<float>> t;
           stage(v).export_to(t);
-          send_blob(0, detail::encode_tensors(t));
+          send_blob(0, detail::encode_tensors(t), transport::MessageKind::Weights);
           std::string entries;
           detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
-          send_blob(0, entries);
+          send_blob(0, entries, transport::MessageKind::Weights);
         }
         auto r = tp_->irecv(0, detail::kTagCheckpointDone, bytes_header(0), {});
         tp_->wait(r, deadline());
@@ -319,8 +319,8 @@ class DistributedTrainer {
           count += detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
           continue;
         }
-        detail::decode_tensors(recv_blob(from), t);
-        const std::string e = recv_blob(from);
+        detail::decode_tensors(recv_blob(from, transport::MessageKind::Weights), t);
+        const std::string e = recv_blob(from, transport::MessageKind::Weights);
         count += static_cast<std::int64_t>(stage_param_count(e));
         entries += e;
       }
@@ -374,8 +374,9 @@ class DistributedTrainer {
   static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  static transport::MessageHeader bytes_header(std::int64_t nbytes) {
-    return transport::MessageHeader::make(0, 0, transport::DType::Bytes, {nbytes});
+  static transport::MessageHeader bytes_header(
+      std::int64_t nbytes, transport::MessageKind kind = transport::MessageKind::Control) {
+    return transport::MessageHeader::make(0, 0, transport::DType::Bytes, {nbytes}, 0, kind);
   }
   runtime::TrainStage& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
   AdamW& optimizer(int v) { return *optimizers_[static_cast<std::size_t>(v)]; }
@@ -409,11 +410,7 @@ class DistributedTrainer {
     try {
       return body();
     } catch (const std::exception& e) {
-      if constexpr (requires(T& t, const std::string& s) { t.abort(s); }) {
-        const auto* err = dynamic_cast<const Error*>(&e);
-        if (err == nullptr || (err->code() != Errc::PeerTimeout && err->code() != Errc::Aborted))
-          tp_->abort(fmt::format("rank {} failed: {}", rank(), e.what()));
-      }
+      transport::abort_others(*tp_, e);
       throw;
     }
   }
@@ -435,22 +432,26 @@ class DistributedTrainer {
     return std::chrono::steady_clock::now();
   }
 
-  void send_blob(int peer, const std::string& text) {
+  /// Sends `text` (a size, then the bytes) as a message of `kind` (Weights for checkpoint
+  /// tensors and optimizer entries, Control for timelines).
+  void send_blob(int peer, const std::string& text,
+                 transport::MessageKind kind = transport::MessageKind::Control) {
     const std::uint64_t size = text.size();
     auto rs = tp_->isend(peer, detail::kTagBlobSize, bytes_header(8),
                          std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
-    auto rt = tp_->isend(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size)),
+    auto rt = tp_->isend(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size), kind),
                          std::as_bytes(std::span<const char>(text.data(), text.size())));
     tp_->wait(rs, transport::Deadline::after(cfg_.timeout_s));
     tp_->wait(rt, transport::Deadline::after(cfg_.timeout_s));
   }
-  std::string recv_blob(int peer) {
+  /// Receives a send_blob of `kind` from `peer`.
+  std::string recv_blob(int peer, transport::MessageKind kind = transport::MessageKind::Control) {
     std::uint64_t size = 0;
     auto rs = tp_->irecv(peer, detail::kTagBlobSize, bytes_header(8),
                          std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
     tp_->wait(rs, transport::Deadline::after(cfg_.timeout_s));
     std::string text(static_cast<std::size_t>(size), '\0');
-    auto rt = tp_->irecv(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size)),
+    auto rt = tp_->irecv(peer, detail::kTagBlob, bytes_header(static_cast<std::int64_t>(size), kind),
                          std::as_writable_bytes(std::span<char>(text.data(), text.size())));
     tp_->wait(rt, transport::Deadline::after(cfg_.timeout_s));
     return text;
@@ -511,7 +512,8 @@ class DistributedTrainer {
     const bool is_first = rank() == first;
     auto mine = detail::find_param(stage(is_first ? 0 : N - 1), "tok_embeddings");
     std::vector<float> theirs(static_cast<std::size_t>(mine.size));
-    const auto h = transport::MessageHeader::make(0, 0, transport::DType::F32, {mine.size});
+    const auto h = transport::MessageHeader::make(0, 0, transport::DType::F32, {mine.size}, 0,
+                                                  transport::MessageKind::Gradient);
     const int peer = is_first ? last : first;
     auto rr = tp_->irecv(peer, detail::kTagTiedGrad, h,
                          transport::as_writable_bytes(std::span<float>(theirs)));

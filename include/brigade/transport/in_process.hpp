@@ -119,17 +119,6 @@ class InProcessTransport {
     return Request::posted(true, peer, tag, expected, std::move(st));
   }
 
-  /// Posts every op of `batch` (sends first, then receives, as one group).
-  /// @throws brigade::Error as isend / irecv
-  std::vector<Request> submit(std::span<const P2POp> batch) {
-    std::vector<Request> out;
-    out.reserve(batch.size());
-    for (const auto& op : batch)
-      out.push_back(op.is_send ? isend(op.peer, op.tag, op.header, op.send_buffer)
-                               : irecv(op.peer, op.tag, op.header, op.recv_buffer));
-    return out;
-  }
-
   /// Blocks until `r` completes or `deadline` passes. For a receive, checks the header, copies
   /// the payload into the buffer and stores the received header in `r.header`.
   /// @throws brigade::Error{PeerTimeout} naming the peer when the deadline passes;
@@ -150,6 +139,17 @@ class InProcessTransport {
                    rank_, r.peer, r.tag, r.header.to_string(), r.peer);
     }
     complete_locked(r, ch);
+  }
+
+  /// The optional abort of the Transport concept (AbortableTransport): aborts the fabric, so
+  /// every rank's pending and later waits throw Error{Aborted} quoting `reason` (the first
+  /// reason wins). Never throws.
+  void abort(const std::string& reason) noexcept {
+    try {
+      fabric_->abort(reason);
+    } catch (...) {  // copying the reason failed: abort without it
+      fabric_->abort(std::string());
+    }
   }
 
   /// Completes `r` if its message has arrived; never blocks.
@@ -198,7 +198,15 @@ class InProcessTransport {
   int rank_;
 };
 
-static_assert(Transport<InProcessTransport>);
+static_assert(AbortableTransport<InProcessTransport>);
+
+/// One InProcessTransport per rank of `fabric`, rank r at index r (what engine::run_ranks takes).
+inline std::vector<InProcessTransport> endpoints(InProcessFabric& fabric) {
+  std::vector<InProcessTransport> out;
+  out.reserve(static_cast<std::size_t>(fabric.world_size()));
+  for (int r = 0; r < fabric.world_size(); ++r) out.emplace_back(fabric, r);
+  return out;
+}
 
 }  // namespace v0
 }  // namespace brigade::transport

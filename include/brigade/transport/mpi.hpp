@@ -88,9 +88,9 @@ class MpiSession {
 /// the same ndim, and a buffer at least as large as the payload; micro-batch, stage and shape
 /// dimensions may be kAny on the receive side.
 ///
-/// Wire format (version 2): every message starts with an 88-byte header record (magic, version,
-/// micro-batch, stage, chunk, dtype, ndim, shape[4], payload bytes, piece bytes) on MPI tag
-/// 1 + 2t.
+/// Wire format (version 3): every message starts with a 96-byte header record (magic, version,
+/// kind, micro-batch, stage, chunk, dtype, ndim, shape[4], payload bytes, piece bytes) on MPI tag
+/// 1 + 2t. A record of another version is refused (Error{Mpi} naming both versions).
 /// A payload of at most kInlineBytes travels in the same MPI message, right after the record
 /// (one message, one copy on each side). A larger payload follows as a second stream on MPI tag
 /// 2 + 2t, sent straight from the caller's buffer and received straight into the caller's buffer
@@ -155,11 +155,6 @@ class MpiTransport {
   /// @throws brigade::Error{InvalidArgument} for a bad peer or tag; Error{Mpi} if MPI_Irecv fails
   Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer);
 
-  /// Posts every op of `batch` (sends and receives, in batch order) before any completes, so a
-  /// batch that sends to and receives from the same peer cannot deadlock.
-  /// @throws brigade::Error as isend / irecv
-  std::vector<Request> submit(std::span<const P2POp> batch);
-
   /// Drives `r` to completion or until `deadline`. For a receive, checks the header
   /// (check_header), leaves the payload in the buffer and the received header in `r.header`.
   /// @throws brigade::Error{PeerTimeout} naming the peer (or the rank the peer waits on) when
@@ -181,8 +176,9 @@ class MpiTransport {
   ///         missing); Error{Mpi}
   void barrier(Deadline deadline);
 
-  /// Tells every other rank that this one failed with `reason`; their pending and later waits
-  /// throw Error{Aborted} quoting it. Best effort, never blocks, never throws.
+  /// The optional abort of the Transport concept (AbortableTransport): tells every other rank
+  /// that this one failed with `reason`; their pending and later waits throw Error{Aborted}
+  /// quoting it. Best effort, never blocks, never throws.
   void abort(const std::string& reason) noexcept;
 
  private:
@@ -191,7 +187,7 @@ class MpiTransport {
   std::unique_ptr<Impl> impl_;
 };
 
-static_assert(Transport<MpiTransport>, "MpiTransport must model the Transport concept");
+static_assert(AbortableTransport<MpiTransport>, "MpiTransport must model AbortableTransport");
 
 }  // namespace v0
 }  // namespace brigade::transport

@@ -43,7 +43,7 @@ struct NcclUniqueId {
 /// receiver's expected one cannot complete in NCCL: the wait on either side then ends at its
 /// deadline with PeerTimeout.
 ///
-/// Progress: isend and irecv queue their operation; the next submit, flush, wait or test posts
+/// Progress: isend and irecv queue their operation; the next flush, wait or test posts
 /// everything queued as one NCCL group (ncclGroupStart/End) on the transport's own
 /// communication stream, so sends and receives posted together progress together (NCCL's rule:
 /// operations that must progress concurrently must be in one group). Groups run one after
@@ -63,10 +63,10 @@ struct NcclUniqueId {
 ///   auto id = brigade::transport::NcclUniqueId::create();       // on rank 0, then broadcast
 ///   brigade::transport::NcclTransport t(id, rank, 2, {.device = rank});
 ///   auto h = brigade::transport::MessageHeader::make(mb, 1, DType::F32, {rows, dim});
-///   std::vector<brigade::transport::P2POp> ops{{true, 1, 0, h, send_bytes, {}},
-///                                              {false, 1, 0, h, {}, recv_bytes}};
-///   auto reqs = t.submit(ops);                                  // one NCCL group
-///   for (auto& r : reqs) t.wait(r, brigade::transport::Deadline::after(30));
+///   auto s = t.isend(1, 0, h, send_bytes);                      // queued
+///   auto r = t.irecv(1, 0, h, recv_bytes);                      // queued
+///   t.wait(r, brigade::transport::Deadline::after(30));         // one NCCL group: both
+///   t.wait(s, brigade::transport::Deadline::after(30));
 /// @endcode
 class NcclTransport {
  public:
@@ -109,10 +109,6 @@ class NcclTransport {
   /// @throws brigade::Error{InvalidArgument} for a bad peer, a shape with kAny, or a buffer
   ///         smaller than expected.nbytes(); Error{Aborted} after an abort
   Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer);
-  /// Queues every op of `batch`, then flushes: all of them (and anything queued before) go in one
-  /// NCCL group.
-  /// @throws brigade::Error as isend / irecv, and Error{Nccl} if NCCL refuses the group
-  std::vector<Request> submit(std::span<const P2POp> batch);
   /// Posts everything queued as one NCCL group on the communication stream.
   /// @throws brigade::Error{Nccl} if NCCL refuses the group; Error{Aborted} after an abort
   void flush();
@@ -132,7 +128,9 @@ class NcclTransport {
   /// The header is still checked only by wait() or test().
   void enqueue_wait(Request& r, CUstream_st* stream);
   /// Aborts the communicator (ncclCommAbort): operations in flight are cancelled, and every later
-  /// call throws Error{Aborted}.
+  /// call throws Error{Aborted}. Local only: it does not tell the other ranks (unlike the
+  /// concept's optional abort(reason), AbortableTransport, which NcclTransport does not model;
+  /// the other ranks stop at their deadlines).
   void abort();
   /// True after abort() or a timeout.
   [[nodiscard]] bool aborted() const noexcept;

@@ -1,6 +1,7 @@
 // The Transport concept: non-blocking point-to-point messages between ranks, with a checked
-// header and deadlines. Models: InProcessTransport (threads); MpiTransport and NcclTransport
-// in their own components.
+// header (what the message is, for which micro-batch and stage, dtype and shape) and deadlines.
+// Models: InProcessTransport (threads); MpiTransport and NcclTransport in their own components;
+// decorators over any model in transport/decorators.hpp.
 #pragma once
 
 #include "brigade/core/error.hpp"
@@ -10,6 +11,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -29,14 +31,42 @@ constexpr const char* to_string(DType t) noexcept {
   return t == DType::F32 ? "f32" : t == DType::I32 ? "i32" : "bytes";
 }
 
+/// What a message carries, so that decorators (tracing, fault injection, integrity checks) can
+/// select messages without knowing an engine's tag numbers. Every engine's send path sets it;
+/// a receive expects one kind and check_header rejects another.
+enum class MessageKind : std::int32_t {
+  Control = 0,     ///< protocol traffic: clock starts, descriptors, sizes, gathered timelines
+  Activation = 1,  ///< a stage's forward output (hidden states) sent to the next stage
+  Gradient = 2,    ///< a gradient: d loss / d activation sent backward, or a parameter gradient
+  Token = 3,       ///< sampled token ids sent back to the first stage
+  KV = 4,          ///< key/value cache entries moved between ranks
+  Weights = 5,     ///< parameters or optimizer state (loading, gathering a checkpoint)
+};
+/// Number of MessageKind values.
+inline constexpr int kNumMessageKinds = 6;
+
+/// Name of a message kind ("control", "activation", "gradient", "token", "kv", "weights").
+constexpr const char* to_string(MessageKind k) noexcept {
+  switch (k) {
+    case MessageKind::Control: return "control";
+    case MessageKind::Activation: return "activation";
+    case MessageKind::Gradient: return "gradient";
+    case MessageKind::Token: return "token";
+    case MessageKind::KV: return "kv";
+    case MessageKind::Weights: return "weights";
+  }
+  return "unknown";
+}
+
 /// Wildcard value for MessageHeader fields in an expected (receive-side) header.
 inline constexpr std::int64_t kAny = -1;
 
-/// The header every message carries and every receive checks: micro-batch, the destination
-/// stage, the chunk, dtype and shape (up to 4 dims, row-major). On the receive side,
+/// The header every message carries and every receive checks: the kind, micro-batch, the
+/// destination stage, the chunk, dtype and shape (up to 4 dims, row-major). On the receive side,
 /// microbatch, stage, chunk or any shape dimension may be kAny to accept whatever arrives (the
-/// received header is then read with `received()`).
+/// received header is then in the request's `header`); the kind must match exactly.
 struct MessageHeader {
+  MessageKind kind = MessageKind::Control;  ///< what the payload is
   std::int64_t microbatch = 0;            ///< micro-batch id, or kAny
   std::int64_t stage = 0;                 ///< stage (virtual stage) the message is for, or kAny
   /// Chunk of the receiving action (schedule::Action::chunk: the PACS/InfiniPipe chunk in
@@ -47,9 +77,12 @@ struct MessageHeader {
   std::array<std::int64_t, 4> shape{};    ///< sizes, outermost first; kAny allowed when receiving
 
   /// A header for a payload of the given dims, for the receiving action's chunk `chunk`.
+  /// @throws brigade::Error{InvalidArgument} for more than 4 dims
   static MessageHeader make(std::int64_t microbatch, std::int64_t stage, DType dtype,
-                            std::initializer_list<std::int64_t> dims, std::int64_t chunk = 0) {
+                            std::initializer_list<std::int64_t> dims, std::int64_t chunk = 0,
+                            MessageKind kind = MessageKind::Control) {
     MessageHeader h;
+    h.kind = kind;
     h.microbatch = microbatch;
     h.stage = stage;
     h.chunk = chunk;
@@ -71,9 +104,11 @@ struct MessageHeader {
   [[nodiscard]] std::size_t nbytes() const noexcept {
     return static_cast<std::size_t>(numel()) * dtype_size(dtype);
   }
-  /// Readable form: "mb 3 stage 1 f32[512, 64]", with " chunk c" after the stage when c != 0.
+  /// Readable form: "activation mb 3 stage 1 f32[512, 64]", with " chunk c" after the stage
+  /// when c != 0.
   [[nodiscard]] std::string to_string() const {
-    std::string s = fmt::format("mb {} stage {}{} {}[", microbatch, stage,
+    std::string s = fmt::format("{} mb {} stage {}{} {}[", transport::to_string(kind), microbatch,
+                                stage,
                                 chunk != 0 ? fmt::format(" chunk {}", chunk) : std::string(),
                                 transport::to_string(dtype));
     for (int i = 0; i < ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", shape[static_cast<std::size_t>(i)]);
@@ -93,6 +128,11 @@ inline void check_header(const MessageHeader& expected, const MessageHeader& got
                   "expected {})",
                   self, peer, tag, name, g, e, got.to_string(), expected.to_string());
   };
+  BRIGADE_CHECK(expected.kind == got.kind, Errc::HeaderMismatch,
+                "rank {}: message from rank {} (tag {}) has kind {}, expected {} (received "
+                "{}, expected {})",
+                self, peer, tag, transport::to_string(got.kind),
+                transport::to_string(expected.kind), got.to_string(), expected.to_string());
   field("microbatch", expected.microbatch, got.microbatch);
   field("stage", expected.stage, got.stage);
   field("chunk", expected.chunk, got.chunk);
@@ -154,16 +194,6 @@ struct Request {
   }
 };
 
-/// One entry of a batch submit: a send or a receive to post together with others.
-struct P2POp {
-  bool is_send = true;
-  int peer = 0;
-  int tag = 0;
-  MessageHeader header;
-  ConstBytes send_buffer{};   ///< for sends
-  MutableBytes recv_buffer{}; ///< for receives
-};
-
 /// Non-blocking point-to-point transport between the ranks of one pipeline.
 ///
 /// Pairing and ordering rules, for every model: a message sent by rank a to rank b with tag t
@@ -172,18 +202,61 @@ struct P2POp {
 /// buffer may be reused as soon as the send's wait returns. The receive checks the arriving
 /// header against the expected one (check_header) and throws HeaderMismatch on a difference;
 /// a wait that passes its deadline throws PeerTimeout naming the peer.
+///
+/// The members, each of which the engines call:
+/// - `rank()`, `world_size()`: this endpoint's rank in [0, world_size()) and the number of ranks;
+/// - `isend(peer, tag, header, payload)`: posts a send of exactly header.nbytes() bytes (the
+///   payload must stay valid until the send's wait returns);
+/// - `irecv(peer, tag, expected, buffer)`: posts a receive into `buffer` (at least as large as
+///   the message);
+/// - `wait(request, deadline)`: completes a request or throws;
+/// - `test(request)`: completes a request if it can without blocking (the executor's send
+///   window retires completed sends with it).
+/// Batched posting is not part of the concept: every model posts without blocking, so a batch is
+/// a loop of isend / irecv (NcclTransport groups whatever is queued at its next flush, wait or
+/// test, as NCCL needs a send and a receive to the same peer in one group).
+///
+/// The optional part is `abort` (concept AbortableTransport).
 template <class T>
 concept Transport = requires(T& t, const T& ct, const MessageHeader& h, ConstBytes src,
-                             MutableBytes dst, Request& r, std::span<const P2POp> batch,
-                             Deadline d) {
+                             MutableBytes dst, Request& r, Deadline d) {
   { ct.rank() } -> std::same_as<int>;
   { ct.world_size() } -> std::same_as<int>;
   { t.isend(0, 0, h, src) } -> std::same_as<Request>;
   { t.irecv(0, 0, h, dst) } -> std::same_as<Request>;
-  { t.submit(batch) } -> std::same_as<std::vector<Request>>;
   { t.wait(r, d) } -> std::same_as<void>;
   { t.test(r) } -> std::same_as<bool>;
 };
+
+/// A Transport with the optional `abort(reason)`: called by a rank that failed, it makes the
+/// pending and later waits of every other rank of the world throw Error{Aborted} quoting
+/// `reason`, so they stop at once instead of at their deadlines. Best effort, never blocks, never
+/// throws; a transport may ignore later calls after the first. Engines (generate_on,
+/// train_on, engine::run_ranks) call it when they fail with an error that is not itself a
+/// PeerTimeout or an Aborted; a Transport without it makes the other ranks stop at their
+/// deadlines (PeerTimeout) instead.
+template <class T>
+concept AbortableTransport =
+    Transport<T> && requires(T& t, const std::string& reason) { t.abort(reason); };
+
+/// What an engine does when this rank fails with `e`: when `e` is the rank's own failure (not a
+/// PeerTimeout or an Aborted, which are another rank's failure already announced) and T has
+/// `abort`, calls `t.abort("rank R failed: <what>")` so the other ranks stop. Never throws.
+template <Transport T>
+void abort_others(T& t, const std::exception& e) noexcept {
+  if constexpr (AbortableTransport<T>) {
+    const auto* err = dynamic_cast<const Error*>(&e);
+    if (err != nullptr && (err->code() == Errc::PeerTimeout || err->code() == Errc::Aborted))
+      return;
+    try {
+      t.abort(fmt::format("rank {} failed: {}", t.rank(), e.what()));
+    } catch (...) {  // abort is documented never to throw; formatting might
+    }
+  } else {
+    (void)t;
+    (void)e;
+  }
+}
 
 /// The bytes of a contiguous span of trivially copyable values.
 template <class V>

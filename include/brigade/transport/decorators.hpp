@@ -1,0 +1,398 @@
+// Decorators over any Transport: a forwarding base, byte and time tracing per message kind and
+// peer, fault injection (a rank that exits, a payload corrupted in flight) and an inspection hook
+// that checks received payloads before the engine sees them. Each decorator is itself a
+// Transport (and an AbortableTransport when its inner one is), so they compose:
+//
+// @code
+//   InProcessTransport base(fabric, r);
+//   CorruptingTransport bad(base, {.kind = MessageKind::Activation, .microbatch = 1, .rank = 0});
+//   InspectingTransport checked(bad, MessageKind::Activation, my_check);
+//   engine::generate_on(checked, weights, partition, requests);
+// @endcode
+#pragma once
+
+#include "brigade/transport/transport.hpp"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace brigade::transport {
+inline namespace v0 {
+
+/// A Transport that forwards every member to `inner`: derive from it and redefine only what the
+/// decorator changes (members of the derived class hide the base's; engines call them on the
+/// derived type, so no virtual call is involved). `abort` exists exactly when `Inner` has it.
+/// The inner transport must outlive the decorator.
+template <Transport Inner>
+class ForwardingTransport {
+ public:
+  explicit ForwardingTransport(Inner& inner) noexcept : inner_(&inner) {}
+
+  [[nodiscard]] int rank() const { return inner_->rank(); }
+  [[nodiscard]] int world_size() const { return inner_->world_size(); }
+  Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
+    return inner_->isend(peer, tag, header, payload);
+  }
+  Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
+    return inner_->irecv(peer, tag, expected, buffer);
+  }
+  void wait(Request& r, Deadline deadline) { inner_->wait(r, deadline); }
+  bool test(Request& r) { return inner_->test(r); }
+  void abort(const std::string& reason) noexcept
+    requires AbortableTransport<Inner>
+  {
+    inner_->abort(reason);
+  }
+
+  /// The decorated transport.
+  [[nodiscard]] Inner& inner() const noexcept { return *inner_; }
+
+ protected:
+  /// inner().wait(r), then `done(r)` when this call is the one that completed `r`.
+  template <class F>
+  void wait_then(Request& r, Deadline deadline, F&& done) {
+    if (r.done) return;
+    inner_->wait(r, deadline);
+    done(r);
+  }
+  /// inner().test(r), then `done(r)` when this call is the one that completed `r`.
+  template <class F>
+  bool test_then(Request& r, F&& done) {
+    if (r.done) return true;
+    if (!inner_->test(r)) return false;
+    done(r);
+    return true;
+  }
+
+  Inner* inner_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Tracing
+
+/// Traffic of one (direction, message kind, peer): messages, payload bytes, and the seconds
+/// spent blocked in wait() on them.
+struct TrafficStats {
+  std::int64_t messages = 0;  ///< messages posted (sends) or completed (receives)
+  std::int64_t bytes = 0;     ///< payload bytes (header.nbytes(); the header record not counted)
+  double wait_s = 0.0;        ///< seconds inside wait() for these requests (steady clock)
+
+  TrafficStats& operator+=(const TrafficStats& o) noexcept {
+    messages += o.messages;
+    bytes += o.bytes;
+    wait_s += o.wait_s;
+    return *this;
+  }
+};
+
+/// Records bytes and wait time per message kind and per peer, separately for sends and
+/// receives. A send is counted when posted (its bytes are header.nbytes()); a receive when it
+/// completes (the bytes of the header that arrived). Not thread-safe, as the transports.
+template <Transport Inner>
+class TracingTransport : public ForwardingTransport<Inner> {
+  using Base = ForwardingTransport<Inner>;
+
+ public:
+  explicit TracingTransport(Inner& inner)
+      : Base(inner),
+        sent_(static_cast<std::size_t>(kNumMessageKinds * inner.world_size())),
+        received_(sent_.size()) {}
+
+  Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
+    Request r = this->inner_->isend(peer, tag, header, payload);
+    auto& s = cell(sent_, header.kind, peer);
+    ++s.messages;
+    s.bytes += static_cast<std::int64_t>(payload.size());
+    return r;
+  }
+  void wait(Request& r, Deadline deadline) {
+    if (r.done) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    this->inner_->wait(r, deadline);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cell(r.is_recv ? received_ : sent_, r.header.kind, r.peer).wait_s += s;
+    if (r.is_recv) count_received(r);
+  }
+  bool test(Request& r) {
+    return this->test_then(r, [&](Request& done) {
+      if (done.is_recv) count_received(done);
+    });
+  }
+
+  /// Sends to `peer` of `kind`.
+  /// @throws brigade::Error{InvalidArgument} for a peer outside [0, world_size())
+  [[nodiscard]] TrafficStats sent(MessageKind kind, int peer) const {
+    return cell(sent_, kind, peer);
+  }
+  /// Receives from `peer` of `kind`.
+  /// @throws brigade::Error{InvalidArgument} for a peer outside [0, world_size())
+  [[nodiscard]] TrafficStats received(MessageKind kind, int peer) const {
+    return cell(received_, kind, peer);
+  }
+  /// Sends of `kind` to every peer.
+  [[nodiscard]] TrafficStats sent(MessageKind kind) const { return total(sent_, kind); }
+  /// Receives of `kind` from every peer.
+  [[nodiscard]] TrafficStats received(MessageKind kind) const { return total(received_, kind); }
+
+ private:
+  void count_received(const Request& r) {
+    auto& s = cell(received_, r.header.kind, r.peer);
+    ++s.messages;
+    s.bytes += static_cast<std::int64_t>(r.header.nbytes());
+  }
+  template <class V>
+  auto& cell(V& v, MessageKind kind, int peer) const {
+    const int w = this->world_size();
+    BRIGADE_CHECK(peer >= 0 && peer < w, Errc::InvalidArgument,
+                  "TracingTransport: peer {} outside [0, {})", peer, w);
+    const int k = static_cast<int>(kind);
+    BRIGADE_CHECK(k >= 0 && k < kNumMessageKinds, Errc::InvalidArgument,
+                  "TracingTransport: message kind {} out of range", k);
+    return v[static_cast<std::size_t>(k * w + peer)];
+  }
+  [[nodiscard]] TrafficStats total(const std::vector<TrafficStats>& v, MessageKind kind) const {
+    TrafficStats t;
+    for (int p = 0; p < this->world_size(); ++p) t += cell(v, kind, p);
+    return t;
+  }
+
+  std::vector<TrafficStats> sent_, received_;  // [kind * world_size + peer]
+};
+
+// ------------------------------------------------------------------------------------------------
+// Fault injection
+
+/// Fault injection for multi-process runs: ends the process with `std::_Exit(3)` (no cleanup, no
+/// MPI_Finalize, as a crash would), after one line on stderr, right after `after_steps` receives
+/// of micro-batch inputs (kind Activation or Token) have completed; after_steps = 0 never does.
+/// What the CLI's `--fail-rank R --fail-after-steps K` wraps rank R's transport in.
+template <Transport Inner>
+class ExitAfterSteps : public ForwardingTransport<Inner> {
+ public:
+  /// @throws brigade::Error{InvalidArgument} if after_steps < 0
+  ExitAfterSteps(Inner& inner, int after_steps)
+      : ForwardingTransport<Inner>(inner), limit_(after_steps) {
+    BRIGADE_CHECK(after_steps >= 0, Errc::InvalidArgument,
+                  "ExitAfterSteps: after_steps = {}, expected >= 0", after_steps);
+  }
+
+  void wait(Request& r, Deadline deadline) {
+    this->wait_then(r, deadline, [&](Request& done) { count(done); });
+  }
+  bool test(Request& r) {
+    return this->test_then(r, [&](Request& done) { count(done); });
+  }
+
+ private:
+  void count(const Request& r) {
+    if (limit_ <= 0 || !r.is_recv ||
+        (r.header.kind != MessageKind::Activation && r.header.kind != MessageKind::Token))
+      return;
+    if (++steps_ < limit_) return;
+    fmt::print(stderr, "brigade: fault injection: rank {} exits (code 3) after {} step(s)\n",
+               this->rank(), steps_);
+    std::fflush(stderr);
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+
+  int limit_;
+  int steps_ = 0;
+};
+
+/// How CorruptingTransport changes a payload.
+enum class Corruption {
+  FlipBit,  ///< flips bit `bit` of element `element` (bit 0 = least significant, little-endian)
+  Scale,    ///< multiplies every element by `factor` (F32 payloads only)
+  Zero,     ///< sets every byte to zero
+};
+
+/// Which messages CorruptingTransport corrupts, and how. A message is chosen when it is sent by
+/// rank `rank` (kAny: by every rank the decorator wraps), to `peer` (kAny: any), of `kind`, for
+/// micro-batch `microbatch` and chunk `chunk` (kAny: any), and its payload holds element
+/// `element`; the first `count` such messages are corrupted.
+struct CorruptionSpec {
+  MessageKind kind = MessageKind::Activation;  ///< kind of the messages to corrupt
+  std::int64_t microbatch = kAny;              ///< micro-batch (header.microbatch), or kAny
+  std::int64_t chunk = kAny;                   ///< chunk (header.chunk; the round in inference)
+  int rank = static_cast<int>(kAny);           ///< the sending rank, or kAny
+  int peer = static_cast<int>(kAny);           ///< the receiving rank, or kAny
+  Corruption how = Corruption::FlipBit;        ///< what to do to the payload
+  std::int64_t element = 0;                    ///< element index (FlipBit), row-major, >= 0
+  int bit = 30;                                ///< bit of that element (FlipBit): 30 = top exponent bit of an f32
+  float factor = 2.0f;                         ///< multiplier (Scale)
+  int count = 1;                               ///< messages to corrupt, >= 1
+};
+
+/// Corrupts chosen outgoing payloads (CorruptionSpec) on the sending side, as a faulty link or a
+/// Byzantine rank would: the inner transport sends a corrupted copy, the caller's buffer is left
+/// as it is. The copies live as long as the decorator (at most spec.count of them). Everything
+/// else is forwarded.
+template <Transport Inner>
+class CorruptingTransport : public ForwardingTransport<Inner> {
+ public:
+  /// @throws brigade::Error{InvalidArgument} for count < 1, element < 0, or bit outside [0, 64)
+  CorruptingTransport(Inner& inner, CorruptionSpec spec)
+      : ForwardingTransport<Inner>(inner), spec_(spec) {
+    BRIGADE_CHECK(spec.count >= 1, Errc::InvalidArgument,
+                  "CorruptingTransport: count = {}, expected >= 1", spec.count);
+    BRIGADE_CHECK(spec.element >= 0, Errc::InvalidArgument,
+                  "CorruptingTransport: element = {}, expected >= 0", spec.element);
+    BRIGADE_CHECK(spec.bit >= 0 && spec.bit < 64, Errc::InvalidArgument,
+                  "CorruptingTransport: bit = {}, expected in [0, 64)", spec.bit);
+  }
+
+  /// Sends a corrupted copy when the message is chosen, else forwards.
+  /// @throws brigade::Error{InvalidArgument} for Scale on a payload that is not F32, or a bit
+  ///         beyond the element's size; as the inner isend
+  Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
+    if (!chosen(peer, header)) return this->inner_->isend(peer, tag, header, payload);
+    auto& copy = copies_.emplace_back(payload.begin(), payload.end());
+    corrupt(header, copy);
+    return this->inner_->isend(peer, tag, header, ConstBytes(copy));
+  }
+
+  /// Messages corrupted so far.
+  [[nodiscard]] int corrupted() const noexcept { return static_cast<int>(copies_.size()); }
+
+ private:
+  [[nodiscard]] bool chosen(int peer, const MessageHeader& h) const {
+    const std::size_t esize = dtype_size(h.dtype);
+    return corrupted() < spec_.count && h.kind == spec_.kind &&
+           (spec_.rank == kAny || spec_.rank == this->rank()) &&
+           (spec_.peer == kAny || spec_.peer == peer) &&
+           (spec_.microbatch == kAny || spec_.microbatch == h.microbatch) &&
+           (spec_.chunk == kAny || spec_.chunk == h.chunk) &&
+           (spec_.how != Corruption::FlipBit ||
+            static_cast<std::size_t>(spec_.element) < h.nbytes() / esize);
+  }
+
+  void corrupt(const MessageHeader& h, std::vector<std::byte>& p) const {
+    switch (spec_.how) {
+      case Corruption::FlipBit: {
+        const std::size_t esize = dtype_size(h.dtype);
+        BRIGADE_CHECK(static_cast<std::size_t>(spec_.bit) < 8 * esize, Errc::InvalidArgument,
+                      "CorruptingTransport: bit {} of a {}-byte {} element", spec_.bit, esize,
+                      to_string(h.dtype));
+        auto& b = p[static_cast<std::size_t>(spec_.element) * esize +
+                    static_cast<std::size_t>(spec_.bit / 8)];
+        b ^= std::byte{static_cast<unsigned char>(1u << (spec_.bit % 8))};
+        break;
+      }
+      case Corruption::Scale: {
+        BRIGADE_CHECK(h.dtype == DType::F32, Errc::InvalidArgument,
+                      "CorruptingTransport: Scale on a {} payload ({}), expected f32",
+                      to_string(h.dtype), h.to_string());
+        for (std::size_t i = 0; i + sizeof(float) <= p.size(); i += sizeof(float)) {
+          float v = 0.0f;
+          std::memcpy(&v, p.data() + i, sizeof v);
+          v *= spec_.factor;
+          std::memcpy(p.data() + i, &v, sizeof v);
+        }
+        break;
+      }
+      case Corruption::Zero:
+        std::fill(p.begin(), p.end(), std::byte{0});
+        break;
+    }
+  }
+
+  CorruptionSpec spec_;
+  std::deque<std::vector<std::byte>> copies_;  // deque: a copy never moves while in flight
+};
+
+// ------------------------------------------------------------------------------------------------
+// Inspection
+
+/// A check of one received payload: the header that arrived, the sending rank, the payload bytes
+/// (exactly header.nbytes()). Returns the reason to reject it, or std::nullopt to accept.
+using PayloadCheck =
+    std::function<std::optional<std::string>(const MessageHeader& header, int from,
+                                             ConstBytes payload)>;
+
+/// Runs `check` on every received payload of `kind`, on the receiving rank, after the inner
+/// transport completed the receive and before the caller (the engine) sees it: the joint where
+/// integrity checks (SENTINEL-style activation checks) plug in. A rejected message makes the
+/// wait (or test) throw Error{Rejected} naming this (receiving) rank, the sending rank, the kind,
+/// the micro-batch, stage and chunk, and the check's reason. The engines then abort the other
+/// ranks through the transport (AbortableTransport), which stop with Error{Aborted} quoting it.
+template <Transport Inner>
+class InspectingTransport : public ForwardingTransport<Inner> {
+ public:
+  /// @throws brigade::Error{InvalidArgument} for an empty check
+  InspectingTransport(Inner& inner, MessageKind kind, PayloadCheck check)
+      : ForwardingTransport<Inner>(inner), kind_(kind), check_(std::move(check)) {
+    BRIGADE_CHECK(static_cast<bool>(check_), Errc::InvalidArgument,
+                  "InspectingTransport: an empty check");
+  }
+
+  /// Posts the receive; one of the inspected kind remembers its buffer for the check.
+  Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
+    Request inner = this->inner_->irecv(peer, tag, expected, buffer);
+    if (expected.kind != kind_) return inner;
+    auto w = std::make_shared<Posted>(Posted{std::move(inner), buffer});
+    return Request::posted(true, peer, tag, expected, std::move(w));
+  }
+  /// As the inner wait; then checks an inspected receive.
+  /// @throws brigade::Error{Rejected} when the check rejects the payload; as the inner wait
+  void wait(Request& r, Deadline deadline) {
+    if (r.done) return;
+    Posted* p = posted(r);
+    if (p == nullptr) return this->inner_->wait(r, deadline);
+    this->inner_->wait(p->inner, deadline);
+    finish(r, *p);
+  }
+  /// As the inner test; then checks an inspected receive that completed.
+  /// @throws brigade::Error as wait()
+  bool test(Request& r) {
+    if (r.done) return true;
+    Posted* p = posted(r);
+    if (p == nullptr) return this->inner_->test(r);
+    if (!this->inner_->test(p->inner)) return false;
+    finish(r, *p);
+    return true;
+  }
+
+  /// Payloads checked so far (accepted or not).
+  [[nodiscard]] std::int64_t inspected() const noexcept { return inspected_; }
+
+ private:
+  struct Posted {
+    Request inner;        // the inner transport's request
+    MutableBytes buffer;  // the caller's receive buffer
+  };
+  [[nodiscard]] Posted* posted(const Request& r) const {
+    return r.is_recv && r.header.kind == kind_ ? static_cast<Posted*>(r.state.get()) : nullptr;
+  }
+  void finish(Request& r, Posted& p) {
+    r.header = p.inner.header;
+    r.done = true;
+    ++inspected_;
+    const auto n = std::min(r.header.nbytes(), p.buffer.size());
+    if (auto why = check_(r.header, r.peer, ConstBytes(p.buffer.data(), n)))
+      ::brigade::detail::fail(Errc::Rejected,
+                              "rank {}: rejected the {} message from rank {} for micro-batch {} "
+                              "(stage {}, chunk {}, tag {}): {}",
+                              this->rank(), to_string(r.header.kind), r.peer,
+                              r.header.microbatch, r.header.stage, r.header.chunk, r.tag, *why);
+  }
+
+  MessageKind kind_;
+  PayloadCheck check_;
+  std::int64_t inspected_ = 0;
+};
+
+}  // namespace v0
+}  // namespace brigade::transport
