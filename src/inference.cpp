@@ -485,32 +485,9 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
 InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,
                          std::span<const GenerationRequest> requests,
                          const InferenceOptions& options) {
-  const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
-  const int P = plan.shape().num_ranks;
-  const int root = plan.shape().rank_of(0);
-  cpu::set_blas_threads(options.blas_threads);
-  detail::SequenceBook book(requests, weights.config.seq_len, plan.shape().num_microbatches);
-
-  transport::InProcessFabric fabric(P);
-  std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
-  const auto t0 = std::chrono::steady_clock::now();
+  transport::InProcessFabric fabric(plan.shape().num_ranks);
   auto endpoints = transport::endpoints(fabric);
-  run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
-    const int r = tp.rank();
-    run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
-                       timelines[static_cast<std::size_t>(r)]);
-  });
-
-  InferenceReport report;
-  report.timeline = Timeline(P);
-  for (const auto& tl : timelines) report.timeline.merge(tl);
-  report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  report.sequences = book.results();
-  for (const auto& r : report.sequences) {
-    report.generated_tokens += r.generated;
-    report.prompt_tokens += r.prompt_tokens;
-  }
-  return report;
+  return generate(std::span(endpoints), weights, plan, requests, options);
 }
 
 InferenceReport generate(const model::LlamaWeights& weights, const partition::Partition& partition,

@@ -141,40 +141,35 @@ TrainingEngine::~TrainingEngine() = default;
 const plan::Plan& TrainingEngine::plan() const noexcept { return impl_->plan; }
 std::int64_t TrainingEngine::steps() const noexcept { return impl_->steps; }
 
-StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
+TrainingEngine::StepSetup TrainingEngine::begin_step(std::span<const data::PackedBatch> batches,
+                                                     std::size_t ranks) {
   auto& I = *impl_;
   const auto& shape = I.lowered.shape;
   BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches, Errc::InvalidArgument,
                 "TrainingEngine: {} micro-batches for a schedule of {}", batches.size(),
                 shape.num_microbatches);
-  std::int64_t rows = 0;
+  BRIGADE_CHECK(ranks == static_cast<std::size_t>(shape.num_ranks), Errc::InvalidArgument,
+                "TrainingEngine: {} transports for a plan of {} ranks", ranks, shape.num_ranks);
+  StepSetup s;
   for (std::size_t i = 0; i < batches.size(); ++i) {
     BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
                   "TrainingEngine: micro-batch {} is empty", i);
-    rows += batches[i].rows();
+    s.rows += static_cast<double>(batches[i].rows());
   }
-  for (auto& s : I.stages) s->zero_grad();
+  for (auto& st : I.stages) st->zero_grad();
   cpu::set_blas_threads(I.cfg.threads_per_rank);
-  const int P = shape.num_ranks;
-  transport::InProcessFabric fabric(P);
-  std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
-  std::vector<double> peaks(static_cast<std::size_t>(P), 0.0);
-  std::vector<runtime::TrainStage*> ptrs;
-  for (auto& s : I.stages) ptrs.push_back(s.get());
-  const auto t0 = std::chrono::steady_clock::now();
-  auto endpoints = transport::endpoints(fabric);
-  run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
-    const int r = tp.rank();
-    std::vector<runtime::TrainStage*> mine(ptrs.size(), nullptr);
-    for (std::size_t v = 0; v < ptrs.size(); ++v)
-      if (shape.rank_of(static_cast<int>(v)) == r) mine[v] = ptrs[v];
-    peaks[static_cast<std::size_t>(r)] = static_cast<double>(
-        run_training_program(I.lowered.ranks[static_cast<std::size_t>(r)], shape, r, mine,
-                             batches, static_cast<double>(rows), tp, t0, I.cfg.timeout_s,
-                             tls[static_cast<std::size_t>(r)], I.config.dim,
-                             I.plan.execution().windows)
-            .peak_memory_bytes);
-  });
+  s.lowered = &I.lowered;
+  for (auto& st : I.stages) s.stages.push_back(st.get());
+  s.timeout_s = I.cfg.timeout_s;
+  s.dim = I.config.dim;
+  s.windows = I.plan.execution().windows;
+  return s;
+}
+
+StepResult TrainingEngine::end_step(std::chrono::steady_clock::time_point t0,
+                                    std::span<const Timeline> tls, std::vector<double> peaks) {
+  auto& I = *impl_;
+  const int P = I.lowered.shape.num_ranks;
   StepResult res;
   res.peak_memory_bytes = std::move(peaks);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -194,6 +189,12 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
     }
   }
   return res;
+}
+
+StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
+  transport::InProcessFabric fabric(impl_->lowered.shape.num_ranks);
+  auto endpoints = transport::endpoints(fabric);
+  return compute_gradients(std::span(endpoints), batches);
 }
 
 std::pair<double, double> TrainingEngine::optimizer_step() {

@@ -684,3 +684,167 @@ void MpiTransport::abort(const std::string& reason) noexcept {
 
 }  // namespace v0
 }  // namespace brigade::transport
+
+// ---- MpiCollectives ----------------------------------------------------------------------------
+
+namespace brigade::transport {
+inline namespace v0 {
+
+namespace {
+
+MPI_Comm& comm_of(void* p) { return *static_cast<MPI_Comm*>(p); }
+
+/// The MPI_Comm of a new MpiCollectives: usable MPI checked, errors returned.
+void* new_comm() {
+  BRIGADE_CHECK(mpi_usable(), Errc::InvalidUsage,
+                "MpiCollectives: MPI is not initialized (create a brigade::transport::MpiSession "
+                "first) or was already finalized");
+  return new MPI_Comm(MPI_COMM_NULL);
+}
+
+}  // namespace
+
+MpiCollectives::MpiCollectives() : comm_(new_comm()) {
+  mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_of(comm_)), "MpiCollectives: MPI_Comm_dup");
+  mpi_check(MPI_Comm_set_errhandler(comm_of(comm_), MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  mpi_check(MPI_Comm_rank(comm_of(comm_), &rank_), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm_of(comm_), &size_), "MPI_Comm_size");
+}
+
+MpiCollectives::MpiCollectives(std::span<const int> world_ranks) : comm_(new_comm()) {
+  int world = 0, me = 0;
+  mpi_check(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");
+  mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &me), "MPI_Comm_rank");
+  std::vector<int> sorted(world_ranks.begin(), world_ranks.end());
+  std::sort(sorted.begin(), sorted.end());
+  const auto fail_arg = [&](const std::string& why) {
+    delete static_cast<MPI_Comm*>(comm_);
+    comm_ = nullptr;
+    detail::fail(Errc::InvalidArgument, "MpiCollectives: world rank {}: {}", me, why);
+  };
+  if (sorted.empty()) fail_arg("an empty group");
+  if (sorted.front() < 0 || sorted.back() >= world)
+    fail_arg(fmt::format("a group rank outside [0, {})", world));
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    fail_arg("a group rank listed twice");
+  if (!std::binary_search(sorted.begin(), sorted.end(), me))
+    fail_arg("this process is not in the group");
+  MPI_Group world_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+  mpi_check(MPI_Comm_group(MPI_COMM_WORLD, &world_group), "MPI_Comm_group");
+  const int rc = MPI_Group_incl(world_group, static_cast<int>(world_ranks.size()),
+                                world_ranks.data(), &group);
+  MPI_Group_free(&world_group);
+  mpi_check(rc, "MPI_Group_incl");
+  const int rc2 = MPI_Comm_create_group(MPI_COMM_WORLD, group, 0, &comm_of(comm_));
+  MPI_Group_free(&group);
+  mpi_check(rc2, "MPI_Comm_create_group");
+  mpi_check(MPI_Comm_set_errhandler(comm_of(comm_), MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  mpi_check(MPI_Comm_rank(comm_of(comm_), &rank_), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm_of(comm_), &size_), "MPI_Comm_size");
+}
+
+MpiCollectives::~MpiCollectives() {
+  if (comm_ == nullptr) return;
+  if (!broken_ && mpi_usable() && comm_of(comm_) != MPI_COMM_NULL) MPI_Comm_free(&comm_of(comm_));
+  if (!broken_) delete static_cast<MPI_Comm*>(comm_);
+  // A broken one keeps its MPI_Comm (and the staging buffer a pending collective may still
+  // write, leaked with it) for MPI_Finalize.
+}
+
+void MpiCollectives::run(Kind kind, bool is_double, const void* in, std::size_t in_count,
+                         void* out, std::size_t out_count, ReduceOp op, int root,
+                         Deadline deadline) {
+  BRIGADE_CHECK(!broken_, Errc::InvalidUsage,
+                "MpiCollectives: member {}: a previous collective timed out; the group is unusable",
+                rank_);
+  const std::size_t esize = is_double ? sizeof(double) : sizeof(float);
+  BRIGADE_CHECK(in_count <= static_cast<std::size_t>(std::numeric_limits<int>::max()) &&
+                    out_count <= static_cast<std::size_t>(std::numeric_limits<int>::max()),
+                Errc::InvalidArgument, "MpiCollectives: {} elements, at most {}", out_count,
+                std::numeric_limits<int>::max());
+  const MPI_Datatype type = is_double ? MPI_DOUBLE : MPI_FLOAT;
+  // Staging: [out_count] result, then (all-gather) [in_count] input.
+  const std::size_t stage_in = kind == Kind::AllGather ? in_count : 0;
+  staging_.resize((out_count + stage_in) * esize);
+  std::byte* result = staging_.data();
+  std::byte* input = staging_.data() + out_count * esize;
+  if (kind == Kind::AllGather)
+    std::memcpy(input, in, in_count * esize);
+  else
+    std::memcpy(result, in, out_count * esize);
+  MPI_Request req = MPI_REQUEST_NULL;
+  const char* what = "";
+  switch (kind) {
+    case Kind::AllReduce:
+      what = "MPI_Iallreduce";
+      mpi_check(MPI_Iallreduce(MPI_IN_PLACE, result, static_cast<int>(out_count), type,
+                               op == ReduceOp::Sum ? MPI_SUM : MPI_MAX, comm_of(comm_), &req),
+                "member {}: MPI_Iallreduce", rank_);
+      break;
+    case Kind::AllGather:
+      what = "MPI_Iallgather";
+      mpi_check(MPI_Iallgather(input, static_cast<int>(in_count), type, result,
+                               static_cast<int>(in_count), type, comm_of(comm_), &req),
+                "member {}: MPI_Iallgather", rank_);
+      break;
+    case Kind::Broadcast:
+      what = "MPI_Ibcast";
+      mpi_check(MPI_Ibcast(result, static_cast<int>(out_count), type, root, comm_of(comm_), &req),
+                "member {}: MPI_Ibcast", rank_);
+      break;
+  }
+  const auto start = Clock::now();
+  for (;;) {
+    int flag = 0;
+    mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "member {}: MPI_Test of {}", rank_, what);
+    if (flag) break;
+    const auto now = Clock::now();
+    if (now >= deadline.at) {
+      broken_ = true;
+      new std::vector<std::byte>(std::move(staging_));  // MPI may still write it: never freed
+      detail::fail(Errc::PeerTimeout,
+                   "member {}: {} over {} members did not complete before the deadline ({:.3g} "
+                   "s); MPI does not say which member is missing",
+                   rank_, what, size_, std::chrono::duration<double>(now - start).count());
+    }
+    if (now - start < std::chrono::microseconds(50)) continue;
+    if (now - start < std::chrono::milliseconds(2))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  std::memcpy(out, result, out_count * esize);
+}
+
+void MpiCollectives::all_reduce(std::span<float> data, ReduceOp op, Deadline deadline) {
+  run(Kind::AllReduce, false, data.data(), data.size(), data.data(), data.size(), op, 0, deadline);
+}
+void MpiCollectives::all_reduce(std::span<double> data, ReduceOp op, Deadline deadline) {
+  run(Kind::AllReduce, true, data.data(), data.size(), data.data(), data.size(), op, 0, deadline);
+}
+
+void MpiCollectives::all_gather(std::span<const float> mine, std::span<float> all,
+                                Deadline deadline) {
+  check_gather_sizes(rank_, size_, mine.size(), all.size());
+  run(Kind::AllGather, false, mine.data(), mine.size(), all.data(), all.size(), ReduceOp::Sum, 0,
+      deadline);
+}
+void MpiCollectives::all_gather(std::span<const double> mine, std::span<double> all,
+                                Deadline deadline) {
+  check_gather_sizes(rank_, size_, mine.size(), all.size());
+  run(Kind::AllGather, true, mine.data(), mine.size(), all.data(), all.size(), ReduceOp::Sum, 0,
+      deadline);
+}
+void MpiCollectives::broadcast(std::span<float> data, int root, Deadline deadline) {
+  check_root(rank_, size_, root);
+  run(Kind::Broadcast, false, data.data(), data.size(), data.data(), data.size(), ReduceOp::Sum,
+      root, deadline);
+}
+void MpiCollectives::broadcast(std::span<double> data, int root, Deadline deadline) {
+  check_root(rank_, size_, root);
+  run(Kind::Broadcast, true, data.data(), data.size(), data.data(), data.size(), ReduceOp::Sum,
+      root, deadline);
+}
+
+}  // namespace v0
+}  // namespace brigade::transport

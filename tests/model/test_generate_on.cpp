@@ -139,6 +139,35 @@ TEST_CASE("transport decorators: a bit flipped in one activation by a corrupting
   }
 }
 
+TEST_CASE("engine.generate over the caller's transports: a TracingTransport per rank counts "
+          "every activation row and token message of a token-exact run") {
+  const auto& F = fixture();
+  const model::ModelSpec spec(F.weights.config);
+  const std::vector<engine::GenerationRequest> req{{F.prompt(1), 64}};
+  engine::InferenceOptions opt;
+  opt.sampler.temperature = 0.0f;
+  const auto plan = engine::inference_plan(F.weights.config, partition::uniform(spec, 2), req, 0);
+  transport::InProcessFabric fabric(2);
+  auto endpoints = transport::endpoints(fabric);
+  std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
+  for (auto& e : endpoints) traced.emplace_back(e);
+  const auto report = engine::generate(std::span(traced), F.weights, plan, req, opt);
+  REQUIRE(report.sequences.size() == 1);
+  CHECK(report.sequences[0].tokens == F.ids(1));
+  using transport::MessageKind;
+  // Every position but the last sampled one crosses the stage boundary as one activation row.
+  const auto rows = static_cast<std::int64_t>(F.prompt(1).size()) + F.generated(1) - 1;
+  const auto sent = traced[0].sent(MessageKind::Activation, 1);
+  CHECK(sent.bytes == rows * F.weights.config.dim * 4);
+  CHECK(traced[1].received(MessageKind::Activation, 0).bytes == sent.bytes);
+  CHECK(traced[1].received(MessageKind::Activation, 0).messages == sent.messages);
+  CHECK(traced[1].sent(MessageKind::Token, 0).messages == F.generated(1));
+  CHECK(traced[0].sent(MessageKind::Gradient).messages == 0);
+  // A transport list that does not match the plan is refused.
+  CHECK_THROWS_WITH_AS(engine::generate(std::span(traced).first(1), F.weights, plan, req, opt),
+                       doctest::Contains("1 transports for a plan of 2 ranks"), Error);
+}
+
 TEST_CASE("engine.generate_on: a world that does not match the partition is refused") {
   const auto& F = fixture();
   const model::ModelSpec spec(F.weights.config);

@@ -8,6 +8,8 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/sim/simulator.hpp>
+#include <brigade/transport/decorators.hpp>
+#include <brigade/transport/in_process.hpp>
 
 #include <doctest/doctest.h>
 
@@ -259,6 +261,43 @@ TEST_CASE("training.resume: a checkpoint continues the exact loss curve of an un
   CHECK_THROWS_WITH_AS(eng2.load_optimizer_state(dir),
                        doctest::Contains("written for another model or split"), Error);
   fs::remove_all(dir);
+}
+
+TEST_CASE("training over the caller's transports: TracingTransport endpoints give the same "
+          "gradients bit for bit and count every activation and gradient row") {
+  const auto samples = story_samples();
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = 3;
+  cfg.microbatches = 4;
+  const auto batches = split(samples, cfg.microbatches);
+  engine::TrainingEngine plain(stories(), cfg), traced_engine(stories(), cfg);
+  const auto want = plain.compute_gradients(batches);
+  transport::InProcessFabric fabric(cfg.ranks);
+  auto endpoints = transport::endpoints(fabric);
+  std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
+  for (auto& e : endpoints) traced.emplace_back(e);
+  const auto got = traced_engine.compute_gradients(std::span(traced), batches);
+  CHECK(got.loss == want.loss);
+  CHECK(traced_engine.gradients() == plain.gradients());
+  // Each stage boundary carries every row forward as an activation and back as a gradient.
+  std::int64_t rows = 0;
+  for (const auto& b : batches) rows += b.rows();
+  const std::int64_t bytes = rows * stories().config.dim * 4;
+  using transport::MessageKind;
+  for (int r = 0; r + 1 < cfg.ranks; ++r) {
+    CAPTURE(r);
+    const auto& here = traced[static_cast<std::size_t>(r)];
+    const auto& next = traced[static_cast<std::size_t>(r + 1)];
+    CHECK(here.sent(MessageKind::Activation, r + 1).bytes == bytes);
+    CHECK(here.sent(MessageKind::Activation, r + 1).messages == cfg.microbatches);
+    CHECK(next.received(MessageKind::Activation, r).bytes == bytes);
+    CHECK(next.sent(MessageKind::Gradient, r).bytes == bytes);
+    CHECK(here.received(MessageKind::Gradient, r + 1).bytes == bytes);
+  }
+  CHECK(traced[0].sent(MessageKind::Token).messages == 0);
+  CHECK_THROWS_WITH_AS(traced_engine.compute_gradients(std::span(traced).first(2), batches),
+                       doctest::Contains("2 transports for a plan of 3 ranks"), Error);
 }
 
 TEST_CASE("training.errors: bad configurations and inputs are refused") {

@@ -2,6 +2,7 @@
 // with one process per rank, and what only the MPI model has (abort notices, wait-for chains,
 // tag range). Every rank runs every case; each case duplicates the world communicator, so a
 // failed case leaves nothing behind for the next.
+#include "collectives_conformance.hpp"
 #include "transport_conformance.hpp"
 
 #include <brigade/transport/mpi.hpp>
@@ -167,4 +168,26 @@ TEST_CASE("mpi.transport: a timeout names the rank at the end of the wait-for ch
       CHECK(seconds_since(t0) < 10.0);
     }
   });
+}
+
+TEST_CASE("mpi.collectives: MPI_Iallreduce, MPI_Iallgather and MPI_Ibcast over the world and over "
+          "a group of the odd ranks give the collectives cases' exact values") {
+  MpiCollectives world;
+  test::collectives_cases(world);
+  const int me = world.rank(), n = world.size();
+  std::vector<int> odd;
+  for (int r = 1; r < n; r += 2) odd.push_back(r);
+  if (me % 2 == 1) {
+    MpiCollectives group(odd);
+    CHECK(group.size() == static_cast<int>(odd.size()));
+    CHECK(group.rank() == me / 2);
+    test::collectives_cases(group);
+  } else {
+    const auto msg = conformance::error_of([&] { MpiCollectives bad{std::span<const int>(odd)}; });
+    CHECK(msg.code() == Errc::InvalidArgument);
+    CHECK(conformance::contains(msg.what(), "this process is not in the group"));
+  }
+  const std::vector<int> twice{0, 0};
+  CHECK(conformance::error_of([&] { MpiCollectives bad{std::span<const int>(twice)}; }).code() ==
+        Errc::InvalidArgument);
 }

@@ -4,6 +4,7 @@
 
 #include "brigade/core/timeline.hpp"
 #include "brigade/engine/executor.hpp"
+#include "brigade/engine/threads.hpp"
 #include "brigade/model/sampler.hpp"
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/model/weights.hpp"
@@ -281,8 +282,49 @@ detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
                                               const InferenceOptions& options,
                                               std::string_view who);
 
+/// Generates every request by `plan` with one thread per rank (run_ranks), rank r over
+/// `transports[r]`: the caller's Transport, e.g. a decorator (transport/decorators.hpp) over the
+/// InProcessTransport endpoints of one InProcessFabric. Otherwise as generate(weights, plan, ...).
+/// @throws brigade::Error{InvalidArgument} if transports.size() differs from the plan's ranks or
+///         transports[r].rank() != r; as generate(weights, plan, ...)
+template <transport::Transport T>
+InferenceReport generate(std::span<T> transports, const model::LlamaWeights& weights,
+                         const plan::Plan& plan, std::span<const GenerationRequest> requests,
+                         const InferenceOptions& options = {}) {
+  const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
+  const int P = plan.shape().num_ranks;
+  BRIGADE_CHECK(transports.size() == static_cast<std::size_t>(P), Errc::InvalidArgument,
+                "generate: {} transports for a plan of {} ranks", transports.size(), P);
+  for (int r = 0; r < P; ++r)
+    BRIGADE_CHECK(transports[static_cast<std::size_t>(r)].rank() == r, Errc::InvalidArgument,
+                  "generate: transports[{}] is rank {}, expected rank {}", r,
+                  transports[static_cast<std::size_t>(r)].rank(), r);
+  const int root = plan.shape().rank_of(0);
+  cpu::set_blas_threads(options.blas_threads);
+  detail::SequenceBook book(requests, weights.config.seq_len, plan.shape().num_microbatches);
+  std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_ranks(transports, [&](T& tp) {
+    const int r = tp.rank();
+    run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
+                       timelines[static_cast<std::size_t>(r)]);
+  });
+
+  InferenceReport report;
+  report.timeline = Timeline(P);
+  for (const auto& tl : timelines) report.timeline.merge(tl);
+  report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.sequences = book.results();
+  for (const auto& r : report.sequences) {
+    report.generated_tokens += r.generated;
+    report.prompt_tokens += r.prompt_tokens;
+  }
+  return report;
+}
+
 /// Generates every request by `plan` (from inference_plan() for these requests, or a planner),
-/// one thread per rank over an InProcessTransport. A rank may hold several stages (ring windows,
+/// one thread per rank over an InProcessTransport (the generate above over
+/// transport::endpoints of one InProcessFabric). A rank may hold several stages (ring windows,
 /// partition::ring): the token then walks the ring of ranks several times per position
 /// (prima.cpp's pipelined ring). Greedy output (temperature 0) is the same token for token for
 /// every partition, placement and micro-batch count; with one request and a seed it samples as

@@ -7,6 +7,7 @@
 #include "brigade/data/corpus.hpp"
 #include "brigade/engine/executor.hpp"
 #include "brigade/engine/optimizer.hpp"
+#include "brigade/engine/threads.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 #include "brigade/plan/plan.hpp"
@@ -315,9 +316,41 @@ class TrainingEngine {
 
   /// Forward and backward of every micro-batch (config.microbatches of them) by the schedule;
   /// gradients of the mean loss are left in the stages (tied copies summed). No update.
+  /// One thread per rank over the InProcessTransport endpoints of one InProcessFabric (the
+  /// overload below).
   /// @throws brigade::Error{InvalidArgument} if the batch count differs from the configuration
   ///         or a batch is empty; any rank's error (the others are stopped)
   StepResult compute_gradients(std::span<const data::PackedBatch> batches);
+  /// compute_gradients with one thread per rank (run_ranks), rank r over `transports[r]`: the
+  /// caller's Transport, e.g. a decorator (transport/decorators.hpp) over InProcessTransport
+  /// endpoints. Follow with optimizer_step() for an update.
+  /// @throws brigade::Error{InvalidArgument} if transports.size() differs from the plan's ranks
+  ///         or transports[r].rank() != r; as compute_gradients(batches)
+  template <transport::Transport T>
+  StepResult compute_gradients(std::span<T> transports,
+                               std::span<const data::PackedBatch> batches) {
+    const StepSetup s = begin_step(batches, transports.size());
+    for (std::size_t r = 0; r < transports.size(); ++r)
+      BRIGADE_CHECK(transports[r].rank() == static_cast<int>(r), Errc::InvalidArgument,
+                    "TrainingEngine: transports[{}] is rank {}, expected rank {}", r,
+                    transports[r].rank(), r);
+    const int P = s.lowered->shape.num_ranks;
+    std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
+    std::vector<double> peaks(static_cast<std::size_t>(P), 0.0);
+    const auto t0 = std::chrono::steady_clock::now();
+    run_ranks(transports, [&](T& tp) {
+      const int r = tp.rank();
+      std::vector<runtime::TrainStage*> mine(s.stages.size(), nullptr);
+      for (std::size_t v = 0; v < s.stages.size(); ++v)
+        if (s.lowered->shape.rank_of(static_cast<int>(v)) == r) mine[v] = s.stages[v];
+      peaks[static_cast<std::size_t>(r)] = static_cast<double>(
+          run_training_program(s.lowered->ranks[static_cast<std::size_t>(r)], s.lowered->shape,
+                               r, mine, batches, s.rows, tp, t0, s.timeout_s,
+                               tls[static_cast<std::size_t>(r)], s.dim, s.windows)
+              .peak_memory_bytes);
+    });
+    return end_step(t0, tls, std::move(peaks));
+  }
   /// Global-norm clipping and one AdamW update of every stage, from the gradients left by
   /// compute_gradients(). @return {learning rate, gradient norm before clipping}
   std::pair<double, double> optimizer_step();
@@ -348,6 +381,21 @@ class TrainingEngine {
   [[nodiscard]] std::int64_t steps() const noexcept;
 
  private:
+  /// What every rank of a step needs (pointers into the engine).
+  struct StepSetup {
+    const schedule::Schedule* lowered = nullptr;  // the plan's lowered schedule
+    std::vector<runtime::TrainStage*> stages;     // by virtual stage
+    double rows = 0.0;                            // the step's target rows (loss denominator)
+    double timeout_s = 0.0;
+    int dim = 0;
+    ExecutorWindows windows;
+  };
+  /// Checks the batches (and that `ranks` transports match the plan), zeroes the gradients.
+  StepSetup begin_step(std::span<const data::PackedBatch> batches, std::size_t ranks);
+  /// The step's result from every rank's Timeline and peak; sums the tied gradients.
+  StepResult end_step(std::chrono::steady_clock::time_point t0, std::span<const Timeline> tls,
+                      std::vector<double> peaks);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -3,6 +3,7 @@
 // no <mpi.h> and compiles without MPI; using it needs the brigade::mpi component at link time.
 #pragma once
 
+#include "brigade/transport/collectives.hpp"
 #include "brigade/transport/transport.hpp"
 
 #include <cstdlib>
@@ -188,6 +189,62 @@ class MpiTransport {
 };
 
 static_assert(AbortableTransport<MpiTransport>, "MpiTransport must model AbortableTransport");
+
+/// The Collectives concept over MPI: MPI_Iallreduce, MPI_Iallgather and MPI_Ibcast (the MPI
+/// library's own algorithms) on a private communicator of a group of MPI_COMM_WORLD's ranks,
+/// polled with MPI_Test until the deadline. Each call stages its data in buffers the object owns,
+/// so a collective that times out (MPI cannot cancel one) never writes into the caller's memory
+/// later; the object is then broken: later calls throw Error{InvalidUsage}, and its communicator
+/// is left to MPI_Finalize. Not thread-safe: one thread per MpiCollectives.
+class MpiCollectives {
+ public:
+  /// A group of every rank of MPI_COMM_WORLD (MPI_Comm_dup; collective over the world).
+  /// @throws brigade::Error{InvalidUsage} if MPI is not initialized; Error{Mpi}
+  MpiCollectives();
+  /// A group of the given MPI_COMM_WORLD ranks, member r = world_ranks[r] (MPI_Comm_create_group;
+  /// collective over those ranks only, which must all pass the same list).
+  /// @throws brigade::Error{InvalidArgument} if this process is not in the list, the list is empty,
+  ///         has a rank outside the world or a repeated rank; InvalidUsage; Error{Mpi}
+  explicit MpiCollectives(std::span<const int> world_ranks);
+  /// Frees the communicator (unless a collective timed out). Never throws.
+  ~MpiCollectives();
+  MpiCollectives(const MpiCollectives&) = delete;
+  MpiCollectives& operator=(const MpiCollectives&) = delete;
+
+  /// This process's index in the group.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Members of the group.
+  [[nodiscard]] int size() const noexcept { return size_; }
+
+  /// MPI_Iallreduce (MPI_SUM or MPI_MAX) in place.
+  /// @throws brigade::Error{PeerTimeout} at the deadline; Error{Mpi}; Error{InvalidUsage} when broken
+  void all_reduce(std::span<float> data, ReduceOp op, Deadline deadline);
+  /// As the float overload, on doubles.
+  void all_reduce(std::span<double> data, ReduceOp op, Deadline deadline);
+  /// MPI_Iallgather: `all` receives member r's `mine` at [r * mine.size(), (r + 1) * mine.size()).
+  /// @throws brigade::Error{InvalidArgument} if all.size() != size() * mine.size(); as all_reduce
+  void all_gather(std::span<const float> mine, std::span<float> all, Deadline deadline);
+  /// As the float overload, on doubles.
+  void all_gather(std::span<const double> mine, std::span<double> all, Deadline deadline);
+  /// MPI_Ibcast from member `root`.
+  /// @throws brigade::Error{InvalidArgument} for a root outside [0, size()); as all_reduce
+  void broadcast(std::span<float> data, int root, Deadline deadline);
+  /// As the float overload, on doubles.
+  void broadcast(std::span<double> data, int root, Deadline deadline);
+
+ private:
+  enum class Kind { AllReduce, AllGather, Broadcast };
+  void run(Kind kind, bool is_double, const void* in, std::size_t in_count, void* out,
+           std::size_t out_count, ReduceOp op, int root, Deadline deadline);
+
+  void* comm_ = nullptr;  // an MPI_Comm, allocated (the header includes no <mpi.h>)
+  int rank_ = 0;
+  int size_ = 1;
+  bool broken_ = false;
+  std::vector<std::byte> staging_;
+};
+
+static_assert(Collectives<MpiCollectives>, "MpiCollectives must model Collectives");
 
 }  // namespace v0
 }  // namespace brigade::transport
