@@ -11,6 +11,7 @@
 // A test binary includes this header once and writes BRIGADE_TRANSPORT_CONFORMANCE(Driver).
 #pragma once
 
+#include <brigade/engine/threads.hpp>
 #include <brigade/transport/in_process.hpp>
 #include <brigade/transport/transport.hpp>
 
@@ -301,39 +302,14 @@ void exchange(T& t, int /*world*/) {
 
 // ---- the in-process driver -----------------------------------------------------------------
 
-/// Runs a program on `world` threads, one InProcessTransport each over one fabric. A rank that
-/// throws aborts the fabric so the others stop; the first error that is not such an abort is
-/// rethrown.
+/// Runs a program on `world` threads, one InProcessTransport each over one fabric, through
+/// engine::run_ranks (a rank that throws aborts the fabric; the root cause is rethrown).
 struct InProcessDriver {
   template <class Program>
   static void run(int world, Program program) {
     InProcessFabric fabric(world);
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
-    {
-      std::vector<std::jthread> threads;
-      for (int r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          try {
-            InProcessTransport t(fabric, r);
-            program(t, world);
-          } catch (...) {
-            errors[static_cast<std::size_t>(r)] = std::current_exception();
-            fabric.abort("rank " + std::to_string(r) + " failed");
-          }
-        });
-      }
-    }
-    std::exception_ptr aborted;
-    for (auto& e : errors) {
-      if (!e) continue;
-      try {
-        std::rethrow_exception(e);
-      } catch (const Error& err) {
-        if (err.code() != Errc::Aborted) throw;
-        if (!aborted) aborted = e;
-      }
-    }
-    if (aborted) std::rethrow_exception(aborted);
+    auto eps = endpoints(fabric);
+    engine::run_ranks(std::span(eps), [&](InProcessTransport& t) { program(t, world); });
   }
 };
 
