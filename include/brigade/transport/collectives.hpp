@@ -72,6 +72,7 @@ class InProcessGroup {
   InProcessGroup(const InProcessGroup&) = delete;
   InProcessGroup& operator=(const InProcessGroup&) = delete;
 
+  /// Members of the group.
   [[nodiscard]] int size() const noexcept { return size_; }
 
  private:
@@ -120,9 +121,13 @@ class InProcessCollectives {
                   "InProcessCollectives: member {} outside [0, {})", member, group.size());
   }
 
+  /// This member's index in the group.
   [[nodiscard]] int rank() const noexcept { return me_; }
+  /// Members of the group.
   [[nodiscard]] int size() const noexcept { return g_->size(); }
 
+  /// In place: every member's `data` becomes the elementwise sum (or max) over the members, added
+  /// in member order.
   /// @throws brigade::Error{InvalidArgument} when the members' sizes differ; PeerTimeout
   template <class V>
     requires std::same_as<V, float> || std::same_as<V, double>
@@ -138,6 +143,7 @@ class InProcessCollectives {
     }, data);
   }
 
+  /// `all` receives member r's `mine` at [r * mine.size(), (r + 1) * mine.size()).
   /// @throws brigade::Error{InvalidArgument} if all.size() != size() * mine.size() or the
   ///         members' sizes differ; PeerTimeout
   template <class V>
@@ -154,6 +160,7 @@ class InProcessCollectives {
     }, all);
   }
 
+  /// Every member's `data` becomes member `root`'s.
   /// @throws brigade::Error{InvalidArgument} for a root outside [0, size()) or sizes that differ;
   ///         PeerTimeout
   template <class V>

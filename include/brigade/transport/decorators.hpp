@@ -38,18 +38,26 @@ inline namespace v0 {
 template <Transport Inner>
 class ForwardingTransport {
  public:
+  /// Decorates `inner` (not owned; it must outlive the decorator).
   explicit ForwardingTransport(Inner& inner) noexcept : inner_(&inner) {}
 
+  /// inner().rank().
   [[nodiscard]] int rank() const { return inner_->rank(); }
+  /// inner().world_size().
   [[nodiscard]] int world_size() const { return inner_->world_size(); }
+  /// inner().isend(...). @throws brigade::Error as the inner transport
   Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
     return inner_->isend(peer, tag, header, payload);
   }
+  /// inner().irecv(...). @throws brigade::Error as the inner transport
   Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
     return inner_->irecv(peer, tag, expected, buffer);
   }
+  /// inner().wait(...). @throws brigade::Error as the inner transport
   void wait(Request& r, Deadline deadline) { inner_->wait(r, deadline); }
+  /// inner().test(...). @throws brigade::Error as the inner transport
   bool test(Request& r) { return inner_->test(r); }
+  /// inner().abort(reason); present only when the inner transport has abort. Never throws.
   void abort(const std::string& reason) noexcept
     requires AbortableTransport<Inner>
   {
@@ -105,11 +113,13 @@ class TracingTransport : public ForwardingTransport<Inner> {
   using Base = ForwardingTransport<Inner>;
 
  public:
+  /// Traces `inner` (not owned), starting from zero counts.
   explicit TracingTransport(Inner& inner)
       : Base(inner),
         sent_(static_cast<std::size_t>(kNumMessageKinds * inner.world_size())),
         received_(sent_.size()) {}
 
+  /// Posts through the inner transport and counts the send. @throws brigade::Error as the inner
   Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
     Request r = this->inner_->isend(peer, tag, header, payload);
     auto& s = cell(sent_, header.kind, peer);
@@ -117,6 +127,8 @@ class TracingTransport : public ForwardingTransport<Inner> {
     s.bytes += static_cast<std::int64_t>(payload.size());
     return r;
   }
+  /// Waits through the inner transport, adding the seconds blocked to the request's (kind,
+  /// peer); counts a receive it completes. @throws brigade::Error as the inner
   void wait(Request& r, Deadline deadline) {
     if (r.done) return;
     const auto t0 = std::chrono::steady_clock::now();
@@ -125,6 +137,8 @@ class TracingTransport : public ForwardingTransport<Inner> {
     cell(r.is_recv ? received_ : sent_, r.header.kind, r.peer).wait_s += s;
     if (r.is_recv) count_received(r);
   }
+  /// Tests through the inner transport; counts a receive it completes.
+  /// @throws brigade::Error as the inner
   bool test(Request& r) {
     return this->test_then(r, [&](Request& done) {
       if (done.is_recv) count_received(done);
@@ -188,9 +202,13 @@ class ExitAfterSteps : public ForwardingTransport<Inner> {
                   "ExitAfterSteps: after_steps = {}, expected >= 0", after_steps);
   }
 
+  /// Waits through the inner transport; exits after the limit-th completed input receive.
+  /// @throws brigade::Error as the inner
   void wait(Request& r, Deadline deadline) {
     this->wait_then(r, deadline, [&](Request& done) { count(done); });
   }
+  /// Tests through the inner transport; exits as wait().
+  /// @throws brigade::Error as the inner
   bool test(Request& r) {
     return this->test_then(r, [&](Request& done) { count(done); });
   }
