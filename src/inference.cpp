@@ -132,7 +132,8 @@ std::vector<model::WorkItem> prefill_work(const GenerationLayout& layout) {
 }  // namespace detail
 
 plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Partition& partition,
-                          std::span<const GenerationRequest> requests, int microbatches) {
+                          std::span<const GenerationRequest> requests, int microbatches,
+                          std::span<const cost::DeviceProfile> devices) {
   const model::ModelSpec spec(config);
   BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
                 "inference_plan: the partition covers {} layers, the model has {}",
@@ -150,7 +151,23 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
   for (int r = 0; r < sh.num_ranks; ++r)
     for (int c = 0; c < sh.num_chunks; ++c)
       schedule::append_inference_round(sh, r, c, live, lowered.ranks[static_cast<std::size_t>(r)]);
-  return plan::Plan(partition, lowered, detail::prefill_work(layout));
+  plan::Plan plan(partition, lowered, detail::prefill_work(layout));
+  if (!devices.empty()) {
+    for (const auto& d : devices) cost::check_holds_weights(d, spec);
+    cost::check_capacity(inference_memory(config, plan, requests), devices, "inference_plan");
+  }
+  return plan;
+}
+
+std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
+                                                    const plan::Plan& plan,
+                                                    std::span<const GenerationRequest> requests,
+                                                    cost::WeightDType weights) {
+  const auto layout = detail::make_layout(requests, config, plan.shape().num_microbatches);
+  cost::InferenceMemoryOptions mo;
+  mo.weights = weights;
+  mo.kv_positions = layout.capacities;
+  return cost::inference_memory(model::ModelSpec(config), plan, mo);
 }
 
 detail::GenerationLayout check_inference_plan(const plan::Plan& plan,

@@ -71,7 +71,10 @@ TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange ra
   for (int i = 0; i < num_decoders_; ++i) {
     const auto& src = init.layers[static_cast<std::size_t>(first_decoder_ + i)];
     const auto ptrs = decoder_ptrs(src);
-    std::vector<float> flat;
+    std::vector<float> flat;  // exactly the nine tensors (no growth slack)
+    std::int64_t total = 0;
+    for (std::size_t t = 0; t < 9; ++t) total += sizes[t];
+    flat.reserve(static_cast<std::size_t>(total));
     for (std::size_t t = 0; t < 9; ++t)
       flat.insert(flat.end(), ptrs[t], ptrs[t] + sizes[t]);
     decoder_params_.push_back(std::move(flat));

@@ -85,7 +85,15 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
   BRIGADE_CHECK(N <= model.n_layers, Errc::InvalidArgument,
                 "TrainingEngine: {} virtual stages ({} ranks x {}) for {} decoder layers", N,
                 config.ranks, config.virtual_stages, model.n_layers);
-  return plan::make_plan(model::ModelSpec(model), compute, req);
+  const model::ModelSpec spec(model);
+  plan::Plan plan = plan::make_plan(spec, compute, req);
+  if (!config.devices.empty()) {
+    for (const auto& d : config.devices) cost::check_holds_weights(d, spec);
+    cost::TrainingMemoryOptions mo;
+    mo.workload = {1, config.seq_len_hint};
+    cost::check_capacity(cost::training_memory(spec, plan, mo), config.devices, "training_plan");
+  }
+  return plan;
 }
 
 namespace detail {

@@ -215,6 +215,11 @@ int run(const GenerateArgs& a) {
   opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
   opt.weight_offload = a.offload;
+  // With a profile, the plan must fit the device: the weights, then every rank's memory
+  // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes.
+  if (profile)
+    (void)engine::inference_plan(weights.config, part, requests, opt.microbatches,
+                                 std::span<const cost::DeviceProfile>(&*profile, 1));
 #if BRIGADE_HAS_MPI
   const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
                                                        {a.fail_rank, a.fail_after_steps})

@@ -3,6 +3,8 @@
 #pragma once
 
 #include "brigade/core/timeline.hpp"
+#include "brigade/cost/memory.hpp"
+#include "brigade/cost/profile.hpp"
 #include "brigade/engine/executor.hpp"
 #include "brigade/engine/threads.hpp"
 #include "brigade/model/sampler.hpp"
@@ -165,10 +167,26 @@ std::vector<model::WorkItem> prefill_work(const GenerationLayout& layout);
 /// the closing round; schedule::append_inference_round, validated), with each group's prefill
 /// as its work. engine::generate runs it (a group that finishes early stops earlier than the
 /// plan's bound); sim::simulate predicts it. Every rank computes the same plan.
+/// With `devices` (one profile for every rank, or one per rank), each device must hold the
+/// model's weights (cost::check_holds_weights) and each rank's memory (inference_memory()) must
+/// fit its device (cost::check_capacity).
 /// @throws brigade::Error{InvalidArgument} for no requests, an empty prompt, microbatches < 0,
-///         a partition of another model
+///         a partition of another model; a device whose memory_capacity_bytes is below the
+///         model's weights (naming the field), a rank over its device's capacity
+///         ("inference_plan: rank r (<largest parts>): B bytes do not fit in <device>'s C bytes
+///         of memory"), devices neither 0, 1 nor ranks long
 plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Partition& partition,
-                          std::span<const GenerationRequest> requests, int microbatches = 0);
+                          std::span<const GenerationRequest> requests, int microbatches = 0,
+                          std::span<const cost::DeviceProfile> devices = {});
+
+/// The memory of every rank of `plan` (inference_plan() of `requests` for a model of `config`)
+/// with weight matrices stored as `weights`: cost::inference_memory with each sequence's KV
+/// positions (its effective steps, what runtime::InferenceStage reserves).
+/// @throws brigade::Error{InvalidArgument} as cost::inference_memory; for an empty prompt
+std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
+                                                    const plan::Plan& plan,
+                                                    std::span<const GenerationRequest> requests,
+                                                    cost::WeightDType weights = cost::WeightDType::F32);
 
 /// The inference side of the executor (engine::execute) on one rank: its InferenceStages (one
 /// per virtual stage it holds), and its program, emitted round by round

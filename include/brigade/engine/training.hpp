@@ -4,6 +4,8 @@
 
 #include "brigade/core/timeline.hpp"
 #include "brigade/cost/cost_model.hpp"
+#include "brigade/cost/memory.hpp"
+#include "brigade/cost/profile.hpp"
 #include "brigade/data/corpus.hpp"
 #include "brigade/engine/executor.hpp"
 #include "brigade/engine/optimizer.hpp"
@@ -266,6 +268,10 @@ struct TrainingConfig : TrainingOptions {
   /// on a device profile is the calibrated split). Every process of a distributed run must be
   /// given the same times, so that they agree on the split.
   model::LayerSeconds layer_seconds = model::roofline_layer_seconds();
+  /// The devices the ranks run on: empty (no capacity check), one profile for every rank, or one
+  /// per rank. training_plan() refuses a plan whose rank does not fit (cost::training_memory
+  /// with AdamW's two moments, micro-batches of one seq_len_hint-token sequence).
+  std::vector<cost::DeviceProfile> devices;
 };
 
 /// The plan of a training run named by `config`: the generator's schedule, the split by the
@@ -273,9 +279,14 @@ struct TrainingConfig : TrainingOptions {
 /// LM head priced for every token and kept with the final norm and loss on the last stage), and
 /// the lowered, validated program of every rank. Identical inputs give identical plans, so every
 /// process of a distributed run agrees on the split.
+/// With config.devices, each device must hold the model's weights (cost::check_holds_weights)
+/// and each rank's memory (cost::training_memory) must fit its device (cost::check_capacity).
 /// @throws brigade::Error{InvalidArgument} for an unknown generator or policy, an inference
 ///         schedule, seq_len_hint < 1, more virtual stages than decoder
-///         layers, or a configuration the generator rejects
+///         layers, or a configuration the generator rejects; a device whose
+///         memory_capacity_bytes is below the model's weights (naming the field), or a rank over
+///         its device's capacity ("training_plan: rank r (<largest parts>): B bytes do not fit
+///         in <device>'s C bytes of memory"); devices neither 1 nor ranks long
 plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& config);
 
 /// What one step did.

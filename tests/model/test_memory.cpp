@@ -1,0 +1,236 @@
+// The memory model per rank (cost/memory.hpp) on stories260K: its closed forms against what
+// runtime::InferenceStage, runtime::TrainStage, engine::AdamW and the executor really allocate,
+// and the capacity refusals of the plan builders and of `brigade generate --profile`.
+#include <brigade/cost/memory.hpp>
+#include <brigade/engine/inference.hpp>
+#include <brigade/engine/training.hpp>
+#include <brigade/io/trace.hpp>
+#include <brigade/model/weights.hpp>
+#include <brigade/runtime/inference_stage.hpp>
+#include <brigade/runtime/train_stage.hpp>
+
+#include <doctest/doctest.h>
+
+#include "test_util.hpp"
+
+#include <filesystem>
+#include <random>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kData = BRIGADE_MODEL_DIR;
+const fs::path kProfiles = BRIGADE_PROFILE_DIR;
+
+const model::LlamaWeights& stories() {
+  static const auto w = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  return w;
+}
+
+/// A datasheet profile with the given capacity.
+cost::DeviceProfile device(double capacity_bytes) {
+  auto p = cost::load_profile(kProfiles / "nvidia_h100_sxm.json");
+  p.memory_capacity_bytes = capacity_bytes;
+  return p;
+}
+
+/// Three requests reserving 100, 37 and 512 (= seq_len, steps 0) KV positions.
+std::vector<engine::GenerationRequest> requests() {
+  return {{{1, 50, 60}, 100}, {{1, 2}, 37}, {{1}, 0}};
+}
+
+/// `m` micro-batches of one sequence of `rows` random tokens each.
+std::vector<data::PackedBatch> batches(int m, int rows) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> tok(3, 511);
+  std::vector<data::PackedBatch> out(static_cast<std::size_t>(m));
+  for (auto& b : out) {
+    for (int t = 0; t < rows; ++t) {
+      b.inputs.push_back(tok(rng));
+      b.targets.push_back(tok(rng));
+    }
+    b.offsets = {0, rows};
+    b.tasks = {0};
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("memory.inference: KV cache and weights per rank are what InferenceStage reserves") {
+  const auto& w = stories();
+  const auto& c = w.config;
+  const model::ModelSpec spec(c);
+  REQUIRE(c.shared_classifier);
+  const auto part = partition::uniform(spec, 2);
+  const auto reqs = requests();
+  const auto plan = engine::inference_plan(c, part, reqs);
+  const auto mem = engine::inference_memory(c, plan, reqs);
+  REQUIRE(mem.size() == 2);
+  const std::vector<int> caps{100, 37, 512};
+  const double positions = 100 + 37 + 512;
+  for (int v = 0; v < 2; ++v) {
+    const auto& st = part.stage(v);
+    runtime::InferenceStage stage(w, st, caps, {});
+    int decoders = 0;
+    for (int l = st.first; l < st.last; ++l)
+      decoders += spec.layer(l).kind == model::LayerKind::Decoder ? 1 : 0;
+    // KV bytes = 2 x layers x kv_dim x positions x 4 (kv_dim 32 for stories260K).
+    CHECK(mem[static_cast<std::size_t>(v)].kv_cache ==
+          2.0 * decoders * c.kv_dim() * positions * 4.0);
+    CHECK(mem[static_cast<std::size_t>(v)].kv_cache ==
+          static_cast<double>(stage.kv_cache_bytes()));
+    // One of the two stages holds the embedding, the other the (shared) classifier.
+    CHECK(mem[static_cast<std::size_t>(v)].weights == static_cast<double>(stage.weight_bytes()));
+  }
+  CHECK(mem[0].weights + mem[1].weights ==
+        cost::model_weight_bytes(spec) + 4.0 * c.vocab_size * c.dim);  // the table twice
+  CHECK(cost::model_weight_bytes(spec) == 4.0 * static_cast<double>(c.num_parameters()));
+  // Weight dtypes: matrices at 2 or 34/32 bytes, norm gains float32.
+  const auto all = cost::stage_parameters(spec, {0, 0, spec.num_layers()}, true);
+  CHECK(all.vector == (2 * c.n_layers + 1) * c.dim);
+  CHECK(cost::model_weight_bytes(spec, cost::WeightDType::BF16) ==
+        2.0 * all.matrix + 4.0 * all.vector);
+  CHECK(cost::model_weight_bytes(spec, cost::WeightDType::Q8_0) ==
+        34.0 / 32.0 * all.matrix + 4.0 * all.vector);
+  const auto half = engine::inference_memory(c, plan, reqs, cost::WeightDType::F16);
+  CHECK(half[1].weights == doctest::Approx(mem[1].weights / 2).epsilon(0.01));
+  CHECK(half[1].kv_cache == mem[1].kv_cache);
+  // Receive buffers: the window's slots for the largest prefill (60 + ... rows x vocab floats).
+  CHECK(mem[1].receive_buffers > 0.0);
+  CHECK(mem[1].total() > mem[1].kv_cache + mem[1].weights);
+}
+
+TEST_CASE("memory.training: weights, gradients, AdamW moments and activations per rank are what "
+          "the stages allocate and the executor measures") {
+  const auto& w = stories();
+  const model::ModelSpec spec(w.config);
+  engine::TrainingConfig cfg;
+  cfg.ranks = 2;
+  cfg.microbatches = 4;
+  const auto base = engine::training_plan(w.config, cfg);
+  const auto data = batches(4, 48);
+  const plan::Plan plan(base.partition(), base.schedule(), engine::microbatch_work(data),
+                        base.execution());
+  const auto mem = cost::training_memory(spec, plan);
+  REQUIRE(mem.size() == 2);
+  for (int v = 0; v < 2; ++v) {
+    runtime::TrainStage stage(w, plan.partition().stage(v));
+    double params = 0.0;
+    for (const auto& p : stage.params()) params += static_cast<double>(p.size);
+    const auto& b = mem[static_cast<std::size_t>(v)];
+    CHECK(b.weights == 4.0 * params);
+    CHECK(b.gradients == 4.0 * params);
+    const auto opt = engine::detail::make_stage_optimizer(stage, {});
+    double moments = 0.0;
+    for (const auto& s : opt->state()) moments += static_cast<double>(s.size());
+    CHECK(b.optimizer_state == 4.0 * moments);
+    CHECK(moments == 2.0 * params);
+    CHECK(b.kv_cache == 0.0);
+  }
+  // The tail copies the shared classifier: its parameters count it, the first stage's the table.
+  CHECK(mem[0].weights + mem[1].weights ==
+        4.0 * (static_cast<double>(w.config.num_parameters()) +
+               static_cast<double>(w.config.vocab_size) * w.config.dim));
+  // Activations: the executor's measured peak, to the byte.
+  engine::TrainingEngine eng(w, plan);
+  const auto r = eng.compute_gradients(data);
+  REQUIRE(r.peak_memory_bytes.size() == 2);
+  CHECK(mem[0].activations == r.peak_memory_bytes[0]);
+  CHECK(mem[1].activations == r.peak_memory_bytes[1]);
+  CHECK(mem[0].activations > 0.0);
+  // SGD with momentum keeps one moment, plain SGD none.
+  cost::TrainingMemoryOptions sgd;
+  sgd.optimizer_moments = 1;
+  CHECK(cost::training_memory(spec, plan, sgd)[1].optimizer_state == mem[1].weights);
+  sgd.optimizer_moments = -1;
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)cost::training_memory(spec, plan, sgd); })
+            .find("optimizer_moments = -1, expected >= 0") != std::string::npos);
+}
+
+TEST_CASE("memory.capacity: plans over a device's capacity are refused naming the rank, the "
+          "largest parts and the bytes; a device smaller than the weights names the field") {
+  const auto& w = stories();
+  const auto& c = w.config;
+  const model::ModelSpec spec(c);
+  const double weights = cost::model_weight_bytes(spec);
+
+  SUBCASE("training") {
+    engine::TrainingConfig cfg;
+    cfg.ranks = 2;
+    cfg.microbatches = 4;
+    cfg.seq_len_hint = 64;
+    const auto plan = engine::training_plan(c, cfg);
+    cost::TrainingMemoryOptions mo;
+    mo.workload = {1, 64};
+    const auto mem = cost::training_memory(spec, plan, mo);
+    // Fits: one device for all, or one per rank.
+    cfg.devices = {device(std::max(mem[0].total(), mem[1].total()))};
+    CHECK(engine::training_plan(c, cfg) == plan);
+    // Rank 1 over its own device.
+    const double small = mem[1].total() - 1.0;
+    cfg.devices = {device(mem[0].total()), device(small)};
+    const auto e = test::error_of(Errc::InvalidArgument, [&] { (void)engine::training_plan(c, cfg); });
+    CHECK(e.find(fmt::format("training_plan: rank 1 ({}): {:.0f} bytes do not fit in NVIDIA "
+                             "H100 SXM's {:.0f} bytes of memory",
+                             mem[1].largest_parts(), mem[1].total(), small)) != std::string::npos);
+    CHECK(mem[1].largest_parts().find("optimizer state") == 0);  // AdamW's moments lead
+    // A device smaller than the model's weights.
+    cfg.devices = {device(1000.0)};
+    CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)engine::training_plan(c, cfg); })
+              .find(fmt::format("profile NVIDIA H100 SXM: memory_capacity_bytes = 1000 is "
+                                "smaller than the model's weights ({:.0f} bytes, f32)",
+                                weights)) != std::string::npos);
+    cfg.devices = {device(1e12), device(1e12), device(1e12)};
+    CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)engine::training_plan(c, cfg); })
+              .find("training_plan: 3 device profiles for 2 ranks, expected 1 or 2") !=
+          std::string::npos);
+  }
+
+  SUBCASE("inference") {
+    const auto part = partition::uniform(spec, 2);
+    const auto reqs = requests();
+    const auto plan = engine::inference_plan(c, part, reqs);
+    const auto mem = engine::inference_memory(c, plan, reqs);
+    const std::vector<cost::DeviceProfile> fits{device(mem[0].total() + 1.0)};
+    CHECK(engine::inference_plan(c, part, reqs, 0, fits) == plan);
+    const double small = mem[0].total() - 1.0;
+    const std::vector<cost::DeviceProfile> tight{device(small)};
+    const auto e =
+        test::error_of(Errc::InvalidArgument, [&] { (void)engine::inference_plan(c, part, reqs, 0, tight); });
+    CHECK(e.find(fmt::format("inference_plan: rank 0 ({}): {:.0f} bytes do not fit in NVIDIA "
+                             "H100 SXM's {:.0f} bytes of memory",
+                             mem[0].largest_parts(), mem[0].total(), small)) != std::string::npos);
+    CHECK(mem[0].largest_parts().find("KV cache") != std::string::npos);
+    const std::vector<cost::DeviceProfile> tiny{device(weights - 1.0)};
+    CHECK(test::error_of(Errc::InvalidArgument,
+                         [&] { (void)engine::inference_plan(c, part, reqs, 0, tiny); })
+              .find("memory_capacity_bytes = " + fmt::format("{:.0f}", weights - 1.0)) !=
+          std::string::npos);
+  }
+
+  SUBCASE("brigade generate --profile") {
+    if (std::string_view(BRIGADE_CLI).empty()) return;
+    test::TempDir dir;
+    const auto file = dir / "small.json";
+    // Holds the weights, not a rank's share of them with the KV cache of 4 x 512 positions
+    // (2 x 2 layers x 32 x 2048 x 4 bytes = 1 MiB, more than the whole model's weights).
+    cost::save_profile(file, device(weights + 1.0));
+    const auto r = test::run_cli("generate --model " + (kData / "stories260K.bin").string() +
+                                 " --tokenizer " + (kData / "tok512.bin").string() +
+                                 " --stages 2 --steps 512 --prompt a --prompt b --prompt c "
+                                 "--prompt d --profile " + file.string());
+    CHECK(r.rc != 0);
+    CHECK(r.err.find("inference_plan: rank 0 (") != std::string::npos);
+    CHECK(r.err.find("bytes do not fit in NVIDIA H100 SXM's") != std::string::npos);
+    cost::save_profile(file, device(1000.0));
+    const auto t = test::run_cli("generate --model " + (kData / "stories260K.bin").string() +
+                                 " --tokenizer " + (kData / "tok512.bin").string() +
+                                 " --stages 2 --steps 64 --profile " + file.string());
+    CHECK(t.rc != 0);
+    CHECK(t.err.find("memory_capacity_bytes = 1000 is smaller than the model's weights") !=
+          std::string::npos);
+  }
+}
