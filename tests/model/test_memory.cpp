@@ -147,7 +147,16 @@ TEST_CASE("memory.training: weights, gradients, AdamW moments and activations pe
   CHECK(cost::training_memory(spec, plan, sgd)[1].optimizer_state == mem[1].weights);
   sgd.optimizer_moments = -1;
   CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)cost::training_memory(spec, plan, sgd); })
-            .find("optimizer_moments = -1, expected >= 0") != std::string::npos);
+            .find("optimizer_moments = -1, tied_gradient_copies = 2, expected both >= 0") !=
+        std::string::npos);
+  // The tied embedding's gradient exchange (DistributedTrainer over InProcessTransport: the
+  // received copy and the sent one): only its excess over the activation peak counts.
+  const double exchange = 2.0 * 4.0 * w.config.vocab_size * w.config.dim;
+  for (const auto& b : mem)
+    CHECK(b.receive_buffers == std::max(0.0, exchange - b.activations));
+  cost::TrainingMemoryOptions in_place;
+  in_place.tied_gradient_copies = 0;
+  CHECK(cost::training_memory(spec, plan, in_place)[1].receive_buffers == 0.0);
 }
 
 TEST_CASE("memory.capacity: plans over a device's capacity are refused naming the rank, the "

@@ -123,8 +123,11 @@ struct MemoryBreakdown {
   /// Inference: each micro-batch's payload held between rounds and the send window's copies.
   double activations = 0.0;
   double kv_cache = 0.0;         ///< inference: K and V rows reserved for every sequence
-  double receive_buffers = 0.0;  ///< inference: the receive window's buffers (training: in
-                                 ///< `activations`, as the simulator counts them)
+  /// Inference: the receive window's buffers. Training: the part of the tied embedding's
+  /// gradient exchange above `activations` (the exchange runs after the step's program, when
+  /// the stashes and windows are freed, so only its excess raises the peak); the windows'
+  /// buffers of the program are in `activations`, as the simulator counts them.
+  double receive_buffers = 0.0;
   double workspace = 0.0;        ///< kernel scratch of its stages (largest micro-batch)
 
   /// Sum of the parts, bytes.
@@ -159,6 +162,13 @@ struct TrainingMemoryOptions {
   /// v, what TrainingEngine and DistributedTrainer build), 1 for SGD with momentum, 0 for plain
   /// SGD. >= 0.
   int optimizer_moments = 2;
+  /// Float32 vocab x dim copies of the tied embedding's gradient each of the two ranks holds
+  /// while exchanging it, when the classifier is shared and the first and last virtual stages
+  /// sit on different ranks (engine::DistributedTrainer): 2 over InProcessTransport (the
+  /// received gradient and the transport's copy of the sent one, made at isend), 1 over a
+  /// transport that sends from the caller's buffer (MpiTransport), 0 for TrainingEngine (it
+  /// sums the two stages' gradients in place). >= 0.
+  int tied_gradient_copies = 2;
   /// The micro-batch every micro-batch is taken to be when the plan carries no work
   /// (Plan::work() empty); a plan built with engine::microbatch_work is exact.
   Workload workload{};
@@ -173,10 +183,13 @@ struct TrainingMemoryOptions {
 /// - activations: sim::simulate(plan, RooflineCostModel(spec, plan)).peak_memory_bytes[rank]:
 ///   cost::training_stash per (virtual stage, micro-batch) plus messages and windows, the figure
 ///   engine::execute measures (ExecutorStats::peak_memory_bytes);
+/// - receive buffers: on the ranks of the first and the last virtual stage of a shared
+///   classifier, tied_gradient_copies x vocab x dim floats less `activations` (at least 0): the
+///   tied gradient's exchange after the program;
 /// - workspace: cpu::DecoderTrainScratch of each virtual stage with decoders, n (hidden + dim)
 ///   floats for its largest micro-batch of n tokens.
-/// Not counted: the caller's initial weights (LlamaWeights), timelines, the transport's
-/// messages in flight (the send window's copies are in activations).
+/// Not counted: the caller's initial weights (LlamaWeights), timelines, memory the BLAS library
+/// allocates itself.
 /// @return one breakdown per rank, rank order
 /// @throws brigade::Error{InvalidArgument} for an inference plan, optimizer_moments < 0; as
 ///         RooflineCostModel and sim::simulate
@@ -186,9 +199,11 @@ inline std::vector<MemoryBreakdown> training_memory(const model::ModelSpec& spec
   const auto& sh = plan.shape();
   BRIGADE_CHECK(sh.mode == schedule::Mode::Training, Errc::InvalidArgument,
                 "training_memory: the plan is an inference plan");
-  BRIGADE_CHECK(options.optimizer_moments >= 0, Errc::InvalidArgument,
-                "training_memory: optimizer_moments = {}, expected >= 0",
-                options.optimizer_moments);
+  BRIGADE_CHECK(options.optimizer_moments >= 0 && options.tied_gradient_copies >= 0,
+                Errc::InvalidArgument,
+                "training_memory: optimizer_moments = {}, tied_gradient_copies = {}, expected "
+                "both >= 0",
+                options.optimizer_moments, options.tied_gradient_copies);
   RooflineOptions ro;
   ro.workload = options.workload;
   const RooflineCostModel sizes(spec, plan, ro);
@@ -215,8 +230,16 @@ inline std::vector<MemoryBreakdown> training_memory(const model::ModelSpec& spec
     if (decoders)
       b.workspace += 4.0 * static_cast<double>(max_tokens) * (c.hidden_dim + c.dim);
   }
-  for (int r = 0; r < sh.num_ranks; ++r)
-    out[static_cast<std::size_t>(r)].activations = sim.peak_memory_bytes[static_cast<std::size_t>(r)];
+  const int first = sh.rank_of(0), last = sh.rank_of(sh.num_virtual_stages - 1);
+  const double exchange = c.shared_classifier && first != last
+                              ? 4.0 * options.tied_gradient_copies *
+                                    static_cast<double>(c.vocab_size) * c.dim
+                              : 0.0;
+  for (int r = 0; r < sh.num_ranks; ++r) {
+    auto& b = out[static_cast<std::size_t>(r)];
+    b.activations = sim.peak_memory_bytes[static_cast<std::size_t>(r)];
+    if (r == first || r == last) b.receive_buffers = std::max(0.0, exchange - b.activations);
+  }
   return out;
 }
 
