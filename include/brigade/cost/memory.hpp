@@ -114,7 +114,7 @@ inline double model_weight_bytes(const model::ModelSpec& spec,
 /// What one rank holds at its peak, in bytes, by part. Parts that do not apply are 0 (no
 /// gradients in inference, no KV cache in training).
 struct MemoryBreakdown {
-  int rank = 0;
+  int rank = 0;                  ///< the pipeline rank, in [0, ranks)
   double weights = 0.0;          ///< the parameters of its virtual stages, at the weight dtype
   double gradients = 0.0;        ///< training: one float32 per parameter (TrainStage's grads)
   double optimizer_state = 0.0;  ///< training: the optimizer's moments per parameter (AdamW: 2)
@@ -148,10 +148,10 @@ struct MemoryBreakdown {
     std::stable_sort(parts.begin(), parts.end(),
                      [](const auto& a, const auto& b) { return a.first > b.first; });
     std::string out;
-    for (int i = 0; i < n && i < static_cast<int>(parts.size()) && parts[static_cast<std::size_t>(i)].first > 0.0; ++i)
-      out += fmt::format("{}{} {:.0f} bytes", out.empty() ? "" : ", ",
-                         parts[static_cast<std::size_t>(i)].second,
-                         parts[static_cast<std::size_t>(i)].first);
+    const auto shown = static_cast<std::size_t>(std::clamp(n, 0, static_cast<int>(parts.size())));
+    for (std::size_t i = 0; i < shown && parts[i].first > 0.0; ++i)
+      out += fmt::format("{}{} {:.0f} bytes", out.empty() ? "" : ", ", parts[i].second,
+                         parts[i].first);
     return out;
   }
 };
