@@ -98,8 +98,11 @@ TEST_CASE("memory.inference: KV cache and weights per rank are what InferenceSta
   const auto half = engine::inference_memory(c, plan, reqs, cost::WeightDType::F16);
   CHECK(half[1].weights == doctest::Approx(mem[1].weights / 2).epsilon(0.01));
   CHECK(half[1].kv_cache == mem[1].kv_cache);
-  // Receive buffers: the window's slots for the largest prefill (60 + ... rows x vocab floats).
-  CHECK(mem[1].receive_buffers > 0.0);
+  // Receive buffers: 2 groups (sequences {0, 1}: 3 + 2 prompt rows; {2}: 1 row); rank 1's four
+  // window slots each sized for group 0's descriptor (3 x 3 int32) and 5 rows x max(dim, vocab)
+  // floats; rank 0 receives the sampled tokens (3 x 2 int32).
+  CHECK(mem[1].receive_buffers == 4.0 * (3 * 3 * 4 + 5.0 * std::max(c.dim, c.vocab_size) * 4));
+  CHECK(mem[0].receive_buffers == 4.0 * (3 * 2 * 4));
   CHECK(mem[1].total() > mem[1].kv_cache + mem[1].weights);
 }
 
