@@ -11,6 +11,7 @@
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
 #include <brigade/partition/policies.hpp>
+#include <brigade/cost/memory.hpp>
 #include <brigade/cost/profile.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/plan/inference_plan.hpp>
@@ -215,11 +216,20 @@ int run(const GenerateArgs& a) {
   opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
   opt.weight_offload = a.offload;
-  // With a profile, the plan must fit the device: the weights, then every rank's memory
-  // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes.
-  if (profile)
-    (void)engine::inference_plan(weights.config, part, requests, opt.microbatches,
-                                 std::span<const cost::DeviceProfile>(&*profile, 1));
+  // With a profile, the plan must fit the device: the weights, then the memory of the ranks
+  // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
+  // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
+  if (profile) {
+    cost::check_holds_weights(*profile, spec);
+    const auto mem = engine::inference_memory(
+        weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
+        requests);
+    if (under_mpi)
+      cost::check_capacity(mem, std::span<const cost::DeviceProfile>(&*profile, 1),
+                           "brigade generate");
+    else
+      cost::check_one_process(mem, *profile, "brigade generate", cost::model_weight_bytes(spec));
+  }
 #if BRIGADE_HAS_MPI
   const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
                                                        {a.fail_rank, a.fail_after_steps})

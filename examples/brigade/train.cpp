@@ -3,6 +3,7 @@
 
 #include <brigade/backend/cpu.hpp>
 #include <brigade/config.hpp>
+#include <brigade/cost/memory.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
@@ -252,8 +253,23 @@ int run(const TrainArgs& a) {
   const cli::ResolvedProfile resolved = cli::resolve_profile(
       a.profile, std::max(1, static_cast<int>(std::thread::hardware_concurrency())), under_mpi,
       cpu::cpu_model_name());
-  if (resolved.profile)
+  if (resolved.profile) {
     cfg.layer_seconds = cost::ProfiledLayerTimes(*resolved.profile, 1, num_ranks);
+    // The plan must fit the device (cost::training_memory): under mpirun each rank its own
+    // (training_plan checks cfg.devices), as threads all ranks together (TrainingEngine: each
+    // stage copies its weights, the tied gradients are summed in place).
+    if (under_mpi) {
+      cfg.devices = {*resolved.profile};
+    } else {
+      const model::ModelSpec spec(weights.config);
+      cost::check_holds_weights(*resolved.profile, spec);
+      cost::TrainingMemoryOptions mo;
+      mo.tied_gradient_copies = 0;
+      mo.workload = {1, cfg.seq_len_hint};
+      cost::check_one_process(cost::training_memory(spec, engine::training_plan(weights.config, cfg), mo),
+                              *resolved.profile, "brigade train");
+    }
+  }
   const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
                   resolved.profile ? resolved.profile->name + ", " + resolved.origin
                                    : resolved.origin};

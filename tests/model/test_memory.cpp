@@ -235,7 +235,9 @@ TEST_CASE("memory.capacity: plans over a device's capacity are refused naming th
                                  " --stages 2 --steps 512 --prompt a --prompt b --prompt c "
                                  "--prompt d --profile " + file.string());
     CHECK(r.rc != 0);
-    CHECK(r.err.find("inference_plan: rank 0 (") != std::string::npos);
+    // Both ranks are threads of this process: their memory is checked together.
+    CHECK(r.err.find("brigade generate: 2 ranks as threads of one process (KV cache ") !=
+          std::string::npos);
     CHECK(r.err.find("bytes do not fit in NVIDIA H100 SXM's") != std::string::npos);
     cost::save_profile(file, device(1000.0));
     const auto t = test::run_cli("generate --model " + (kData / "stories260K.bin").string() +
@@ -244,5 +246,21 @@ TEST_CASE("memory.capacity: plans over a device's capacity are refused naming th
     CHECK(t.rc != 0);
     CHECK(t.err.find("memory_capacity_bytes = 1000 is smaller than the model's weights") !=
           std::string::npos);
+    // Training: weights, gradients and AdamW's moments of every stage exceed 3x the weights.
+    cost::save_profile(file, device(3.0 * weights));
+    const auto u = test::run_cli("train --model " + (kData / "stories260K.bin").string() +
+                                 " --tokenizer " + (kData / "tok512.bin").string() +
+                                 " --stages 2 --microbatches 2 --tokens-per-microbatch 64 "
+                                 "--steps 1 --profile " + file.string());
+    CHECK(u.rc != 0);
+    CHECK(u.err.find("brigade train: 2 ranks as threads of one process (optimizer state ") !=
+          std::string::npos);
   }
+  // The ranks of one process together: their parts summed, the shared weights once.
+  const std::vector<cost::MemoryBreakdown> two{{0, 10, 1, 2, 3, 4, 5, 6}, {1, 20, 1, 2, 3, 4, 5, 6}};
+  const auto all = cost::one_process(two, 25.0);
+  CHECK(all.rank == -1);
+  CHECK(all.weights == 25.0);
+  CHECK(all.total() == 25.0 + 2 * (1 + 2 + 3 + 4 + 5 + 6));
+  CHECK(cost::one_process(two).weights == 30.0);
 }

@@ -383,6 +383,39 @@ inline void check_capacity(std::span<const MemoryBreakdown> ranks,
   }
 }
 
+/// What ranks hold together when they run as threads of one process (engine::generate,
+/// engine::TrainingEngine): their parts summed, rank -1. With `shared_weights` >= 0 those bytes
+/// replace the sum of the ranks' weights: engine::generate's ranks read the caller's one copy
+/// of the model (model_weight_bytes), where each rank of its own process holds its own share
+/// (TrainingEngine's stages copy theirs: leave it negative).
+inline MemoryBreakdown one_process(std::span<const MemoryBreakdown> ranks,
+                                   double shared_weights = -1.0) {
+  MemoryBreakdown all;
+  all.rank = -1;
+  for (const auto& b : ranks) {
+    all.weights += b.weights;
+    all.gradients += b.gradients;
+    all.optimizer_state += b.optimizer_state;
+    all.activations += b.activations;
+    all.kv_cache += b.kv_cache;
+    all.receive_buffers += b.receive_buffers;
+    all.workspace += b.workspace;
+  }
+  if (shared_weights >= 0.0) all.weights = shared_weights;
+  return all;
+}
+
+/// Checks ranks that run as threads of one process on one device: one_process(ranks,
+/// shared_weights) against device.memory_capacity_bytes.
+/// @throws brigade::Error{InvalidArgument} "<who>: N ranks as threads of one process (<largest
+///         parts>): T bytes do not fit in <device>'s C bytes of memory"
+inline void check_one_process(std::span<const MemoryBreakdown> ranks, const DeviceProfile& device,
+                              std::string_view who, double shared_weights = -1.0) {
+  const MemoryBreakdown all = one_process(ranks, shared_weights);
+  device.check_fits(all.total(), fmt::format("{}: {} ranks as threads of one process ({})", who,
+                                             ranks.size(), all.largest_parts()));
+}
+
 /// Checks that a device can hold the whole model's weights at `dtype` (a profile that cannot is
 /// of no use for the model, whatever the split).
 /// @throws brigade::Error{InvalidArgument} "profile <name>: memory_capacity_bytes = C is smaller
