@@ -233,7 +233,8 @@ inline CLI::Option* add_profile_option(CLI::App& sub, std::string& value) {
       .add_option("--profile", value,
                   "device profile the balanced split prices layers with: auto (this machine's, "
                   "measured once and cached), none (roofline at default rates), or a file "
-                  "(brigade profile --out FILE; docs/profiles.md)")
+                  "(brigade profile --out FILE; docs/profiles.md); the plan's memory must fit its "
+                  "memory_capacity_bytes")
       ->capture_default_str();
 }
 
