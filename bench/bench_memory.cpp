@@ -183,10 +183,11 @@ void BM_InferenceMemory(benchmark::State& state) {
     const auto t0 = std::chrono::steady_clock::now();
     reset_peaks();
     std::vector<std::int64_t> start(P);
-    engine::detail::run_on_threads(P, fabric, "rank", [&](int r) {
+    auto endpoints = transport::endpoints(fabric);
+    engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
+      const int r = tp.rank();
       t_slot = r + 1;
       start[static_cast<std::size_t>(r)] = g_live[r + 1].load();
-      transport::InProcessTransport tp(fabric, r);
       engine::run_inference_rank(tp, w, plan, layout, r == plan.shape().rank_of(0) ? &book : nullptr,
                                  opt, t0, timelines[static_cast<std::size_t>(r)]);
     });
@@ -246,10 +247,11 @@ void BM_TrainingMemory(benchmark::State& state) {
     transport::InProcessFabric fabric(P);
     reset_peaks();
     std::vector<std::int64_t> start(P);
-    engine::detail::run_on_threads(P, fabric, "rank", [&](int r) {
+    auto endpoints = transport::endpoints(fabric);
+    engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
+      const int r = tp.rank();
       t_slot = r + 1;
       start[static_cast<std::size_t>(r)] = g_live[r + 1].load();
-      transport::InProcessTransport tp(fabric, r);
       engine::DistributedTrainer<transport::InProcessTransport> trainer(tp, w, plan, cfg);
       const auto res = trainer.train_step(data);
       if (r == 0) {
