@@ -35,7 +35,7 @@ double now_s() {
       .count();
 }
 
-using detail::best_seconds;
+using detail::typical_seconds;
 
 // JSON readers that name the field.
 const nlohmann::json& field(const nlohmann::json& j, std::string_view key, std::string_view where,
@@ -349,7 +349,7 @@ void save_profile(const std::filesystem::path& path, const DeviceProfile& p) {
 
 namespace {
 
-/// Sum over `threads` threads, each running `fn(t)` at once, of work / its best time.
+/// Sum over `threads` threads, each running `fn(t)` at once, of work / its typical (median) time.
 template <class Fn>
 double concurrent_rate(int threads, double work, double budget, Fn fn) {
   std::vector<double> rate(static_cast<std::size_t>(threads));
@@ -366,7 +366,7 @@ double triad(int threads, std::int64_t bytes, double budget) {
   const auto n = static_cast<std::size_t>(std::max<std::int64_t>(bytes / 12, 1024));
   return concurrent_rate(threads, 12.0 * static_cast<double>(n), budget, [n](int, double b) {
     std::vector<float> a(n, 0.0f), x(n, 1.0f), y(n, 2.0f);
-    return best_seconds(b, [&] {
+    return typical_seconds(b, [&] {
       for (std::size_t i = 0; i < n; ++i) a[i] = x[i] + 3.0f * y[i];
       asm volatile("" ::"r"(a.data()) : "memory");
     });
@@ -463,7 +463,7 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
       std::vector<float> x(static_cast<std::size_t>(rows * o.gemm_in), 0.5f),
           y(static_cast<std::size_t>(rows * o.gemm_out));
       std::size_t next = 0;
-      const double s = best_seconds(budget, [&] {
+      const double s = typical_seconds(budget, [&] {
         cpu::matmul_wt(x.data(), w.data() + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
         next = (next + 1) % copies;
       });
@@ -478,13 +478,13 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
           dx(static_cast<std::size_t>(rows * o.gemm_in));
       const double flops = 2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out);
       std::size_t next = 0;
-      const double si = best_seconds(budget, [&] {
+      const double si = typical_seconds(budget, [&] {
         cpu::matmul_wt_backward_input(dy.data(), w.data() + wsize * next, dx.data(), rows,
                                       o.gemm_in, o.gemm_out);
         next = (next + 1) % copies;
       });
       p.gemm.push_back({model::Phase::BackwardInput, rows, threads, flops / si});
-      const double sw = best_seconds(budget, [&] {
+      const double sw = typical_seconds(budget, [&] {
         cpu::matmul_wt_backward_weight(dy.data(), x.data(), w.data() + wsize * next, rows,
                                        o.gemm_in, o.gemm_out);
         next = (next + 1) % copies;
@@ -501,7 +501,7 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
     const auto row = static_cast<std::size_t>(heads * o.head_dim);
     std::vector<float> q(row, 0.01f), k(row * static_cast<std::size_t>(ctx), 0.02f),
         v(row * static_cast<std::size_t>(ctx), 0.03f), out(row);
-    const double s = best_seconds(budget, [&] {
+    const double s = typical_seconds(budget, [&] {
       cpu::attention(q.data(), k.data(), v.data(), out.data(), 1, ctx - 1, heads, heads,
                      o.head_dim);
     });
@@ -515,11 +515,11 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
     std::vector<float> q(size, 0.01f), k(size, 0.02f), v(size, 0.03f), out(size), dout(size, 0.1f),
         dq(size), dk(size), dv(size), lse(static_cast<std::size_t>(n * heads));
     const std::array<std::int64_t, 2> offsets{0, n};
-    const double sf = best_seconds(budget, [&] {
+    const double sf = typical_seconds(budget, [&] {
       cpu::attention_varlen_forward(q.data(), k.data(), v.data(), out.data(), lse.data(),
                                     offsets, heads, heads, o.head_dim);
     });
-    const double sb = best_seconds(budget, [&] {
+    const double sb = typical_seconds(budget, [&] {
       cpu::attention_varlen_backward(q.data(), k.data(), v.data(), out.data(), lse.data(),
                                      dout.data(), dq.data(), dk.data(), dv.data(), offsets, heads,
                                      heads, o.head_dim);

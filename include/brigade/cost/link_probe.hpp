@@ -22,18 +22,22 @@ inline double probe_now_s() {
       .count();
 }
 
-/// Best time of `fn` over repetitions filling about `budget` seconds (at least 3, the first a
-/// warm-up that does not count).
+/// Typical time of `fn`: the median over repetitions filling about `budget` seconds (at least
+/// 5, the first a warm-up that does not count). The median, not the best: a cost model
+/// predicts what a run usually takes, and on a shared machine the best repetition is a moment
+/// no run sees for long.
 template <class Fn>
-double best_seconds(double budget, Fn&& fn) {
-  double best = std::numeric_limits<double>::infinity();
+double typical_seconds(double budget, Fn&& fn) {
+  std::vector<double> times;
   const double start = probe_now_s();
-  for (int rep = 0; rep < 3 || (probe_now_s() - start < budget && rep < 10000); ++rep) {
+  for (int rep = 0; rep < 5 || (probe_now_s() - start < budget && rep < 10000); ++rep) {
     const double t0 = probe_now_s();
     fn();
-    if (rep > 0) best = std::min(best, probe_now_s() - t0);
+    if (rep > 0) times.push_back(probe_now_s() - t0);
   }
-  return best;
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2),
+                   times.end());
+  return times[times.size() / 2];
 }
 
 }  // namespace detail
@@ -42,8 +46,8 @@ double best_seconds(double budget, Fn&& fn) {
 inline constexpr std::size_t kLinkProbeBytes = std::size_t{16} << 20;
 
 /// Measures the link between this rank and `peer` of `transport`: the leader times ping-pongs
-/// of empty messages (latency = half the best round trip) and of kLinkProbeBytes messages
-/// (bandwidth = bytes / half the best round trip), each within `budget` seconds; the other side
+/// of empty messages (latency = half the median round trip) and of kLinkProbeBytes messages
+/// (bandwidth = bytes / half the median round trip), each within `budget` seconds; the other side
 /// echoes every message until the leader's one-byte stop message. Both sides must call it, one
 /// with leader = true. Tags `tag` and `tag + 1` are used.
 /// @returns the link named `name` on the leader; on the echoing side a LinkProfile with only
@@ -74,10 +78,10 @@ LinkProfile measure_link(T& tp, int peer, bool leader, std::string name, double 
     wait(s);
     wait(r);
   };
-  const double latency = detail::best_seconds(budget, [&] { round_trip(0); }) / 2.0;
+  const double latency = detail::typical_seconds(budget, [&] { round_trip(0); }) / 2.0;
   const double bandwidth =
       static_cast<double>(kLinkProbeBytes) /
-      (detail::best_seconds(budget, [&] { round_trip(kLinkProbeBytes); }) / 2.0);
+      (detail::typical_seconds(budget, [&] { round_trip(kLinkProbeBytes); }) / 2.0);
   const auto stop = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {1});
   auto s = tp.isend(peer, tag, stop, tr::ConstBytes(buf.data(), 1));
   wait(s);

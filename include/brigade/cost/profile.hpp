@@ -133,7 +133,8 @@ struct ProfileOptions {
   std::int64_t stream_bytes = std::int64_t{96} << 20;
   std::int64_t disk_bytes = std::int64_t{256} << 20;   ///< file written then read back, bytes
   std::filesystem::path disk_dir;  ///< where that file goes (empty: the temporary directory)
-  double seconds_per_point = 0.05; ///< repetition budget of each point (best repetition counts)
+  double seconds_per_point = 0.05; ///< repetition budget of each point (the median repetition
+                                   ///< counts)
 };
 
 /// Measures this machine (CPU): matmul_wt FP32 rates at options.rows on 1 thread and on
