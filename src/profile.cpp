@@ -374,7 +374,12 @@ double triad(int threads, std::int64_t bytes, double budget) {
 }
 
 double disk_read(const ProfileOptions& o, std::string& note) {
-  const auto dir = o.disk_dir.empty() ? std::filesystem::temp_directory_path() : o.disk_dir;
+  std::error_code ec;
+  const auto dir = o.disk_dir.empty() ? std::filesystem::temp_directory_path(ec) : o.disk_dir;
+  BRIGADE_CHECK(!ec, Errc::BadFile,
+                "profile: no temporary directory for the disk file ({}); give a disk directory "
+                "(brigade profile --disk-dir, ProfileOptions::disk_dir)",
+                ec.message());
   const auto path = dir / fmt::format("brigade-profile-{}.bin", ::getpid());
   const std::size_t chunk = std::size_t{4} << 20;
   std::vector<char> buf(chunk, 'b');

@@ -185,9 +185,11 @@ inline std::filesystem::path profile_cache_path(int cores) {
 
 /// Resolves --profile (docs/profiles.md, "The calibrated split by default"):
 /// - "auto": this machine's profile, read from profile_cache_path(cores) when its name names
-///   this CPU model, else measured (cost::measure_profile, about 4 s) and cached there (a cache
-///   that cannot be written is skipped); under mpirun the processes could measure different
-///   figures and split differently, so there "auto" is the roofline unless a file is given;
+///   this CPU model, else measured (cost::measure_profile with a 64 MiB disk file, about 4 s)
+///   and cached there (a cache that cannot be written is skipped; a machine that cannot be
+///   measured, e.g. without a writable temporary directory, gets the roofline and a notice);
+///   under mpirun the processes could measure different figures and split differently, so
+///   there "auto" is the roofline unless a file is given;
 /// - "none": no profile (the roofline at default rates: a split that depends on no machine);
 /// - anything else: that profile file.
 /// @throws brigade::Error from cost::load_profile or cost::measure_profile
@@ -215,7 +217,15 @@ inline ResolvedProfile resolve_profile(const std::string& arg, int cores, bool u
              cores, path.empty() ? std::string("nowhere: no HOME") : path.string());
   cost::ProfileOptions o;
   o.cores = cores;
-  auto p = cost::measure_profile(o);
+  o.disk_bytes = std::int64_t{64} << 20;  // the disk rate from a smaller file than `profile`'s
+  cost::DeviceProfile p;
+  try {
+    p = cost::measure_profile(o);
+  } catch (const Error& e) {  // e.g. no writable temporary directory for the disk figure
+    fmt::print(stderr, "profile: could not measure this machine ({}); the roofline at default "
+               "rates prices the split\n", e.what());
+    return {std::nullopt, "auto, not measured: roofline at default rates"};
+  }
   if (!path.empty()) {
     std::filesystem::create_directories(path.parent_path(), ec);
     try {

@@ -279,6 +279,16 @@ TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it
   auto missing = brigade::test::run_shell(env + BRIGADE_CLI + args + " --profile /nonexistent/p.json");
   CHECK(missing.rc != 0);
   CHECK(missing.err.find("/nonexistent/p.json") != std::string::npos);
+  // A machine that cannot be measured (no temporary directory for the disk figure) gets the
+  // roofline and a notice, and the same tokens.
+  fs::remove_all(cache);
+  auto unmeasured = brigade::test::run_shell("TMPDIR=/nonexistent " + env + BRIGADE_CLI + args);
+  REQUIRE(unmeasured.rc == 0);
+  CHECK(unmeasured.out == one);
+  CHECK(unmeasured.err.find("profile: could not measure this machine (profile: no temporary "
+                            "directory for the disk file") != std::string::npos);
+  CHECK(unmeasured.err.find("(profile auto, not measured: roofline at default rates)") !=
+        std::string::npos);
   auto planless = brigade::test::run_shell(env + BRIGADE_CLI + " generate " + model_flags() +
                                            " --plan auto --profile none");
   CHECK(planless.rc != 0);

@@ -192,6 +192,12 @@ TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a p
   const auto ok = test::run_cli("profile --check " + (kProfiles / "nvidia_h100_sxm.json").string());
   CHECK(ok.rc == 0);
   CHECK(ok.err.find("profile: NVIDIA H100 SXM (gpu, bf16, 1 cores)") == 0);
+  const auto no_tmp = test::run_shell("TMPDIR=/nonexistent " + std::string(BRIGADE_CLI) +
+                                      " profile --quick --cores 1 --out " + out.string());
+  CHECK(no_tmp.rc != 0);
+  CHECK(no_tmp.err.find("error (BadFile): profile: no temporary directory for the disk file") !=
+        std::string::npos);
+  CHECK_FALSE(fs::exists(out));
   const auto none = test::run_cli("profile");
   CHECK(none.rc != 0);
   CHECK(none.err.find("give --out FILE to measure this machine, or --check FILE") !=

@@ -148,7 +148,7 @@ struct ProfileOptions {
 /// the page cache (posix_fadvise DONTNEED; where the kernel keeps it cached anyway the rate is
 /// the page cache's, and `source` says so), and the physical memory (sysconf).
 /// @throws brigade::Error{InvalidArgument} for options out of range; {BadFile} if the disk file
-///         cannot be written
+///         cannot be written (or there is no temporary directory and no options.disk_dir)
 DeviceProfile measure_profile(const ProfileOptions& options);
 
 }  // namespace v0
