@@ -60,15 +60,7 @@ struct DecodeRun {
   plan::Plan plan;
 };
 
-/// This machine's device profile (2 cores), measured once per binary.
-const cost::DeviceProfile& machine_profile() {
-  static const cost::DeviceProfile p = [] {
-    cost::ProfileOptions o;
-    o.cores = 2;
-    return cost::measure_profile(o);
-  }();
-  return p;
-}
+using bench::machine_profile;
 
 /// Generates `seqs` sequences of `steps` tokens after `prompt_len`-token prompts on `stages`
 /// stages of `threads` threads, split by the balanced policy on this machine's profile (the
@@ -272,17 +264,11 @@ void BM_CalibratedPrediction(benchmark::State& state) {
     est.observe(run.plan, run.report.timeline);
     first = false;
   }
-  auto median_error = [](std::vector<double> xs) {
-    if (xs.empty()) return 0.0;
-    for (double& x : xs) x = std::abs(x - 1.0);
-    std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
-    return xs[xs.size() / 2];
-  };
   double mean = 0;
   for (double x : prior) mean += x;
   state.counters["prior_over_measured"] = mean / static_cast<double>(prior.size());
-  state.counters["prior_err"] = median_error(prior);
-  state.counters["refined_err"] = median_error(refined);
+  state.counters["prior_err"] = bench::median_error(prior);
+  state.counters["refined_err"] = bench::median_error(refined);
 }
 BENCHMARK(BM_CalibratedPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);

@@ -46,30 +46,9 @@ const model::LlamaWeights& weights42m() {
   return w;
 }
 
-/// This machine's profile for `cores` cores, measured once per binary.
-const cost::DeviceProfile& machine_profile() {
-  static const cost::DeviceProfile p = [] {
-    cost::ProfileOptions o;
-    o.cores = 2;
-    return cost::measure_profile(o);
-  }();
-  return p;
-}
-
-/// Median of xs (0 for none).
-double median(std::vector<double> xs) {
-  if (xs.empty()) return 0.0;
-  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
-  return xs[xs.size() / 2];
-}
-
-/// Median of |x - 1| over xs (0 for none).
-double median_error(std::vector<double> xs) {
-  if (xs.empty()) return 0.0;
-  for (double& x : xs) x = std::abs(x - 1.0);
-  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
-  return xs[xs.size() / 2];
-}
+using bench::machine_profile;
+using bench::median;
+using bench::median_error;
 
 /// M micro-batches, each one sequence of 257 random tokens (256 target rows).
 std::vector<data::PackedBatch> batches(int m, std::uint64_t seed) {

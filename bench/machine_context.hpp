@@ -10,11 +10,13 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace brigade::bench {
@@ -34,6 +36,32 @@ inline double gemm_gflops_one_core() {
   }
   cpu::set_blas_threads(before);
   return 2.0 * T * K * N / best * 1e-9;
+}
+
+/// This machine's device profile for its 2 cores (cost::measure_profile with the default
+/// points), measured once per binary: what the CLI's `--profile auto` measures, for benchmarks
+/// that split or predict like the CLI.
+inline const cost::DeviceProfile& machine_profile() {
+  static const cost::DeviceProfile p = [] {
+    cost::ProfileOptions o;
+    o.cores = 2;
+    return cost::measure_profile(o);
+  }();
+  return p;
+}
+
+/// Median of xs (0 for none).
+inline double median(std::vector<double> xs) {
+  if (xs.empty()) return 0.0;
+  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
+  return xs[xs.size() / 2];
+}
+
+/// Median of |x - 1| over xs (0 for none): the typical relative error of predicted / measured
+/// ratios.
+inline double median_error(std::vector<double> xs) {
+  for (double& x : xs) x = std::abs(x - 1.0);
+  return median(std::move(xs));
 }
 
 /// Adds cpu_model, kernel_isa, ceiling_gemm_GFLOPs_1core, ceiling_triad_GBs_1core and
