@@ -253,12 +253,9 @@ void BM_CalibratedPrediction(benchmark::State& state) {
   bool first = true;
   for (auto _ : state) {
     const auto run = seqs > 0 ? decode_run(1, 1, seqs, 48, 1) : decode_run(1, 1, 1, 512, 512);
-    const auto& st = run.plan.partition().stage(0);
     for (const auto& iv : run.report.timeline.intervals()) {
       if (iv.op != Op::F || (seqs > 0) != (iv.chunk > 0)) continue;
-      const auto w = plan::action_work(run.plan.shape(), run.plan.work()[iv.microbatch], iv.chunk);
-      const cost::Passes passes = iv.chunk == 0 ? model::Phase::Prefill : model::Phase::Decode;
-      prior.push_back(est.prior(st.first, st.last, w, passes) / iv.duration());
+      prior.push_back(est.prior(run.plan, iv) / iv.duration());
       if (!first) refined.push_back(est.predict(run.plan, iv) / iv.duration());
     }
     est.observe(run.plan, run.report.timeline);

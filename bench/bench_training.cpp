@@ -146,12 +146,7 @@ void BM_CalibratedTrainingOps(benchmark::State& state) {
       for (const auto& iv : r.timeline.intervals()) {
         if (iv.op != schedule::Op::F && iv.op != schedule::Op::BI && iv.op != schedule::Op::BW)
           continue;
-        const auto& st = step.partition().stage(iv.virtual_stage);
-        const auto w = plan::action_work(step.shape(), step.work()[iv.microbatch], iv.chunk);
-        const cost::Passes passes = iv.op == schedule::Op::F    ? model::Phase::Forward
-                                    : iv.op == schedule::Op::BI ? model::Phase::BackwardInput
-                                                                : model::Phase::BackwardWeight;
-        prior[iv.op].push_back(est.prior(st.first, st.last, w, passes) / iv.duration());
+        prior[iv.op].push_back(est.prior(step, iv) / iv.duration());
         refined[iv.op].push_back(est.predict(step, iv) / iv.duration());
       }
     }

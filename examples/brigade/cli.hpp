@@ -197,8 +197,7 @@ inline ResolvedProfile resolve_profile(const std::string& arg, int cores, bool u
                                        std::string_view cpu_model) {
   if (arg == "none") return {std::nullopt, "none: roofline at default rates"};
   if (arg != "auto") {
-    auto p = cost::load_profile(arg);
-    return {std::move(p), fmt::format("{}", arg)};
+    return {cost::load_profile(arg), arg};
   }
   if (under_mpi)
     return {std::nullopt, "auto under mpirun: roofline at default rates (give --profile FILE)"};

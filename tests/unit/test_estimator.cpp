@@ -108,8 +108,10 @@ TEST_CASE("estimator.timeline: a run's F, B, BI and BW intervals, priced with th
     }
   est.observe(p, tl);
   CHECK(est.observations() == 12);  // 2 stages x 2 micro-batches x (F, BI, BW)
-  for (const auto& iv : tl.intervals())
+  for (const auto& iv : tl.intervals()) {
     CHECK(est.predict(p, iv) == doctest::Approx(iv.duration()));
+    CHECK(est.prior(p, iv) == doctest::Approx(iv.duration() / 1.5));
+  }
   CHECK(est.correction(0, 5, Phase::BackwardWeight) == doctest::Approx(std::log(1.5)));
   // A plan without per-micro-batch work cannot price its intervals.
   req.work.clear();

@@ -140,6 +140,14 @@ class LatencyEstimator {
     }
   }
 
+  /// The prior of interval `iv` of a run of `plan` (its layers, work and passes, as
+  /// observe(plan, timeline) reads them); 0 for an interval that is not F, B, BI or BW.
+  /// @throws brigade::Error{InvalidArgument} as observe(plan, timeline)
+  [[nodiscard]] double prior(const plan::Plan& plan, const Interval& iv) const {
+    const auto what = action_of(plan, iv);
+    return what ? prior(what->first, what->last, what->work, what->passes) : 0.0;
+  }
+
   /// The refined prediction of interval `iv` of a run of `plan` (its layers, work and
   /// passes, as observe(plan, timeline) reads them); 0 for an interval that is not F, B, BI or
   /// BW.
