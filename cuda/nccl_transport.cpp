@@ -21,7 +21,7 @@ namespace {
 
 constexpr std::size_t kSlot = 128;             // bytes of one wire header
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
-constexpr std::uint32_t kWireVersion = 3;  // 2: the chunk after the stage; 3: the kind
+constexpr std::uint32_t kWireVersion = 4;  // 2: chunk after stage; 3: kind; 4: flags
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
 struct WireHeader {
@@ -29,7 +29,8 @@ struct WireHeader {
   std::uint32_t version;
   std::int32_t tag;
   std::int32_t sender;
-  std::int64_t kind;  // MessageKind
+  std::int32_t kind;    // MessageKind
+  std::uint32_t flags;  // MessageHeader::flags
   std::int64_t microbatch;
   std::int64_t stage;
   std::int64_t chunk;
@@ -275,7 +276,8 @@ struct NcclTransport::Impl {
       w.version = kWireVersion;
       w.tag = op.tag;
       w.sender = rank;
-      w.kind = static_cast<std::int64_t>(op.header.kind);
+      w.kind = static_cast<std::int32_t>(op.header.kind);
+      w.flags = op.header.flags;
       w.microbatch = op.header.microbatch;
       w.stage = op.header.stage;
       w.chunk = op.header.chunk;
@@ -340,6 +342,7 @@ struct NcclTransport::Impl {
                   rank, op.peer, op.tag, w.magic, w.version, kMagic, kWireVersion);
     MessageHeader got;
     got.kind = static_cast<MessageKind>(w.kind);
+    got.flags = w.flags;
     got.microbatch = w.microbatch;
     got.stage = w.stage;
     got.chunk = w.chunk;

@@ -58,22 +58,28 @@ inline bool contains(const std::string& text, const std::string& part) {
 
 // ---- per-rank programs ----------------------------------------------------------------------
 
-/// Rank 0 sends 100 floats with a [10, 10] header on tag 7; rank 1 gets the bytes and the header.
+/// Rank 0 sends 100 floats with a [10, 10] header on tag 7, flagged kFlagDropped; rank 1,
+/// expecting no flags (a receive does not compare them), gets the bytes and the header, flags
+/// included.
 template <Transport T>
 void pairing(T& t, int /*world*/) {
   std::vector<float> src(100);
   std::iota(src.begin(), src.end(), 0.5f);
-  const auto h = MessageHeader::make(3, 1, DType::F32, {10, 10});
+  auto h = MessageHeader::make(3, 1, DType::F32, {10, 10}, 0, MessageKind::Activation);
+  h.flags = kFlagDropped;
   if (t.rank() == 0) {
     auto s = t.isend(1, 7, h, cbytes(src));
     t.wait(s, Deadline::after(10));
     CHECK(s.done);
   } else if (t.rank() == 1) {
     std::vector<float> dst(100, -1.0f);
-    auto r = t.irecv(0, 7, h, mbytes(dst));
+    auto expected = h;
+    expected.flags = 0;
+    auto r = t.irecv(0, 7, expected, mbytes(dst));
     t.wait(r, Deadline::after(10));
     CHECK(r.done);
     CHECK(r.header == h);
+    CHECK(r.header.flags == kFlagDropped);
     CHECK(dst == src);
   }
 }

@@ -26,7 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD" in little-endian byte order
-constexpr std::uint32_t kWireVersion = 3;  // 2: the chunk after the stage; 3: the kind first
+constexpr std::uint32_t kWireVersion = 4;  // 2: chunk after stage; 3: kind first; 4: flags
 constexpr int kControlTag = 0;
 constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI message of a payload
 
@@ -34,7 +34,8 @@ constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI messag
 struct WireHeader {
   std::uint32_t magic = kMagic;
   std::uint32_t version = kWireVersion;
-  std::int64_t kind = 0;  // MessageKind
+  std::int32_t kind = 0;    // MessageKind
+  std::uint32_t flags = 0;  // MessageHeader::flags
   std::int64_t microbatch = 0;
   std::int64_t stage = 0;
   std::int64_t chunk = 0;
@@ -352,7 +353,8 @@ struct MpiTransport::Impl {
                   peer, tag, payload.size(), header.to_string(), header.nbytes());
     if (sends.size() > 64) sweep_sends();
     WireHeader w;
-    w.kind = static_cast<std::int64_t>(header.kind);
+    w.kind = static_cast<std::int32_t>(header.kind);
+    w.flags = header.flags;
     w.microbatch = header.microbatch;
     w.stage = header.stage;
     w.chunk = header.chunk;
@@ -458,6 +460,7 @@ struct MpiTransport::Impl {
       return;
     }
     st.got.kind = static_cast<MessageKind>(w.kind);
+    st.got.flags = w.flags;
     st.got.microbatch = w.microbatch;
     st.got.stage = w.stage;
     st.got.chunk = w.chunk;

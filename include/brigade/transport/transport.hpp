@@ -61,6 +61,12 @@ constexpr const char* to_string(MessageKind k) noexcept {
 /// Wildcard value for MessageHeader fields in an expected (receive-side) header.
 inline constexpr std::int64_t kAny = -1;
 
+/// Bit of MessageHeader::flags: the micro-batch this message belongs to was flagged by an
+/// integrity check (transport/verify.hpp) on some rank this step; every rank that sees it drops
+/// the micro-batch's contribution (its weight gradients and its loss) and sets the bit on what it
+/// sends for that micro-batch, so the verdict travels with the micro-batch through the pipeline.
+inline constexpr std::uint32_t kFlagDropped = 1u << 0;
+
 /// The header every message carries and every receive checks: the kind, micro-batch, the
 /// destination stage, the chunk, dtype and shape (up to 4 dims, row-major). On the receive side,
 /// microbatch, stage, chunk or any shape dimension may be kAny to accept whatever arrives (the
@@ -75,6 +81,9 @@ struct MessageHeader {
   DType dtype = DType::F32;               ///< element type
   std::int32_t ndim = 0;                  ///< number of dimensions in `shape`
   std::array<std::int64_t, 4> shape{};    ///< sizes, outermost first; kAny allowed when receiving
+  /// Bits set by the sender (kFlagDropped); not compared by check_header: a receive cannot expect
+  /// them, it reads them in the header that arrived.
+  std::uint32_t flags = 0;
 
   /// A header for a payload of the given dims, for the receiving action's chunk `chunk`.
   /// @throws brigade::Error{InvalidArgument} for more than 4 dims
@@ -105,19 +114,20 @@ struct MessageHeader {
     return static_cast<std::size_t>(numel()) * dtype_size(dtype);
   }
   /// Readable form: "activation mb 3 stage 1 f32[512, 64]", with " chunk c" after the stage
-  /// when c != 0.
+  /// when c != 0 and " (dropped)" at the end when kFlagDropped is set.
   [[nodiscard]] std::string to_string() const {
     std::string s = fmt::format("{} mb {} stage {}{} {}[", transport::to_string(kind), microbatch,
                                 stage,
                                 chunk != 0 ? fmt::format(" chunk {}", chunk) : std::string(),
                                 transport::to_string(dtype));
     for (int i = 0; i < ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", shape[static_cast<std::size_t>(i)]);
-    return s + "]";
+    return s + ((flags & kFlagDropped) != 0 ? "] (dropped)" : "]");
   }
   friend bool operator==(const MessageHeader&, const MessageHeader&) = default;
 };
 
-/// Checks a received header against the expected one (kAny fields match anything).
+/// Checks a received header against the expected one (kAny fields match anything; flags are
+/// not compared).
 /// @throws brigade::Error{HeaderMismatch} naming the peer, the field, the value seen and the value
 ///         expected
 inline void check_header(const MessageHeader& expected, const MessageHeader& got, int self,
