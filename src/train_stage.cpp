@@ -230,20 +230,24 @@ void TrainStage::backward_input(int mb, const float* dy) {
   });
 }
 
-void TrainStage::backward_weight(int mb) {
+void TrainStage::backward_weight(int mb) { finish_backward_weight(mb, true); }
+
+void TrainStage::skip_backward_weight(int mb) { finish_backward_weight(mb, false); }
+
+void TrainStage::finish_backward_weight(int mb, bool accumulate) {
   accounted(mb, [&] {
     Micro& m = micro(mb, "BW");
     BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
                   "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
                   range_.last, mb);
-    for (int i = 0; i < num_decoders_; ++i)
+    for (int i = 0; accumulate && i < num_decoders_; ++i)
       cpu::decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
                                    d_decoders_[static_cast<std::size_t>(i)]);
-    if (has_head_) {
+    if (accumulate && has_head_) {
       float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
       cpu::head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
     }
-    if (has_embedding())
+    if (accumulate && has_embedding())
       cpu::embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
                               m.batch->rows(), config_.dim, config_.vocab_size);
     const auto loss = m.loss;

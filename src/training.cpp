@@ -34,6 +34,7 @@ struct TrainingEngine::Impl {
   std::vector<std::unique_ptr<runtime::TrainStage>> stages;  // by virtual stage
   std::vector<std::unique_ptr<AdamW>> optimizers;            // by virtual stage
   std::int64_t steps = 0;
+  bool skip_update = false;  // the last compute_gradients' DropDecision::skip_update
 
   /// Index of the tail stage's tied classifier copy in its params(), or -1.
   [[nodiscard]] bool tied_across_stages() const {
@@ -42,6 +43,57 @@ struct TrainingEngine::Impl {
 };
 
 namespace detail {
+
+DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
+                          std::span<const data::PackedBatch> batches) {
+  const std::size_t M = batches.size();
+  DropDecision d;
+  std::vector<char> dropped(M, 0);
+  for (const auto& r : per_rank) {
+    BRIGADE_CHECK(r.dropped.size() == M && r.applied.size() == M, Errc::Internal,
+                  "decide_drops: masks of {} and {} micro-batches for a step of {}",
+                  r.dropped.size(), r.applied.size(), M);
+    for (std::size_t m = 0; m < M; ++m) dropped[m] |= r.dropped[m];
+  }
+  double total = 0.0, kept = 0.0;
+  for (std::size_t m = 0; m < M; ++m) {
+    total += static_cast<double>(batches[m].rows());
+    if (dropped[m] != 0) d.dropped.push_back(static_cast<int>(m));
+    else kept += static_cast<double>(batches[m].rows());
+  }
+  for (const auto& r : per_rank)
+    for (int m : d.dropped)
+      if (r.applied[static_cast<std::size_t>(m)] != 0) d.skip_update = true;
+  if (kept == 0.0) d.skip_update = true;
+  if (!d.skip_update && !d.dropped.empty()) d.scale = total / kept;
+  return d;
+}
+
+void apply_drops(const DropDecision& d, std::span<runtime::TrainStage* const> stages) {
+  if (!d.skip_update && d.scale == 1.0) return;
+  const auto f = static_cast<float>(d.skip_update ? 0.0 : d.scale);
+  for (runtime::TrainStage* st : stages) {
+    if (st == nullptr) continue;
+    for (auto& p : st->params())
+      for (std::int64_t i = 0; i < p.size; ++i) p.grad[i] = d.skip_update ? 0.0f : p.grad[i] * f;
+  }
+}
+
+cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage& tail, int microbatches,
+                                std::span<const int> dropped) {
+  cpu::CrossEntropyLoss t;
+  std::size_t next = 0;
+  for (int m = 0; m < microbatches; ++m) {
+    if (next < dropped.size() && dropped[next] == m) {
+      ++next;
+      continue;
+    }
+    const auto l = tail.loss(m);
+    t.sum += l.sum;
+    t.count += l.count;
+  }
+  return t;
+}
 
 runtime::ParamRef find_param(runtime::TrainStage& stage, const std::string& name) {
   for (auto& p : stage.params())
@@ -175,7 +227,9 @@ TrainingEngine::StepSetup TrainingEngine::begin_step(std::span<const data::Packe
 }
 
 StepResult TrainingEngine::end_step(std::chrono::steady_clock::time_point t0,
-                                    std::span<const Timeline> tls, std::vector<double> peaks) {
+                                    std::span<const Timeline> tls, std::vector<double> peaks,
+                                    std::span<const data::PackedBatch> batches,
+                                    std::span<const MicrobatchDrops> drops) {
   auto& I = *impl_;
   const int P = I.lowered.shape.num_ranks;
   StepResult res;
@@ -183,7 +237,15 @@ StepResult TrainingEngine::end_step(std::chrono::steady_clock::time_point t0,
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.timeline = Timeline(P);
   for (const auto& tl : tls) res.timeline.merge(tl);
-  const auto loss = I.stages.back()->total_loss();
+  const auto decision = detail::decide_drops(drops, batches);
+  std::vector<runtime::TrainStage*> stages;
+  for (auto& st : I.stages) stages.push_back(st.get());
+  detail::apply_drops(decision, stages);
+  I.skip_update = decision.skip_update;
+  res.dropped_microbatches = decision.dropped;
+  res.update_skipped = decision.skip_update;
+  const auto loss =
+      detail::kept_loss(*I.stages.back(), static_cast<int>(batches.size()), decision.dropped);
   res.tokens = loss.count;
   res.loss = loss.mean();
   // The tied classifier: both copies get the summed gradient.
@@ -207,6 +269,7 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
 
 std::pair<double, double> TrainingEngine::optimizer_step() {
   auto& I = *impl_;
+  if (I.skip_update) return {0.0, 0.0};
   std::vector<AdamW*> opts;
   for (auto& o : I.optimizers) opts.push_back(o.get());
   // The tail's copy of the tied embedding is counted once.

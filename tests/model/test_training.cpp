@@ -2,6 +2,7 @@
 // learning on the fortunes corpus, exact resume from a checkpoint.
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
+#include <brigade/engine/training_distributed.hpp>
 #include <brigade/partition/policies.hpp>
 #include <brigade/plan/plan.hpp>
 #include <brigade/schedule/generators.hpp>
@@ -15,6 +16,7 @@
 
 #include "test_util.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -298,6 +300,132 @@ TEST_CASE("training over the caller's transports: TracingTransport endpoints giv
   CHECK(traced[0].sent(MessageKind::Token).messages == 0);
   CHECK_THROWS_WITH_AS(traced_engine.compute_gradients(std::span(traced).first(2), batches),
                        doctest::Contains("2 transports for a plan of 3 ranks"), Error);
+}
+
+namespace {
+
+/// Sets kFlagDropped on the received messages of one (kind, micro-batch), as VerifyingTransport's
+/// "drop" policy does on a flagged payload.
+template <transport::Transport Inner>
+class FlagOnReceive : public transport::ForwardingTransport<Inner> {
+ public:
+  FlagOnReceive(Inner& inner, transport::MessageKind kind, std::int64_t microbatch, bool active)
+      : transport::ForwardingTransport<Inner>(inner), kind_(kind), mb_(microbatch),
+        active_(active) {}
+  void wait(transport::Request& r, transport::Deadline d) {
+    this->wait_then(r, d, [&](transport::Request& done) { flag(done); });
+  }
+  bool test(transport::Request& r) {
+    return this->test_then(r, [&](transport::Request& done) { flag(done); });
+  }
+
+ private:
+  void flag(transport::Request& r) const {
+    if (active_ && r.is_recv && r.header.kind == kind_ && r.header.microbatch == mb_)
+      r.header.flags |= transport::kFlagDropped;
+  }
+  transport::MessageKind kind_;
+  std::int64_t mb_;
+  bool active_;
+};
+
+}  // namespace
+
+TEST_CASE("training.drop: an activation flagged on one rank drops its micro-batch on every rank; "
+          "the step is the one of the other micro-batches, over threads and DistributedTrainer") {
+  const auto samples = story_samples();
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = 3;
+  cfg.microbatches = 4;
+  const auto batches = split(samples, cfg.microbatches);
+  // The reference: the same engine on micro-batches 0, 1 and 3 only.
+  engine::TrainingConfig ref_cfg = cfg;
+  ref_cfg.microbatches = 3;
+  const std::vector<data::PackedBatch> kept{batches[0], batches[1], batches[3]};
+  engine::TrainingEngine ref(stories(), ref_cfg);
+  const auto want = ref.compute_gradients(kept);
+  const auto want_grads = ref.gradients();
+
+  transport::InProcessFabric fabric(cfg.ranks);
+  auto endpoints = transport::endpoints(fabric);
+  using Flagger = FlagOnReceive<transport::InProcessTransport>;
+  std::vector<Flagger> flagged;
+  for (auto& e : endpoints)  // rank 1 flags the activation of micro-batch 2 it receives
+    flagged.emplace_back(e, transport::MessageKind::Activation, 2, e.rank() == 1);
+  engine::TrainingEngine eng(stories(), cfg);
+  const auto got = eng.compute_gradients(std::span(flagged), batches);
+  CHECK(got.dropped_microbatches == std::vector<int>{2});
+  CHECK_FALSE(got.update_skipped);
+  CHECK(got.tokens == want.tokens);
+  CHECK(got.loss == doctest::Approx(want.loss).epsilon(1e-12));
+  const auto grads = eng.gradients();
+  for (const auto& [name, g] : want_grads) {
+    CAPTURE(name);
+    CHECK(relative_error(grads.at(name), g) < 1e-5);
+  }
+  // The same step by DistributedTrainer, one thread per rank: every rank agrees.
+  transport::InProcessFabric fabric2(cfg.ranks);
+  auto endpoints2 = transport::endpoints(fabric2);
+  std::vector<Flagger> flagged2;
+  for (auto& e : endpoints2)
+    flagged2.emplace_back(e, transport::MessageKind::Activation, 2, e.rank() == 1);
+  std::vector<engine::StepResult> results(static_cast<std::size_t>(cfg.ranks));
+  std::vector<std::map<std::string, std::vector<float>>> dist_grads(results.size());
+  engine::run_ranks(std::span(flagged2), [&](Flagger& t) {
+    engine::DistributedTrainer<Flagger> dist(t, stories(), cfg);
+    const auto r = static_cast<std::size_t>(t.rank());
+    results[r] = dist.compute_gradients(batches);
+    dist_grads[r] = dist.gradients();
+  });
+  for (const auto& r : results) {
+    CHECK(r.dropped_microbatches == std::vector<int>{2});
+    CHECK_FALSE(r.update_skipped);
+    CHECK(r.loss == doctest::Approx(want.loss).epsilon(1e-12));
+  }
+  for (const auto& per_rank : dist_grads)
+    for (const auto& [name, g] : per_rank) {
+      CAPTURE(name);
+      CHECK(relative_error(g, want_grads.at(name)) < 1e-5);
+    }
+}
+
+TEST_CASE("training.drop: a gradient flagged after downstream ranks added its micro-batch skips "
+          "the update on every rank; the next clean step trains as if it never happened") {
+  const auto samples = story_samples();
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = 2;
+  cfg.microbatches = 4;
+  const auto batches = split(samples, cfg.microbatches);
+  transport::InProcessFabric fabric(cfg.ranks);
+  auto endpoints = transport::endpoints(fabric);
+  using Flagger = FlagOnReceive<transport::InProcessTransport>;
+  std::vector<Flagger> flagged;
+  for (auto& e : endpoints)  // rank 0 flags micro-batch 1's gradient from rank 1 (B already ran)
+    flagged.emplace_back(e, transport::MessageKind::Gradient, 1, e.rank() == 0);
+  engine::TrainingEngine eng(stories(), cfg), clean(stories(), cfg);
+  const auto before = eng.export_weights();
+  const auto got = eng.compute_gradients(std::span(flagged), batches);
+  CHECK(got.dropped_microbatches == std::vector<int>{1});
+  CHECK(got.update_skipped);
+  for (const auto& [name, g] : eng.gradients()) {
+    CAPTURE(name);
+    CHECK(std::all_of(g.begin(), g.end(), [](float x) { return x == 0.0f; }));
+  }
+  CHECK(eng.optimizer_step() == std::pair<double, double>{0.0, 0.0});
+  CHECK(eng.steps() == 0);
+  {
+    const auto after = eng.export_weights();
+    const auto n = static_cast<std::size_t>(stories().config.vocab_size * stories().config.dim);
+    CHECK(std::equal(after.token_embedding, after.token_embedding + n, before.token_embedding));
+  }
+  // A clean step afterwards is the first step of an engine that never saw the attack.
+  const auto a = eng.train_step(batches);
+  const auto b = clean.train_step(batches);
+  CHECK(a.loss == b.loss);
+  CHECK(a.dropped_microbatches.empty());
+  CHECK(eng.gradients() == clean.gradients());
 }
 
 TEST_CASE("training.errors: bad configurations and inputs are refused") {

@@ -33,6 +33,17 @@
 namespace brigade::engine {
 inline namespace v0 {
 
+/// One rank's record of the micro-batches of a step that an integrity check flagged
+/// (transport::kFlagDropped, set by VerifyingTransport's "drop" policy on the receiving rank and
+/// carried by every later message of the micro-batch), for the step's agreement
+/// (detail::decide_drops).
+struct MicrobatchDrops {
+  std::vector<char> dropped;  ///< [M] 1: this rank received a message of the micro-batch flagged
+  /// [M] 1: this rank added the micro-batch's weight gradients (its BW ran before any flag
+  /// reached this rank): dropping it then needs the whole update skipped
+  std::vector<char> applied;
+};
+
 /// The training side of the executor (engine::execute): one rank's TrainStages for one step.
 ///
 /// F of the first virtual stage reads the micro-batch's token ids; F of another reads the
@@ -45,6 +56,13 @@ inline namespace v0 {
 /// Received activations and gradients are held per (virtual stage, micro-batch) from their RECV
 /// until the F or BI that consumes them; a stage's output (input gradient) is released by its
 /// SEND, or by the next virtual stage's F (BI) when that stage is on this rank.
+///
+/// Dropped micro-batches (SENTINEL's "drop" policy, docs/integrity.md): a received message whose
+/// header carries transport::kFlagDropped marks its micro-batch dropped on this rank; its payload
+/// is replaced by zeros (so the rest of the micro-batch's work stays finite whatever the corrupted
+/// bytes were), every later message of the micro-batch this rank sends carries the flag, and its
+/// BW frees the stash without adding weight gradients (TrainStage::skip_backward_weight). The
+/// schedule itself runs unchanged, so no rank waits on a message that is not sent.
 class TrainingWorker {
  public:
   /// @param program   the rank's lowered actions (read once, for the RECOMPUTE set)
@@ -68,6 +86,8 @@ class TrainingWorker {
     const auto keys = static_cast<std::size_t>(shape.num_virtual_stages) *
                       static_cast<std::size_t>(shape.num_microbatches);
     recomputed_.assign(keys, 0);
+    drops_.dropped.assign(static_cast<std::size_t>(shape.num_microbatches), 0);
+    drops_.applied.assign(static_cast<std::size_t>(shape.num_microbatches), 0);
     in_f_.resize(keys);
     in_b_.resize(keys);
     for (const auto& a : program)
@@ -93,13 +113,13 @@ class TrainingWorker {
         break;
       case Op::B:
         backward_input(v, mb);
-        stage(v).backward_weight(mb);
+        backward_weight(v, mb);
         break;
       case Op::BI:
         backward_input(v, mb);
         break;
       case Op::BW:
-        stage(v).backward_weight(mb);
+        backward_weight(v, mb);
         break;
       case Op::Prefetch:
       case Op::Release:
@@ -130,8 +150,16 @@ class TrainingWorker {
     release(dst);
     dst.resize(p.size() / sizeof(float));
     copies_bytes_ += dst.capacity() * sizeof(float);
-    std::memcpy(dst.data(), p.data(), p.size());
+    if ((msgs[0].header.flags & transport::kFlagDropped) != 0) {
+      drops_.dropped[static_cast<std::size_t>(a.microbatch)] = 1;
+      std::fill(dst.begin(), dst.end(), 0.0f);
+    } else {
+      std::memcpy(dst.data(), p.data(), p.size());
+    }
   }
+
+  /// The micro-batches this rank saw flagged, and those whose weight gradients it added.
+  [[nodiscard]] const MicrobatchDrops& drops() const noexcept { return drops_; }
 
   /// Bytes held right now: the received copies plus every stage's TrainStage::held_bytes()
   /// (O(virtual stages)); what ExecutorStats::peak_memory_bytes adds to the windows.
@@ -147,11 +175,11 @@ class TrainingWorker {
     const int v = a.virtual_stage, mb = a.microbatch;
     auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
     const auto peer = schedule::counterpart(*shape_, a);
-    out.add(fwd ? kTagActivation : kTagGradient,
-            transport::MessageHeader::make(
-                mb, peer->virtual_stage, transport::DType::F32, {batch(mb).rows(), dim_}, 0,
-                fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient),
-            transport::as_bytes(src));
+    auto header = transport::MessageHeader::make(
+        mb, peer->virtual_stage, transport::DType::F32, {batch(mb).rows(), dim_}, 0,
+        fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient);
+    if (drops_.dropped[static_cast<std::size_t>(mb)] != 0) header.flags |= transport::kFlagDropped;
+    out.add(fwd ? kTagActivation : kTagGradient, header, transport::as_bytes(src));
     if (fwd)
       stage(v).release_output(mb);
     else
@@ -202,6 +230,15 @@ class TrainingWorker {
     if (!in.empty()) release(in);
     else if (!tail) stage(v + 1).release_grad_input(mb);
   }
+  void backward_weight(int v, int mb) {
+    const auto m = static_cast<std::size_t>(mb);
+    if (drops_.dropped[m] != 0) {
+      stage(v).skip_backward_weight(mb);
+    } else {
+      stage(v).backward_weight(mb);
+      drops_.applied[m] = 1;
+    }
+  }
   void release(std::vector<float>& v) noexcept {
     copies_bytes_ -= v.capacity() * sizeof(float);
     std::vector<float>().swap(v);
@@ -214,6 +251,7 @@ class TrainingWorker {
   double denominator_;
   int dim_;
   std::vector<char> recomputed_;
+  MicrobatchDrops drops_;
   std::vector<std::vector<float>> in_f_, in_b_;  // received, per (virtual stage, micro-batch)
   std::size_t copies_bytes_ = 0;                 // capacities of in_f_ and in_b_
 };
@@ -228,6 +266,7 @@ class TrainingWorker {
 /// @param batches   the step's micro-batches (every rank sees all of them)
 /// @param grad_denominator the step's total target rows (the loss is their mean)
 /// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
+/// @param drops     when given, receives the micro-batches this rank saw flagged (TrainingWorker)
 /// @return the rank's peak memory (ExecutorStats; the stages should hold nothing at the start,
 ///         as after TrainStage::zero_grad)
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
@@ -237,11 +276,13 @@ ExecutorStats run_training_program(std::span<const schedule::Action> program, co
                           std::span<const data::PackedBatch> batches, double grad_denominator,
                           T& transport, std::chrono::steady_clock::time_point t0,
                           double timeout_s, Timeline& timeline, int dim,
-                          ExecutorWindows windows = {}) {
+                          ExecutorWindows windows = {}, MicrobatchDrops* drops = nullptr) {
   TrainingWorker worker(program, shape, rank, stages, batches, grad_denominator, dim);
   FixedProgram source(program);
-  return execute(source, worker, transport, ExecutorRun{&shape, rank, t0, timeout_s, windows},
-                 timeline);
+  const auto stats = execute(source, worker, transport,
+                             ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
+  if (drops != nullptr) *drops = worker.drops();
+  return stats;
 }
 
 /// How a training engine runs a plan: the optimizer, the wait limit and intra-op threads.
@@ -296,6 +337,14 @@ struct StepResult {
   double seconds = 0.0;          ///< wall time of forward + backward (+ optimizer)
   double lr = 0.0;               ///< learning rate used (0 when no optimizer step was taken)
   double grad_norm = 0.0;        ///< global gradient norm before clipping
+  /// Micro-batches dropped this step (an integrity check flagged one of their messages, the
+  /// "drop" policy): their loss and weight gradients are left out on every rank, the others'
+  /// gradients rescaled to the mean over the rows kept; `loss` and `tokens` count the kept ones.
+  std::vector<int> dropped_microbatches;
+  /// True when the step's update is skipped on every rank: every micro-batch was dropped, or a
+  /// rank had already added a dropped micro-batch's weight gradients when the flag was raised
+  /// (a gradient flagged upstream of it). optimizer_step() then takes no step.
+  bool update_skipped = false;
   Timeline timeline{1};          ///< measured intervals, one row per rank
   /// Per rank: the step's peak memory in bytes (ExecutorStats::peak_memory_bytes: activation
   /// stashes + received copies + outputs and input gradients waiting to be sent + the receive
@@ -348,6 +397,7 @@ class TrainingEngine {
     const int P = s.lowered->shape.num_ranks;
     std::vector<Timeline> tls(static_cast<std::size_t>(P), Timeline(P));
     std::vector<double> peaks(static_cast<std::size_t>(P), 0.0);
+    std::vector<MicrobatchDrops> drops(static_cast<std::size_t>(P));
     const auto t0 = std::chrono::steady_clock::now();
     run_ranks(transports, [&](T& tp) {
       const int r = tp.rank();
@@ -357,13 +407,15 @@ class TrainingEngine {
       peaks[static_cast<std::size_t>(r)] = static_cast<double>(
           run_training_program(s.lowered->ranks[static_cast<std::size_t>(r)], s.lowered->shape,
                                r, mine, batches, s.rows, tp, t0, s.timeout_s,
-                               tls[static_cast<std::size_t>(r)], s.dim, s.windows)
+                               tls[static_cast<std::size_t>(r)], s.dim, s.windows,
+                               &drops[static_cast<std::size_t>(r)])
               .peak_memory_bytes);
     });
-    return end_step(t0, tls, std::move(peaks));
+    return end_step(t0, tls, std::move(peaks), batches, drops);
   }
   /// Global-norm clipping and one AdamW update of every stage, from the gradients left by
-  /// compute_gradients(). @return {learning rate, gradient norm before clipping}
+  /// compute_gradients(); nothing when that step's update was skipped (StepResult::update_skipped).
+  /// @return {learning rate, gradient norm before clipping}; {0, 0} for a skipped update
   std::pair<double, double> optimizer_step();
   /// compute_gradients() then optimizer_step().
   StepResult train_step(std::span<const data::PackedBatch> batches);
@@ -403,15 +455,41 @@ class TrainingEngine {
   };
   /// Checks the batches (and that `ranks` transports match the plan), zeroes the gradients.
   StepSetup begin_step(std::span<const data::PackedBatch> batches, std::size_t ranks);
-  /// The step's result from every rank's Timeline and peak; sums the tied gradients.
+  /// The step's result from every rank's Timeline, peak and dropped micro-batches (agreed by
+  /// detail::decide_drops and applied by detail::apply_drops); sums the tied gradients.
   StepResult end_step(std::chrono::steady_clock::time_point t0, std::span<const Timeline> tls,
-                      std::vector<double> peaks);
+                      std::vector<double> peaks, std::span<const data::PackedBatch> batches,
+                      std::span<const MicrobatchDrops> drops);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
 namespace detail {
+
+/// What every rank does about a step's flagged micro-batches (SENTINEL's "drop" policy).
+struct DropDecision {
+  std::vector<int> dropped;   ///< micro-batches flagged on any rank, ascending
+  bool skip_update = false;   ///< every micro-batch dropped, or one's gradients already added
+  double scale = 1.0;         ///< factor on the kept gradients: total rows / kept rows
+};
+
+/// The agreement of one step from every rank's MicrobatchDrops (`per_rank`, each [M] long), the
+/// same on every rank: a micro-batch is dropped when any rank saw it flagged; the update is
+/// skipped when a rank had added a dropped micro-batch's weight gradients (its flag reached that
+/// rank after its BW) or nothing is kept; else the kept gradients are scaled by total rows / kept
+/// rows (the loss is the mean over kept rows).
+/// @throws brigade::Error{Internal} if the masks' lengths differ from batches.size()
+DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
+                          std::span<const data::PackedBatch> batches);
+
+/// Applies `d` to this rank's stages (null entries skipped): every gradient zeroed when the
+/// update is skipped, else multiplied by d.scale (when it differs from 1).
+void apply_drops(const DropDecision& d, std::span<runtime::TrainStage* const> stages);
+
+/// The summed loss of the tail stage's micro-batches not in `dropped` (ascending).
+cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage& tail, int microbatches,
+                                std::span<const int> dropped);
 
 /// Checks that `plan` is one a training engine runs for a model of `model` with `options`.
 /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor

@@ -184,15 +184,37 @@ class DistributedTrainer {
       const int P = shape.num_ranks;
       const auto t0 = start_clock();
       Timeline tl(P);
+      MicrobatchDrops drops;
       const auto stats = run_training_program(
           plan_.program(rank()), shape, rank(), stage_ptrs(), batches, static_cast<double>(rows),
-          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows);
+          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows, &drops);
       StepResult res;
       const double end_s = seconds_since(t0);
       res.seconds = end_s;
       res.timeline = gather_timeline(tl, end_s, static_cast<double>(stats.peak_memory_bytes),
                                      res.peak_memory_bytes);
-      const auto loss = reduce_loss([&] { return stages_.back()->total_loss(); });
+      // Every rank's flagged micro-batches, so that all of them decide alike.
+      const auto M = static_cast<std::size_t>(shape.num_microbatches);
+      std::vector<double> mine(2 * M, 0.0);
+      for (std::size_t m = 0; m < M; ++m) {
+        mine[m] = drops.dropped[m];
+        mine[M + m] = drops.applied[m];
+      }
+      const auto all = all_gather(mine);
+      std::vector<MicrobatchDrops> per_rank(static_cast<std::size_t>(P));
+      for (std::size_t r = 0; r < per_rank.size(); ++r)
+        for (std::size_t m = 0; m < M; ++m) {
+          per_rank[r].dropped.push_back(all[r * 2 * M + m] != 0.0 ? 1 : 0);
+          per_rank[r].applied.push_back(all[r * 2 * M + M + m] != 0.0 ? 1 : 0);
+        }
+      const auto decision = detail::decide_drops(per_rank, batches);
+      detail::apply_drops(decision, stage_ptrs());
+      skip_update_ = decision.skip_update;
+      res.dropped_microbatches = decision.dropped;
+      res.update_skipped = decision.skip_update;
+      const auto loss = reduce_loss([&] {
+        return detail::kept_loss(*stages_.back(), shape.num_microbatches, decision.dropped);
+      });
       res.tokens = loss.count;
       res.loss = loss.mean();
       sum_tied_gradients();
@@ -201,8 +223,11 @@ class DistributedTrainer {
   }
 
   /// Global-norm clipping and one AdamW update of this rank's stages (collective: the squared
-  /// gradient sums are exchanged). @return {learning rate, gradient norm before clipping}
+  /// gradient sums are exchanged); nothing on any rank when the last step's update was skipped
+  /// (StepResult::update_skipped, the same on every rank).
+  /// @return {learning rate, gradient norm before clipping}; {0, 0} for a skipped update
   std::pair<double, double> optimizer_step() {
+    if (skip_update_) return {0.0, 0.0};
     return guarded([&] {
       const int N = plan_.shape().num_virtual_stages;
       std::vector<AdamW*> opts;
@@ -554,6 +579,7 @@ class DistributedTrainer {
   std::vector<std::unique_ptr<runtime::TrainStage>> stages_;  // by virtual stage; null elsewhere
   std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
   std::int64_t steps_ = 0;
+  bool skip_update_ = false;  // the last compute_gradients' DropDecision::skip_update
   int calls_ = 0;
 };
 

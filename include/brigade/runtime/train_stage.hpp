@@ -64,6 +64,11 @@ class TrainStage {
   /// Backward-weight of `mb`: adds its weight gradients, then frees its stash.
   /// @throws brigade::Error{InvalidUsage} if backward_input(mb) has not run
   void backward_weight(int mb);
+  /// Backward-weight of a dropped micro-batch (one an integrity check flagged,
+  /// transport::kFlagDropped): frees its stash as backward_weight does but adds nothing to the
+  /// weight gradients. loss(mb) and grad_input(mb) stay readable.
+  /// @throws brigade::Error{InvalidUsage} if backward_input(mb) has not run
+  void skip_backward_weight(int mb);
 
   /// [rows x dim] output activations of `mb` (valid after forward until released).
   [[nodiscard]] std::span<const float> output(int mb) const;
@@ -122,6 +127,8 @@ class TrainStage {
   template <class F>
   void accounted(int mb, F&& f);
   void run_forward(int mb, Micro& m, const float* x_in);
+  /// backward_weight (accumulate) or skip_backward_weight (not): frees the stash after.
+  void finish_backward_weight(int mb, bool accumulate);
 
   model::LlamaConfig config_;
   partition::StageRange range_;
