@@ -298,6 +298,12 @@ TEST_CASE("training over the caller's transports: TracingTransport endpoints giv
     CHECK(here.received(MessageKind::Gradient, r + 1).bytes == bytes);
   }
   CHECK(traced[0].sent(MessageKind::Token).messages == 0);
+  // The same transports carry the next steps (train_step over them): as the plain engine's.
+  for (int step = 0; step < 2; ++step) {
+    CHECK(traced_engine.train_step(std::span(traced), batches).loss ==
+          plain.train_step(batches).loss);
+  }
+  CHECK(traced[1].received(MessageKind::Activation, 0).messages == 3 * cfg.microbatches);
   CHECK_THROWS_WITH_AS(traced_engine.compute_gradients(std::span(traced).first(2), batches),
                        doctest::Contains("2 transports for a plan of 3 ranks"), Error);
 }

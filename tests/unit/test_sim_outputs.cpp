@@ -131,6 +131,17 @@ TEST_CASE("sim.trace.1f1b.p2.m2: the Chrome trace holds one event per interval")
   const auto r = simulate(s, UnitCostModel(s.shape, 1.0, 2.0));
   const auto j = brigade::io::to_chrome_trace(r.timeline);
   CHECK(j["traceEvents"].size() == r.timeline.intervals().size() + 2);  // + 2 row names
+  // A mark is an instant event on its rank's row, at its time from the first interval.
+  auto marked = r.timeline;
+  marked.add_mark({1, marked.begin() + 0.5, "flagged", "activation from rank 0"});
+  const auto jm = brigade::io::to_chrome_trace(marked);
+  REQUIRE(jm["traceEvents"].size() == j["traceEvents"].size() + 1);
+  const auto& ev = jm["traceEvents"].back();
+  CHECK(ev["ph"] == "i");
+  CHECK(ev["tid"] == 1);
+  CHECK(ev["ts"].get<double>() == doctest::Approx(0.5e6));
+  CHECK(ev["args"]["detail"] == "activation from rank 0");
+  CHECK_THROWS_AS(marked.add_mark({2, 0.0, "x", ""}), brigade::Error);
   const auto m = brigade::sim::metrics_json(r);
   CHECK(m["makespan_s"].get<double>() == doctest::Approx(r.makespan));
   CHECK(m["bubble_ratio"].get<double>() == doctest::Approx(1.0 / 3.0));

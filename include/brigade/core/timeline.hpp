@@ -28,7 +28,16 @@ struct Interval {
   [[nodiscard]] double duration() const noexcept { return end - start; }
 };
 
-/// Per-rank intervals of one run, measured (executor) or predicted (simulator).
+/// An instant on one rank worth seeing beside its intervals: an integrity check's verdict on a
+/// received message (transport/verify.hpp), a fault injected.
+struct Mark {
+  int rank = 0;        ///< the rank it happened on
+  double at = 0.0;     ///< seconds since the Timeline's origin
+  std::string name;    ///< short name ("verdict", "flagged", "fault")
+  std::string detail;  ///< free text (what was checked, the score, the threshold)
+};
+
+/// Per-rank intervals of one run, measured (executor) or predicted (simulator), and marks.
 ///
 /// Intervals of one rank may overlap only when they are communication (a send in flight while
 /// the rank computes) or weight loads (a PREFETCH on the rank's I/O lane); busy time counts
@@ -51,16 +60,26 @@ class Timeline {
     intervals_.push_back(std::move(iv));
   }
 
-  /// Appends every interval of `other` (same number of ranks).
+  /// Adds one mark (it takes no time and counts in no busy time or makespan).
+  /// @throws brigade::Error{InvalidArgument} if its rank is outside [0, num_ranks)
+  void add_mark(Mark m) {
+    BRIGADE_CHECK(m.rank >= 0 && m.rank < num_ranks_, Errc::InvalidArgument,
+                  "Timeline::add_mark: rank {} outside [0, {})", m.rank, num_ranks_);
+    marks_.push_back(std::move(m));
+  }
+
+  /// Appends every interval and mark of `other` (same number of ranks).
   /// @throws brigade::Error{InvalidArgument} if the rank counts differ
   void merge(const Timeline& other) {
     BRIGADE_CHECK(other.num_ranks_ == num_ranks_, Errc::InvalidArgument,
                   "Timeline::merge: {} ranks vs {}", other.num_ranks_, num_ranks_);
     intervals_.insert(intervals_.end(), other.intervals_.begin(), other.intervals_.end());
+    marks_.insert(marks_.end(), other.marks_.begin(), other.marks_.end());
   }
 
   [[nodiscard]] int num_ranks() const noexcept { return num_ranks_; }
   [[nodiscard]] const std::vector<Interval>& intervals() const noexcept { return intervals_; }
+  [[nodiscard]] const std::vector<Mark>& marks() const noexcept { return marks_; }
 
   /// Earliest start over all intervals (0 when empty), seconds.
   [[nodiscard]] double begin() const noexcept {
@@ -100,6 +119,7 @@ class Timeline {
  private:
   int num_ranks_;
   std::vector<Interval> intervals_;
+  std::vector<Mark> marks_;
 };
 
 }  // namespace v0

@@ -159,6 +159,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
       tp.wait(r, deadline());
     }
     const auto t0 = std::chrono::steady_clock::now();
+    report.origin = t0;
     run_inference_rank(tp, weights, plan, layout, me == root ? &book : nullptr, options, t0,
                        report.timeline);
     double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -73,6 +73,9 @@ struct InferenceReport {
   /// Measured intervals, one row per rank: F (label prefill/decode), SAMPLE, RECV (the wait)
   /// and SEND (post to completion), each with its virtual stage, micro-batch and round (chunk).
   Timeline timeline{1};
+  /// The steady-clock instant the timeline's 0 stands for (this process's clock): what places
+  /// events measured beside the engine (VerifyingTransport's verdicts) on the timeline.
+  std::chrono::steady_clock::time_point origin{};
   double wall_s = 0.0;                    ///< seconds from start to the last stage's end
   std::int64_t prompt_tokens = 0;         ///< prompt tokens prefilled
   std::int64_t generated_tokens = 0;      ///< tokens sampled
@@ -330,6 +333,7 @@ InferenceReport generate(std::span<T> transports, const model::LlamaWeights& wei
 
   InferenceReport report;
   report.timeline = Timeline(P);
+  report.origin = t0;
   for (const auto& tl : timelines) report.timeline.merge(tl);
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.sequences = book.results();

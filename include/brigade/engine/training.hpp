@@ -351,6 +351,9 @@ struct StepResult {
   /// and send windows' buffers), what sim::simulate predicts as SimResult::peak_memory_bytes.
   /// DistributedTrainer: every rank's on rank 0, empty on the other ranks.
   std::vector<double> peak_memory_bytes;
+  /// The steady-clock instant the timeline's 0 stands for (this process's clock): what places
+  /// events measured beside the engine (VerifyingTransport's verdicts) on the timeline.
+  std::chrono::steady_clock::time_point origin{};
 };
 
 /// Trains a Llama split into pipeline stages, one thread per rank over an InProcessTransport,
@@ -419,6 +422,19 @@ class TrainingEngine {
   std::pair<double, double> optimizer_step();
   /// compute_gradients() then optimizer_step().
   StepResult train_step(std::span<const data::PackedBatch> batches);
+  /// compute_gradients(transports, batches) then optimizer_step(): a step over the caller's
+  /// transports, which may be kept from step to step (decorators that learn across steps, such
+  /// as VerifyingTransport's monitors). @throws brigade::Error as compute_gradients
+  template <transport::Transport T>
+  StepResult train_step(std::span<T> transports, std::span<const data::PackedBatch> batches) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepResult r = compute_gradients(transports, batches);
+    const auto [lr, norm] = optimizer_step();
+    r.lr = lr;
+    r.grad_norm = norm;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  }
   /// Mean cross-entropy of `batches` under the current parameters (forward only, no gradients).
   /// @throws brigade::Error{InvalidArgument} if batches is empty
   double evaluate(std::span<const data::PackedBatch> batches);

@@ -191,6 +191,7 @@ class DistributedTrainer {
       StepResult res;
       const double end_s = seconds_since(t0);
       res.seconds = end_s;
+      res.origin = t0;
       res.timeline = gather_timeline(tl, end_s, static_cast<double>(stats.peak_memory_bytes),
                                      res.peak_memory_bytes);
       // Every rank's flagged micro-batches, so that all of them decide alike.

@@ -19,7 +19,8 @@ inline namespace v0 {
 /// one row (tid) per rank, named "stage R"; each event is named "OP mb" with the op's text
 /// form and carries microbatch, virtual stage, chunk and tokens in "args". Weight and cache
 /// movement (PREFETCH, RELEASE, MIGRATE) overlaps compute, so it goes on a row of its own per
-/// rank that has any: tid P + R, named "stage R I/O".
+/// rank that has any: tid P + R, named "stage R I/O". Marks are instant ("i") events on their
+/// rank's row, with the detail in "args".
 inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row_name = "stage") {
   nlohmann::json events = nlohmann::json::array();
   const double t0 = tl.begin();
@@ -50,6 +51,14 @@ inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row
                         {"chunk", iv.chunk},
                         {"tokens", iv.tokens}}}});
   }
+  for (const auto& m : tl.marks())
+    events.push_back({{"name", m.name},
+                      {"ph", "i"},
+                      {"s", "t"},
+                      {"pid", 0},
+                      {"tid", m.rank},
+                      {"ts", (m.at - t0) * 1e6},
+                      {"args", {{"detail", m.detail}}}});
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }
 
