@@ -1,6 +1,6 @@
-// transport/decorators.hpp under mpirun: one process per rank, every rank's MpiTransport wrapped
-// in a checking decorator (and rank 0's in a corrupting one); a bit flipped in one stories260K
-// activation stops the run on every process, naming the receiving rank, the sending rank, the
+// transport/faults.hpp and transport/verify.hpp under mpirun: one process per rank, every rank's
+// MpiTransport wrapped in a verifying decorator (and rank 0's in a fault-injecting one); bits
+// flipped in one stories260K activation stop the run on every process, naming the receiving rank, the sending rank, the
 // kind and the micro-batch (tests/flip_scenario.hpp; the same scenario runs on threads in
 // tests/model/test_generate_on.cpp).
 #include <brigade/model/weights.hpp>
@@ -17,8 +17,9 @@
 
 using namespace brigade;
 
-TEST_CASE("mpi.decorators: a flipped activation bit is rejected by the receiving rank's check and "
-          "every process stops naming rank 1, rank 0, the kind and the micro-batch") {
+TEST_CASE("mpi.decorators: bits flipped in one activation are rejected by the receiving rank's "
+          "SENTINEL verifier and every process stops naming rank 1, rank 0, the kind and the "
+          "micro-batch") {
   const std::filesystem::path data = BRIGADE_MODEL_DIR;
   const auto weights = model::load_llama2c_checkpoint(data / "stories260K.bin");
   std::ifstream in(data / "reference" / "stories260K_greedy.json");

@@ -1,12 +1,14 @@
 // Decorators over any Transport: a forwarding base, byte and time tracing per message kind and
-// peer, fault injection (a rank that exits, a payload corrupted in flight) and an inspection hook
-// that checks received payloads before the engine sees them. Each decorator is itself a
+// peer, a rank that exits (fault injection for multi-process runs) and an inspection hook that
+// checks received payloads before the engine sees them. Payload corruption is in
+// transport/faults.hpp (FaultInjectingTransport), the SENTINEL integrity checks built on the
+// inspection hook in transport/verify.hpp (VerifyingTransport). Each decorator is itself a
 // Transport (and an AbortableTransport when its inner one is), so they compose:
 //
 // @code
 //   InProcessTransport base(fabric, r);
-//   CorruptingTransport bad(base, {.kind = MessageKind::Activation, .microbatch = 1, .rank = 0});
-//   InspectingTransport checked(bad, MessageKind::Activation, my_check);
+//   FaultInjectingTransport bad(base, parse_fault_spec("bitflip:1:0.1:rank=0"));
+//   VerifyingTransport checked(bad, SentinelConfig{}, VerifyPolicy::Stop);
 //   engine::generate_on(checked, weights, partition, requests);
 // @endcode
 #pragma once
@@ -20,10 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <deque>
 #include <functional>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -230,136 +229,66 @@ class ExitAfterSteps : public ForwardingTransport<Inner> {
   int steps_ = 0;
 };
 
-/// How CorruptingTransport changes a payload.
-enum class Corruption {
-  FlipBit,  ///< flips bit `bit` of element `element` (bit 0 = least significant, little-endian)
-  Scale,    ///< multiplies every element by `factor` (F32 payloads only)
-  Zero,     ///< sets every byte to zero
-};
-
-/// Which messages CorruptingTransport corrupts, and how. A message is chosen when it is sent by
-/// rank `rank` (kAny: by every rank the decorator wraps), to `peer` (kAny: any), of `kind`, for
-/// micro-batch `microbatch` and chunk `chunk` (kAny: any), and its payload holds element
-/// `element`; the first `count` such messages are corrupted.
-struct CorruptionSpec {
-  MessageKind kind = MessageKind::Activation;  ///< kind of the messages to corrupt
-  std::int64_t microbatch = kAny;              ///< micro-batch (header.microbatch), or kAny
-  std::int64_t chunk = kAny;                   ///< chunk (header.chunk; the round in inference)
-  int rank = static_cast<int>(kAny);           ///< the sending rank, or kAny
-  int peer = static_cast<int>(kAny);           ///< the receiving rank, or kAny
-  Corruption how = Corruption::FlipBit;        ///< what to do to the payload
-  std::int64_t element = 0;                    ///< element index (FlipBit), row-major, >= 0
-  int bit = 30;                                ///< bit of that element (FlipBit): 30 = top exponent bit of an f32
-  float factor = 2.0f;                         ///< multiplier (Scale)
-  int count = 1;                               ///< messages to corrupt, >= 1
-};
-
-/// Corrupts chosen outgoing payloads (CorruptionSpec) on the sending side, as a faulty link or a
-/// Byzantine rank would: the inner transport sends a corrupted copy, the caller's buffer is left
-/// as it is. The copies live as long as the decorator (at most spec.count of them). Everything
-/// else is forwarded.
-template <Transport Inner>
-class CorruptingTransport : public ForwardingTransport<Inner> {
- public:
-  /// @throws brigade::Error{InvalidArgument} for count < 1, element < 0, or bit outside [0, 64)
-  CorruptingTransport(Inner& inner, CorruptionSpec spec)
-      : ForwardingTransport<Inner>(inner), spec_(spec) {
-    BRIGADE_CHECK(spec.count >= 1, Errc::InvalidArgument,
-                  "CorruptingTransport: count = {}, expected >= 1", spec.count);
-    BRIGADE_CHECK(spec.element >= 0, Errc::InvalidArgument,
-                  "CorruptingTransport: element = {}, expected >= 0", spec.element);
-    BRIGADE_CHECK(spec.bit >= 0 && spec.bit < 64, Errc::InvalidArgument,
-                  "CorruptingTransport: bit = {}, expected in [0, 64)", spec.bit);
-  }
-
-  /// Sends a corrupted copy when the message is chosen, else forwards.
-  /// @throws brigade::Error{InvalidArgument} for Scale on a payload that is not F32, or a bit
-  ///         beyond the element's size; as the inner isend
-  Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
-    if (!chosen(peer, header)) return this->inner_->isend(peer, tag, header, payload);
-    auto& copy = copies_.emplace_back(payload.begin(), payload.end());
-    corrupt(header, copy);
-    return this->inner_->isend(peer, tag, header, ConstBytes(copy));
-  }
-
-  /// Messages corrupted so far.
-  [[nodiscard]] int corrupted() const noexcept { return static_cast<int>(copies_.size()); }
-
- private:
-  [[nodiscard]] bool chosen(int peer, const MessageHeader& h) const {
-    const std::size_t esize = dtype_size(h.dtype);
-    return corrupted() < spec_.count && h.kind == spec_.kind &&
-           (spec_.rank == kAny || spec_.rank == this->rank()) &&
-           (spec_.peer == kAny || spec_.peer == peer) &&
-           (spec_.microbatch == kAny || spec_.microbatch == h.microbatch) &&
-           (spec_.chunk == kAny || spec_.chunk == h.chunk) &&
-           (spec_.how != Corruption::FlipBit ||
-            static_cast<std::size_t>(spec_.element) < h.nbytes() / esize);
-  }
-
-  void corrupt(const MessageHeader& h, std::vector<std::byte>& p) const {
-    switch (spec_.how) {
-      case Corruption::FlipBit: {
-        const std::size_t esize = dtype_size(h.dtype);
-        BRIGADE_CHECK(static_cast<std::size_t>(spec_.bit) < 8 * esize, Errc::InvalidArgument,
-                      "CorruptingTransport: bit {} of a {}-byte {} element", spec_.bit, esize,
-                      to_string(h.dtype));
-        auto& b = p[static_cast<std::size_t>(spec_.element) * esize +
-                    static_cast<std::size_t>(spec_.bit / 8)];
-        b ^= std::byte{static_cast<unsigned char>(1u << (spec_.bit % 8))};
-        break;
-      }
-      case Corruption::Scale: {
-        BRIGADE_CHECK(h.dtype == DType::F32, Errc::InvalidArgument,
-                      "CorruptingTransport: Scale on a {} payload ({}), expected f32",
-                      to_string(h.dtype), h.to_string());
-        for (std::size_t i = 0; i + sizeof(float) <= p.size(); i += sizeof(float)) {
-          float v = 0.0f;
-          std::memcpy(&v, p.data() + i, sizeof v);
-          v *= spec_.factor;
-          std::memcpy(p.data() + i, &v, sizeof v);
-        }
-        break;
-      }
-      case Corruption::Zero:
-        std::fill(p.begin(), p.end(), std::byte{0});
-        break;
-    }
-  }
-
-  CorruptionSpec spec_;
-  std::deque<std::vector<std::byte>> copies_;  // deque: a copy never moves while in flight
-};
-
 // ------------------------------------------------------------------------------------------------
 // Inspection
 
-/// A check of one received payload: the header that arrived, the sending rank, the payload bytes
-/// (exactly header.nbytes()). Returns the reason to reject it, or std::nullopt to accept.
-using PayloadCheck =
-    std::function<std::optional<std::string>(const MessageHeader& header, int from,
-                                             ConstBytes payload)>;
+/// What an inspection decides about one received message.
+enum class Verdict {
+  Accept,  ///< deliver it as it is
+  Drop,    ///< deliver it with kFlagDropped set in the header the caller reads (the engine drops
+           ///< the micro-batch's contribution: transport.hpp, kFlagDropped)
+  Reject,  ///< refuse it: the wait (or test) throws Error{Rejected}
+};
 
-/// Runs `check` on every received payload of `kind`, on the receiving rank, after the inner
-/// transport completed the receive and before the caller (the engine) sees it: the joint where
-/// integrity checks (SENTINEL-style activation checks) plug in. A rejected message makes the
-/// wait (or test) throw Error{Rejected} naming this (receiving) rank, the sending rank, the kind,
-/// the micro-batch, stage and chunk, and the check's reason. The engines then abort the other
-/// ranks through the transport (AbortableTransport), which stop with Error{Aborted} quoting it.
+/// A check's verdict and, for Drop and Reject, why (quoted in the Rejected error).
+struct CheckResult {
+  Verdict verdict = Verdict::Accept;  ///< what to do with the message
+  std::string reason;                 ///< why (empty for Accept)
+};
+
+/// A check of one received payload: the header that arrived, the sending rank, the payload bytes
+/// (exactly header.nbytes(), in the caller's receive buffer). Returns the verdict.
+using PayloadCheck =
+    std::function<CheckResult(const MessageHeader& header, int from, ConstBytes payload)>;
+
+/// Runs `check` on every received payload whose kind is one of `kinds`, on the receiving rank,
+/// after the inner transport completed the receive and before the caller (the engine) sees it:
+/// the joint where integrity checks (transport/verify.hpp, SENTINEL) plug in. The verdict:
+/// - Accept: the receive completes as usual;
+/// - Drop: the receive completes and the request's header (what the caller reads after wait or
+///   test) has `flags |= kFlagDropped`; the payload is delivered;
+/// - Reject: the wait (or test) throws Error{Rejected} "rank R: rejected the <kind> message from
+///   rank F for micro-batch M (stage S, chunk C, tag T): <reason>", naming this (receiving) rank
+///   and the sending rank. The engines then abort the other ranks through the transport
+///   (AbortableTransport), which stop with Error{Aborted} quoting it.
 template <Transport Inner>
 class InspectingTransport : public ForwardingTransport<Inner> {
  public:
-  /// @throws brigade::Error{InvalidArgument} for an empty check
-  InspectingTransport(Inner& inner, MessageKind kind, PayloadCheck check)
-      : ForwardingTransport<Inner>(inner), kind_(kind), check_(std::move(check)) {
+  /// Inspects the received messages of the given kinds.
+  /// @throws brigade::Error{InvalidArgument} for an empty check or an empty list of kinds
+  InspectingTransport(Inner& inner, const std::vector<MessageKind>& kinds, PayloadCheck check)
+      : ForwardingTransport<Inner>(inner), check_(std::move(check)) {
     BRIGADE_CHECK(static_cast<bool>(check_), Errc::InvalidArgument,
                   "InspectingTransport: an empty check");
+    BRIGADE_CHECK(!kinds.empty(), Errc::InvalidArgument,
+                  "InspectingTransport: an empty list of message kinds");
+    for (MessageKind k : kinds) {
+      const int i = static_cast<int>(k);
+      BRIGADE_CHECK(i >= 0 && i < kNumMessageKinds, Errc::InvalidArgument,
+                    "InspectingTransport: message kind {} out of range [0, {})", i,
+                    kNumMessageKinds);
+      kinds_ |= 1u << i;
+    }
   }
+  /// Inspects the received messages of one kind.
+  /// @throws brigade::Error{InvalidArgument} for an empty check
+  InspectingTransport(Inner& inner, MessageKind kind, PayloadCheck check)
+      : InspectingTransport(inner, std::vector<MessageKind>{kind}, std::move(check)) {}
 
-  /// Posts the receive; one of the inspected kind remembers its buffer for the check.
+  /// Posts the receive; one of an inspected kind remembers its buffer for the check.
   Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
     Request inner = this->inner_->irecv(peer, tag, expected, buffer);
-    if (expected.kind != kind_) return inner;
+    if (!inspects(expected.kind)) return inner;
     auto w = std::make_shared<Posted>(Posted{std::move(inner), buffer});
     return Request::posted(true, peer, tag, expected, std::move(w));
   }
@@ -383,8 +312,15 @@ class InspectingTransport : public ForwardingTransport<Inner> {
     return true;
   }
 
-  /// Payloads checked so far (accepted or not).
+  /// Whether received messages of `kind` are inspected.
+  [[nodiscard]] bool inspects(MessageKind kind) const noexcept {
+    const int i = static_cast<int>(kind);
+    return i >= 0 && i < kNumMessageKinds && (kinds_ >> i & 1u) != 0;
+  }
+  /// Payloads checked so far (whatever the verdict).
   [[nodiscard]] std::int64_t inspected() const noexcept { return inspected_; }
+  /// Payloads delivered with kFlagDropped set (verdict Drop) so far.
+  [[nodiscard]] std::int64_t dropped() const noexcept { return dropped_; }
 
  private:
   struct Posted {
@@ -392,24 +328,31 @@ class InspectingTransport : public ForwardingTransport<Inner> {
     MutableBytes buffer;  // the caller's receive buffer
   };
   [[nodiscard]] Posted* posted(const Request& r) const {
-    return r.is_recv && r.header.kind == kind_ ? static_cast<Posted*>(r.state.get()) : nullptr;
+    return r.is_recv && inspects(r.header.kind) ? static_cast<Posted*>(r.state.get()) : nullptr;
   }
   void finish(Request& r, Posted& p) {
     r.header = p.inner.header;
     r.done = true;
+    r.state.reset();  // the inner request is complete; the caller's buffer holds the payload
     ++inspected_;
     const auto n = std::min(r.header.nbytes(), p.buffer.size());
-    if (auto why = check_(r.header, r.peer, ConstBytes(p.buffer.data(), n)))
+    CheckResult v = check_(r.header, r.peer, ConstBytes(p.buffer.data(), n));
+    if (v.verdict == Verdict::Drop) {
+      r.header.flags |= kFlagDropped;
+      ++dropped_;
+    } else if (v.verdict == Verdict::Reject) {
       ::brigade::detail::fail(Errc::Rejected,
                               "rank {}: rejected the {} message from rank {} for micro-batch {} "
                               "(stage {}, chunk {}, tag {}): {}",
                               this->rank(), to_string(r.header.kind), r.peer,
-                              r.header.microbatch, r.header.stage, r.header.chunk, r.tag, *why);
+                              r.header.microbatch, r.header.stage, r.header.chunk, r.tag,
+                              v.reason);
+    }
   }
 
-  MessageKind kind_;
+  std::uint32_t kinds_ = 0;  // bit k: MessageKind k is inspected
   PayloadCheck check_;
-  std::int64_t inspected_ = 0;
+  std::int64_t inspected_ = 0, dropped_ = 0;
 };
 
 }  // namespace v0

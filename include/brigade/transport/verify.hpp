@@ -1,0 +1,644 @@
+// SENTINEL integrity checks of inter-stage traffic (issue 17): momentum (EMA) statistics of every
+// received activation, gradient and token stream, a deviation score per message, a threshold
+// calibrated online to a target false-positive rate, and a policy for a flagged message.
+//
+// Sources: SENTINEL (Dolatabadi et al., "SENTINEL: Stagewise Integrity Verification for Pipeline
+// Parallel Decentralized Training", arXiv 2603.03592, 2026): EMA monitors of the tensors each
+// pipeline edge carries, verified on the receiving side without duplicating computation; the
+// threshold calibration follows SPOT (Siffer et al., "Anomaly Detection in Streams with Extreme
+// Value Theory", KDD 2017): a peaks-over-threshold generalized Pareto fit of the score tail.
+// docs/integrity.md describes the method, the policies and the faults of transport/faults.hpp.
+//
+// @code
+//   VerifyingTransport checked(base, SentinelConfig{}, VerifyPolicy::Drop);
+//   engine::generate_on(checked, weights, partition, requests);
+//   fmt::print("{} of {} messages flagged\n", checked.flagged(), checked.checked());
+// @endcode
+#pragma once
+
+#include "brigade/transport/decorators.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace brigade::transport {
+inline namespace v0 {
+
+/// Settings of the SENTINEL monitors (one SentinelMonitor per stream; VerifyingTransport).
+struct SentinelConfig {
+  /// EMA momentum beta of the statistics' mean and variance, in (0, 1): each learned message
+  /// moves them by (1 - beta) (by 1/n for the n-th message while 1/n > 1 - beta, so the first
+  /// messages are averaged plainly instead of being pulled towards zero).
+  double decay = 0.95;
+  /// Messages a monitor learns from before it gives verdicts (>= 1); a non-finite payload is
+  /// flagged even then. The calibrated threshold also needs 8 scores (collected from the
+  /// ceil(warmup / 2)-th learned message on), so with warmup < 12 verdicts start a little later.
+  int warmup = 16;
+  /// False-positive rate the calibrated threshold aims at, in (0, 0.5).
+  double target_fpr = 1e-3;
+  /// A fixed score threshold (> 0), or 0: calibrated online (SentinelMonitor).
+  double threshold = 0.0;
+  /// Dimensions of the seeded Gaussian random projection of the per-channel means (>= 1, <= 4096).
+  int projection_dims = 16;
+  /// Seed of the projection.
+  std::uint64_t seed = 0;
+  /// Token (i32) payloads: every id must lie in [0, token_limit); 0 = no range check (>= 0).
+  std::int64_t token_limit = 0;
+};
+
+/// Checks a SentinelConfig's fields.
+/// @throws brigade::Error{InvalidArgument} naming the field, its value and the range
+inline void validate(const SentinelConfig& c) {
+  BRIGADE_CHECK(c.decay > 0 && c.decay < 1, Errc::InvalidArgument,
+                "sentinel config: decay = {}, expected in (0, 1)", c.decay);
+  BRIGADE_CHECK(c.warmup >= 1, Errc::InvalidArgument,
+                "sentinel config: warmup = {}, expected >= 1", c.warmup);
+  BRIGADE_CHECK(c.target_fpr > 0 && c.target_fpr < 0.5, Errc::InvalidArgument,
+                "sentinel config: target_fpr = {}, expected in (0, 0.5)", c.target_fpr);
+  BRIGADE_CHECK(std::isfinite(c.threshold) && c.threshold >= 0, Errc::InvalidArgument,
+                "sentinel config: threshold = {}, expected > 0 (fixed) or 0 (calibrated)",
+                c.threshold);
+  BRIGADE_CHECK(c.projection_dims >= 1 && c.projection_dims <= 4096, Errc::InvalidArgument,
+                "sentinel config: projection_dims = {}, expected in [1, 4096]", c.projection_dims);
+  BRIGADE_CHECK(c.token_limit >= 0, Errc::InvalidArgument,
+                "sentinel config: token_limit = {}, expected >= 0 (0: no range check)",
+                c.token_limit);
+}
+
+/// What a SentinelMonitor says about one message.
+struct Assessment {
+  /// The deviation score: the largest of the statistics' scores (SentinelMonitor); +inf for a
+  /// payload with non-finite values; 0 before the monitor has learned two messages.
+  double score = 0;
+  /// The threshold in force: +inf during warm-up (and, calibrated, until 8 scores are known).
+  double threshold = std::numeric_limits<double>::infinity();
+  bool flagged = false;         ///< score > threshold, or non-finite values
+  const char* statistic = "";   ///< name of the statistic with the largest score
+  std::string reason;           ///< empty unless flagged: which statistic deviated, by how much
+};
+
+/// The EMA statistics of ONE stream of f32 messages [rows, cols] (cols fixed by the first
+/// message), after SENTINEL (arXiv 2603.03592): each message's statistics are compared with the
+/// exponential moving mean and variance of the same statistics over the stream's accepted
+/// messages.
+///
+/// Statistics of x [rows, cols] (one pass over x, O(rows * cols); no allocation after the first
+/// message): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio": one exploded
+/// element); the per-channel mean over rows ("channel-mean", cols values); the per-channel
+/// variance over rows ("channel-var", cols values; 0 for one row); a projection_dims-dimensional
+/// seeded Gaussian random projection of the per-channel means ("projection"); the count of
+/// non-finite values.
+///
+/// Score: each statistic value s_d is compared with its EMA mean mu_d and standard deviation
+/// sd_d: z_d = |s_d - mu_d| / (sd_d + 1e-3 (|mu_d| + g)), g = 0 for the scalars and the mean of
+/// |mu| + sd over the vector for a vector statistic (a floor so that a constant statistic does
+/// not divide by zero). A scalar's score is z; a vector statistic of n values scores the
+/// standardized chi-square excess (sum z^2 - n) / sqrt(2 n) (about N(0, 1) for Gaussian z, large
+/// when many channels move together). The message's score is the largest; a non-finite value
+/// makes it +inf and the message is flagged at once, even during warm-up.
+///
+/// Learning: an accepted message updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
+/// a (s - mu)^2), a = max(1 - decay, 1/n)); a flagged one does not (a corrupting sender must not
+/// drag the statistics), so a sudden lasting change of a stream keeps being flagged.
+///
+/// Threshold: config.threshold when > 0; else calibrated from the scores of accepted messages as
+/// SPOT does (Siffer et al., KDD 2017, sec. 3-4): a reservoir of the last 512 scores; the
+/// initial threshold t is the reservoir's 95% quantile (its top k = max(5, 5%) scores are the
+/// peaks); the excesses over t are fitted by a generalized Pareto distribution (method of
+/// moments, shape xi clamped to [0, 0.45]: an exponential or heavier tail, never a bounded one)
+/// and the threshold is its (1 - target_fpr) quantile t + sigma/xi ((q n / k)^-xi - 1) (t -
+/// sigma ln(q n / k) for xi = 0), floored at max(t, 3). It is refitted after every n/64 new
+/// scores. Not thread-safe.
+class SentinelMonitor {
+ public:
+  /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
+  explicit SentinelMonitor(const SentinelConfig& config = {}) : config_(config) {
+    validate(config_);
+  }
+
+  /// The statistics and score of x [rows, cols] against what the monitor learned, and whether
+  /// the threshold in force flags it; changes nothing but scratch space (learn() then learns
+  /// these statistics). Cost: one pass over x plus O(cols * projection_dims).
+  /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() not a multiple of rows, or a
+  ///         width other than the stream's (the first message's)
+  Assessment assess(std::span<const float> x, std::int64_t rows) {
+    BRIGADE_CHECK(rows >= 1 && !x.empty() && x.size() % static_cast<std::size_t>(rows) == 0,
+                  Errc::InvalidArgument,
+                  "SentinelMonitor: {} values are not a [rows = {}, cols] matrix", x.size(), rows);
+    const auto cols = static_cast<std::int64_t>(x.size()) / rows;
+    if (cols_ == 0) init(cols);
+    BRIGADE_CHECK(cols == cols_, Errc::InvalidArgument,
+                  "SentinelMonitor: a message [{}, {}] in a stream of width {}", rows, cols, cols_);
+    assessed_ = false;
+    Assessment a;
+    a.threshold = threshold();
+    if (!statistics(x.data(), rows)) {  // non-finite values
+      a.score = std::numeric_limits<double>::infinity();
+      a.flagged = true;
+      a.statistic = "non-finite";
+      a.reason = nonfinite_reason_;
+      return a;
+    }
+    assessed_ = true;
+    last_score_ = 0;
+    int worst = 0;
+    if (learned_ >= 2) {
+      for (int g = 0; g < kGroups; ++g) {
+        const auto [b, e] = group(g);
+        double z2 = 0;
+        for (std::size_t d = b; d < e; ++d) {
+          const double z = (cur_[d] - mean_[d]) * inv_den_[d];
+          z2 += z * z;
+        }
+        const auto n = static_cast<double>(e - b);
+        const double s = e - b == 1 ? std::sqrt(z2) : (z2 - n) / std::sqrt(2 * n);
+        score_[static_cast<std::size_t>(g)] = s;
+        if (s > score_[static_cast<std::size_t>(worst)]) worst = g;
+      }
+      last_score_ = score_[static_cast<std::size_t>(worst)];
+    }
+    a.score = last_score_;
+    a.statistic = kNames[worst];
+    a.flagged = a.score > a.threshold;
+    if (a.flagged) a.reason = reason(worst);
+    return a;
+  }
+
+  /// Learns the statistics of the message assess() saw last: updates the EMAs and, once the
+  /// monitor has learned ceil(warmup / 2) messages, adds its score to the calibration reservoir.
+  /// @throws brigade::Error{InvalidUsage} when nothing was assessed since the last learn, or the
+  ///         last message had non-finite values
+  void learn() {
+    BRIGADE_CHECK(assessed_, Errc::InvalidUsage,
+                  "SentinelMonitor::learn: no finite message assessed since the last learn");
+    assessed_ = false;
+    if (learned_ >= std::max<std::int64_t>(2, (config_.warmup + 1) / 2)) add_score(last_score_);
+    ++learned_;
+    const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(learned_));
+    for (std::size_t d = 0; d < cur_.size(); ++d) {
+      const double diff = cur_[d] - mean_[d];
+      mean_[d] += a * diff;
+      var_[d] = (1 - a) * (var_[d] + a * diff * diff);
+    }
+    for (int g = 0; g < kGroups; ++g) {
+      const auto [b, e] = group(g);
+      double scale = 0;
+      if (e - b > 1) {
+        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + std::sqrt(var_[d]);
+        scale /= static_cast<double>(e - b);
+      }
+      for (std::size_t d = b; d < e; ++d)
+        inv_den_[d] = 1.0 / (std::sqrt(var_[d]) + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
+    }
+  }
+
+  /// assess(x, rows), then learn() when the message is not flagged.
+  /// @throws brigade::Error{InvalidArgument} as assess
+  Assessment observe(std::span<const float> x, std::int64_t rows) {
+    Assessment a = assess(x, rows);
+    if (!a.flagged) learn();
+    return a;
+  }
+
+  /// The threshold in force for the next message (+inf during warm-up).
+  [[nodiscard]] double threshold() {
+    if (learned_ < config_.warmup) return kInf;
+    if (config_.threshold > 0) return config_.threshold;
+    if (reservoir_size_ < kMinScores) return kInf;
+    if (since_fit_ > 0 && since_fit_ >= std::max<std::int64_t>(1, reservoir_size_ / 64)) fit();
+    return fitted_;
+  }
+  /// Messages learned.
+  [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
+  /// The stream's width (0 before the first message).
+  [[nodiscard]] std::int64_t cols() const noexcept { return cols_; }
+  /// The config.
+  [[nodiscard]] const SentinelConfig& config() const noexcept { return config_; }
+  /// Names of the statistics, in the order of their scores.
+  static constexpr const char* kNames[] = {"log-rms", "mean", "peak-ratio", "channel-mean",
+                                           "channel-var", "projection"};
+  /// Scores are kept for calibration in a reservoir of this many.
+  static constexpr std::int64_t kReservoir = 512;
+  /// Scores the calibrated threshold needs before it gives verdicts.
+  static constexpr std::int64_t kMinScores = 8;
+  /// The calibrated threshold is never below this.
+  static constexpr double kMinThreshold = 3.0;
+
+ private:
+  static constexpr int kGroups = 6;
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+
+  [[nodiscard]] std::pair<std::size_t, std::size_t> group(int g) const {
+    const auto c = static_cast<std::size_t>(cols_);
+    switch (g) {
+      case 0: return {0, 1};
+      case 1: return {1, 2};
+      case 2: return {2, 3};
+      case 3: return {3, 3 + c};
+      case 4: return {3 + c, 3 + 2 * c};
+      default: return {3 + 2 * c, cur_.size()};
+    }
+  }
+
+  void init(std::int64_t cols) {
+    cols_ = cols;
+    const auto c = static_cast<std::size_t>(cols);
+    const auto k = static_cast<std::size_t>(config_.projection_dims);
+    const std::size_t dims = 3 + 2 * c + k;
+    cur_.assign(dims, 0);
+    mean_.assign(dims, 0);
+    var_.assign(dims, 0);
+    inv_den_.assign(dims, 0);
+    sum_.assign(c, 0);
+    sq_.assign(c, 0);
+    max_.assign(c, 0);
+    // Entries N(0, 1/cols): the projection of a vector keeps its norm in expectation.
+    proj_.resize(k * c);
+    std::mt19937_64 g(config_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(cols)));
+    std::normal_distribution<double> nd(0.0, 1.0 / std::sqrt(static_cast<double>(cols)));
+    for (auto& v : proj_) v = static_cast<float>(nd(g));
+    reservoir_.assign(kReservoir, 0);
+    sorted_.assign(kReservoir, 0);
+  }
+
+  // Column sums, sums of squares and max |x| of x [rows, cols_] into sum_, sq_, max_ with
+  // accumulators of type T (float: the fast path; double when float squares overflow).
+  template <class T>
+  static void accumulate(const float* __restrict x, std::int64_t rows, std::int64_t cols,
+                         T* __restrict sum, T* __restrict sq, float* __restrict mx) {
+    std::fill(sum, sum + cols, T(0));
+    std::fill(sq, sq + cols, T(0));
+    std::fill(mx, mx + cols, 0.0f);
+    std::int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float* a = x + r * cols;
+      const float* b = a + cols;
+      const float* c = b + cols;
+      const float* d = c + cols;
+      for (std::int64_t j = 0; j < cols; ++j) {
+        const T va = a[j], vb = b[j], vc = c[j], vd = d[j];
+        sum[j] += (va + vb) + (vc + vd);
+        sq[j] += (va * va + vb * vb) + (vc * vc + vd * vd);
+        const float m = std::max(std::max(std::fabs(a[j]), std::fabs(b[j])),
+                                 std::max(std::fabs(c[j]), std::fabs(d[j])));
+        mx[j] = mx[j] < m ? m : mx[j];
+      }
+    }
+    for (; r < rows; ++r) {
+      const float* a = x + r * cols;
+      for (std::int64_t j = 0; j < cols; ++j) {
+        const T v = a[j];
+        sum[j] += v;
+        sq[j] += v * v;
+        const float m = std::fabs(a[j]);
+        mx[j] = mx[j] < m ? m : mx[j];
+      }
+    }
+  }
+
+  // The statistics of x into cur_; false (and nonfinite_reason_ set) for non-finite values.
+  bool statistics(const float* x, std::int64_t rows) {
+    const std::int64_t c = cols_;
+    const auto uc = static_cast<std::size_t>(c);
+    accumulate<float>(x, rows, c, sum_.data(), sq_.data(), max_.data());
+    double s = 0, q = 0, peak = 0;
+    for (std::size_t j = 0; j < uc; ++j) {
+      s += sum_[j];
+      q += sq_[j];
+      peak = std::max(peak, static_cast<double>(max_[j]));
+    }
+    const bool wide = !std::isfinite(s) || !std::isfinite(q);
+    if (wide) {
+      const std::size_t n = static_cast<std::size_t>(rows) * uc;
+      std::size_t bad = 0, first = n;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i])) {
+          if (bad++ == 0) first = i;
+        }
+      if (bad > 0) {
+        nonfinite_reason_ = fmt::format(
+            "{} non-finite value{} (the first, {}, at row {}, column {} of [{}, {}])", bad,
+            bad == 1 ? "" : "s", x[first], first / uc, first % uc, rows, c);
+        return false;
+      }
+      // Finite values whose float squares overflow: the same sums in double.
+      wide_sum_.resize(uc);
+      wide_sq_.resize(uc);
+      accumulate<double>(x, rows, c, wide_sum_.data(), wide_sq_.data(), max_.data());
+      s = q = 0;
+      for (std::size_t j = 0; j < uc; ++j) {
+        s += wide_sum_[j];
+        q += wide_sq_[j];
+      }
+    }
+    const double n = static_cast<double>(rows) * static_cast<double>(c);
+    const double ms = q / n;
+    cur_[0] = 0.5 * std::log(std::max(ms, 1e-300));
+    cur_[1] = s / n;
+    cur_[2] = ms > 0 ? peak / std::sqrt(ms) : 0.0;
+    const double inv_rows = 1.0 / static_cast<double>(rows);
+    double* mean = cur_.data() + 3;
+    double* var = mean + uc;
+    for (std::size_t j = 0; j < uc; ++j) {
+      const double cs = wide ? wide_sum_[j] : sum_[j];
+      const double cq = wide ? wide_sq_[j] : sq_[j];
+      mean[j] = cs * inv_rows;
+      var[j] = rows == 1 ? 0.0 : std::max(0.0, cq * inv_rows - mean[j] * mean[j]);
+    }
+    double* proj = var + uc;
+    for (std::size_t k = 0; k < static_cast<std::size_t>(config_.projection_dims); ++k) {
+      const float* p = proj_.data() + k * uc;
+      double acc = 0;
+      for (std::size_t j = 0; j < uc; ++j) acc += static_cast<double>(p[j]) * mean[j];
+      proj[k] = acc;
+    }
+    return true;
+  }
+
+  std::string reason(int g) const {
+    const auto [b, e] = group(g);
+    const double s = score_[static_cast<std::size_t>(g)];
+    if (e - b == 1)
+      return fmt::format("{} = {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})", kNames[g], cur_[b],
+                         mean_[b], std::sqrt(var_[b]), s);
+    std::size_t worst = b;
+    double zmax = 0;
+    for (std::size_t d = b; d < e; ++d) {
+      const double z = std::fabs(cur_[d] - mean_[d]) * inv_den_[d];
+      if (z > zmax) {
+        zmax = z;
+        worst = d;
+      }
+    }
+    return fmt::format(
+        "{} deviates over its {} values (chi-square excess {:.3g}); the largest at index {}: "
+        "{:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
+        kNames[g], e - b, s, worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]), zmax);
+  }
+
+  void add_score(double s) {
+    reservoir_[static_cast<std::size_t>(next_)] = s;
+    next_ = (next_ + 1) % kReservoir;
+    reservoir_size_ = std::min(reservoir_size_ + 1, kReservoir);
+    ++since_fit_;
+  }
+
+  // SPOT's peaks-over-threshold fit of the reservoir (class docstring).
+  void fit() {
+    since_fit_ = 0;
+    const auto n = static_cast<std::size_t>(reservoir_size_);
+    std::copy_n(reservoir_.begin(), n, sorted_.begin());
+    const std::size_t k =
+        std::min(n - 1, std::max<std::size_t>(5, static_cast<std::size_t>(std::lround(0.05 * static_cast<double>(n)))));
+    // sorted_[0, k) = the k largest, sorted_[k] = the initial threshold t.
+    std::nth_element(sorted_.begin(), sorted_.begin() + static_cast<std::ptrdiff_t>(k),
+                     sorted_.begin() + static_cast<std::ptrdiff_t>(n), std::greater<>());
+    const double t = sorted_[k];
+    double m1 = 0, m2 = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      const double y = sorted_[i] - t;
+      m1 += y;
+      m2 += y * y;
+    }
+    m1 /= static_cast<double>(k);
+    const double var = m2 / static_cast<double>(k) - m1 * m1;
+    double xi = var > 0 ? 0.5 * (1 - m1 * m1 / var) : 0.0;
+    xi = std::clamp(xi, 0.0, 0.45);
+    const double sigma = m1 * (1 - xi);  // the GPD's mean is sigma / (1 - xi)
+    const double r = config_.target_fpr * static_cast<double>(n) / static_cast<double>(k);
+    const double z = xi > 1e-6 ? t + sigma / xi * (std::pow(r, -xi) - 1) : t - sigma * std::log(r);
+    fitted_ = std::max({z, t, kMinThreshold});
+  }
+
+  SentinelConfig config_;
+  std::int64_t cols_ = 0, learned_ = 0;
+  std::vector<double> cur_, mean_, var_, inv_den_;  // [3 scalars, cols, cols, projection_dims]
+  std::vector<float> sum_, sq_, max_, proj_;        // per-channel scratch; projection [k, cols]
+  std::vector<double> wide_sum_, wide_sq_;           // the double path's scratch
+  std::array<double, kGroups> score_{};
+  double last_score_ = 0;
+  bool assessed_ = false;
+  std::string nonfinite_reason_;
+  std::vector<double> reservoir_, sorted_;
+  std::int64_t next_ = 0, reservoir_size_ = 0, since_fit_ = 0;
+  double fitted_ = kInf;
+};
+
+/// Whether the ids of a Token payload lie in [0, limit): the empty string when they do, else
+/// "token id X at entry P outside [0, limit)" for the first that does not (and how many).
+inline std::string token_range_violation(std::span<const std::int32_t> ids, std::int64_t limit) {
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= limit) {
+      if (bad++ == 0) first = i;
+    }
+  if (bad == 0) return {};
+  return fmt::format("token id {} at entry {} outside [0, {}){}", ids[first], first, limit,
+                     bad > 1 ? fmt::format(" ({} ids out of range)", bad) : std::string());
+}
+
+/// What VerifyingTransport does with a flagged message.
+enum class VerifyPolicy {
+  Log,         ///< record it and deliver it (the monitor still does not learn it)
+  Drop,        ///< record it and deliver it with kFlagDropped set: the engine drops the micro-batch
+  Stop,        ///< reject it: Error{Rejected} naming the ranks, kind, micro-batch, score, threshold
+  Quarantine,  ///< reject it, saying the sender is quarantined and no replica can take over
+};
+
+/// Name of a policy ("log", "drop", "stop", "quarantine").
+constexpr const char* to_string(VerifyPolicy p) noexcept {
+  switch (p) {
+    case VerifyPolicy::Log: return "log";
+    case VerifyPolicy::Drop: return "drop";
+    case VerifyPolicy::Stop: return "stop";
+    case VerifyPolicy::Quarantine: return "quarantine";
+  }
+  return "unknown";
+}
+
+/// The policy named `s` ("log", "drop", "stop", "quarantine").
+/// @throws brigade::Error{InvalidArgument} naming the value and the choices
+inline VerifyPolicy parse_verify_policy(std::string_view s) {
+  for (VerifyPolicy p :
+       {VerifyPolicy::Log, VerifyPolicy::Drop, VerifyPolicy::Stop, VerifyPolicy::Quarantine})
+    if (s == to_string(p)) return p;
+  ::brigade::detail::fail(Errc::InvalidArgument,
+                          "verify policy '{}' is not one of log, drop, stop, quarantine",
+                          ::brigade::detail::excerpt(s));
+}
+
+/// One checked message's verdict (VerifyingTransport::verdicts()).
+struct VerdictRecord {
+  int from = -1;                            ///< sending rank
+  int to = -1;                              ///< receiving rank (the verifier's)
+  MessageKind kind = MessageKind::Control;  ///< the message's kind
+  std::int64_t microbatch = 0;              ///< from the header that arrived
+  std::int64_t stage = 0;                   ///< from the header that arrived
+  std::int64_t chunk = 0;                   ///< from the header that arrived
+  /// This message's number among the (from, kind) messages this receiver got, from 0 (checked
+  /// or not); InjectionRecord::index counts the same on the sending side.
+  std::int64_t index = 0;
+  double score = 0;  ///< Assessment::score (token checks: 0, or +inf for an id out of range)
+  /// The threshold in force: +inf during warm-up and for token checks (where the range decides).
+  double threshold = std::numeric_limits<double>::infinity();
+  bool flagged = false;                       ///< the message was flagged
+  std::chrono::steady_clock::time_point at;   ///< when the check ran
+  std::string reason;                         ///< empty unless flagged
+};
+
+/// The SENTINEL verifier: an InspectingTransport whose check runs a SentinelMonitor per stream
+/// on the RECEIVING rank (a sender cannot vouch for itself) and applies a VerifyPolicy to a
+/// flagged message.
+///
+/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols), rows =
+/// header.shape[0] and cols = the product of the other dims, so prefill-sized and decode-sized
+/// messages are not scored against each other. F32 payloads of the checked kinds go through
+/// the monitors; I32 Token payloads through the range check [0, config.token_limit) when
+/// token_limit > 0 (no EMA): a payload [n] holds n ids, a payload [n, k] n records whose last
+/// column is the id (the inference engine's (sequence, position, token)); every other message
+/// is not checked (and not recorded).
+///
+/// Policies (VerifyPolicy): Log and Drop deliver the payload (Drop with kFlagDropped in the
+/// header the engine reads); Stop and Quarantine reject it (Error{Rejected}, InspectingTransport)
+/// with the reason "integrity check: score S > threshold T: <statistic and deviation>";
+/// Quarantine's reason says that rank F is quarantined and that no data-parallel replica exists
+/// to take over its stages, so the run stops: brigade has no data-parallel replicas yet.
+/// Every checked message appends a VerdictRecord (about 100 bytes and its reason); a monitor
+/// holds about 24 (2 cols + projection_dims) + 4 cols projection_dims bytes plus 8 KiB of
+/// scores. Movable (the state lives behind a shared pointer). Not thread-safe.
+template <Transport Inner>
+class VerifyingTransport : public InspectingTransport<Inner> {
+  struct State;
+
+ public:
+  /// Verifies the received messages of `kinds` (default: activations, gradients and tokens).
+  /// @throws brigade::Error{InvalidArgument} for a bad config (validate) or an empty `kinds`
+  VerifyingTransport(Inner& inner, SentinelConfig config, VerifyPolicy policy,
+                     std::vector<MessageKind> kinds = {MessageKind::Activation,
+                                                       MessageKind::Gradient, MessageKind::Token})
+      : VerifyingTransport(inner, std::make_shared<State>(config, policy, inner.rank()),
+                           kinds) {}
+
+  /// Every checked message's verdict, in the order they were checked.
+  [[nodiscard]] const std::vector<VerdictRecord>& verdicts() const noexcept {
+    return state_->records;
+  }
+  /// Messages checked.
+  [[nodiscard]] std::int64_t checked() const noexcept {
+    return static_cast<std::int64_t>(state_->records.size());
+  }
+  /// Messages flagged.
+  [[nodiscard]] std::int64_t flagged() const noexcept { return state_->flagged; }
+  /// Streams (monitors) seen so far.
+  [[nodiscard]] std::size_t streams() const noexcept { return state_->monitors.size(); }
+  /// The config.
+  [[nodiscard]] const SentinelConfig& config() const noexcept { return state_->config; }
+  /// The policy.
+  [[nodiscard]] VerifyPolicy policy() const noexcept { return state_->policy; }
+
+ private:
+  struct State {
+    State(const SentinelConfig& c, VerifyPolicy p, int self) : config(c), policy(p), to(self) {
+      validate(config);
+    }
+    SentinelConfig config;
+    VerifyPolicy policy;
+    int to;
+    std::map<std::tuple<int, int, std::int64_t, int, std::int64_t>, SentinelMonitor> monitors;
+    std::map<std::pair<int, int>, std::int64_t> received;  // (from, kind) -> messages
+    std::vector<VerdictRecord> records;
+    std::int64_t flagged = 0;
+    std::vector<float> aligned;  // a copy of a payload whose bytes are not float-aligned
+
+    CheckResult check(const MessageHeader& h, int from, ConstBytes payload) {
+      const std::int64_t index = received[{from, static_cast<int>(h.kind)}]++;
+      Assessment a;
+      const std::int64_t numel = h.numel();
+      if (h.dtype == DType::F32 && numel > 0 &&
+          payload.size() >= static_cast<std::size_t>(numel) * sizeof(float)) {
+        const std::int64_t rows = h.ndim >= 1 ? std::max<std::int64_t>(1, h.shape[0]) : 1;
+        const std::int64_t cols = numel / rows;
+        const int bucket = std::bit_width(static_cast<std::uint64_t>(rows)) - 1;
+        auto& monitor =
+            monitors
+                .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage, bucket, cols),
+                             config)
+                .first->second;
+        a = monitor.observe(floats(payload, static_cast<std::size_t>(numel)), rows);
+      } else if (h.dtype == DType::I32 && h.kind == MessageKind::Token && config.token_limit > 0 &&
+                 numel > 0) {
+        // [n] holds ids; [n, k] holds records whose last column is the id (the inference
+        // engine's (sequence, position, token)).
+        const std::int64_t width = h.ndim >= 2 ? numel / std::max<std::int64_t>(1, h.shape[0]) : 1;
+        std::vector<std::int32_t> ids(static_cast<std::size_t>(numel / width));
+        for (std::size_t i = 0; i < ids.size(); ++i)
+          std::memcpy(&ids[i], payload.data() + ((static_cast<std::int64_t>(i) + 1) * width - 1) * 4,
+                      sizeof(std::int32_t));
+        a.reason = token_range_violation(ids, config.token_limit);
+        a.flagged = !a.reason.empty();
+        a.score = a.flagged ? std::numeric_limits<double>::infinity() : 0.0;
+      } else {
+        return {};
+      }
+      records.push_back({from, to, h.kind, h.microbatch, h.stage, h.chunk, index, a.score,
+                         a.threshold, a.flagged, std::chrono::steady_clock::now(), a.reason});
+      if (!a.flagged) return {};
+      ++flagged;
+      // Non-finite values and token ids out of range are flagged at any threshold (score inf).
+      const std::string why =
+          std::isinf(a.threshold)
+              ? fmt::format("score inf: {}", a.reason)
+              : fmt::format("score {:.4g} > threshold {:.4g}: {}", a.score, a.threshold,
+                            a.reason);
+      switch (policy) {
+        case VerifyPolicy::Log: return {};
+        case VerifyPolicy::Drop: return {Verdict::Drop, "integrity check: " + why};
+        case VerifyPolicy::Stop: return {Verdict::Reject, "integrity check: " + why};
+        case VerifyPolicy::Quarantine:
+          return {Verdict::Reject,
+                  fmt::format("integrity check: {}; rank {} is quarantined, and no data-parallel "
+                              "replica exists to take over its stages, so the run stops",
+                              why, from)};
+      }
+      return {};
+    }
+
+    std::span<const float> floats(ConstBytes p, std::size_t n) {
+      if (reinterpret_cast<std::uintptr_t>(p.data()) % alignof(float) == 0)
+        return {reinterpret_cast<const float*>(p.data()), n};
+      aligned.resize(n);
+      std::memcpy(aligned.data(), p.data(), n * sizeof(float));
+      return aligned;
+    }
+  };
+
+  VerifyingTransport(Inner& inner, std::shared_ptr<State> state,
+                     const std::vector<MessageKind>& kinds)
+      : InspectingTransport<Inner>(
+            inner, kinds,
+            [s = state.get()](const MessageHeader& h, int from, ConstBytes p) {
+              return s->check(h, from, p);
+            }),
+        state_(std::move(state)) {}
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace v0
+}  // namespace brigade::transport
