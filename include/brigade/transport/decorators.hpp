@@ -333,10 +333,11 @@ class InspectingTransport : public ForwardingTransport<Inner> {
   void finish(Request& r, Posted& p) {
     r.header = p.inner.header;
     r.done = true;
-    r.state.reset();  // the inner request is complete; the caller's buffer holds the payload
+    const MutableBytes buffer = p.buffer;
+    r.state.reset();  // the inner request is complete (p is gone); the buffer holds the payload
     ++inspected_;
-    const auto n = std::min(r.header.nbytes(), p.buffer.size());
-    CheckResult v = check_(r.header, r.peer, ConstBytes(p.buffer.data(), n));
+    const auto n = std::min(r.header.nbytes(), buffer.size());
+    CheckResult v = check_(r.header, r.peer, ConstBytes(buffer.data(), n));
     if (v.verdict == Verdict::Drop) {
       r.header.flags |= kFlagDropped;
       ++dropped_;

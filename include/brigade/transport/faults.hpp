@@ -200,7 +200,7 @@ inline FaultSpec parse_fault_spec(std::string_view text) {
   return s;
 }
 
-namespace detail {
+namespace fault_detail {
 
 /// Element i of a payload of `dtype` as a number (f32 value, i32 id, byte 0..255).
 inline double element(DType dtype, const std::byte* p, std::size_t i) noexcept {
@@ -241,7 +241,7 @@ inline std::vector<double> drift_direction(std::uint64_t seed, std::size_t n) {
   return u;
 }
 
-}  // namespace detail
+}  // namespace fault_detail
 
 /// ||corrupted - clean|| / ||clean|| over the elements of two payloads of `dtype` (numbers as
 /// in FaultSpec): +inf when an element of either is not finite or when ||clean|| = 0 and they
@@ -253,8 +253,8 @@ inline double relative_change(DType dtype, ConstBytes clean, ConstBytes corrupte
   const std::size_t n = clean.size() / dtype_size(dtype);
   double d2 = 0, x2 = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    const double a = detail::element(dtype, clean.data(), i);
-    const double b = detail::element(dtype, corrupted.data(), i);
+    const double a = fault_detail::element(dtype, clean.data(), i);
+    const double b = fault_detail::element(dtype, corrupted.data(), i);
     if (!std::isfinite(a) || !std::isfinite(b)) return std::numeric_limits<double>::infinity();
     d2 += (b - a) * (b - a);
     x2 += a * a;
@@ -282,7 +282,7 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
   switch (spec.kind) {
     case FaultKind::Noise: {
       if (!f32) return false;
-      const double norm = std::sqrt(detail::squared_norm(dtype, x));
+      const double norm = std::sqrt(fault_detail::squared_norm(dtype, x));
       if (norm == 0 || !std::isfinite(norm)) return false;
       std::normal_distribution<double> nd;
       std::vector<double> g(n);
@@ -293,16 +293,16 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
       }
       const double a = m * norm / std::sqrt(g2);
       for (std::size_t i = 0; i < n; ++i)
-        detail::set_f32(p, i, static_cast<float>(detail::get_f32(p, i) + a * g[i]));
+        fault_detail::set_f32(p, i, static_cast<float>(fault_detail::get_f32(p, i) + a * g[i]));
       return true;
     }
     case FaultKind::Scale: {
       if (!f32) return false;
       bool changed = false;
       for (std::size_t i = 0; i < n; ++i) {
-        const float v = detail::get_f32(p, i);
+        const float v = fault_detail::get_f32(p, i);
         changed |= v != 0;
-        detail::set_f32(p, i, static_cast<float>(v * (1.0 + m)));
+        fault_detail::set_f32(p, i, static_cast<float>(v * (1.0 + m)));
       }
       return changed;
     }
@@ -315,9 +315,9 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
       for (std::size_t i = 0; i < n; ++i) {
         if (!coin(rng)) continue;
         if (sign) {
-          const float v = detail::get_f32(p, i);
+          const float v = fault_detail::get_f32(p, i);
           changed |= v != 0;
-          detail::set_f32(p, i, -v);
+          fault_detail::set_f32(p, i, -v);
         } else {
           for (std::size_t b = 0; b < esize; ++b) {
             changed |= p[i * esize + b] != std::byte{0};
@@ -329,7 +329,7 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
     }
     case FaultKind::BitFlip: {
       if (n == 0) return false;
-      const double target2 = m * m * detail::squared_norm(dtype, x);
+      const double target2 = m * m * fault_detail::squared_norm(dtype, x);
       std::vector<char> flipped(n, 0);
       std::uniform_int_distribution<std::size_t> pick(0, n - 1);
       std::uniform_int_distribution<std::size_t> bit(0, 8 * esize - 1);
@@ -339,10 +339,10 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
         while (flipped[i]) i = (i + 1) % n;  // the next element not flipped yet
         flipped[i] = 1;
         ++done;
-        const double before = detail::element(dtype, p, i);
+        const double before = fault_detail::element(dtype, p, i);
         const std::size_t b = bit(rng);
         p[i * esize + b / 8] ^= std::byte{static_cast<unsigned char>(1u << (b % 8))};
-        const double after = detail::element(dtype, p, i);
+        const double after = fault_detail::element(dtype, p, i);
         if (!std::isfinite(after)) break;  // inf or NaN: ||delta|| = inf
         d2 += (after - before) * (after - before);
         if (d2 >= target2 && d2 > 0) break;
@@ -357,15 +357,15 @@ inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std:
     }
     case FaultKind::Drift: {
       if (!f32) return false;
-      const double norm = std::sqrt(detail::squared_norm(dtype, x));
+      const double norm = std::sqrt(fault_detail::squared_norm(dtype, x));
       if (norm == 0 || !std::isfinite(norm)) return false;
-      const auto u = detail::drift_direction(spec.seed, n);
+      const auto u = fault_detail::drift_direction(spec.seed, n);
       double u2 = 0;
       for (double v : u) u2 += v * v;
       const double ramp = std::min(1.0, static_cast<double>(drift_step + 1) / spec.drift_ramp);
       const double a = m * norm * ramp / std::sqrt(u2);
       for (std::size_t i = 0; i < n; ++i)
-        detail::set_f32(p, i, static_cast<float>(detail::get_f32(p, i) + a * u[i]));
+        fault_detail::set_f32(p, i, static_cast<float>(fault_detail::get_f32(p, i) + a * u[i]));
       return true;
     }
   }

@@ -118,13 +118,18 @@ struct Assessment {
 /// drag the statistics), so a sudden lasting change of a stream keeps being flagged.
 ///
 /// Threshold: config.threshold when > 0; else calibrated from the scores of accepted messages as
-/// SPOT does (Siffer et al., KDD 2017, sec. 3-4): a reservoir of the last 512 scores; the
+/// SPOT does (Siffer et al., KDD 2017, sec. 3-4): a reservoir of the last 1024 scores; the
 /// initial threshold t is the reservoir's 95% quantile (its top k = max(5, 5%) scores are the
 /// peaks); the excesses over t are fitted by a generalized Pareto distribution (method of
 /// moments, shape xi clamped to [0, 0.45]: an exponential or heavier tail, never a bounded one)
 /// and the threshold is its (1 - target_fpr) quantile t + sigma/xi ((q n / k)^-xi - 1) (t -
-/// sigma ln(q n / k) for xi = 0), floored at max(t, 3). It is refitted after every n/64 new
-/// scores. Not thread-safe.
+/// sigma ln(q n / k) for xi = 0). SPOT assumes anomalies are rare; a sender corrupting 10% of
+/// its messages from the start would fill the peaks and lift the threshold over its own faults.
+/// So the threshold is capped by a bound from the reservoir's body, which a minority of high
+/// scores hardly moves: an exponential tail through the median q50 and the upper quartile q75,
+/// q50 + (q75 - q50) / ln 2 * ln(0.5 / target_fpr) (above the true quantile for tails lighter
+/// than exponential, as the normalized scores here are); and floored at 3. It is refitted after
+/// every n/64 new scores. Not thread-safe.
 class SentinelMonitor {
  public:
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
@@ -167,7 +172,9 @@ class SentinelMonitor {
           z2 += z * z;
         }
         const auto n = static_cast<double>(e - b);
-        const double s = e - b == 1 ? std::sqrt(z2) : (z2 - n) / std::sqrt(2 * n);
+        // A vector: the Wilson-Hilferty normal equivalent of sum z^2 ~ chi-square(n).
+        const double s = e - b == 1 ? std::sqrt(z2)
+                                    : (std::cbrt(z2 / n) - (1 - 2 / (9 * n))) / std::sqrt(2 / (9 * n));
         score_[static_cast<std::size_t>(g)] = s;
         if (s > score_[static_cast<std::size_t>(worst)]) worst = g;
       }
@@ -234,7 +241,7 @@ class SentinelMonitor {
   static constexpr const char* kNames[] = {"log-rms", "mean", "peak-ratio", "channel-mean",
                                            "channel-var", "projection"};
   /// Scores are kept for calibration in a reservoir of this many.
-  static constexpr std::int64_t kReservoir = 512;
+  static constexpr std::int64_t kReservoir = 1024;
   /// Scores the calibrated threshold needs before it gives verdicts.
   static constexpr std::int64_t kMinScores = 8;
   /// The calibrated threshold is never below this.
@@ -243,6 +250,7 @@ class SentinelMonitor {
  private:
   static constexpr int kGroups = 6;
   static constexpr double kInf = std::numeric_limits<double>::infinity();
+  static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed payload's finite statistic
 
   [[nodiscard]] std::pair<std::size_t, std::size_t> group(int g) const {
     const auto c = static_cast<std::size_t>(cols_);
@@ -349,7 +357,7 @@ class SentinelMonitor {
     }
     const double n = static_cast<double>(rows) * static_cast<double>(c);
     const double ms = q / n;
-    cur_[0] = 0.5 * std::log(std::max(ms, 1e-300));
+    cur_[0] = 0.5 * std::log(ms + kTiny);
     cur_[1] = s / n;
     cur_[2] = ms > 0 ? peak / std::sqrt(ms) : 0.0;
     const double inv_rows = 1.0 / static_cast<double>(rows);
@@ -359,7 +367,9 @@ class SentinelMonitor {
       const double cs = wide ? wide_sum_[j] : sum_[j];
       const double cq = wide ? wide_sq_[j] : sq_[j];
       mean[j] = cs * inv_rows;
-      var[j] = rows == 1 ? 0.0 : std::max(0.0, cq * inv_rows - mean[j] * mean[j]);
+      // log variance: nearly symmetric where the variance itself is skewed (chi-square).
+      var[j] = rows == 1 ? 0.0
+                         : std::log(std::max(cq * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
     }
     double* proj = var + uc;
     for (std::size_t k = 0; k < static_cast<std::size_t>(config_.projection_dims); ++k) {
@@ -378,18 +388,20 @@ class SentinelMonitor {
       return fmt::format("{} = {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})", kNames[g], cur_[b],
                          mean_[b], std::sqrt(var_[b]), s);
     std::size_t worst = b;
-    double zmax = 0;
+    double zmax = 0, z2 = 0;
     for (std::size_t d = b; d < e; ++d) {
       const double z = std::fabs(cur_[d] - mean_[d]) * inv_den_[d];
+      z2 += z * z;
       if (z > zmax) {
         zmax = z;
         worst = d;
       }
     }
     return fmt::format(
-        "{} deviates over its {} values (chi-square excess {:.3g}); the largest at index {}: "
-        "{:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
-        kNames[g], e - b, s, worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]), zmax);
+        "{} deviates over its {} values (score {:.3g}: sum of z^2 {:.4g}); the largest at "
+        "index {}: {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
+        kNames[g], e - b, s, z2, worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]),
+        zmax);
   }
 
   void add_score(double s) {
@@ -399,19 +411,25 @@ class SentinelMonitor {
     ++since_fit_;
   }
 
-  // SPOT's peaks-over-threshold fit of the reservoir (class docstring).
+  // SPOT's peaks-over-threshold fit of the reservoir, capped by the body's exponential bound
+  // (class docstring).
   void fit() {
     since_fit_ = 0;
     const auto n = static_cast<std::size_t>(reservoir_size_);
     std::copy_n(reservoir_.begin(), n, sorted_.begin());
-    const std::size_t k =
-        std::min(n - 1, std::max<std::size_t>(5, static_cast<std::size_t>(std::lround(0.05 * static_cast<double>(n)))));
-    // sorted_[0, k) = the k largest, sorted_[k] = the initial threshold t.
-    std::nth_element(sorted_.begin(), sorted_.begin() + static_cast<std::ptrdiff_t>(k),
-                     sorted_.begin() + static_cast<std::ptrdiff_t>(n), std::greater<>());
-    const double t = sorted_[k];
+    const std::size_t k = std::min(
+        n / 4, std::max<std::size_t>(5, static_cast<std::size_t>(std::lround(0.05 * static_cast<double>(n)))));
+    // Partial sort: the median, the upper quartile and the initial threshold t = the value
+    // below the k largest, which end up in sorted_[n - k, n).
+    auto at = [&](std::size_t i) { return sorted_.begin() + static_cast<std::ptrdiff_t>(i); };
+    const std::size_t i50 = n / 2, i75 = 3 * n / 4, it = n - 1 - k;
+    std::nth_element(at(0), at(i50), at(n));
+    std::nth_element(at(i50 + 1), at(i75), at(n));
+    std::nth_element(at(i75 + 1), at(it), at(n));
+    const double q = config_.target_fpr;
+    const double t = sorted_[it];
     double m1 = 0, m2 = 0;
-    for (std::size_t i = 0; i < k; ++i) {
+    for (std::size_t i = it + 1; i < n; ++i) {
       const double y = sorted_[i] - t;
       m1 += y;
       m2 += y * y;
@@ -421,9 +439,11 @@ class SentinelMonitor {
     double xi = var > 0 ? 0.5 * (1 - m1 * m1 / var) : 0.0;
     xi = std::clamp(xi, 0.0, 0.45);
     const double sigma = m1 * (1 - xi);  // the GPD's mean is sigma / (1 - xi)
-    const double r = config_.target_fpr * static_cast<double>(n) / static_cast<double>(k);
-    const double z = xi > 1e-6 ? t + sigma / xi * (std::pow(r, -xi) - 1) : t - sigma * std::log(r);
-    fitted_ = std::max({z, t, kMinThreshold});
+    const double r = q * static_cast<double>(n) / static_cast<double>(k);
+    const double spot = xi > 1e-6 ? t + sigma / xi * (std::pow(r, -xi) - 1) : t - sigma * std::log(r);
+    const double q50 = sorted_[i50], q75 = sorted_[i75];
+    const double body = q50 + (q75 - q50) / std::log(2.0) * std::log(0.5 / q);
+    fitted_ = std::max(std::min(spot, body), kMinThreshold);
   }
 
   SentinelConfig config_;

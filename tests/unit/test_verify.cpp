@@ -1,0 +1,568 @@
+// SENTINEL integrity checks (transport/verify.hpp) and fault injection (transport/faults.hpp):
+// the monitor's false-positive rate on a stationary stream, detection of each fault kind, the
+// non-finite and no-learning rules, the magnitude semantics of apply_fault, determinism, bad
+// configs and specs, and the decorator stack over threads with each policy.
+#include <brigade/engine/threads.hpp>
+#include <brigade/transport/faults.hpp>
+#include <brigade/transport/in_process.hpp>
+#include <brigade/transport/verify.hpp>
+
+#include <doctest/doctest.h>
+#include <fmt/ranges.h>
+
+#include "test_util.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+using namespace brigade;
+using namespace brigade::transport;
+using test::error_of;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+/// A synthetic activation stream of [rows, cols] messages shaped like hidden states: channel c
+/// has its own mean mu_c ~ N(0, 1) and spread sd_c ~ U[0.5, 1.5]; message t is scaled by
+/// exp(0.3 sin(2 pi t / period)) (a slowly varying scale) and, with `drift` > 0, the channel
+/// means move along a fixed direction by `drift` per message.
+class Stream {
+ public:
+  Stream(std::int64_t rows, std::int64_t cols, std::uint64_t seed, double period = 1000,
+         double drift = 0)
+      : rows_(rows), cols_(cols), period_(period), drift_(drift), g_(seed),
+        mu_(static_cast<std::size_t>(cols)), sd_(mu_.size()), dir_(mu_.size()) {
+    std::normal_distribution<double> nd;
+    std::uniform_real_distribution<double> ud(0.5, 1.5);
+    for (std::size_t c = 0; c < mu_.size(); ++c) {
+      mu_[c] = nd(g_);
+      sd_[c] = ud(g_);
+      dir_[c] = nd(g_);
+    }
+  }
+  std::vector<float> next() {
+    const double s = std::exp(0.3 * std::sin(2 * M_PI * static_cast<double>(t_) / period_));
+    std::normal_distribution<double> nd;
+    std::vector<float> x(static_cast<std::size_t>(rows_ * cols_));
+    for (std::int64_t r = 0; r < rows_; ++r)
+      for (std::size_t c = 0; c < mu_.size(); ++c)
+        x[static_cast<std::size_t>(r) * mu_.size() + c] = static_cast<float>(
+            s * (mu_[c] + drift_ * static_cast<double>(t_) * dir_[c] + sd_[c] * nd(g_)));
+    ++t_;
+    return x;
+  }
+  [[nodiscard]] std::int64_t rows() const { return rows_; }
+
+ private:
+  std::int64_t rows_, cols_;
+  double period_, drift_;
+  std::mt19937_64 g_;
+  std::vector<double> mu_, sd_, dir_;
+  std::int64_t t_ = 0;
+};
+
+FaultSpec fault(FaultKind kind, double magnitude, std::uint64_t seed = 1) {
+  FaultSpec s;
+  s.kind = kind;
+  s.magnitude = magnitude;
+  s.seed = seed;
+  return s;
+}
+
+double relative(const std::vector<float>& clean, const std::vector<float>& bad) {
+  return relative_change(DType::F32, as_bytes(std::span<const float>(clean)),
+                         as_bytes(std::span<const float>(bad)));
+}
+
+/// Learns `learn` clean messages, then for `trials` messages scores a copy with `spec` applied
+/// (not learned) and learns the clean one; returns the fraction of corrupted copies flagged.
+double detection_rate(FaultSpec spec, int learn, int trials, double drift = 0,
+                      double period = 1000) {
+  Stream s(8, 64, 11, period, drift);
+  SentinelMonitor m;
+  std::vector<float> old;
+  for (int i = 0; i < learn; ++i) {
+    auto x = s.next();
+    if (i == 10) old = x;
+    m.observe(x, s.rows());
+  }
+  std::mt19937_64 rng(spec.seed);
+  int flagged = 0;
+  for (int i = 0; i < trials; ++i) {
+    auto x = s.next();
+    auto bad = x;
+    REQUIRE(apply_fault(spec, bad, rng, old, 1000));
+    flagged += m.assess(bad, s.rows()).flagged ? 1 : 0;
+    m.assess(x, s.rows());
+    m.learn();
+  }
+  return static_cast<double>(flagged) / trials;
+}
+
+}  // namespace
+
+static_assert(AbortableTransport<VerifyingTransport<FaultInjectingTransport<InProcessTransport>>>);
+
+TEST_CASE("verify.monitor: the calibrated threshold holds the false-positive rate near its target "
+          "on a stationary stream; a clean stream of 1000 messages raises at most a handful") {
+  // 5000 [8, 64] messages, slowly varying scale. Measured: 4 flags in the 4984 messages with a
+  // verdict (FPR 8.0e-4 at target 1e-3); 1 in the first 1000.
+  Stream s(8, 64, 3);
+  SentinelMonitor m;
+  int verdicts = 0, flags = 0, first1000 = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const auto a = m.observe(s.next(), s.rows());
+    if (std::isinf(a.threshold)) {
+      CHECK_FALSE(a.flagged);
+      continue;
+    }
+    ++verdicts;
+    if (a.flagged) {
+      ++flags;
+      if (i < 1000) ++first1000;
+      CHECK(a.reason.find(a.statistic) == 0);  // the reason starts with the statistic's name
+    }
+  }
+  const double fpr = static_cast<double>(flags) / verdicts;
+  MESSAGE("measured FPR " << fpr << " (" << flags << " of " << verdicts << "), " << first1000
+                          << " in the first 1000");
+  CHECK(verdicts >= 4980);    // warm-up: 16 messages
+  CHECK(fpr <= 4e-3);         // within a factor 4 of the target 1e-3
+  CHECK(first1000 <= 4);
+  CHECK(m.learned() == 5000 - flags);
+}
+
+TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged; noise of 1% mostly is "
+          "not") {
+  for (FaultKind k : {FaultKind::Noise, FaultKind::Scale, FaultKind::Sign, FaultKind::Zero,
+                      FaultKind::BitFlip, FaultKind::Drift}) {
+    const std::string name = to_string(k);
+    CAPTURE(name);
+    CHECK(detection_rate(fault(k, 1.0), 600, 200) >= 0.99);
+  }
+  // Replay: message 10 of a stream whose channel means drift, replayed 2000 messages later.
+  CHECK(detection_rate(fault(FaultKind::Replay, 1.0), 2000, 200, 0.002) >= 0.99);
+  // The same replay on a stream that neither drifts nor changes scale is an ordinary message.
+  CHECK(detection_rate(fault(FaultKind::Replay, 1.0), 2000, 200, 0.0, 1e12) <= 0.02);
+  CHECK(detection_rate(fault(FaultKind::Noise, 0.01), 600, 200) <= 0.02);
+}
+
+TEST_CASE("verify.monitor: a non-finite value is flagged at once, during warm-up too, and never "
+          "learned") {
+  Stream s(4, 16, 5);
+  SentinelMonitor m;
+  for (int i = 0; i < 3; ++i) CHECK_FALSE(m.observe(s.next(), 4).flagged);
+  auto x = s.next();
+  x[21] = std::numeric_limits<float>::quiet_NaN();
+  x[40] = std::numeric_limits<float>::infinity();
+  const auto a = m.observe(x, 4);
+  CHECK(a.flagged);
+  CHECK(std::isinf(a.score));
+  CHECK(std::isinf(a.threshold));  // still in warm-up
+  CHECK(a.statistic == std::string("non-finite"));
+  CHECK(a.reason == "2 non-finite values (the first, nan, at row 1, column 5 of [4, 16])");
+  CHECK(m.learned() == 3);
+  CHECK(contains(error_of(Errc::InvalidUsage, [&] { m.learn(); }), "no finite message assessed"));
+  // Finite values whose float squares overflow are not non-finite: the double path scores them.
+  auto big = s.next();
+  big[3] = 3e30f;
+  const auto b = m.observe(big, 4);
+  CHECK_FALSE(b.flagged);  // warm-up
+  CHECK(std::isfinite(b.score));
+  CHECK(b.score > 100);
+}
+
+TEST_CASE("verify.monitor: flagged messages do not move the EMAs") {
+  SentinelConfig cfg;
+  cfg.threshold = 8;  // fixed: the verdicts do not depend on the calibration
+  Stream s(8, 64, 7);
+  SentinelMonitor m(cfg);
+  for (int i = 0; i < 100; ++i) REQUIRE_FALSE(m.observe(s.next(), 8).flagged);
+  const auto probe = s.next();
+  const double before = m.assess(probe, 8).score;
+  // 60 messages scaled by 4: each is flagged. Were they learned, the EMAs would follow them
+  // (decay 0.95) and the later ones pass.
+  for (int i = 0; i < 60; ++i) {
+    auto x = s.next();
+    for (auto& v : x) v *= 4;
+    CHECK(m.observe(x, 8).flagged);
+  }
+  CHECK(m.learned() == 100);
+  CHECK(m.assess(probe, 8).score == before);  // the same statistics, bit for bit
+}
+
+TEST_CASE("verify.monitor: widths and shapes are checked") {
+  SentinelMonitor m;
+  const std::vector<float> x(12, 1.0f);
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { m.assess(x, 5); }),
+                 "12 values are not a [rows = 5, cols] matrix"));
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { m.assess(x, 0); }), "rows = 0"));
+  m.observe(x, 3);  // [3, 4]
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { m.assess(x, 2); }),
+                 "a message [2, 6] in a stream of width 4"));
+}
+
+TEST_CASE("verify.config: bad configs, policies, fault kinds and fault specs are errors naming "
+          "the field") {
+  auto bad = [](auto edit, const char* text) {
+    SentinelConfig c;
+    edit(c);
+    CHECK(contains(error_of(Errc::InvalidArgument, [&] { SentinelMonitor m(c); }), text));
+  };
+  bad([](SentinelConfig& c) { c.decay = 1.0; }, "decay = 1, expected in (0, 1)");
+  bad([](SentinelConfig& c) { c.decay = 0.0; }, "decay = 0");
+  bad([](SentinelConfig& c) { c.warmup = 0; }, "warmup = 0, expected >= 1");
+  bad([](SentinelConfig& c) { c.target_fpr = 0.5; }, "target_fpr = 0.5, expected in (0, 0.5)");
+  bad([](SentinelConfig& c) { c.target_fpr = 0; }, "target_fpr = 0");
+  bad([](SentinelConfig& c) { c.threshold = -1; }, "threshold = -1");
+  bad([](SentinelConfig& c) { c.threshold = std::nan(""); }, "threshold = nan");
+  bad([](SentinelConfig& c) { c.projection_dims = 0; }, "projection_dims = 0");
+  bad([](SentinelConfig& c) { c.token_limit = -2; }, "token_limit = -2");
+  InProcessFabric fabric(1);
+  InProcessTransport t(fabric, 0);
+  SentinelConfig c;
+  c.warmup = -1;
+  CHECK(contains(error_of(Errc::InvalidArgument,
+                          [&] { VerifyingTransport v(t, c, VerifyPolicy::Log); }),
+                 "warmup = -1"));
+
+  CHECK(parse_verify_policy("quarantine") == VerifyPolicy::Quarantine);
+  CHECK(to_string(parse_verify_policy("drop")) == std::string("drop"));
+  CHECK(error_of(Errc::InvalidArgument, [] { parse_verify_policy("halt"); }) ==
+        "verify policy 'halt' is not one of log, drop, stop, quarantine");
+  for (const char* k : {"noise", "scale", "sign", "zero", "bitflip", "replay", "drift"})
+    CHECK(to_string(parse_fault_kind(k)) == std::string(k));
+
+  const auto s = parse_fault_spec("bitflip:0.5:0.1:rank=2,3:seed=9");
+  CHECK(s.kind == FaultKind::BitFlip);
+  CHECK(s.magnitude == 0.5);
+  CHECK(s.rate == 0.1);
+  CHECK(s.ranks == std::vector<int>{2, 3});
+  CHECK(s.seed == 9u);
+  CHECK(s.kinds == std::vector<MessageKind>{MessageKind::Activation, MessageKind::Gradient});
+  auto spec_error = [](const char* text, const char* part) {
+    CAPTURE(text);
+    CHECK(contains(error_of(Errc::InvalidArgument, [&] { parse_fault_spec(text); }), part));
+  };
+  spec_error("noise:1", "expected KIND:MAGNITUDE:RATE");
+  spec_error("flip:1:1", "fault kind 'flip' is not one of noise, scale");
+  spec_error("noise:x:1", "magnitude 'x' is not a number");
+  spec_error("noise:0:1", "magnitude = 0, expected a finite number > 0");
+  spec_error("noise:1:1.5", "rate = 1.5, expected in (0, 1]");
+  spec_error("noise:1:0", "rate = 0, expected in (0, 1]");
+  spec_error("noise:1:1:rank=-1", "rank '-1' is not a non-negative integer");
+  spec_error("noise:1:1:seed=", "seed '' is not a non-negative integer");
+  spec_error("noise:1:1:peer=3", "unknown field 'peer=3'");
+  FaultSpec f;
+  f.drift_ramp = 0;
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { FaultInjectingTransport x(t, f); }),
+                 "drift_ramp = 0"));
+  f = FaultSpec{};
+  f.kinds.clear();
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { FaultInjectingTransport x(t, f); }),
+                 "kinds is empty"));
+  f = FaultSpec{};
+  f.max_faults = -2;
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { FaultInjectingTransport x(t, f); }),
+                 "max_faults = -2"));
+}
+
+TEST_CASE("verify.faults: apply_fault changes the payload by the documented magnitude") {
+  Stream s(256, 512, 13);
+  const auto clean = s.next();
+  std::mt19937_64 rng(4);
+  auto run = [&](FaultSpec spec, std::span<const float> previous = {}, std::int64_t step = 0) {
+    auto x = clean;
+    CHECK(apply_fault(spec, x, rng, previous, step));
+    return relative(clean, x);
+  };
+  for (double m : {0.01, 0.1, 1.0}) {
+    CAPTURE(m);
+    CHECK(run(fault(FaultKind::Noise, m)) == doctest::Approx(m).epsilon(0.1));
+    CHECK(run(fault(FaultKind::Scale, m)) == doctest::Approx(m).epsilon(1e-6));
+    CHECK(run(fault(FaultKind::Sign, m)) == doctest::Approx(m).epsilon(0.2));
+    CHECK(run(fault(FaultKind::Zero, m)) == doctest::Approx(m).epsilon(0.2));
+    CHECK(run(fault(FaultKind::BitFlip, m)) >= m);
+    CHECK(run(fault(FaultKind::Drift, m), {}, 1000) == doctest::Approx(m).epsilon(1e-3));
+  }
+  // Drift ramps up: the k-th fault (drift_step k - 1) adds m k / drift_ramp of the norm.
+  auto drift = fault(FaultKind::Drift, 1.0);
+  drift.drift_ramp = 50;
+  CHECK(run(drift, {}, 9) == doctest::Approx(0.2).epsilon(1e-3));
+  CHECK(run(drift, {}, 49) == doctest::Approx(1.0).epsilon(1e-3));
+  // The drift direction is fixed: two faults at full ramp add the same vector.
+  auto a = clean, b = s.next();
+  const auto b0 = b;
+  apply_fault(drift, a, rng, {}, 100);
+  apply_fault(drift, b, rng, {}, 100);
+  double dot = 0, na = 0, nb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double da = a[i] - clean[i], db = b[i] - b0[i];
+    dot += da * db;
+    na += da * da;
+    nb += db * db;
+  }
+  CHECK(dot / std::sqrt(na * nb) == doctest::Approx(1.0).epsilon(1e-6));
+  // Replay copies the previous payload; without one of the same size nothing changes.
+  const auto old = s.next();
+  auto x = clean;
+  CHECK(apply_fault(fault(FaultKind::Replay, 1.0), x, rng, old, 0));
+  CHECK(x == old);
+  x = clean;
+  CHECK_FALSE(apply_fault(fault(FaultKind::Replay, 1.0), x, rng, {}, 0));
+  CHECK_FALSE(apply_fault(fault(FaultKind::Replay, 1.0), x, rng,
+                          std::span<const float>(old).first(10), 0));
+  CHECK(x == clean);
+  // Token ids: bitflip and zero apply, noise does not.
+  std::vector<std::int32_t> ids(1000, 7);
+  auto bytes = as_writable_bytes(std::span<std::int32_t>(ids));
+  CHECK_FALSE(apply_fault(fault(FaultKind::Noise, 1.0), DType::I32, bytes, rng, {}, 0));
+  CHECK(ids == std::vector<std::int32_t>(1000, 7));
+  const auto ids0 = ids;
+  CHECK(apply_fault(fault(FaultKind::BitFlip, 1.0), DType::I32, bytes, rng, {}, 0));
+  CHECK(relative_change(DType::I32, as_bytes(std::span<const std::int32_t>(ids0)),
+                        as_bytes(std::span<const std::int32_t>(ids))) >= 1.0);
+  // A bit flipped into the exponent can make an f32 non-finite: relative change inf.
+  std::vector<float> one{1.5f};
+  const std::vector<float> one0 = one;
+  std::mt19937_64 r2(0);
+  bool saw_inf = false;
+  for (int i = 0; i < 200 && !saw_inf; ++i) {
+    one = one0;
+    apply_fault(fault(FaultKind::BitFlip, 1.0), one, r2, {}, 0);
+    saw_inf = std::isinf(relative(one0, one));
+  }
+  CHECK(saw_inf);
+}
+
+TEST_CASE("verify.faults: the same seed and traffic give the same corruptions; another seed "
+          "others") {
+  Stream s(16, 32, 2);
+  const auto clean = s.next();
+  for (FaultKind k : {FaultKind::Noise, FaultKind::Sign, FaultKind::Zero, FaultKind::BitFlip}) {
+    const std::string name = to_string(k);
+    CAPTURE(name);
+    auto once = [&](std::uint64_t seed) {
+      auto x = clean;
+      std::mt19937_64 rng(seed);
+      apply_fault(fault(k, 0.5, seed), x, rng, {}, 0);
+      return x;
+    };
+    CHECK(once(5) == once(5));
+    CHECK(once(5) != once(6));
+  }
+}
+
+namespace {
+
+/// Rank 0 sends `n` activation messages of a Stream [8, 64] (micro-batch i, chunk i % 4) to
+/// rank 1 through FaultInjectingTransport(spec) and VerifyingTransport(policy) on both ranks,
+/// over threads; rank 1 receives them. Returns both ranks' decorator records and the headers
+/// rank 1 read.
+struct StackRun {
+  std::vector<InjectionRecord> injected;
+  std::vector<VerdictRecord> verdicts;
+  std::vector<MessageHeader> delivered;
+  std::int64_t checked = 0, flagged = 0;
+};
+StackRun run_stack(const FaultSpec& spec, VerifyPolicy policy, int n,
+                   const SentinelConfig& cfg = {}) {
+  InProcessFabric fabric(2);
+  auto eps = endpoints(fabric);
+  std::vector<FaultInjectingTransport<InProcessTransport>> bad;
+  for (auto& e : eps) bad.emplace_back(e, spec);
+  std::vector<VerifyingTransport<FaultInjectingTransport<InProcessTransport>>> ver;
+  for (auto& b : bad) ver.emplace_back(b, cfg, policy);
+  StackRun out;
+  Stream stream(8, 64, 21);
+  std::vector<std::vector<float>> msgs;
+  for (int i = 0; i < n; ++i) msgs.push_back(stream.next());
+  try {
+    engine::run_ranks(std::span(ver), [&](auto& t) {
+      for (int i = 0; i < n; ++i) {
+        const auto h = MessageHeader::make(i, 1, DType::F32, {8, 64}, i % 4, MessageKind::Activation);
+        if (t.rank() == 0) {
+          auto r = t.isend(1, 5, h, as_bytes(std::span<const float>(msgs[static_cast<std::size_t>(i)])));
+          t.wait(r, Deadline::after(30));
+        } else {
+          std::vector<float> got(8 * 64);
+          auto r = t.irecv(0, 5, h, as_writable_bytes(std::span<float>(got)));
+          t.wait(r, Deadline::after(30));
+          out.delivered.push_back(r.header);
+        }
+      }
+    });
+  } catch (...) {
+    out.injected = bad[0].injected();
+    out.verdicts = ver[1].verdicts();
+    throw;
+  }
+  out.injected = bad[0].injected();
+  out.verdicts = ver[1].verdicts();
+  out.checked = ver[1].checked();
+  out.flagged = ver[1].flagged();
+  return out;
+}
+
+using Key = std::tuple<int, int, MessageKind, std::int64_t>;
+
+}  // namespace
+
+TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over threads: Log "
+          "counts, Drop flags the delivered header, Stop and Quarantine name ranks, kind and "
+          "micro-batch; injections match flagged verdicts") {
+  FaultSpec spec = fault(FaultKind::Noise, 1.0, 3);
+  spec.rate = 0.1;
+  spec.ranks = {0};
+  constexpr int kMessages = 400;
+
+  SUBCASE("Log") {
+    const auto run = run_stack(spec, VerifyPolicy::Log, kMessages);
+    CHECK(run.delivered.size() == static_cast<std::size_t>(kMessages));
+    for (std::size_t i = 0; i < run.verdicts.size(); ++i)
+      CHECK(run.verdicts[i].index == static_cast<std::int64_t>(i));  // one verdict per message
+    CHECK(run.checked == kMessages);
+    CHECK(run.verdicts.size() == static_cast<std::size_t>(kMessages));
+    CHECK(run.injected.size() > 25);  // rate 0.1 of 400
+    std::set<Key> injected, flagged;
+    for (const auto& f : run.injected) {
+      CHECK(f.relative_change == doctest::Approx(1.0).epsilon(0.01));
+      CHECK(f.microbatch == f.index);  // micro-batch i is message i
+      // Warm-up: no verdict before the 17th message (16 learned, 8 scores). Faults learned
+      // during warm-up (here at 15) lift the EMA variances and the threshold for a while: the
+      // first faults after it may pass (here at 17, 41 and 44); from message 64 on, every
+      // fault is flagged and nothing else is.
+      if (f.index >= 64) injected.insert({f.from, f.to, f.kind, f.index});
+    }
+    std::int64_t warm = 0;
+    for (const auto& v : run.verdicts) {
+      CHECK(v.from == 0);
+      CHECK(v.to == 1);
+      CHECK(v.microbatch == v.index);
+      CHECK(v.chunk == v.index % 4);
+      if (std::isinf(v.threshold)) ++warm;
+      if (v.flagged) {
+        if (v.index >= 64) flagged.insert({v.from, v.to, v.kind, v.index});
+        CHECK(v.score > v.threshold);
+        CHECK_FALSE(v.reason.empty());
+      } else {
+        CHECK(v.reason.empty());
+      }
+    }
+    CHECK(warm == 16);
+    CHECK(run.flagged == std::count_if(run.verdicts.begin(), run.verdicts.end(),
+                                       [](const VerdictRecord& v) { return v.flagged; }));
+    CHECK(injected.size() > 25);
+    std::vector<std::int64_t> missed, false_alarms;
+    for (const auto& k : injected)
+      if (flagged.count(k) == 0) missed.push_back(std::get<3>(k));
+    for (const auto& k : flagged)
+      if (injected.count(k) == 0) false_alarms.push_back(std::get<3>(k));
+    CHECK(fmt::format("{}", fmt::join(missed, ",")) == "");
+    CHECK(fmt::format("{}", fmt::join(false_alarms, ",")) == "");
+    for (const auto& h : run.delivered) CHECK(h.flags == 0u);  // Log delivers as is
+  }
+  SUBCASE("Drop") {
+    const auto run = run_stack(spec, VerifyPolicy::Drop, kMessages);
+    REQUIRE(run.delivered.size() == static_cast<std::size_t>(kMessages));
+    std::set<std::int64_t> flagged;
+    for (const auto& v : run.verdicts)
+      if (v.flagged) flagged.insert(v.index);
+    CHECK(flagged.size() > 20);
+    for (std::size_t i = 0; i < run.delivered.size(); ++i) {
+      CAPTURE(i);
+      CHECK(((run.delivered[i].flags & kFlagDropped) != 0) ==
+            (flagged.count(static_cast<std::int64_t>(i)) == 1));
+    }
+  }
+  SUBCASE("Stop and Quarantine") {
+    for (VerifyPolicy p : {VerifyPolicy::Stop, VerifyPolicy::Quarantine}) {
+      const std::string name = to_string(p);
+    CAPTURE(name);
+      // The first fault after warm-up stops the run: find it in a Log run of the same traffic.
+      const auto log = run_stack(spec, VerifyPolicy::Log, kMessages);
+      std::int64_t first = -1;
+      for (const auto& v : log.verdicts)
+        if (v.flagged) {
+          first = v.index;
+          break;
+        }
+      REQUIRE(first >= 16);
+      const auto msg = error_of(Errc::Rejected, [&] { run_stack(spec, p, kMessages); });
+      CHECK(contains(msg, fmt::format("rank 1: rejected the activation message from rank 0 for "
+                                      "micro-batch {} (stage 1, chunk {}, tag 5): integrity "
+                                      "check: score ",
+                                      first, first % 4)));
+      CHECK(contains(msg, " > threshold "));
+      if (p == VerifyPolicy::Quarantine)
+        CHECK(contains(msg, "; rank 0 is quarantined, and no data-parallel replica exists to take "
+                            "over its stages, so the run stops"));
+    }
+  }
+}
+
+TEST_CASE("verify.transport: token ids out of range are flagged at once; prefill-sized and "
+          "decode-sized messages are separate streams; replay through the decorator") {
+  InProcessFabric fabric(2);
+  InProcessTransport t0(fabric, 0), t1(fabric, 1);
+  SentinelConfig cfg;
+  cfg.token_limit = 512;
+  VerifyingTransport v(t1, cfg, VerifyPolicy::Log);
+  // Tokens [n, 3]: (sequence, position, token); only the last column is an id.
+  const std::vector<std::int32_t> ok{0, 900, 17, 1, 901, 511}, bad{0, 900, 17, 1, 901, 600};
+  const auto th = MessageHeader::make(0, 0, DType::I32, {2, 3}, 0, MessageKind::Token);
+  std::vector<std::int32_t> dst(6);
+  for (const auto* p : {&ok, &bad}) {
+    auto s = t0.isend(1, 3, th, as_bytes(std::span<const std::int32_t>(*p)));
+    auto r = v.irecv(0, 3, th, as_writable_bytes(std::span<std::int32_t>(dst)));
+    v.wait(r, Deadline::after(10));
+    t0.wait(s, Deadline::after(10));
+  }
+  REQUIRE(v.verdicts().size() == 2);
+  CHECK_FALSE(v.verdicts()[0].flagged);
+  CHECK(v.verdicts()[1].flagged);
+  CHECK(std::isinf(v.verdicts()[1].score));
+  CHECK(v.verdicts()[1].index == 1);
+  CHECK(v.verdicts()[1].reason == "token id 600 at entry 1 outside [0, 512)");
+  // Activations of 8 rows and of 1 row, and a gradient: three streams.
+  auto send = [&](const MessageHeader& h, std::vector<float> x) {
+    auto s = t0.isend(1, 4, h, as_bytes(std::span<const float>(x)));
+    auto r = v.irecv(0, 4, h, as_writable_bytes(std::span<float>(x)));
+    v.wait(r, Deadline::after(10));
+    t0.wait(s, Deadline::after(10));
+  };
+  send(MessageHeader::make(0, 1, DType::F32, {8, 4}, 0, MessageKind::Activation), std::vector<float>(32, 1.0f));
+  send(MessageHeader::make(0, 1, DType::F32, {1, 4}, 1, MessageKind::Activation), std::vector<float>(4, 1.0f));
+  send(MessageHeader::make(0, 1, DType::F32, {9, 4}, 0, MessageKind::Activation), std::vector<float>(36, 1.0f));
+  send(MessageHeader::make(0, 0, DType::F32, {8, 4}, 0, MessageKind::Gradient), std::vector<float>(32, 1.0f));
+  CHECK(v.streams() == 3);  // 8 and 9 rows share the bucket floor(log2(rows)) = 3
+  CHECK(v.checked() == 6);
+
+  // Replay through the decorator: the stream's first payload replaces later ones.
+  FaultSpec spec = fault(FaultKind::Replay, 1.0);
+  FaultInjectingTransport f(t0, spec);
+  const auto h = MessageHeader::make(0, 1, DType::F32, {2}, 0, MessageKind::Activation);
+  std::vector<float> got(2);
+  for (float x : {1.0f, 2.0f, 3.0f}) {
+    const std::vector<float> msg{x, x};
+    auto s = f.isend(1, 6, h, as_bytes(std::span<const float>(msg)));
+    auto r = t1.irecv(0, 6, h, as_writable_bytes(std::span<float>(got)));
+    t1.wait(r, Deadline::after(10));
+    f.wait(s, Deadline::after(10));
+    CHECK(s.done);
+    CHECK(got == std::vector<float>{1.0f, 1.0f});
+    CHECK(msg == std::vector<float>{x, x});  // the caller's buffer is untouched
+  }
+  REQUIRE(f.injected().size() == 2);
+  CHECK(f.injected()[0].index == 1);
+  CHECK(f.injected()[0].relative_change == doctest::Approx(0.5));
+  CHECK(f.injected()[1].relative_change == doctest::Approx(2.0 / 3.0));
+}
