@@ -11,14 +11,24 @@
 //   BM_WeightScan42M             the load-time scan of every weight of the 42M model (the
 //       loader's check_finite_weights work), beside one decode step of the same model
 //       (scan_over_decode_step = scan time / time of one position of one sequence).
+//
+// Scenario (docs/benchmarks.md, "Integrity checks"):
+//   BM_SentinelCheck/rows:R/cols:C  VerifyingTransport's check of one received f32 [R, C]
+//       activation (SentinelMonitor::observe of a stream past its warm-up: statistics, score,
+//       verdict, EMA update), beside the memcpy of the same bytes into the receive buffer that
+//       precedes it in the same iteration (as a receive does; the check then reads the buffer):
+//       check_over_memcpy = check time / memcpy time; check_us = microseconds per message.
 #include <brigade/core/finite.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/transport/verify.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <cstring>
+#include <random>
 #include <vector>
 
 using namespace brigade;
@@ -103,6 +113,47 @@ void BM_WeightScan42M(benchmark::State& state) {
   state.counters["scan_over_decode_step"] = scan_s / state.iterations() / step_s;
 }
 BENCHMARK(BM_WeightScan42M)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(5);
+
+void BM_SentinelCheck(benchmark::State& state) {
+  const auto rows = state.range(0), cols = state.range(1);
+  const auto n = static_cast<std::size_t>(rows * cols);
+  // 8 different messages of one stream (hidden-state-like: per-channel means and spreads),
+  // cycled; 200 learned first (past warm-up and calibration). As on a receive: the transport
+  // copies the message into the receive buffer (the memcpy), then the check reads the buffer.
+  std::mt19937_64 g(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> mu(static_cast<std::size_t>(cols)), sd(mu.size());
+  for (std::size_t c = 0; c < mu.size(); ++c) {
+    mu[c] = nd(g);
+    sd[c] = 0.5f + std::fabs(nd(g));
+  }
+  std::vector<std::vector<float>> msgs(8, std::vector<float>(n));
+  for (auto& m : msgs)
+    for (std::size_t i = 0; i < n; ++i) m[i] = mu[i % mu.size()] + sd[i % mu.size()] * nd(g);
+  transport::SentinelMonitor monitor;
+  for (int i = 0; i < 200; ++i) monitor.observe(msgs[static_cast<std::size_t>(i) % msgs.size()], rows);
+  std::vector<float> buffer(n);
+  double check_s = 0, copy_s = 0;
+  std::size_t k = 0, flagged = 0;
+  for (auto _ : state) {
+    const auto& x = msgs[k++ % msgs.size()];
+    const double t0 = now();
+    std::memcpy(buffer.data(), x.data(), n * sizeof(float));
+    benchmark::ClobberMemory();
+    const double t1 = now();
+    const auto a = monitor.observe(buffer, rows);
+    const double t2 = now();
+    flagged += a.flagged ? 1 : 0;
+    copy_s += t1 - t0;
+    check_s += t2 - t1;
+  }
+  state.counters["check_us"] = check_s / static_cast<double>(state.iterations()) * 1e6;
+  state.counters["memcpy_us"] = copy_s / static_cast<double>(state.iterations()) * 1e6;
+  state.counters["check_over_memcpy"] = check_s / copy_s;
+  state.counters["flagged"] = static_cast<double>(flagged);
+}
+BENCHMARK(BM_SentinelCheck)->ArgNames({"rows", "cols"})->Args({256, 512})->Args({1, 512})
+    ->Args({8, 64})->UseRealTime();
 
 }  // namespace
 

@@ -458,6 +458,13 @@ TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over 
       }
     }
     CHECK(warm == 16);
+    std::vector<std::int64_t> early_injected, early_flagged;
+    for (const auto& f : run.injected)
+      if (f.index < 64) early_injected.push_back(f.index);
+    for (const auto& v : run.verdicts)
+      if (v.flagged && v.index < 64) early_flagged.push_back(v.index);
+    CHECK(fmt::format("{}", fmt::join(early_injected, ",")) == "15,17,41,44");
+    CHECK(early_flagged.empty());  // the fault learned at 15 masks those at 17, 41 and 44
     CHECK(run.flagged == std::count_if(run.verdicts.begin(), run.verdicts.end(),
                                        [](const VerdictRecord& v) { return v.flagged; }));
     CHECK(injected.size() > 25);

@@ -101,21 +101,25 @@ struct Assessment {
 /// Statistics of x [rows, cols] (one pass over x, O(rows * cols); no allocation after the first
 /// message): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio": one exploded
 /// element); the per-channel mean over rows ("channel-mean", cols values); the per-channel
-/// variance over rows ("channel-var", cols values; 0 for one row); a projection_dims-dimensional
-/// seeded Gaussian random projection of the per-channel means ("projection"); the count of
-/// non-finite values.
+/// variance over rows, as its logarithm ("channel-var", cols values; the log makes the skewed
+/// sample variance nearly symmetric; 0 for one row); a projection_dims-dimensional seeded
+/// Gaussian random projection of the per-channel means ("projection", entries N(0, 1/cols)); the
+/// count of non-finite values.
 ///
 /// Score: each statistic value s_d is compared with its EMA mean mu_d and standard deviation
 /// sd_d: z_d = |s_d - mu_d| / (sd_d + 1e-3 (|mu_d| + g)), g = 0 for the scalars and the mean of
 /// |mu| + sd over the vector for a vector statistic (a floor so that a constant statistic does
 /// not divide by zero). A scalar's score is z; a vector statistic of n values scores the
-/// standardized chi-square excess (sum z^2 - n) / sqrt(2 n) (about N(0, 1) for Gaussian z, large
-/// when many channels move together). The message's score is the largest; a non-finite value
-/// makes it +inf and the message is flagged at once, even during warm-up.
+/// Wilson-Hilferty normal equivalent of q = sum z_d^2, ((q/n)^(1/3) - (1 - 2/(9n))) /
+/// sqrt(2/(9n)) (Wilson and Hilferty, PNAS 1931: about N(0, 1) when q ~ chi-square(n), large when
+/// many channels move together), so that statistics of 1, 16 and 4096 values have comparable
+/// null distributions. The message's score is the largest; a non-finite value makes it +inf
+/// and the message is flagged at once, even during warm-up.
 ///
 /// Learning: an accepted message updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
 /// a (s - mu)^2), a = max(1 - decay, 1/n)); a flagged one does not (a corrupting sender must not
-/// drag the statistics), so a sudden lasting change of a stream keeps being flagged.
+/// drag the statistics), so a sudden lasting change of a stream keeps being flagged (with Log or
+/// Drop, until the stream returns to what the monitor learned).
 ///
 /// Threshold: config.threshold when > 0; else calibrated from the scores of accepted messages as
 /// SPOT does (Siffer et al., KDD 2017, sec. 3-4): a reservoir of the last 1024 scores; the
@@ -166,11 +170,7 @@ class SentinelMonitor {
     if (learned_ >= 2) {
       for (int g = 0; g < kGroups; ++g) {
         const auto [b, e] = group(g);
-        double z2 = 0;
-        for (std::size_t d = b; d < e; ++d) {
-          const double z = (cur_[d] - mean_[d]) * inv_den_[d];
-          z2 += z * z;
-        }
+        const double z2 = squared_z(b, e);
         const auto n = static_cast<double>(e - b);
         // A vector: the Wilson-Hilferty normal equivalent of sum z^2 ~ chi-square(n).
         const double s = e - b == 1 ? std::sqrt(z2)
@@ -202,16 +202,17 @@ class SentinelMonitor {
       const double diff = cur_[d] - mean_[d];
       mean_[d] += a * diff;
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
+      sd_[d] = std::sqrt(var_[d]);
     }
     for (int g = 0; g < kGroups; ++g) {
       const auto [b, e] = group(g);
       double scale = 0;
       if (e - b > 1) {
-        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + std::sqrt(var_[d]);
+        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + sd_[d];
         scale /= static_cast<double>(e - b);
       }
       for (std::size_t d = b; d < e; ++d)
-        inv_den_[d] = 1.0 / (std::sqrt(var_[d]) + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
+        inv_den_[d] = 1.0 / (sd_[d] + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
     }
   }
 
@@ -264,6 +265,22 @@ class SentinelMonitor {
     }
   }
 
+  // sum of z_d^2 over [b, e), four partial sums (no serial dependency).
+  [[nodiscard]] double squared_z(std::size_t b, std::size_t e) const {
+    double acc[4] = {0, 0, 0, 0};
+    std::size_t d = b;
+    for (; d + 4 <= e; d += 4)
+      for (std::size_t i = 0; i < 4; ++i) {
+        const double z = (cur_[d + i] - mean_[d + i]) * inv_den_[d + i];
+        acc[i] += z * z;
+      }
+    for (; d < e; ++d) {
+      const double z = (cur_[d] - mean_[d]) * inv_den_[d];
+      acc[0] += z * z;
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  }
+
   void init(std::int64_t cols) {
     cols_ = cols;
     const auto c = static_cast<std::size_t>(cols);
@@ -272,15 +289,16 @@ class SentinelMonitor {
     cur_.assign(dims, 0);
     mean_.assign(dims, 0);
     var_.assign(dims, 0);
+    sd_.assign(dims, 0);
     inv_den_.assign(dims, 0);
     sum_.assign(c, 0);
     sq_.assign(c, 0);
     max_.assign(c, 0);
-    // Entries N(0, 1/cols): the projection of a vector keeps its norm in expectation.
+    // Entries N(0, 1/cols), stored [cols, k]: the projection keeps a vector's norm in expectation.
     proj_.resize(k * c);
     std::mt19937_64 g(config_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(cols)));
     std::normal_distribution<double> nd(0.0, 1.0 / std::sqrt(static_cast<double>(cols)));
-    for (auto& v : proj_) v = static_cast<float>(nd(g));
+    for (auto& v : proj_) v = nd(g);
     reservoir_.assign(kReservoir, 0);
     sorted_.assign(kReservoir, 0);
   }
@@ -371,12 +389,14 @@ class SentinelMonitor {
       var[j] = rows == 1 ? 0.0
                          : std::log(std::max(cq * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
     }
-    double* proj = var + uc;
-    for (std::size_t k = 0; k < static_cast<std::size_t>(config_.projection_dims); ++k) {
-      const float* p = proj_.data() + k * uc;
-      double acc = 0;
-      for (std::size_t j = 0; j < uc; ++j) acc += static_cast<double>(p[j]) * mean[j];
-      proj[k] = acc;
+    // proj = P mean, P stored [cols, k]: the inner loop runs over k (vectorizes, no reduction).
+    double* __restrict proj = var + uc;
+    const auto k = static_cast<std::size_t>(config_.projection_dims);
+    std::fill(proj, proj + k, 0.0);
+    for (std::size_t j = 0; j < uc; ++j) {
+      const double mj = mean[j];
+      const double* __restrict p = proj_.data() + j * k;
+      for (std::size_t i = 0; i < k; ++i) proj[i] += p[i] * mj;
     }
     return true;
   }
@@ -448,8 +468,9 @@ class SentinelMonitor {
 
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
-  std::vector<double> cur_, mean_, var_, inv_den_;  // [3 scalars, cols, cols, projection_dims]
-  std::vector<float> sum_, sq_, max_, proj_;        // per-channel scratch; projection [k, cols]
+  std::vector<double> cur_, mean_, var_, sd_, inv_den_;  // [3 scalars, cols, cols, proj. dims]
+  std::vector<float> sum_, sq_, max_;                     // per-channel scratch
+  std::vector<double> proj_;                              // the projection, [cols, k]
   std::vector<double> wide_sum_, wide_sq_;           // the double path's scratch
   std::array<double, kGroups> score_{};
   double last_score_ = 0;
