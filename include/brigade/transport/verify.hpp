@@ -561,7 +561,7 @@ struct VerdictRecord {
 /// Quarantine's reason says that rank F is quarantined and that no data-parallel replica exists
 /// to take over its stages, so the run stops: brigade has no data-parallel replicas yet.
 /// Every checked message appends a VerdictRecord (about 100 bytes and its reason); a monitor
-/// holds about 24 (2 cols + projection_dims) + 4 cols projection_dims bytes plus 8 KiB of
+/// holds about 40 (2 cols + projection_dims) + 8 cols projection_dims bytes plus 16 KiB of
 /// scores. Movable (the state lives behind a shared pointer). Not thread-safe.
 template <Transport Inner>
 class VerifyingTransport : public InspectingTransport<Inner> {
