@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -48,7 +49,7 @@ struct SentinelConfig {
   double decay = 0.95;
   /// Messages a monitor learns from before it gives verdicts (>= 1); a non-finite payload is
   /// flagged even then. The calibrated threshold also needs 8 scores (collected from the
-  /// ceil(warmup / 2)-th learned message on), so with warmup < 12 verdicts start a little later.
+  /// ceil(warmup / 2)-th learned message on), so with warmup < 16 verdicts start a little later.
   int warmup = 16;
   /// False-positive rate the calibrated threshold aims at, in (0, 0.5).
   double target_fpr = 1e-3;
