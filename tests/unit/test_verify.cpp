@@ -132,8 +132,6 @@ TEST_CASE("verify.monitor: the calibrated threshold holds the false-positive rat
     }
   }
   const double fpr = static_cast<double>(flags) / verdicts;
-  MESSAGE("measured FPR " << fpr << " (" << flags << " of " << verdicts << "), " << first1000
-                          << " in the first 1000");
   CHECK(verdicts >= 4980);    // warm-up: 16 messages
   CHECK(fpr <= 4e-3);         // within a factor 4 of the target 1e-3
   CHECK(first1000 <= 4);
@@ -197,6 +195,39 @@ TEST_CASE("verify.monitor: flagged messages do not move the EMAs") {
   }
   CHECK(m.learned() == 100);
   CHECK(m.assess(probe, 8).score == before);  // the same statistics, bit for bit
+}
+
+TEST_CASE("verify.monitor: a sender corrupting 5% or 10% of its messages from the first one "
+          "cannot lift the threshold over its faults") {
+  // 8 streams of 400 [8, 64] messages; each message is replaced by a noisy copy (noise of its
+  // norm) with probability `rate`, from message 0 on. Warm-up faults are learned (no verdict
+  // yet); every fault after warm-up must be flagged.
+  for (double rate : {0.05, 0.1}) {
+    CAPTURE(rate);
+    int faults = 0, caught = 0, false_alarms = 0;
+    for (std::uint64_t seed = 21; seed < 29; ++seed) {
+      Stream s(8, 64, seed);
+      SentinelMonitor m;
+      std::mt19937_64 rng(seed + 100);
+      std::bernoulli_distribution coin(rate);
+      for (int i = 0; i < 400; ++i) {
+        auto x = s.next();
+        const bool bad = coin(rng);
+        if (bad) apply_fault(fault(FaultKind::Noise, 1.0), x, rng, {}, 0);
+        const bool flagged = m.observe(x, 8).flagged;
+        if (bad && i >= 16) {
+          ++faults;
+          caught += flagged ? 1 : 0;
+        }
+        false_alarms += flagged && !bad ? 1 : 0;
+      }
+    }
+    // Measured: 154 of 154 faults flagged at rate 0.05, 303 of 303 at 0.1; 3 false alarms in
+    // the 3200 messages each. Without the cap on the calibrated threshold none is flagged.
+    CHECK(faults > (rate < 0.07 ? 100 : 250));
+    CHECK(caught == faults);
+    CHECK(false_alarms <= 8);
+  }
 }
 
 TEST_CASE("verify.monitor: widths and shapes are checked") {
@@ -441,10 +472,11 @@ TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over 
     for (const auto& f : run.injected) {
       CHECK(f.relative_change == doctest::Approx(1.0).epsilon(0.01));
       CHECK(f.microbatch == f.index);  // micro-batch i is message i
-      // Warm-up: no verdict before the 17th message (16 learned, 8 scores). Faults learned
-      // during warm-up (here at 15) lift the EMA variances and the threshold for a while: the
-      // first faults after it may pass (here at 17, 41 and 44); from message 64 on, every
-      // fault is flagged and nothing else is.
+      // Warm-up: no verdict before the 17th message (16 learned, 8 scores). A fault during
+      // warm-up (here at 15) is learned: the median start keeps it out of the EMAs, but its
+      // score, collected for the calibration, lifts the first thresholds, so early faults may
+      // pass (here 17 is flagged, 41 and 44 are not); from message 64 on, every fault is
+      // flagged and nothing else is.
       if (f.index >= 64) injected.insert({f.from, f.to, f.kind, f.index});
     }
     std::int64_t warm = 0;
@@ -469,7 +501,7 @@ TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over 
     for (const auto& v : run.verdicts)
       if (v.flagged && v.index < 64) early_flagged.push_back(v.index);
     CHECK(fmt::format("{}", fmt::join(early_injected, ",")) == "15,17,41,44");
-    CHECK(early_flagged.empty());  // the fault learned at 15 masks those at 17, 41 and 44
+    CHECK(fmt::format("{}", fmt::join(early_flagged, ",")) == "17");
     CHECK(run.flagged == std::count_if(run.verdicts.begin(), run.verdicts.end(),
                                        [](const VerdictRecord& v) { return v.flagged; }));
     CHECK(injected.size() > 25);

@@ -117,6 +117,11 @@ struct Assessment {
 /// null distributions. The message's score is the largest; a non-finite value makes it +inf
 /// and the message is flagged at once, even during warm-up.
 ///
+/// Warm-up: the first `warmup` messages are learned without verdicts (non-finite values aside);
+/// at its end the EMAs restart from the median and 1.4826 x the median absolute deviation of the
+/// (last 64) warm-up statistics, so faults in a minority of the warm-up messages do not stay in
+/// them.
+///
 /// Learning: an accepted message updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
 /// a (s - mu)^2), a = max(1 - decay, 1/n)); a flagged one does not (a corrupting sender must not
 /// drag the statistics), so a sudden lasting change of a stream keeps being flagged (with Log or
@@ -205,16 +210,14 @@ class SentinelMonitor {
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
       sd_[d] = std::sqrt(var_[d]);
     }
-    for (int g = 0; g < kGroups; ++g) {
-      const auto [b, e] = group(g);
-      double scale = 0;
-      if (e - b > 1) {
-        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + sd_[d];
-        scale /= static_cast<double>(e - b);
-      }
-      for (std::size_t d = b; d < e; ++d)
-        inv_den_[d] = 1.0 / (sd_[d] + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
+    if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
+      const std::size_t rows = warm_.size() / cur_.size();
+      std::copy(cur_.begin(), cur_.end(),
+                warm_.begin() + static_cast<std::ptrdiff_t>(
+                                    static_cast<std::size_t>(learned_ - 1) % rows * cur_.size()));
+      if (learned_ == config_.warmup) robust_start();
     }
+    update_denominators();
   }
 
   /// assess(x, rows), then learn() when the message is not flagged.
@@ -246,6 +249,8 @@ class SentinelMonitor {
   static constexpr std::int64_t kReservoir = 1024;
   /// Scores the calibrated threshold needs before it gives verdicts.
   static constexpr std::int64_t kMinScores = 8;
+  /// Warm-up statistics kept for the robust start (the last this many of the warm-up).
+  static constexpr std::size_t kWarmRows = 64;
   /// The calibrated threshold is never below this.
   static constexpr double kMinThreshold = 3.0;
 
@@ -264,6 +269,44 @@ class SentinelMonitor {
       case 4: return {3 + c, 3 + 2 * c};
       default: return {3 + 2 * c, cur_.size()};
     }
+  }
+
+  // 1 / (sd + floor) per statistic value (class docstring).
+  void update_denominators() {
+    for (int g = 0; g < kGroups; ++g) {
+      const auto [b, e] = group(g);
+      double scale = 0;
+      if (e - b > 1) {
+        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + sd_[d];
+        scale /= static_cast<double>(e - b);
+      }
+      for (std::size_t d = b; d < e; ++d)
+        inv_den_[d] = 1.0 / (sd_[d] + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
+    }
+  }
+
+  // End of warm-up: the EMAs restart from the median and the scaled median absolute deviation
+  // (1.4826 MAD, the normal's sd) of the kept warm-up statistics, which faults in a minority of
+  // the warm-up messages hardly move; then the warm-up buffer is released.
+  void robust_start() {
+    const std::size_t dims = cur_.size();
+    const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(config_.warmup),
+                                                warm_.size() / dims);
+    if (n >= 3) {
+      std::vector<double> col(n);
+      auto mid = col.begin() + static_cast<std::ptrdiff_t>(n / 2);
+      for (std::size_t d = 0; d < dims; ++d) {
+        for (std::size_t i = 0; i < n; ++i) col[i] = warm_[i * dims + d];
+        std::nth_element(col.begin(), mid, col.end());
+        const double med = *mid;
+        for (auto& v : col) v = std::fabs(v - med);
+        std::nth_element(col.begin(), mid, col.end());
+        mean_[d] = med;
+        sd_[d] = 1.4826 * *mid;
+        var_[d] = sd_[d] * sd_[d];
+      }
+    }
+    std::vector<double>().swap(warm_);
   }
 
   // sum of z_d^2 over [b, e), four partial sums (no serial dependency).
@@ -300,6 +343,7 @@ class SentinelMonitor {
     std::mt19937_64 g(config_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(cols)));
     std::normal_distribution<double> nd(0.0, 1.0 / std::sqrt(static_cast<double>(cols)));
     for (auto& v : proj_) v = nd(g);
+    warm_.assign(std::min<std::size_t>(static_cast<std::size_t>(config_.warmup), kWarmRows) * dims, 0);
     reservoir_.assign(kReservoir, 0);
     sorted_.assign(kReservoir, 0);
   }
@@ -473,6 +517,7 @@ class SentinelMonitor {
   std::vector<float> sum_, sq_, max_;                     // per-channel scratch
   std::vector<double> proj_;                              // the projection, [cols, k]
   std::vector<double> wide_sum_, wide_sq_;           // the double path's scratch
+  std::vector<double> warm_;  // the last warm-up statistics, [min(warmup, kWarmRows), dims]
   std::array<double, kGroups> score_{};
   double last_score_ = 0;
   bool assessed_ = false;
