@@ -26,6 +26,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -117,9 +118,10 @@ BENCHMARK(BM_WeightScan42M)->Unit(benchmark::kMillisecond)->UseRealTime()->Itera
 void BM_SentinelCheck(benchmark::State& state) {
   const auto rows = state.range(0), cols = state.range(1);
   const auto n = static_cast<std::size_t>(rows * cols);
-  // 8 different messages of one stream (hidden-state-like: per-channel means and spreads),
-  // cycled; 200 learned first (past warm-up and calibration). As on a receive: the transport
-  // copies the message into the receive buffer (the memcpy), then the check reads the buffer.
+  // Different messages of one stream (hidden-state-like: per-channel means and spreads), as
+  // many as fit in 4 MiB (8 to 256; the sources stay in cache, as a transport's would), cycled;
+  // 300 learned first (past warm-up and calibration). As on a receive: the transport copies the
+  // message into the receive buffer (the memcpy), then the check reads the buffer.
   std::mt19937_64 g(7);
   std::normal_distribution<float> nd;
   std::vector<float> mu(static_cast<std::size_t>(cols)), sd(mu.size());
@@ -127,11 +129,12 @@ void BM_SentinelCheck(benchmark::State& state) {
     mu[c] = nd(g);
     sd[c] = 0.5f + std::fabs(nd(g));
   }
-  std::vector<std::vector<float>> msgs(8, std::vector<float>(n));
+  const std::size_t count = std::clamp<std::size_t>((std::size_t{4} << 20) / (n * sizeof(float)), 8, 256);
+  std::vector<std::vector<float>> msgs(count, std::vector<float>(n));
   for (auto& m : msgs)
     for (std::size_t i = 0; i < n; ++i) m[i] = mu[i % mu.size()] + sd[i % mu.size()] * nd(g);
   transport::SentinelMonitor monitor;
-  for (int i = 0; i < 200; ++i) monitor.observe(msgs[static_cast<std::size_t>(i) % msgs.size()], rows);
+  for (int i = 0; i < 300; ++i) monitor.observe(msgs[static_cast<std::size_t>(i) % msgs.size()], rows);
   std::vector<float> buffer(n);
   double check_s = 0, copy_s = 0;
   std::size_t k = 0, flagged = 0;
