@@ -107,10 +107,10 @@ struct Assessment {
 /// Gaussian random projection of the per-channel means ("projection", entries N(0, 1/cols)); the
 /// count of non-finite values.
 ///
-/// Score: each statistic value s_d is compared with its EMA mean mu_d and standard deviation
-/// sd_d: z_d = |s_d - mu_d| / (sd_d + 1e-3 (|mu_d| + g)), g = 0 for the scalars and the mean of
-/// |mu| + sd over the vector for a vector statistic (a floor so that a constant statistic does
-/// not divide by zero). A scalar's score is z; a vector statistic of n values scores the
+/// Score: each statistic value s_d is compared with its EMA mean mu_d and variance var_d:
+/// z_d = |s_d - mu_d| / sqrt(var_d + f_d^2), f_d = 1e-3 (|mu_d| + g), g = 0 for the scalars and
+/// mean |mu| + sqrt(mean var) over the vector for a vector statistic (a floor so that a constant
+/// statistic does not divide by zero). A scalar's score is z; a vector statistic of n values scores the
 /// Wilson-Hilferty normal equivalent of q = sum z_d^2, ((q/n)^(1/3) - (1 - 2/(9n))) /
 /// sqrt(2/(9n)) (Wilson and Hilferty, PNAS 1931: about N(0, 1) when q ~ chi-square(n), large when
 /// many channels move together), so that statistics of 1, 16 and 4096 values have comparable
@@ -139,7 +139,7 @@ struct Assessment {
 /// scores hardly moves: an exponential tail through the median q50 and the upper quartile q75,
 /// q50 + (q75 - q50) / ln 2 * ln(0.5 / target_fpr) (above the true quantile for tails lighter
 /// than exponential, as the normalized scores here are); and floored at 3. It is refitted after
-/// every n/64 new scores. Not thread-safe.
+/// every n/16 new scores. Not thread-safe.
 class SentinelMonitor {
  public:
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
@@ -208,7 +208,6 @@ class SentinelMonitor {
       const double diff = cur_[d] - mean_[d];
       mean_[d] += a * diff;
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
-      sd_[d] = std::sqrt(var_[d]);
     }
     if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
       const std::size_t rows = warm_.size() / cur_.size();
@@ -233,7 +232,7 @@ class SentinelMonitor {
     if (learned_ < config_.warmup) return kInf;
     if (config_.threshold > 0) return config_.threshold;
     if (reservoir_size_ < kMinScores) return kInf;
-    if (since_fit_ > 0 && since_fit_ >= std::max<std::int64_t>(1, reservoir_size_ / 64)) fit();
+    if (since_fit_ > 0 && since_fit_ >= std::max<std::int64_t>(1, reservoir_size_ / 16)) fit();
     return fitted_;
   }
   /// Messages learned.
@@ -271,17 +270,32 @@ class SentinelMonitor {
     }
   }
 
-  // 1 / (sd + floor) per statistic value (class docstring).
+  // The weights 1 / (var + floor^2) of the squared deviations (class docstring); no square root
+  // per value, so the loops vectorize.
   void update_denominators() {
     for (int g = 0; g < kGroups; ++g) {
       const auto [b, e] = group(g);
       double scale = 0;
       if (e - b > 1) {
-        for (std::size_t d = b; d < e; ++d) scale += std::fabs(mean_[d]) + sd_[d];
-        scale /= static_cast<double>(e - b);
+        double abs_mean[4] = {0, 0, 0, 0}, var[4] = {0, 0, 0, 0};
+        std::size_t d = b;
+        for (; d + 4 <= e; d += 4)
+          for (std::size_t i = 0; i < 4; ++i) {
+            abs_mean[i] += std::fabs(mean_[d + i]);
+            var[i] += var_[d + i];
+          }
+        for (; d < e; ++d) {
+          abs_mean[0] += std::fabs(mean_[d]);
+          var[0] += var_[d];
+        }
+        const auto n = static_cast<double>(e - b);
+        scale = (abs_mean[0] + abs_mean[1] + abs_mean[2] + abs_mean[3]) / n +
+                std::sqrt((var[0] + var[1] + var[2] + var[3]) / n);
       }
-      for (std::size_t d = b; d < e; ++d)
-        inv_den_[d] = 1.0 / (sd_[d] + 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30);
+      for (std::size_t d = b; d < e; ++d) {
+        const double floor = 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30;
+        weight_[d] = 1.0 / (var_[d] + floor * floor);
+      }
     }
   }
 
@@ -302,8 +316,7 @@ class SentinelMonitor {
         for (auto& v : col) v = std::fabs(v - med);
         std::nth_element(col.begin(), mid, col.end());
         mean_[d] = med;
-        sd_[d] = 1.4826 * *mid;
-        var_[d] = sd_[d] * sd_[d];
+        var_[d] = 1.4826 * 1.4826 * *mid * *mid;
       }
     }
     std::vector<double>().swap(warm_);
@@ -315,12 +328,12 @@ class SentinelMonitor {
     std::size_t d = b;
     for (; d + 4 <= e; d += 4)
       for (std::size_t i = 0; i < 4; ++i) {
-        const double z = (cur_[d + i] - mean_[d + i]) * inv_den_[d + i];
-        acc[i] += z * z;
+        const double diff = cur_[d + i] - mean_[d + i];
+        acc[i] += diff * diff * weight_[d + i];
       }
     for (; d < e; ++d) {
-      const double z = (cur_[d] - mean_[d]) * inv_den_[d];
-      acc[0] += z * z;
+      const double diff = cur_[d] - mean_[d];
+      acc[0] += diff * diff * weight_[d];
     }
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
@@ -333,8 +346,7 @@ class SentinelMonitor {
     cur_.assign(dims, 0);
     mean_.assign(dims, 0);
     var_.assign(dims, 0);
-    sd_.assign(dims, 0);
-    inv_den_.assign(dims, 0);
+    weight_.assign(dims, 0);
     sum_.assign(c, 0);
     sq_.assign(c, 0);
     max_.assign(c, 0);
@@ -434,14 +446,24 @@ class SentinelMonitor {
       var[j] = rows == 1 ? 0.0
                          : std::log(std::max(cq * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
     }
-    // proj = P mean, P stored [cols, k]: the inner loop runs over k (vectorizes, no reduction).
-    double* __restrict proj = var + uc;
+    // proj = P mean, P stored [cols, k]: blocks of 16 outputs accumulate in registers over the
+    // channels (the inner loop vectorizes; no reduction, no store per channel).
+    double* proj = var + uc;
     const auto k = static_cast<std::size_t>(config_.projection_dims);
-    std::fill(proj, proj + k, 0.0);
-    for (std::size_t j = 0; j < uc; ++j) {
-      const double mj = mean[j];
-      const double* __restrict p = proj_.data() + j * k;
-      for (std::size_t i = 0; i < k; ++i) proj[i] += p[i] * mj;
+    std::size_t kb = 0;
+    for (; kb + 16 <= k; kb += 16) {
+      double acc[16] = {};
+      for (std::size_t j = 0; j < uc; ++j) {
+        const double mj = mean[j];
+        const double* p = proj_.data() + j * k + kb;
+        for (std::size_t i = 0; i < 16; ++i) acc[i] += p[i] * mj;
+      }
+      std::copy_n(acc, 16, proj + kb);
+    }
+    for (; kb < k; ++kb) {
+      double acc = 0;
+      for (std::size_t j = 0; j < uc; ++j) acc += proj_[j * k + kb] * mean[j];
+      proj[kb] = acc;
     }
     return true;
   }
@@ -455,7 +477,7 @@ class SentinelMonitor {
     std::size_t worst = b;
     double zmax = 0, z2 = 0;
     for (std::size_t d = b; d < e; ++d) {
-      const double z = std::fabs(cur_[d] - mean_[d]) * inv_den_[d];
+      const double z = std::fabs(cur_[d] - mean_[d]) * std::sqrt(weight_[d]);
       z2 += z * z;
       if (z > zmax) {
         zmax = z;
@@ -513,7 +535,7 @@ class SentinelMonitor {
 
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
-  std::vector<double> cur_, mean_, var_, sd_, inv_den_;  // [3 scalars, cols, cols, proj. dims]
+  std::vector<double> cur_, mean_, var_, weight_;  // [3 scalars, cols, cols, projection dims]
   std::vector<float> sum_, sq_, max_;                     // per-channel scratch
   std::vector<double> proj_;                              // the projection, [cols, k]
   std::vector<double> wide_sum_, wide_sq_;           // the double path's scratch
