@@ -629,8 +629,9 @@ struct VerdictRecord {
 /// Quarantine's reason says that rank F is quarantined and that no data-parallel replica exists
 /// to take over its stages, so the run stops: brigade has no data-parallel replicas yet.
 /// Every checked message appends a VerdictRecord (about 100 bytes and its reason); a monitor
-/// holds about 40 (2 cols + projection_dims) + 8 cols projection_dims bytes plus 16 KiB of
-/// scores. Movable (the state lives behind a shared pointer). Not thread-safe.
+/// holds about 32 (2 cols + projection_dims) + 8 cols projection_dims bytes plus 16 KiB of
+/// scores (and, during warm-up, 8 min(warmup, 64) (2 cols + projection_dims) bytes more).
+/// Movable (the state lives behind a shared pointer). Not thread-safe.
 template <Transport Inner>
 class VerifyingTransport : public InspectingTransport<Inner> {
   struct State;
