@@ -1,5 +1,6 @@
 // `brigade generate`: text generation with the model split into pipeline stages.
 #include "cli.hpp"
+#include "integrity.hpp"
 
 #include <brigade/backend/cpu.hpp>
 #include <brigade/config.hpp>
@@ -15,10 +16,9 @@
 #include <brigade/cost/profile.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/plan/inference_plan.hpp>
+#include <brigade/engine/distributed.hpp>
+#include <brigade/transport/in_process.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
-#if BRIGADE_HAS_MPI
-#include <brigade/engine/generate_mpi.hpp>
-#endif
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -46,6 +46,7 @@ struct GenerateArgs {
   double timeout = 120.0;
   bool offload = false;  // --offload: PREFETCH/RELEASE every window each round
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
+  brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
   // The choices --plan auto makes: given explicitly they conflict with it.
   std::vector<CLI::Option*> planned_options;
@@ -230,14 +231,47 @@ int run(const GenerateArgs& a) {
     else
       cost::check_one_process(mem, *profile, "brigade generate", cost::model_weight_bytes(spec));
   }
+  // Every rank's transport under the integrity decorators (they only forward without --verify
+  // and --inject): received activations and returning tokens are what the monitors check.
+  const std::vector<transport::MessageKind> checked{transport::MessageKind::Activation,
+                                                    transport::MessageKind::Token};
+  engine::InferenceReport report;
+  cli::IntegrityCounts counts;
+  std::string verdicts;  // this process's verdict report
 #if BRIGADE_HAS_MPI
-  const auto report = under_mpi ? engine::generate_mpi(weights, part, requests, opt,
-                                                       {a.fail_rank, a.fail_after_steps})
-                                : engine::generate(weights, part, requests, opt);
-  if (under_mpi && launch.rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
-#else
-  const auto report = engine::generate(weights, part, requests, opt);
+  if (under_mpi) {
+    transport::MpiTransport tp;
+    cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
+                                                       weights.config.vocab_size);
+    report = engine::generate_on(stack.transports()[0], weights, part, requests, opt,
+                                 {a.fail_rank, a.fail_after_steps});
+    stack.mark(report.timeline, report.origin);
+    counts = stack.counts();
+    fmt::print(stderr, "{}", cli::with_rank(stack.report(), tp.rank()));
+    if (a.integrity.active()) {  // every process's counts, summed
+      transport::MpiCollectives group;
+      std::vector<double> v{static_cast<double>(counts.checked), static_cast<double>(counts.flagged),
+                            static_cast<double>(counts.injected), static_cast<double>(counts.caught)};
+      group.all_reduce(std::span(v), transport::ReduceOp::Sum, transport::Deadline::after(a.timeout));
+      counts = {static_cast<std::int64_t>(v[0]), static_cast<std::int64_t>(v[1]),
+                static_cast<std::int64_t>(v[2]), static_cast<std::int64_t>(v[3])};
+    }
+    if (launch.rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
+  } else
 #endif
+  {
+    transport::InProcessFabric fabric(stages_used);
+    auto endpoints = transport::endpoints(fabric);
+    const std::span<transport::InProcessTransport> ranks(endpoints);
+    cli::IntegrityStack<transport::InProcessTransport> stack(ranks, a.integrity, checked,
+                                                             weights.config.vocab_size);
+    report = engine::generate(stack.transports(), weights,
+                              engine::inference_plan(weights.config, part, requests, opt.microbatches),
+                              requests, opt);
+    stack.mark(report.timeline, report.origin);
+    counts = stack.counts();
+    verdicts = stack.report();
+  }
 
   for (const auto& s : report.sequences) {
     const auto text = model::render_like_run_c(tok, s.tokens);
@@ -285,6 +319,11 @@ int run(const GenerateArgs& a) {
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
                       {"busy_fraction", busy}});
   }
+  if (a.integrity.active()) {
+    fmt::print(stderr, "{}", verdicts);
+    fmt::print(stderr, "integrity: {} messages checked, {} flagged; {} messages corrupted, {} of "
+               "them flagged\n", counts.checked, counts.flagged, counts.injected, counts.caught);
+  }
   if (!a.trace.empty()) {
     io::write_chrome_trace(a.trace, report.timeline);
     fmt::print(stderr, "trace: {} (open it in https://ui.perfetto.dev or chrome://tracing)\n",
@@ -311,6 +350,12 @@ int run(const GenerateArgs& a) {
                         {"tpot_s_mean", tpot},
                         {"stage_stats", stages},
                         {"sequences", seqs}};
+    if (a.integrity.active()) {
+      m["checked"] = counts.checked;
+      m["flagged"] = counts.flagged;
+      m["injected"] = counts.injected;
+      m["injected_flagged"] = counts.caught;
+    }
     io::write_file_atomic(a.metrics, m.dump(1) + "\n");
     fmt::print(stderr, "metrics: {}\n", a.metrics);
   }
@@ -387,6 +432,7 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--trace", a->trace, "write the Timeline as Chrome trace JSON");
   sub.add_option("--metrics", a->metrics, "write the summary as JSON");
   // Fault injection for tests of runs under mpirun (hidden from --help).
+  a->integrity.add_options(sub, false);
   sub.add_option("--fail-rank", a->fail_rank,
                  "under mpirun: this rank exits with code 3 mid-run (fault injection)")
       ->group("");

@@ -1,5 +1,6 @@
 // `brigade train`: pipeline training of a Llama on text, driven by a schedule of the IR.
 #include "cli.hpp"
+#include "integrity.hpp"
 
 #include <brigade/backend/cpu.hpp>
 #include <brigade/config.hpp>
@@ -13,6 +14,7 @@
 #include <brigade/model/weights.hpp>
 #include <brigade/schedule/registry.hpp>
 #include <brigade/sim/simulator.hpp>
+#include <brigade/transport/in_process.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
@@ -42,6 +44,7 @@ struct TrainArgs {
   bool resume = false;
   double timeout = 120.0;
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
+  brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
   CLI::Option* synthetic_option = nullptr;   // to tell an explicit --synthetic from the default
   CLI::Option* virtual_option = nullptr;     // to tell an explicit --virtual from the default
@@ -65,11 +68,23 @@ struct RunData {
   std::string profile_origin;  ///< where the balanced split's layer times came from
 };
 
+/// What the loop calls to run a step over the integrity decorators and to read what they saw.
+struct StepHooks {
+  /// One training step over this process's decorated transports.
+  std::function<brigade::engine::StepResult(std::span<const brigade::data::PackedBatch>)> step;
+  /// Integrity counts so far over every rank (collective under MPI: every rank calls it).
+  std::function<brigade::cli::IntegrityCounts()> counts;
+  /// Adds this process's verdicts since the last call to a step's timeline as marks.
+  std::function<void(brigade::engine::StepResult&)> mark;
+  /// This process's verdict report (empty without --verify and --inject).
+  std::function<std::string()> report;
+};
+
 /// The training loop, shared by the in-process TrainingEngine and the per-process
 /// DistributedTrainer (same member functions, every call collective for the latter); only
 /// `root` prints and writes the metrics, the checkpoint's files and the trace.
 template <class Engine>
-int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
+int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, const StepHooks& hooks) {
   using namespace brigade;
   const fs::path ckpt = a.checkpoint_dir;
   auto say = [root]<class... A>(fmt::format_string<A...> f, A&&... args) {
@@ -104,12 +119,18 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
   double measured_sum = 0, simulated_sum = 0, seconds = 0;
   std::vector<double> peak_measured, peak_simulated;  // per rank, the most over the steps
   std::int64_t tokens = 0;
-  int done = 0;
+  int done = 0, dropped = 0, skipped = 0;
+  cli::IntegrityCounts seen;  // the integrity counts up to the last step
+  // The optimizer's step count does not advance on a skipped update: the loop counts its own.
   const std::int64_t first = eng.steps();
   for (std::int64_t step = first; step < a.steps; ++step) {
     std::vector<data::PackedBatch> batches;
     for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
-    const auto r = eng.train_step(batches);
+    auto r = hooks.step(batches);
+    hooks.mark(r);
+    const auto now = hooks.counts();
+    dropped += static_cast<int>(r.dropped_microbatches.size());
+    skipped += r.update_skipped ? 1 : 0;
     measured_sum += r.timeline.bubble_ratio();
     if (root) {
       // One simulation of the step with its measured action costs and the memory of its
@@ -139,21 +160,32 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
     const int width = 24, filled = static_cast<int>(width * (step + 1) / a.steps);
     const std::string bar = std::string(static_cast<std::size_t>(filled), '#') +
                             std::string(static_cast<std::size_t>(width - filled), '.');
-    const std::string line = fmt::format("[{}] step {}/{} loss {:.4f} lr {:.2e} {:.0f} tokens/s ETA {}",
-                                         bar, step + 1, a.steps, r.loss, r.lr, tps, format_eta(eta));
+    std::string line = fmt::format("[{}] step {}/{} loss {:.4f} lr {:.2e} {:.0f} tokens/s ETA {}",
+                                   bar, step + 1, a.steps, r.loss, r.lr, tps, format_eta(eta));
+    if (!a.integrity.verify.empty())
+      line += fmt::format(" | flagged {} of {}", now.flagged, now.checked);
     if (tty)
       say("\r{}", line);
     else if ((step + 1) % 10 == 0 || step + 1 == a.steps || step == first)
       say("{}\n", line);
     if (metrics) {
-      *metrics << nlohmann::json{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
-                                 {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-                                 {"bubble_measured", r.timeline.bubble_ratio()},
-                                 {"peak_memory_bytes", r.peak_memory_bytes}}
-                      .dump()
-               << "\n";
+      nlohmann::json j{{"step", step + 1}, {"loss", r.loss}, {"tokens", r.tokens},
+                       {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+                       {"bubble_measured", r.timeline.bubble_ratio()},
+                       {"peak_memory_bytes", r.peak_memory_bytes}};
+      if (a.integrity.active()) {
+        // This step's integrity counts over every rank, and what the drop policy did.
+        j["checked"] = now.checked - seen.checked;
+        j["flagged"] = now.flagged - seen.flagged;
+        j["injected"] = now.injected - seen.injected;
+        j["injected_flagged"] = now.caught - seen.caught;
+        j["dropped_microbatches"] = r.dropped_microbatches;
+        j["update_skipped"] = r.update_skipped;
+      }
+      *metrics << j.dump() << "\n";
       metrics->flush();
     }
+    seen = now;
     const bool last = step + 1 == a.steps;
     if (!a.checkpoint_dir.empty() && (last || (a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0)))
       eng.save_checkpoint(ckpt, packer.position());
@@ -178,6 +210,16 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root) {
     say("peak memory per rank (MiB of activations, messages held and window buffers): "
         "measured {}, simulated {}\n",
         mib(peak_measured), mib(peak_simulated));
+    if (a.integrity.active()) {
+      say("integrity: {} messages checked, {} flagged; {} micro-batches dropped, {} updates "
+          "skipped; {} messages corrupted, {} of them flagged\n",
+          seen.checked, seen.flagged, dropped, skipped, seen.injected, seen.caught);
+    }
+  }
+  if (a.integrity.active()) {
+    // Every process reports the streams its own ranks received.
+    const std::string lines = hooks.report();
+    if (!lines.empty()) fmt::print(stderr, "{}", lines);
   }
   if (!a.checkpoint_dir.empty())
     say("checkpoint: {} (brigade generate --model {})\n", (ckpt / "model.bin").string(),
@@ -273,16 +315,50 @@ int run(const TrainArgs& a) {
   const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
                   resolved.profile ? resolved.profile->name + ", " + resolved.origin
                                    : resolved.origin};
+  const std::vector<transport::MessageKind> checked{transport::MessageKind::Activation,
+                                                    transport::MessageKind::Gradient};
 #if BRIGADE_HAS_MPI
   if (under_mpi) {
     transport::MpiTransport tp;
-    engine::DistributedTrainer<transport::MpiTransport> eng(tp, weights, cfg,
-                                                            {a.fail_rank, a.fail_after_steps});
-    return train_loop(eng, a, d, tp.rank() == 0);
+    cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
+                                                       weights.config.vocab_size);
+    auto& outer = stack.transports()[0];
+    engine::DistributedTrainer<std::remove_reference_t<decltype(outer)>> eng(
+        outer, weights, cfg, {a.fail_rank, a.fail_after_steps});
+    // The counts of every process, summed (a collective each step, only with integrity flags).
+    std::optional<transport::MpiCollectives> group;
+    if (a.integrity.active()) group.emplace();
+    const StepHooks hooks{
+        [&](std::span<const data::PackedBatch> b) { return eng.train_step(b); },
+        [&] {
+          const auto c = stack.counts();
+          if (!group) return c;
+          std::vector<double> v{static_cast<double>(c.checked), static_cast<double>(c.flagged),
+                                static_cast<double>(c.injected), static_cast<double>(c.caught)};
+          group->all_reduce(std::span(v), transport::ReduceOp::Sum,
+                            transport::Deadline::after(a.timeout));
+          return cli::IntegrityCounts{static_cast<std::int64_t>(v[0]),
+                                      static_cast<std::int64_t>(v[1]),
+                                      static_cast<std::int64_t>(v[2]),
+                                      static_cast<std::int64_t>(v[3])};
+        },
+        [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
+        [&] { return cli::with_rank(stack.report(), tp.rank()); }};
+    return train_loop(eng, a, d, tp.rank() == 0, hooks);
   }
 #endif
+  transport::InProcessFabric fabric(num_ranks);
+  auto endpoints = transport::endpoints(fabric);
+  const std::span<transport::InProcessTransport> ranks(endpoints);
+  cli::IntegrityStack<transport::InProcessTransport> stack(ranks, a.integrity, checked,
+                                                           weights.config.vocab_size);
   engine::TrainingEngine eng(weights, cfg);
-  return train_loop(eng, a, d, true);
+  const StepHooks hooks{
+      [&](std::span<const data::PackedBatch> b) { return eng.train_step(stack.transports(), b); },
+      [&] { return stack.counts(); },
+      [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
+      [&] { return stack.report(); }};
+  return train_loop(eng, a, d, true, hooks);
 }
 
 std::function<int()> setup(CLI::App& sub) {
@@ -347,6 +423,7 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
   sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
   // Fault injection for tests of runs under mpirun (hidden from --help).
+  a->integrity.add_options(sub, true);
   sub.add_option("--fail-rank", a->fail_rank,
                  "under mpirun: this rank exits with code 3 mid-run (fault injection)")
       ->group("");

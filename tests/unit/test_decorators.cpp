@@ -135,14 +135,18 @@ TEST_CASE("transport.decorators: inspection sees received payloads of its kinds 
   for (auto* r : {&s1, &s2, &s3, &s4}) t0.wait(*r, Deadline::after(10));
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { InspectingTransport e(t1, MessageKind::KV, {}); }),
                        "an empty check"));
-  CHECK(contains(error_of(Errc::InvalidArgument,
-                          [&] {
-                            InspectingTransport e(t1, std::vector<MessageKind>{},
-                                                  [](const MessageHeader&, int, ConstBytes) {
-                                                    return CheckResult{};
-                                                  });
-                          }),
-                 "an empty list of message kinds"));
+  // An empty list of kinds inspects nothing: the decorator only forwards.
+  InspectingTransport none(t1, std::vector<MessageKind>{},
+                           [](const MessageHeader&, int, ConstBytes) {
+                             return CheckResult{Verdict::Reject, "never called"};
+                           });
+  CHECK_FALSE(none.inspects(MessageKind::Activation));
+  auto s5 = t0.isend(1, 7, act(6, 2, 2), cbytes(bad));
+  auto r5 = none.irecv(0, 7, act(kAny, 2, 2), mbytes(dst));
+  none.wait(r5, Deadline::after(10));
+  t0.wait(s5, Deadline::after(10));
+  CHECK(dst == bad);
+  CHECK(none.inspected() == 0);
 }
 
 TEST_CASE("engine.run_ranks: a failed rank aborts the others through the transport; without "

@@ -406,7 +406,8 @@ class FaultInjectingTransport : public ForwardingTransport<Inner> {
   FaultInjectingTransport(Inner& inner, FaultSpec spec)
       : ForwardingTransport<Inner>(inner), spec_(validated(std::move(spec))), rng_(spec_.seed) {}
 
-  /// Sends a corrupted copy when the message is chosen, else forwards.
+  /// Sends a corrupted copy when the message is chosen, its header marked kFlagInjected (the
+  /// experiment's ground truth; no check reads it), else forwards.
   /// @throws brigade::Error as the inner isend
   Request isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
     const std::int64_t index = count(peer, header.kind)++;
@@ -431,9 +432,12 @@ class FaultInjectingTransport : public ForwardingTransport<Inner> {
     injected_.push_back({this->rank(), peer, header.kind, header.microbatch, header.stage,
                          header.chunk, index,
                          relative_change(header.dtype, payload, ConstBytes(w->copy))});
-    w->inner = this->inner_->isend(peer, tag, header, ConstBytes(w->copy));
+    // The ground truth travels with the message (kFlagInjected), for the receiving side's tally.
+    MessageHeader marked = header;
+    marked.flags |= kFlagInjected;
+    w->inner = this->inner_->isend(peer, tag, marked, ConstBytes(w->copy));
     inflight_.push_back(w.get());
-    return Request::posted(false, peer, tag, header, std::move(w));
+    return Request::posted(false, peer, tag, marked, std::move(w));
   }
   /// As the inner wait; a corrupted send's copy is released when it completes.
   /// @throws brigade::Error as the inner wait

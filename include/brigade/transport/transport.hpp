@@ -66,6 +66,10 @@ inline constexpr std::int64_t kAny = -1;
 /// the micro-batch's contribution (its weight gradients and its loss) and sets the bit on what it
 /// sends for that micro-batch, so the verdict travels with the micro-batch through the pipeline.
 inline constexpr std::uint32_t kFlagDropped = 1u << 0;
+/// Bit of MessageHeader::flags: the payload was corrupted by FaultInjectingTransport
+/// (transport/faults.hpp). The ground truth of fault-injection experiments, so that a receiving
+/// rank (in another process) can tell which of its verdicts were right; no check reads it.
+inline constexpr std::uint32_t kFlagInjected = 1u << 1;
 
 /// The header every message carries and every receive checks: the kind, micro-batch, the
 /// destination stage, the chunk, dtype and shape (up to 4 dims, row-major). On the receive side,

@@ -99,10 +99,15 @@ struct Assessment {
 /// exponential moving mean and variance of the same statistics over the stream's accepted
 /// messages.
 ///
-/// Statistics of x [rows, cols] (one pass over x, O(rows * cols); no allocation after the first
-/// message): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio": one exploded
-/// element); the per-channel mean over rows ("channel-mean", cols values); the per-channel
-/// variance over rows, as its logarithm ("channel-var", cols values; the log makes the skewed
+/// Statistics of x [rows, cols] (two passes over x, O(rows * cols); no allocation after the first
+/// message of a row count): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio":
+/// one exploded element); the channel means along the learned ones, sum_j m_j mu_j / sum_j
+/// mu_j^2 ("coherence": noise and sign flips pull every row off the common direction); the
+/// standard deviation of log row RMS over the rows ("row-spread"); over the typical rows (norm at
+/// most 3x the median row's: the few much larger rows, such as a residual stream's first token of
+/// each packed sequence, are left out so that the statistics do not swing with how many
+/// sequences a micro-batch packs) the per-channel mean ("channel-mean", cols values) and the
+/// per-channel variance as its logarithm ("channel-var", cols values; the log makes the skewed
 /// sample variance nearly symmetric; 0 for one row); a projection_dims-dimensional seeded
 /// Gaussian random projection of the per-channel means ("projection", entries N(0, 1/cols)); the
 /// count of non-finite values.
@@ -149,7 +154,7 @@ class SentinelMonitor {
 
   /// The statistics and score of x [rows, cols] against what the monitor learned, and whether
   /// the threshold in force flags it; changes nothing but scratch space (learn() then learns
-  /// these statistics). Cost: one pass over x plus O(cols * projection_dims).
+  /// these statistics). Cost: two passes over x plus O(rows log rows + cols * projection_dims).
   /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() not a multiple of rows, or a
   ///         width other than the stream's (the first message's)
   Assessment assess(std::span<const float> x, std::int64_t rows) {
@@ -242,7 +247,8 @@ class SentinelMonitor {
   /// The config.
   [[nodiscard]] const SentinelConfig& config() const noexcept { return config_; }
   /// Names of the statistics, in the order of their scores.
-  static constexpr const char* kNames[] = {"log-rms", "mean", "peak-ratio", "channel-mean",
+  static constexpr const char* kNames[] = {"log-rms",    "mean",         "peak-ratio",
+                                           "coherence",  "row-spread",   "channel-mean",
                                            "channel-var", "projection"};
   /// Scores are kept for calibration in a reservoir of this many.
   static constexpr std::int64_t kReservoir = 1024;
@@ -254,20 +260,18 @@ class SentinelMonitor {
   static constexpr double kMinThreshold = 3.0;
 
  private:
-  static constexpr int kGroups = 6;
+  static constexpr int kScalars = 5;  // log-rms, mean, peak-ratio, coherence, row-spread
+  static constexpr int kGroups = kScalars + 3;
   static constexpr double kInf = std::numeric_limits<double>::infinity();
   static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed payload's finite statistic
 
   [[nodiscard]] std::pair<std::size_t, std::size_t> group(int g) const {
     const auto c = static_cast<std::size_t>(cols_);
-    switch (g) {
-      case 0: return {0, 1};
-      case 1: return {1, 2};
-      case 2: return {2, 3};
-      case 3: return {3, 3 + c};
-      case 4: return {3 + c, 3 + 2 * c};
-      default: return {3 + 2 * c, cur_.size()};
-    }
+    const auto k = static_cast<std::size_t>(kScalars);
+    if (g < kScalars) return {static_cast<std::size_t>(g), static_cast<std::size_t>(g) + 1};
+    if (g == kScalars) return {k, k + c};
+    if (g == kScalars + 1) return {k + c, k + 2 * c};
+    return {k + 2 * c, cur_.size()};
   }
 
   // The weights 1 / (var + floor^2) of the squared deviations (class docstring); no square root
@@ -342,14 +346,13 @@ class SentinelMonitor {
     cols_ = cols;
     const auto c = static_cast<std::size_t>(cols);
     const auto k = static_cast<std::size_t>(config_.projection_dims);
-    const std::size_t dims = 3 + 2 * c + k;
+    const std::size_t dims = kScalars + 2 * c + k;
     cur_.assign(dims, 0);
     mean_.assign(dims, 0);
     var_.assign(dims, 0);
     weight_.assign(dims, 0);
     sum_.assign(c, 0);
     sq_.assign(c, 0);
-    max_.assign(c, 0);
     // Entries N(0, 1/cols), stored [cols, k]: the projection keeps a vector's norm in expectation.
     proj_.resize(k * c);
     std::mt19937_64 g(config_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(cols)));
@@ -360,92 +363,108 @@ class SentinelMonitor {
     sorted_.assign(kReservoir, 0);
   }
 
-  // Column sums, sums of squares and max |x| of x [rows, cols_] into sum_, sq_, max_ with
-  // accumulators of type T (float: the fast path; double when float squares overflow).
-  template <class T>
-  static void accumulate(const float* __restrict x, std::int64_t rows, std::int64_t cols,
-                         T* __restrict sum, T* __restrict sq, float* __restrict mx) {
-    std::fill(sum, sum + cols, T(0));
-    std::fill(sq, sq + cols, T(0));
-    std::fill(mx, mx + cols, 0.0f);
-    std::int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      const float* a = x + r * cols;
-      const float* b = a + cols;
-      const float* c = b + cols;
-      const float* d = c + cols;
-      for (std::int64_t j = 0; j < cols; ++j) {
-        const T va = a[j], vb = b[j], vc = c[j], vd = d[j];
-        sum[j] += (va + vb) + (vc + vd);
-        sq[j] += (va * va + vb * vb) + (vc * vc + vd * vd);
-        const float m = std::max(std::max(std::fabs(a[j]), std::fabs(b[j])),
-                                 std::max(std::fabs(c[j]), std::fabs(d[j])));
-        mx[j] = mx[j] < m ? m : mx[j];
-      }
-    }
-    for (; r < rows; ++r) {
-      const float* a = x + r * cols;
-      for (std::int64_t j = 0; j < cols; ++j) {
-        const T v = a[j];
-        sum[j] += v;
-        sq[j] += v * v;
-        const float m = std::fabs(a[j]);
-        mx[j] = mx[j] < m ? m : mx[j];
-      }
-    }
-  }
-
   // The statistics of x into cur_; false (and nonfinite_reason_ set) for non-finite values.
+  // Pass 1, per row r: the sum, the sum of squares ss_r (double) and max |x|. Pass 2: the
+  // per-channel sums and sums of squares.
   bool statistics(const float* x, std::int64_t rows) {
     const std::int64_t c = cols_;
     const auto uc = static_cast<std::size_t>(c);
-    accumulate<float>(x, rows, c, sum_.data(), sq_.data(), max_.data());
+    const auto ur = static_cast<std::size_t>(rows);
+    row_ss_.resize(ur);
     double s = 0, q = 0, peak = 0;
-    for (std::size_t j = 0; j < uc; ++j) {
-      s += sum_[j];
-      q += sq_[j];
-      peak = std::max(peak, static_cast<double>(max_[j]));
+    for (std::size_t r = 0; r < ur; ++r) {
+      const float* a = x + r * uc;
+      double rs[4] = {0, 0, 0, 0}, rq[4] = {0, 0, 0, 0};
+      float pk[4] = {0, 0, 0, 0};
+      std::size_t j = 0;
+      for (; j + 4 <= uc; j += 4)
+        for (std::size_t i = 0; i < 4; ++i) {
+          const double v = a[j + i];
+          rs[i] += v;
+          rq[i] += v * v;
+          const float m = std::fabs(a[j + i]);
+          pk[i] = pk[i] < m ? m : pk[i];
+        }
+      for (; j < uc; ++j) {
+        const double v = a[j];
+        rs[0] += v;
+        rq[0] += v * v;
+        const float m = std::fabs(a[j]);
+        pk[0] = pk[0] < m ? m : pk[0];
+      }
+      const double ss = (rq[0] + rq[1]) + (rq[2] + rq[3]);
+      row_ss_[r] = ss;
+      s += (rs[0] + rs[1]) + (rs[2] + rs[3]);
+      q += ss;
+      peak = std::max({peak, static_cast<double>(pk[0]), static_cast<double>(pk[1]),
+                       static_cast<double>(pk[2]), static_cast<double>(pk[3])});
     }
-    const bool wide = !std::isfinite(s) || !std::isfinite(q);
-    if (wide) {
-      const std::size_t n = static_cast<std::size_t>(rows) * uc;
+    if (!std::isfinite(s) || !std::isfinite(q) || std::isnan(peak) || std::isinf(peak)) {
+      const std::size_t n = ur * uc;
       std::size_t bad = 0, first = n;
       for (std::size_t i = 0; i < n; ++i)
         if (!std::isfinite(x[i])) {
           if (bad++ == 0) first = i;
         }
-      if (bad > 0) {
-        nonfinite_reason_ = fmt::format(
-            "{} non-finite value{} (the first, {}, at row {}, column {} of [{}, {}])", bad,
-            bad == 1 ? "" : "s", x[first], first / uc, first % uc, rows, c);
-        return false;
-      }
-      // Finite values whose float squares overflow: the same sums in double.
-      wide_sum_.resize(uc);
-      wide_sq_.resize(uc);
-      accumulate<double>(x, rows, c, wide_sum_.data(), wide_sq_.data(), max_.data());
-      s = q = 0;
-      for (std::size_t j = 0; j < uc; ++j) {
-        s += wide_sum_[j];
-        q += wide_sq_[j];
-      }
+      nonfinite_reason_ = fmt::format(
+          "{} non-finite value{} (the first, {}, at row {}, column {} of [{}, {}])", bad,
+          bad == 1 ? "" : "s", bad > 0 ? x[first] : 0.0f, first / uc, first % uc, rows, c);
+      return false;
     }
     const double n = static_cast<double>(rows) * static_cast<double>(c);
     const double ms = q / n;
     cur_[0] = 0.5 * std::log(ms + kTiny);
     cur_[1] = s / n;
     cur_[2] = ms > 0 ? peak / std::sqrt(ms) : 0.0;
-    const double inv_rows = 1.0 / static_cast<double>(rows);
-    double* mean = cur_.data() + 3;
+    // Row spread: the standard deviation of log row RMS over the rows.
+    double lm = 0, lq = 0;
+    for (std::size_t r = 0; r < ur; ++r) {
+      const double l = 0.5 * std::log(row_ss_[r] / static_cast<double>(c) + kTiny);
+      lm += l;
+      lq += l * l;
+    }
+    lm /= static_cast<double>(rows);
+    cur_[4] = std::sqrt(std::max(lq / static_cast<double>(rows) - lm * lm, 0.0));
+    // Pass 2: channel sums over the typical rows, those whose norm is at most 3x the median
+    // row's (double: finite values whose float squares would overflow stay finite). The few
+    // rows of much larger norm (in a residual stream, the first token of each packed sequence)
+    // are left out, so the channel statistics do not swing with how many sequences a micro-batch
+    // packs; a fault that touches every row still shows in the typical ones.
+    median_ss_.assign(row_ss_.begin(), row_ss_.end());
+    auto mid = median_ss_.begin() + static_cast<std::ptrdiff_t>(ur / 2);
+    std::nth_element(median_ss_.begin(), mid, median_ss_.end());
+    const double cut = 9.0 * *mid;
+    std::fill(sum_.begin(), sum_.end(), 0.0);
+    std::fill(sq_.begin(), sq_.end(), 0.0);
+    double* __restrict cs = sum_.data();
+    double* __restrict cq = sq_.data();
+    std::int64_t kept = 0;
+    for (std::size_t r = 0; r < ur; ++r) {
+      if (row_ss_[r] > cut) continue;
+      ++kept;
+      const float* a = x + r * uc;
+      for (std::size_t j = 0; j < uc; ++j) {
+        const double y = a[j];
+        cs[j] += y;
+        cq[j] += y * y;
+      }
+    }
+    const double inv_rows = 1.0 / static_cast<double>(std::max<std::int64_t>(kept, 1));
+    double* mean = cur_.data() + kScalars;
     double* var = mean + uc;
+    const double* ema = mean_.data() + kScalars;  // the channel means learned so far
+    double dot = 0, norm2 = 0;
     for (std::size_t j = 0; j < uc; ++j) {
-      const double cs = wide ? wide_sum_[j] : sum_[j];
-      const double cq = wide ? wide_sq_[j] : sq_[j];
-      mean[j] = cs * inv_rows;
+      mean[j] = cs[j] * inv_rows;
       // log variance: nearly symmetric where the variance itself is skewed (chi-square).
       var[j] = rows == 1 ? 0.0
-                         : std::log(std::max(cq * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
+                         : std::log(std::max(cq[j] * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
+      dot += mean[j] * ema[j];
+      norm2 += ema[j] * ema[j];
     }
+    // Coherence: the channel means along the learned ones (1 when they agree; noise and sign
+    // flips pull every row away from the common direction).
+    cur_[3] = norm2 > 0 ? dot / norm2 : 0.0;
     // proj = P mean, P stored [cols, k]: blocks of 16 outputs accumulate in registers over the
     // channels (the inner loop vectorizes; no reduction, no store per channel).
     double* proj = var + uc;
@@ -535,10 +554,10 @@ class SentinelMonitor {
 
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
-  std::vector<double> cur_, mean_, var_, weight_;  // [3 scalars, cols, cols, projection dims]
-  std::vector<float> sum_, sq_, max_;                     // per-channel scratch
-  std::vector<double> proj_;                              // the projection, [cols, k]
-  std::vector<double> wide_sum_, wide_sq_;           // the double path's scratch
+  std::vector<double> cur_, mean_, var_, weight_;  // [kScalars, cols, cols, projection dims]
+  std::vector<double> sum_, sq_;                   // per-channel sums and sums of squares
+  std::vector<double> proj_;                       // the projection, [cols, k]
+  std::vector<double> row_ss_, median_ss_;         // per-row sums of squares, and a copy
   std::vector<double> warm_;  // the last warm-up statistics, [min(warmup, kWarmRows), dims]
   std::array<double, kGroups> score_{};
   double last_score_ = 0;
@@ -607,6 +626,9 @@ struct VerdictRecord {
   /// The threshold in force: +inf during warm-up and for token checks (where the range decides).
   double threshold = std::numeric_limits<double>::infinity();
   bool flagged = false;                       ///< the message was flagged
+  /// The sender's FaultInjectingTransport corrupted it (kFlagInjected): the ground truth of a
+  /// fault-injection run, recorded beside the verdict; the check never reads it.
+  bool injected = false;
   std::chrono::steady_clock::time_point at;   ///< when the check ran
   std::string reason;                         ///< empty unless flagged
 };
@@ -638,7 +660,8 @@ class VerifyingTransport : public InspectingTransport<Inner> {
 
  public:
   /// Verifies the received messages of `kinds` (default: activations, gradients and tokens).
-  /// @throws brigade::Error{InvalidArgument} for a bad config (validate) or an empty `kinds`
+  /// Verifies nothing (only forwards) when `kinds` is empty.
+  /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
   VerifyingTransport(Inner& inner, SentinelConfig config, VerifyPolicy policy,
                      std::vector<MessageKind> kinds = {MessageKind::Activation,
                                                        MessageKind::Gradient, MessageKind::Token})
@@ -678,6 +701,10 @@ class VerifyingTransport : public InspectingTransport<Inner> {
 
     CheckResult check(const MessageHeader& h, int from, ConstBytes payload) {
       const std::int64_t index = received[{from, static_cast<int>(h.kind)}]++;
+      // A message of a micro-batch already dropped upstream (kFlagDropped) is not checked: its
+      // payload was computed from the zeros that replaced the flagged one, and learning it would
+      // drag the statistics.
+      if ((h.flags & kFlagDropped) != 0) return {};
       Assessment a;
       const std::int64_t numel = h.numel();
       if (h.dtype == DType::F32 && numel > 0 &&
@@ -707,7 +734,8 @@ class VerifyingTransport : public InspectingTransport<Inner> {
         return {};
       }
       records.push_back({from, to, h.kind, h.microbatch, h.stage, h.chunk, index, a.score,
-                         a.threshold, a.flagged, std::chrono::steady_clock::now(), a.reason});
+                         a.threshold, a.flagged, (h.flags & kFlagInjected) != 0,
+                         std::chrono::steady_clock::now(), a.reason});
       if (!a.flagged) return {};
       ++flagged;
       // Non-finite values and token ids out of range are flagged at any threshold (score inf).
