@@ -285,8 +285,14 @@ std::string line_plot(const std::string& title, const std::string& xlabel,
   double ly = T + 14;
   for (const auto& se : series) {
     std::string path;
-    for (const auto& [x, y] : se.points)
-      path += fmt::format("{}{:.1f},{:.1f} ", path.empty() ? "M" : "L", fx(x), fy(y));
+    double px = -1e9, py = -1e9;  // the last point drawn: closer ones add nothing visible
+    for (std::size_t i = 0; i < se.points.size(); ++i) {
+      const double x = fx(se.points[i].first), y = fy(se.points[i].second);
+      if (i + 1 < se.points.size() && std::fabs(x - px) < 0.5 && std::fabs(y - py) < 0.5) continue;
+      path += fmt::format("{}{:.1f},{:.1f} ", path.empty() ? "M" : "L", x, y);
+      px = x;
+      py = y;
+    }
     s += fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", path,
                      se.color);
     s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"{}\" "
