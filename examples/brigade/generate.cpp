@@ -104,6 +104,7 @@ int run(const GenerateArgs& a) {
   // Under mpirun: one process per stage; rank 0 prints (README, "Several processes (MPI)").
   const cli::MpiLaunch launch(a.fail_rank);
   const bool under_mpi = launch.active();
+  a.integrity.check(launch.rank() == 0);
   const int num_stages = launch.ranks(a.stages, a.stages_option, "stage");
   // Model and tokenizer: real files, or a synthetic Llama of a named size.
   model::LlamaWeights weights;

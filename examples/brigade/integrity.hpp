@@ -58,6 +58,16 @@ struct IntegrityArgs {
   }
   /// True when any integrity flag is in use.
   [[nodiscard]] bool active() const noexcept { return !verify.empty() || !inject.empty(); }
+  /// Checks --inject before any work (its errors name the spec's field), and says on stderr when
+  /// faults are injected with no check to see them.
+  /// @throws brigade::Error{InvalidArgument} for a bad --inject
+  void check(bool print) const {
+    if (inject.empty()) return;
+    (void)transport::parse_fault_spec(inject);
+    if (verify.empty() && print)
+      fmt::print(stderr, "brigade: notice: --inject without --verify: the corrupted messages are "
+                         "delivered unchecked\n");
+  }
 };
 
 /// `text` with "rank R: " before each line (what a process under mpirun prints).
@@ -161,7 +171,8 @@ class IntegrityStack {
   }
 
   /// One line per (sender, receiver, kind) stream this process checked: messages, flagged, the
-  /// highest score and the last threshold; then what --inject did and how much of it was caught.
+  /// highest score after the monitor's warm-up and the last threshold; then what --inject did
+  /// and how much of it was caught.
   [[nodiscard]] std::string report() const {
     struct Row {
       std::int64_t checked = 0, flagged = 0;
@@ -173,14 +184,15 @@ class IntegrityStack {
         auto& row = rows[{r.from, r.to, static_cast<int>(r.kind)}];
         ++row.checked;
         row.flagged += r.flagged ? 1 : 0;
-        if (std::isfinite(r.score)) row.max_score = std::max(row.max_score, r.score);
-        else row.max_score = r.score;
+        // The highest score after the warm-up (a verdict with a finite threshold), or a flag.
+        if (std::isfinite(r.threshold) || r.flagged)
+          row.max_score = std::isfinite(r.score) ? std::max(row.max_score, r.score) : r.score;
         if (std::isfinite(r.threshold)) row.threshold = r.threshold;
       }
     std::string out;
     for (const auto& [key, row] : rows)
-      out += fmt::format("verify: {} rank {} -> {}: {} checked, {} flagged, highest score {:.3g}, "
-                         "threshold {:.3g}\n",
+      out += fmt::format("verify: {} rank {} -> {}: {} checked, {} flagged, highest score after "
+                         "warm-up {:.3g}, threshold {:.3g}\n",
                          transport::to_string(static_cast<transport::MessageKind>(std::get<2>(key))),
                          std::get<0>(key), std::get<1>(key), row.checked, row.flagged,
                          row.max_score, row.threshold);

@@ -233,6 +233,7 @@ int run(const TrainArgs& a) {
   // Under mpirun: one process per pipeline rank; rank 0 prints (README, "Several processes").
   const cli::MpiLaunch launch(a.fail_rank);
   const bool under_mpi = launch.active();
+  a.integrity.check(launch.rank() == 0);
   const int num_ranks = launch.ranks(a.stages, a.stages_option, "pipeline rank");
   // Model: a checkpoint (or the last checkpoint with --resume), or a synthetic Llama.
   model::LlamaWeights weights;

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -127,4 +128,14 @@ TEST_CASE("cli.integrity: bad --inject and --verify values are one clear line" *
   auto policy = run_cli(base + " --verify sometimes");
   CHECK(policy.rc != 0);
   CHECK(policy.err.find("sometimes") != std::string::npos);
+  // Checked before any work: one line, not after the corpus's notices.
+  CHECK(std::count(kind.err.begin(), kind.err.end(), '\n') == 1);
+  // A rank the pipeline does not have would corrupt nothing: refused.
+  auto rank = run_cli(base + " --stages 2 --inject noise:1:0.1:rank=7");
+  CHECK(rank.rc != 0);
+  CHECK(rank.err.find("rank = 7, but the pipeline has ranks 0 to 1") != std::string::npos);
+  // Faults with no check: said once.
+  auto unchecked = run_cli(base + " --stages 2 --inject noise:1:0.5:rank=0");
+  CHECK(unchecked.rc == 0);
+  CHECK(unchecked.err.find("--inject without --verify") != std::string::npos);
 }

@@ -222,8 +222,8 @@ TEST_CASE("verify.monitor: a sender corrupting 5% or 10% of its messages from th
         false_alarms += flagged && !bad ? 1 : 0;
       }
     }
-    // Measured: 145 of 154 faults flagged at rate 0.05, 128 of 303 at 0.1; 10 false
-    // alarms in the 3200 messages at 0.05. Without the cap on the calibrated threshold none is
+    // Measured: 145 of 154 faults flagged at rate 0.05, 128 of 303 at 0.1; 2 false alarms
+    // in the 3200 messages at each rate. Without the cap on the calibrated threshold none is
     // flagged. (These synthetic streams of 8 rows were caught whole while the channel means were
     // scored; on real training traffic that scoring flagged 4% of clean activations, and the
     // monitor without it flags every such fault at a 10% rate: docs/benchmarks.md.)
@@ -231,6 +231,22 @@ TEST_CASE("verify.monitor: a sender corrupting 5% or 10% of its messages from th
     CHECK(caught >= (rate < 0.07 ? faults - 10 : 120));
     CHECK(false_alarms <= 12);
   }
+}
+
+TEST_CASE("verify.monitor: one-row messages (a decode step of one sequence) score on their "
+          "scalars without exploding") {
+  // row-spread is exactly 0 for one row; its rounding once scored ~1e19 against an EMA of 0.
+  Stream s(1, 64, 11);
+  SentinelMonitor m;
+  double worst = 0;
+  int flags = 0;
+  for (int i = 0; i < 400; ++i) {
+    const auto a = m.observe(s.next(), 1);
+    if (std::isfinite(a.threshold)) worst = std::max(worst, a.score);
+    flags += a.flagged ? 1 : 0;
+  }
+  CHECK(worst < 50);
+  CHECK(flags <= 4);
 }
 
 TEST_CASE("verify.monitor: widths and shapes are checked") {

@@ -402,9 +402,18 @@ struct InjectionRecord {
 template <Transport Inner>
 class FaultInjectingTransport : public ForwardingTransport<Inner> {
  public:
-  /// @throws brigade::Error{InvalidArgument} for a bad spec (validate)
+  /// @throws brigade::Error{InvalidArgument} for a bad spec (validate), or a sending rank or peer
+  ///         outside the inner transport's world (the spec would never corrupt anything)
   FaultInjectingTransport(Inner& inner, FaultSpec spec)
-      : ForwardingTransport<Inner>(inner), spec_(validated(std::move(spec))), rng_(spec_.seed) {}
+      : ForwardingTransport<Inner>(inner), spec_(validated(std::move(spec))), rng_(spec_.seed) {
+    const int world = inner.world_size();
+    for (int r : spec_.ranks)
+      BRIGADE_CHECK(r < world, Errc::InvalidArgument,
+                    "fault spec: rank = {}, but the pipeline has ranks 0 to {}", r, world - 1);
+    BRIGADE_CHECK(spec_.peer == kAny || (spec_.peer >= 0 && spec_.peer < world),
+                  Errc::InvalidArgument, "fault spec: peer = {}, but the pipeline has ranks 0 to {}",
+                  spec_.peer, world - 1);
+  }
 
   /// Sends a corrupted copy when the message is chosen, its header marked kFlagInjected (the
   /// experiment's ground truth; no check reads it), else forwards.

@@ -142,7 +142,8 @@ struct Assessment {
 /// upper quartile q75, q50 + (q75 - q50) / ln 2 * ln(0.5 / target_fpr) (the margin because the
 /// clean scores of real traffic have a heavier tail than exponential; at 1x, 4% of clean
 /// stories260K activations were flagged, at 2x 1%, with every fault of the measured kinds at
-/// 100% of the norm still flagged at a 10% rate); and floored at 3. It is refitted after
+/// 100% of the norm still flagged at a 10% rate); and floored at 6 (a z of 4-5 on one scalar is
+/// common in a short decode stream, whose few scores cannot place the tail). It is refitted after
 /// every n/16 new scores. Not thread-safe.
 class SentinelMonitor {
  public:
@@ -257,7 +258,7 @@ class SentinelMonitor {
   /// The cap on the calibrated threshold over the body's exponential bound (class docstring).
   static constexpr double kBodyMargin = 2.0;
   /// The calibrated threshold is never below this.
-  static constexpr double kMinThreshold = 3.0;
+  static constexpr double kMinThreshold = 6.0;
 
  private:
   static constexpr int kScalars = 5;  // log-rms, mean, peak-ratio, coherence, row-spread
@@ -416,7 +417,8 @@ class SentinelMonitor {
       lq += l * l;
     }
     lm /= static_cast<double>(rows);
-    cur_[4] = std::sqrt(std::max(lq / static_cast<double>(rows) - lm * lm, 0.0));
+    // (exactly 0 for one row: a decode message's rounding must not score against an EMA of 0)
+    cur_[4] = rows == 1 ? 0.0 : std::sqrt(std::max(lq / static_cast<double>(rows) - lm * lm, 0.0));
     // Pass 2: channel sums over the typical rows, those whose norm is at most 3x the median
     // row's (double: finite values whose float squares would overflow stay finite). The few
     // rows of much larger norm (in a residual stream, the first token of each packed sequence)
