@@ -22,9 +22,9 @@
 #include <benchmark/benchmark.h>
 
 #include "machine_context.hpp"
+#include "workloads.hpp"
 
 #include <deque>
-#include <random>
 #include <vector>
 
 using namespace brigade;
@@ -42,26 +42,6 @@ const model::LlamaWeights& weights(int which) {
   return which == 0 ? small : big;
 }
 
-/// `m` micro-batches of one sequence of `len` + 1 random tokens below `vocab`.
-std::vector<data::PackedBatch> batches(int m, int len, int vocab, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> tok(3, vocab - 1);
-  std::vector<data::PackedBatch> out;
-  for (int i = 0; i < m; ++i) {
-    data::PackedBatch b;
-    int prev = 1;
-    for (int t = 0; t < len; ++t) {
-      const int next = tok(rng);
-      b.inputs.push_back(prev);
-      b.targets.push_back(next);
-      prev = next;
-    }
-    b.offsets = {0, b.rows()};
-    b.tasks = {0};
-    out.push_back(std::move(b));
-  }
-  return out;
-}
 
 /// Each rank's checked stack over `endpoints`: no fault, the default monitors on `kinds`.
 struct Checked {
@@ -94,7 +74,7 @@ void BM_IntegrityOverheadTrain(benchmark::State& state) {
   cfg.microbatches = 4;
   const int len = which == 0 ? 128 : 256;
   cfg.seq_len_hint = len;
-  const auto data = batches(cfg.microbatches, len, w.config.vocab_size, 7);
+  const auto data = bench::random_sequences(cfg.microbatches, len, w.config.vocab_size, 7);
   engine::TrainingEngine plain(w, cfg), checked(w, cfg);
   transport::InProcessFabric f1(2), f2(2);
   auto e1 = transport::endpoints(f1);

@@ -32,12 +32,12 @@
 #include <benchmark/benchmark.h>
 
 #include "machine_context.hpp"
+#include "workloads.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <new>
-#include <random>
 
 namespace {
 
@@ -208,25 +208,7 @@ void BM_InferenceMemory(benchmark::State& state) {
 BENCHMARK(BM_InferenceMemory)->Unit(benchmark::kSecond)->UseRealTime()->Iterations(1);
 
 /// M micro-batches, each one sequence of 257 random tokens (256 target rows).
-std::vector<data::PackedBatch> batches(int m) {
-  std::mt19937_64 rng(7);
-  std::uniform_int_distribution<int> tok(3, 31999);
-  std::vector<data::PackedBatch> out;
-  for (int i = 0; i < m; ++i) {
-    data::PackedBatch b;
-    int prev = 1;
-    for (int t = 0; t < 256; ++t) {
-      const int next = tok(rng);
-      b.inputs.push_back(prev);
-      b.targets.push_back(next);
-      prev = next;
-    }
-    b.offsets = {0, b.rows()};
-    b.tasks = {0};
-    out.push_back(std::move(b));
-  }
-  return out;
-}
+std::vector<data::PackedBatch> batches(int m) { return bench::random_sequences(m, 256, 32000, 7); }
 
 void BM_TrainingMemory(benchmark::State& state) {
   const auto& w = weights42m();

@@ -31,10 +31,10 @@
 #include <benchmark/benchmark.h>
 
 #include "machine_context.hpp"
+#include "workloads.hpp"
 
 #include <algorithm>
 #include <map>
-#include <random>
 #include <string>
 
 using namespace brigade;
@@ -52,22 +52,7 @@ using bench::median_error;
 
 /// M micro-batches, each one sequence of 257 random tokens (256 target rows).
 std::vector<data::PackedBatch> batches(int m, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> tok(3, 31999);
-  std::vector<data::PackedBatch> out;
-  for (int i = 0; i < m; ++i) {
-    data::PackedBatch b;
-    std::vector<int> seq{1};
-    for (int t = 0; t < 256; ++t) seq.push_back(tok(rng));
-    for (std::size_t t = 0; t + 1 < seq.size(); ++t) {
-      b.inputs.push_back(seq[t]);
-      b.targets.push_back(seq[t + 1]);
-    }
-    b.offsets = {0, b.rows()};
-    b.tasks = {0};
-    out.push_back(std::move(b));
-  }
-  return out;
+  return bench::random_sequences(m, 256, 32000, seed);
 }
 
 /// Trains `cfg` for the benchmark's iterations and reports tokens/s and the bubbles.

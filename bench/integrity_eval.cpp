@@ -62,39 +62,35 @@ struct Run {
   int tokens_per_microbatch = 128;
 };
 
-Run stories_run(int steps) {
+/// A 2-stage 1F1B run on the fortunes corpus: `m` micro-batches of <= `tokens` tokens, AdamW at
+/// lr 1e-3 (cosine to 1e-4 over `steps`, `warmup` steps of warm-up).
+Run make_run(std::string name, model::LlamaWeights weights, const model::Tokenizer& tok, int m,
+             int tokens, int warmup, int steps) {
   Run r;
-  r.name = "stories260K";
-  r.weights = model::load_llama2c_checkpoint(kModels / "stories260K.bin");
-  const auto tok = model::Tokenizer::load_llama2c(kModels / "tok512.bin", 512);
-  const auto corpus = data::load_corpus(data::default_corpus_path(), tok, r.tokens_per_microbatch + 1);
+  r.name = std::move(name);
+  r.weights = std::move(weights);
+  r.tokens_per_microbatch = tokens;
+  const auto corpus = data::load_corpus(data::default_corpus_path(), tok, tokens + 1);
   std::tie(r.train, r.held) = data::split_held_out(corpus, 20);
   r.cfg.ranks = 2;
-  r.cfg.microbatches = 4;
-  r.cfg.seq_len_hint = r.tokens_per_microbatch;
+  r.cfg.microbatches = m;
+  r.cfg.seq_len_hint = tokens;
   r.cfg.optimizer.lr = 1e-3f;
   r.cfg.optimizer.min_lr = 1e-4f;
-  r.cfg.optimizer.warmup_steps = 10;
+  r.cfg.optimizer.warmup_steps = warmup;
   r.cfg.optimizer.decay_steps = steps;
   return r;
 }
 
+Run stories_run(int steps) {
+  return make_run("stories260K", model::load_llama2c_checkpoint(kModels / "stories260K.bin"),
+                  model::Tokenizer::load_llama2c(kModels / "tok512.bin", 512), 4, 128, 10, steps);
+}
+
 Run shape42m_run(int steps) {
-  Run r;
-  r.name = "42M shape";
-  r.tokens_per_microbatch = 64;
-  r.weights = model::make_synthetic_weights(model::named_config("42M"), 1234);
-  const auto tok = model::Tokenizer::synthetic(r.weights.config.vocab_size, 1234);
-  const auto corpus = data::load_corpus(data::default_corpus_path(), tok, r.tokens_per_microbatch + 1);
-  std::tie(r.train, r.held) = data::split_held_out(corpus, 20);
-  r.cfg.ranks = 2;
-  r.cfg.microbatches = 8;
-  r.cfg.seq_len_hint = r.tokens_per_microbatch;
-  r.cfg.optimizer.lr = 1e-3f;
-  r.cfg.optimizer.min_lr = 1e-4f;
-  r.cfg.optimizer.warmup_steps = 5;
-  r.cfg.optimizer.decay_steps = steps;
-  return r;
+  auto w = model::make_synthetic_weights(model::named_config("42M"), 1234);
+  const auto tok = model::Tokenizer::synthetic(w.config.vocab_size, 1234);
+  return make_run("42M shape", std::move(w), tok, 8, 64, 5, steps);
 }
 
 /// One recorded stream: the f32 payloads one rank received from another, of one kind, in order.
