@@ -32,7 +32,7 @@ namespace {
 
 using brigade::cuda::CudaBackend;
 using brigade::cuda::DeviceBuffer;
-using brigade::cuda::DType;
+using brigade::DType;
 using brigade::cuda::Event;
 
 double g_peak_tflops = 0.0;     // best BM_GemmBf16 result of this run

@@ -34,6 +34,7 @@
 
 namespace {
 
+using brigade::DType;
 using namespace brigade::transport;
 
 constexpr std::int64_t kMaxBytes = std::int64_t{64} << 20;
@@ -41,7 +42,7 @@ constexpr std::int64_t kData = 1;  // micro-batch id of a ping
 constexpr std::int64_t kStop = 2;  // micro-batch id that ends the echo loop
 
 MessageHeader ping_header(std::int64_t microbatch, std::int64_t bytes) {
-  return MessageHeader::make(microbatch, 1, DType::Bytes, {bytes});
+  return MessageHeader::make(microbatch, 1, DType::U8, {bytes});
 }
 
 /// Rank 1's side: receives any ping from rank 0 and sends it back, until a stop message.
@@ -49,7 +50,7 @@ template <Transport T>
 void echo_loop(T& t) {
   std::vector<std::byte> buf(static_cast<std::size_t>(kMaxBytes));
   for (;;) {
-    auto r = t.irecv(0, 0, MessageHeader::make(kAny, 1, DType::Bytes, {kAny}), buf);
+    auto r = t.irecv(0, 0, MessageHeader::make(kAny, 1, DType::U8, {kAny}), buf);
     t.wait(r, Deadline::never());
     if (r.header.microbatch == kStop) return;
     const auto n = static_cast<std::size_t>(r.header.nbytes());

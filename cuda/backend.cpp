@@ -19,8 +19,13 @@ namespace {
 using detail::GemmPlan;
 using detail::SeqDesc;
 
-int code(DType t) { return t == DType::F32 ? detail::kF32 : detail::kBF16; }
-cudaDataType_t cuda_type(DType t) { return t == DType::F32 ? CUDA_R_32F : CUDA_R_16BF; }
+/// The kernels' dtype code of `t`; the CUDA backend computes in float32 and bfloat16 only.
+int code(DType t) {
+  BRIGADE_CHECK(t == DType::F32 || t == DType::BF16, Errc::InvalidArgument,
+                "CudaBackend: dtype {} is not supported on the GPU (f32, bf16)", to_string(t));
+  return t == DType::F32 ? detail::kF32 : detail::kBF16;
+}
+cudaDataType_t cuda_type(DType t) { return code(t) == detail::kF32 ? CUDA_R_32F : CUDA_R_16BF; }
 std::size_t usize(std::int64_t n) { return static_cast<std::size_t>(n); }
 
 /// Makes `device` current for the calling thread for the guard's lifetime.
@@ -327,8 +332,8 @@ struct CudaBackend::Impl {
             float alpha, float beta) {
     for (std::int64_t v : {p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.batch}) check_int("gemm", v);
     if (p.m == 0 || p.n == 0 || p.batch == 0) return;
-    const std::size_t ab = dtype_size(ab_type);
-    const std::size_t cb = dtype_size(c_type);
+    const std::size_t ab = dtype_block_bytes(ab_type);
+    const std::size_t cb = dtype_block_bytes(c_type);
     const auto* pa = static_cast<const char*>(a) + usize(p.offset_a) * ab;
     const auto* pb = static_cast<const char*>(b) + usize(p.offset_b) * ab;
     auto* pc = static_cast<char*>(c) + usize(p.offset_c) * cb;
@@ -356,7 +361,7 @@ struct CudaBackend::Impl {
     const std::int64_t dim = static_cast<std::int64_t>(n_heads) * head_size;
     const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * head_size;
     const int group = n_heads / n_kv_heads;
-    const std::size_t es = dtype_size(dtype);
+    const std::size_t es = dtype_block_bytes(dtype);
     const std::int64_t max_keys = sl.pos0 + sl.tokens;
     const std::int64_t max_ld = (max_keys + 7) / 8 * 8;
     const std::size_t per_row = static_cast<std::size_t>(n_heads) * usize(max_ld) *
@@ -517,7 +522,7 @@ void CudaBackend::matmul_wt(const void* x, const void* w, DType in_dtype, void* 
   if (in == 0) {
     if (!accumulate)
       BRIGADE_CUDA_CHECK(
-          cudaMemsetAsync(out, 0, usize(tokens * out_dim) * dtype_size(out_dtype), impl_->s()));
+          cudaMemsetAsync(out, 0, usize(tokens * out_dim) * dtype_block_bytes(out_dtype), impl_->s()));
     return;
   }
   impl_->gemm(detail::plan_linear(tokens, in, out_dim), w, x, in_dtype, out, out_dtype, 1.0f,
@@ -572,7 +577,7 @@ void CudaBackend::classifier(const float* x, const float* rms, const void* wcls,
                 rows, dim, vocab);
   if (rows == 0) return;
   DeviceGuard g(impl_->opt.device);
-  void* xb = impl_->grow(impl_->xb_buf, usize(rows * dim) * dtype_size(w_dtype));
+  void* xb = impl_->grow(impl_->xb_buf, usize(rows * dim) * dtype_block_bytes(w_dtype));
   BRIGADE_CUDA_CHECK(detail::launch_rmsnorm(x, rms, xb, code(w_dtype), rows, dim, eps, impl_->s()));
   impl_->gemm(detail::plan_linear(rows, dim, vocab), wcls, xb, w_dtype, logits, DType::F32, 1.0f,
               0.0f);
@@ -620,9 +625,10 @@ DeviceDecoderWeights CudaBackend::upload_decoder_weights(const model::LlamaConfi
                 Errc::InvalidArgument,
                 "CudaBackend::upload_decoder_weights: a DecoderWeights pointer is null; expected "
                 "all 9 set");
+  code(dtype);  // f32 or bf16, else InvalidArgument
   DeviceGuard g(impl_->opt.device);
   const std::int64_t dim = config.dim, kv = config.kv_dim(), hidden = config.hidden_dim;
-  const std::size_t es = dtype_size(dtype);
+  const std::size_t es = dtype_block_bytes(dtype);
   DeviceDecoderWeights d;
   d.dtype = dtype;
   d.rms_att = allocate(usize(dim) * sizeof(float));
@@ -677,7 +683,7 @@ void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
   DeviceGuard g(impl_->opt.device);
   Impl& m = *impl_;
   const DType dt = w.dtype;
-  const std::size_t es = dtype_size(dt);
+  const std::size_t es = dtype_block_bytes(dt);
   const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
   const std::int64_t qkv_n = dim + 2 * kv_dim;
   const int hs = config.head_size();

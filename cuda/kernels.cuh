@@ -3,7 +3,7 @@
 // Internal to brigade::cuda. Plain C++ over the CUDA runtime types: no fmt, no Eigen, no brigade
 // headers, so that nvcc compiles kernels.cu without them. Every launcher enqueues on `stream`
 // and returns cudaGetLastError() of its launch; the caller turns a failure into brigade::Error.
-// Sizes are validated by the caller. Dtype codes: 0 = float32, 1 = bfloat16 (CudaBackend's DType).
+// Sizes are validated by the caller. Dtype codes: 0 = float32, 1 = bfloat16 (backend.cpp's code() maps brigade::DType to them).
 #pragma once
 
 #include <cuda_runtime.h>

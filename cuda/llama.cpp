@@ -59,7 +59,7 @@ struct CudaLlama::Impl {
       BRIGADE_CHECK(id >= 0 && id < c.vocab_size, Errc::InvalidArgument,
                     "CudaLlama: token id {} outside the vocabulary [0, {})", id, c.vocab_size);
     const std::int64_t dim = c.dim;
-    const std::size_t es = dtype_size(dtype);
+    const std::size_t es = dtype_block_bytes(dtype);
     auto* d_ids = static_cast<std::int32_t*>(grow(ids, usize(tokens) * sizeof(std::int32_t)));
     auto* d_x = static_cast<float*>(grow(x, usize(tokens * dim) * sizeof(float)));
     gpu->upload(d_ids, ids_host.data(), ids_host.size() * sizeof(std::int32_t));
@@ -103,6 +103,8 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   m.dtype = dtype;
   const auto& c = m.config;
   c.validate("CudaLlama");
+  BRIGADE_CHECK(dtype == DType::F32 || dtype == DType::BF16, Errc::InvalidArgument,
+                "CudaLlama: dtype {} is not supported on the GPU (f32, bf16)", to_string(dtype));
   BRIGADE_CHECK(static_cast<int>(weights.layers.size()) == c.n_layers && weights.token_embedding &&
                     weights.rms_final && weights.wcls,
                 Errc::InvalidArgument,
@@ -121,7 +123,7 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   backend.upload(m.embedding.data(), weights.token_embedding, m.embedding.size());
   m.rms_final = backend.allocate(usize(dim) * sizeof(float));
   backend.upload(m.rms_final.data(), weights.rms_final, m.rms_final.size());
-  m.wcls = backend.allocate(usize(vocab * dim) * dtype_size(dtype));
+  m.wcls = backend.allocate(usize(vocab * dim) * dtype_block_bytes(dtype));
   if (dtype == DType::F32) {
     backend.upload(m.wcls.data(), weights.wcls, m.wcls.size());
   } else {
@@ -132,7 +134,7 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   }
   for (const auto& lw : weights.layers) {
     m.layers.push_back(backend.upload_decoder_weights(c, lw, dtype));
-    m.kv.push_back(backend.allocate(usize(2 * m.cache_rows * c.kv_dim()) * dtype_size(dtype)));
+    m.kv.push_back(backend.allocate(usize(2 * m.cache_rows * c.kv_dim()) * dtype_block_bytes(dtype)));
   }
   backend.synchronize();
 }

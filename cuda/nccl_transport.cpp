@@ -21,7 +21,8 @@ namespace {
 
 constexpr std::size_t kSlot = 128;             // bytes of one wire header
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
-constexpr std::uint32_t kWireVersion = 4;  // 2: chunk after stage; 3: kind; 4: flags
+constexpr std::uint32_t kWireVersion = 5;  // 2: chunk after stage; 3: kind; 4: flags;
+                                           // 5: brigade::DType codes (f16, bf16)
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
 struct WireHeader {
@@ -340,6 +341,11 @@ struct NcclTransport::Impl {
                   "rank {}: message from rank {} (tag {}) carries no brigade header (magic {:#x}, "
                   "version {}; expected {:#x}, {})",
                   rank, op.peer, op.tag, w.magic, w.version, kMagic, kWireVersion);
+    BRIGADE_CHECK(w.kind >= 0 && w.kind < kNumMessageKinds && w.dtype >= 0 && w.dtype < kNumDTypes,
+                  Errc::HeaderMismatch,
+                  "rank {}: message from rank {} (tag {}) has kind {} and dtype {}; expected a "
+                  "kind below {} and a dtype below {}",
+                  rank, op.peer, op.tag, w.kind, w.dtype, kNumMessageKinds, kNumDTypes);
     MessageHeader got;
     got.kind = static_cast<MessageKind>(w.kind);
     got.flags = w.flags;

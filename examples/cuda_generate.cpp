@@ -26,7 +26,7 @@
 
 namespace fs = std::filesystem;
 using brigade::cuda::CudaLlama;
-using brigade::cuda::DType;
+using brigade::DType;
 
 namespace {
 

@@ -162,7 +162,7 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
 std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
                                                     const plan::Plan& plan,
                                                     std::span<const GenerationRequest> requests,
-                                                    cost::WeightDType weights) {
+                                                    brigade::DType weights) {
   const auto layout = detail::make_layout(requests, config, plan.shape().num_microbatches);
   cost::InferenceMemoryOptions mo;
   mo.weights = weights;
@@ -210,7 +210,7 @@ detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
 
 using schedule::Action;
 using schedule::Op;
-using transport::DType;
+using brigade::DType;
 using transport::kAny;
 using transport::MessageHeader;
 using transport::MessageKind;
@@ -219,9 +219,13 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  std::span<runtime::InferenceStage* const> stages,
                                  const detail::GenerationLayout& layout,
                                  detail::SequenceBook* book,
-                                 std::chrono::steady_clock::time_point t0, bool weight_offload)
+                                 std::chrono::steady_clock::time_point t0, bool weight_offload,
+                                 DType pipeline_dtype)
     : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
-      weight_offload_(weight_offload) {
+      weight_offload_(weight_offload), pipeline_dtype_(pipeline_dtype) {
+  BRIGADE_CHECK(is_float_dtype(pipeline_dtype), Errc::InvalidArgument,
+                "InferenceWorker: pipeline dtype {}; expected f32, f16 or bf16",
+                to_string(pipeline_dtype));
   const auto M = static_cast<std::size_t>(shape.num_microbatches);
   BRIGADE_CHECK(shape.rank_of(0) != rank || book != nullptr, Errc::InvalidArgument,
                 "InferenceWorker: rank {} holds virtual stage 0 but has no SequenceBook", rank);
@@ -393,9 +397,9 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
                                      a.chunk),
                  static_cast<std::size_t>(3 * (seqs + 1)) * 4});
   out.push_back({detail::kTagActivation,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny, kAny},
+                 MessageHeader::make(a.microbatch, a.virtual_stage, pipeline_dtype_, {kAny, kAny},
                                      a.chunk, MessageKind::Activation),
-                 static_cast<std::size_t>(layout_->max_rows[m] * layout_->width) * 4});
+                 dtype_bytes(pipeline_dtype_, layout_->max_rows[m] * layout_->width)});
 }
 
 void InferenceWorker::received(const Action& a, std::span<const Received> msgs) {
@@ -455,8 +459,8 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
                 "rank {}: micro-batch {} round {}: the descriptor says [{} x {}] activations, the "
                 "message from rank {} holds {}",
                 rank_, a.microbatch, round_, mb.rows, mb.width, peer, act.header.to_string());
-  mb.act.resize(act.payload.size() / sizeof(float));
-  std::memcpy(mb.act.data(), act.payload.data(), act.payload.size());
+  mb.act.resize(static_cast<std::size_t>(mb.rows * mb.width));
+  convert_to_f32(act.payload.data(), act.header.dtype, mb.act.data(), mb.rows * mb.width);
 }
 
 void InferenceWorker::send(const Action& a, Outbox& out) {
@@ -492,11 +496,18 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                               {static_cast<std::int64_t>(scratch_.size() / 3), 3}, a.chunk),
           transport::as_bytes(std::span<const std::int32_t>(scratch_)));
   const std::int64_t rows = closed ? 0 : mb.rows, width = closed ? 0 : mb.width;
+  transport::ConstBytes payload;
+  if (!closed && pipeline_dtype_ == DType::F32) {
+    payload = transport::as_bytes(std::span<const float>(mb.act));
+  } else if (!closed) {
+    wire_.resize(dtype_bytes(pipeline_dtype_, rows * width));
+    convert_from_f32(mb.act.data(), wire_.data(), pipeline_dtype_, rows * width);
+    payload = transport::ConstBytes(wire_);
+  }
   out.add(detail::kTagActivation,
-          MessageHeader::make(a.microbatch, to, DType::F32, {rows, width}, a.chunk,
+          MessageHeader::make(a.microbatch, to, pipeline_dtype_, {rows, width}, a.chunk,
                               MessageKind::Activation),
-          closed ? transport::ConstBytes{}
-                 : transport::as_bytes(std::span<const float>(mb.act)));
+          payload);
 }
 
 InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,

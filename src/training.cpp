@@ -105,6 +105,9 @@ void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model
                          const TrainingOptions& options) {
   BRIGADE_CHECK(options.threads_per_rank >= 1, Errc::InvalidArgument,
                 "TrainingEngine: threads_per_rank = {}, expected >= 1", options.threads_per_rank);
+  BRIGADE_CHECK(is_float_dtype(options.pipeline_dtype), Errc::InvalidArgument,
+                "TrainingEngine: pipeline dtype {}; expected f32, f16 or bf16",
+                to_string(options.pipeline_dtype));
   const auto& sh = plan.shape();
   BRIGADE_CHECK(sh.mode == schedule::Mode::Training && sh.num_chunks == 1, Errc::InvalidArgument,
                 "TrainingEngine: a plan in {} mode with {} chunk(s) per micro-batch; training "
@@ -223,6 +226,7 @@ TrainingEngine::StepSetup TrainingEngine::begin_step(std::span<const data::Packe
   s.timeout_s = I.cfg.timeout_s;
   s.dim = I.config.dim;
   s.windows = I.plan.execution().windows;
+  s.pipeline_dtype = I.cfg.pipeline_dtype;
   return s;
 }
 

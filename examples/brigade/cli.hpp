@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <brigade/config.hpp>
+#include <brigade/core/dtype.hpp>
 #include <brigade/core/error.hpp>
 #include <brigade/cost/profile.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
@@ -244,6 +245,18 @@ inline CLI::Option* add_profile_option(CLI::App& sub, std::string& value) {
                   "measured once and cached), none (roofline at default rates), or a file "
                   "(brigade profile --out FILE; docs/profiles.md); the plan's memory must fit its "
                   "memory_capacity_bytes")
+      ->capture_default_str();
+}
+
+/// --pipeline-dtype: the dtype of the activations (and in training the activation gradients)
+/// sent between stages (engine::InferenceOptions / TrainingOptions::pipeline_dtype); `value`
+/// holds its name (f32, f16 or bf16) for brigade::parse_dtype.
+inline CLI::Option* add_pipeline_dtype_option(CLI::App& sub, std::string& value) {
+  return sub
+      .add_option("--pipeline-dtype", value,
+                  "dtype of what stages send each other: f32 (exact), or f16 / bf16 (half the "
+                  "bytes on every link; each stage's input rounded once; compute stays f32)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}))
       ->capture_default_str();
 }
 

@@ -45,6 +45,7 @@ struct GenerateArgs {
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
   bool offload = false;  // --offload: PREFETCH/RELEASE every window each round
+  std::string pipeline_dtype = "f32";  // --pipeline-dtype
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -218,6 +219,7 @@ int run(const GenerateArgs& a) {
   opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
   opt.weight_offload = a.offload;
+  opt.pipeline_dtype = *parse_dtype(a.pipeline_dtype);
   // With a profile, the plan must fit the device: the weights, then the memory of the ranks
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
@@ -307,6 +309,11 @@ int run(const GenerateArgs& a) {
              "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
              report.sequences.size(), report.prompt_tokens, report.generated_tokens, report.wall_s,
              report.tokens_per_s(), ttft * 1e3, tpot * 1e3);
+  std::int64_t link_bytes = 0;
+  for (int r = 0; r < report.timeline.num_ranks(); ++r) link_bytes += report.timeline.bytes(r, true);
+  if (stages_used > 1)
+    fmt::print(stderr, "between ranks: {:.3f} MB sent ({} activations)\n", link_bytes / 1e6,
+               a.pipeline_dtype);
   nlohmann::json stages = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {
     const auto& r = part.stage(s);
@@ -318,7 +325,7 @@ int run(const GenerateArgs& a) {
       fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last,
                  busy * 100);
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
-                      {"busy_fraction", busy}});
+                      {"busy_fraction", busy}, {"rank_sent_bytes", report.timeline.bytes(r.rank, true)}});
   }
   if (a.integrity.active()) {
     fmt::print(stderr, "{}", verdicts);
@@ -347,6 +354,8 @@ int run(const GenerateArgs& a) {
                         {"prompt_tokens", report.prompt_tokens},
                         {"generated_tokens", report.generated_tokens},
                         {"tokens_per_s", report.tokens_per_s()},
+                        {"pipeline_dtype", a.pipeline_dtype},
+                        {"sent_bytes", link_bytes},
                         {"ttft_s_mean", ttft},
                         {"tpot_s_mean", tpot},
                         {"stage_stats", stages},
@@ -411,6 +420,7 @@ std::function<int()> setup(CLI::App& sub) {
                  "registered with partition::register_policy")
       ->check(CLI::IsMember(policies))->capture_default_str();
   brigade::cli::add_profile_option(sub, a->profile);
+  brigade::cli::add_pipeline_dtype_option(sub, a->pipeline_dtype);
   a->planned_options.push_back(a->stages_option);
   a->planned_options.push_back(partition_option);
   a->planned_options.push_back(sub.add_option("--microbatches", a->microbatches,

@@ -76,7 +76,7 @@ int run(const ProfileArgs& a) {
   tr::MpiTransport tp;
   const int me = tp.rank(), world = tp.world_size();
   const auto deadline = [] { return tr::Deadline::after(600.0); };
-  const auto token = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {0});
+  const auto token = tr::MessageHeader::make(0, 0, brigade::DType::U8, {0});
   if (me > 0) {
     auto r = tp.irecv(me - 1, 100, token, tr::MutableBytes{});
     tp.wait(r, deadline());
@@ -89,7 +89,7 @@ int run(const ProfileArgs& a) {
   brigade::cost::LinkProfile link;
   if (me <= 1) link = brigade::cost::measure_link(tp, 1 - me, me == 0, "mpi", o.seconds_per_point, 1);
   std::array<double, 2> figures{link.latency_s, link.bytes_per_s};
-  const auto h = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {sizeof figures});
+  const auto h = tr::MessageHeader::make(0, 0, brigade::DType::U8, {sizeof figures});
   if (me == 0) {
     for (int r = 1; r < world; ++r) {
       auto s = tp.isend(r, 101, h, tr::as_bytes(std::span<const double>(figures)));

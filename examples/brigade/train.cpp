@@ -43,6 +43,7 @@ struct TrainArgs {
   std::uint64_t seed = 42, model_seed = 1234;
   bool resume = false;
   double timeout = 120.0;
+  std::string pipeline_dtype = "f32";  // --pipeline-dtype
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -173,6 +174,9 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
                        {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
                        {"bubble_measured", r.timeline.bubble_ratio()},
                        {"peak_memory_bytes", r.peak_memory_bytes}};
+      std::int64_t sent = 0;
+      for (int rank = 0; rank < r.timeline.num_ranks(); ++rank) sent += r.timeline.bytes(rank, true);
+      j["sent_bytes"] = sent;
       if (a.integrity.active()) {
         // This step's integrity counts over every rank, and what the drop policy did.
         j["checked"] = now.checked - seen.checked;
@@ -290,6 +294,7 @@ int run(const TrainArgs& a) {
   cfg.optimizer.weight_decay = a.weight_decay;
   cfg.optimizer.clip_norm = a.clip;
   cfg.timeout_s = a.timeout;
+  cfg.pipeline_dtype = *parse_dtype(a.pipeline_dtype);
   cfg.seq_len_hint = a.tokens_per_microbatch;
   // The balanced split prices each layer's forward and backward passes on this machine's
   // profile (one intra-op thread per rank, every rank's core busy).
@@ -421,6 +426,7 @@ std::function<int()> setup(CLI::App& sub) {
                            true))
       ->capture_default_str();
   brigade::cli::add_profile_option(sub, a->profile);
+  brigade::cli::add_pipeline_dtype_option(sub, a->pipeline_dtype);
   sub.add_option("--trace", a->trace, "Chrome trace JSON of the first step's Timeline");
   sub.add_option("--metrics", a->metrics, "one JSON line per step (step, loss, tokens, seconds)");
   // Fault injection for tests of runs under mpirun (hidden from --help).

@@ -26,7 +26,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD" in little-endian byte order
-constexpr std::uint32_t kWireVersion = 4;  // 2: chunk after stage; 3: kind first; 4: flags
+constexpr std::uint32_t kWireVersion = 5;  // 2: chunk after stage; 3: kind first; 4: flags;
+                                           // 5: brigade::DType codes (f16, bf16)
 constexpr int kControlTag = 0;
 constexpr std::size_t kPieceBytes = std::size_t{1} << 30;  // largest MPI message of a payload
 
@@ -451,12 +452,13 @@ struct MpiTransport::Impl {
     }
     std::memcpy(&w, st.staging.data(), sizeof(WireHeader));
     if (w.magic != kMagic || w.version != kWireVersion || w.ndim < 0 || w.ndim > 4 || w.kind < 0 ||
-        w.kind >= kNumMessageKinds ||
+        w.kind >= kNumMessageKinds || w.dtype < 0 || w.dtype >= kNumDTypes ||
         w.piece_bytes == 0) {
       st.error = std::make_exception_ptr(Error(
           Errc::Mpi, fmt::format("rank {}: the message from rank {} (tag {}) has record magic "
-                                 "{:#x} version {}, expected {:#x} version {}",
-                                 rank, peer, tag, w.magic, w.version, kMagic, kWireVersion)));
+                                 "{:#x} version {} (kind {}, dtype {}, ndim {}), expected {:#x} version {}",
+                                 rank, peer, tag, w.magic, w.version, w.kind, w.dtype, w.ndim,
+                                 kMagic, kWireVersion)));
       return;
     }
     st.got.kind = static_cast<MessageKind>(w.kind);

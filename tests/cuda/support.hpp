@@ -115,7 +115,7 @@ class Guarded {
 
 /// A Guarded array holding `values` in `dtype` (converted on the host).
 inline Guarded make_input(CudaBackend& gpu, const std::vector<float>& values, DType dtype) {
-  Guarded g(gpu, values.size(), dtype_size(dtype));
+  Guarded g(gpu, values.size(), dtype_block_bytes(dtype));
   if (dtype == DType::F32) {
     g.set(values.data());
   } else {

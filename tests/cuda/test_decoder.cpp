@@ -12,7 +12,7 @@ using namespace brigade;
 using namespace brigade::cuda::test;
 using cuda::AttentionPath;
 using cuda::CudaBackend;
-using cuda::DType;
+using brigade::DType;
 
 namespace {
 
@@ -24,7 +24,7 @@ struct Seq {
 /// residual stream and the cache rows the layer wrote.
 void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DType dt,
                  AttentionPath path, double f32_tol) {
-  CAPTURE(cuda::to_string(dt));
+  CAPTURE(brigade::to_string(dt));
   CAPTURE(static_cast<int>(path));
   const auto weights = model::make_synthetic_weights(cfg, 42);
   const model::DecoderWeights& lw = weights.layers[0];

@@ -14,7 +14,7 @@ using namespace brigade;
 using namespace brigade::cuda::test;
 using cuda::AttentionPath;
 using cuda::CudaBackend;
-using cuda::DType;
+using brigade::DType;
 
 namespace {
 
@@ -35,10 +35,10 @@ TEST_SUITE("kernels") {
     std::vector<float> ref(x.size());
     cpu::rmsnorm(x.data(), w.data(), ref.data(), tokens, dim, 1e-5f);
     for (DType dt : kDtypes) {
-      CAPTURE(cuda::to_string(dt));
+      CAPTURE(brigade::to_string(dt));
       auto gx = make_input(gpu(), x, DType::F32);
       auto gw = make_input(gpu(), w, DType::F32);
-      Guarded out(gpu(), x.size(), cuda::dtype_size(dt));
+      Guarded out(gpu(), x.size(), brigade::dtype_block_bytes(dt));
       gpu().rmsnorm(gx.as<float>(), gw.as<float>(), out.data(), dt, tokens, dim, 1e-5f);
       check_close("rmsnorm", out.floats(dt), ref, tolerance(dt));
       out.check_guards("rmsnorm out");
@@ -63,7 +63,7 @@ TEST_SUITE("kernels") {
       cpu::matmul_wt(x.data(), w.data(), ref.data(), s.tokens, s.in, s.out);
       cpu::matmul_wt_accumulate(x.data(), w.data(), ref_acc.data(), s.tokens, s.in, s.out);
       for (DType dt : kDtypes) {
-        CAPTURE(cuda::to_string(dt));
+        CAPTURE(brigade::to_string(dt));
         auto gx = make_input(gpu(), x, dt);
         auto gw = make_input(gpu(), w, dt);
         Guarded out(gpu(), ref.size(), 4);
@@ -136,7 +136,7 @@ TEST_SUITE("kernels") {
     for (DType dt : kDtypes) {
       for (AttentionPath path : {AttentionPath::Direct, AttentionPath::Gemm, AttentionPath::Auto}) {
         for (CudaBackend* b : {&gpu(), &blocked}) {
-          CAPTURE(cuda::to_string(dt));
+          CAPTURE(brigade::to_string(dt));
           CAPTURE(static_cast<int>(path));
           CAPTURE(b == &blocked);
           auto gq = make_input(*b, q, dt);
@@ -150,7 +150,7 @@ TEST_SUITE("kernels") {
                 {off, seqs[i].tokens, seqs[i].pos0, gk.back().data(), gv.back().data()});
             off += seqs[i].tokens;
           }
-          Guarded out(*b, ref.size(), cuda::dtype_size(dt));
+          Guarded out(*b, ref.size(), brigade::dtype_block_bytes(dt));
           b->attention(dt, gq.data(), out.data(), tokens, slices, n_heads, n_kv, hs, path);
           check_close("attention", out.floats(dt), ref, tolerance(dt, 2e-5));
           out.check_guards("attention out");
@@ -180,10 +180,10 @@ TEST_SUITE("kernels") {
     std::vector<float> ref = g;
     cpu::swiglu(ref.data(), u.data(), n);
     for (DType dt : kDtypes) {
-      CAPTURE(cuda::to_string(dt));
+      CAPTURE(brigade::to_string(dt));
       auto gg = make_input(gpu(), g, DType::F32);
       auto gu = make_input(gpu(), u, DType::F32);
-      Guarded out(gpu(), n, cuda::dtype_size(dt));
+      Guarded out(gpu(), n, brigade::dtype_block_bytes(dt));
       gpu().swiglu(gg.as<float>(), gu.as<float>(), out.data(), dt, n);
       check_close("swiglu", out.floats(dt), ref, tolerance(dt));
       out.check_guards("swiglu out");
@@ -237,7 +237,7 @@ TEST_SUITE("kernels") {
     cpu::rmsnorm(x.data(), rms.data(), xn.data(), rows, dim, 1e-5f);
     cpu::matmul_wt(xn.data(), w.data(), ref.data(), rows, dim, vocab);
     for (DType dt : kDtypes) {
-      CAPTURE(cuda::to_string(dt));
+      CAPTURE(brigade::to_string(dt));
       auto gx = make_input(gpu(), x, DType::F32);
       auto gr = make_input(gpu(), rms, DType::F32);
       auto gw = make_input(gpu(), w, dt);

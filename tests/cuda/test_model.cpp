@@ -40,7 +40,7 @@ TEST_SUITE("model") {
     cuda::CudaBackend gpu;
     const int capacity = weights.config.seq_len;
     const std::vector<int> caps = {capacity, capacity};
-    cuda::CudaLlama model(gpu, weights, cuda::DType::F32, caps);
+    cuda::CudaLlama model(gpu, weights, brigade::DType::F32, caps);
 
     // Logits of BOS at position 0.
     const std::vector<cuda::CudaLlama::Step> step = {{1, 0, 1}};
@@ -73,8 +73,8 @@ TEST_SUITE("model") {
     const auto weights = model::load_llama2c_checkpoint(dir / "stories260K.bin");
     cuda::CudaBackend gpu;
     const std::vector<int> caps = {weights.config.seq_len};
-    cuda::CudaLlama f32(gpu, weights, cuda::DType::F32, caps);
-    cuda::CudaLlama b16(gpu, weights, cuda::DType::BF16, caps);
+    cuda::CudaLlama f32(gpu, weights, brigade::DType::F32, caps);
+    cuda::CudaLlama b16(gpu, weights, brigade::DType::BF16, caps);
     const std::vector<int> prompt = {1, 403, 407, 261, 378};  // "Once upon a time"
     const auto a = f32.generate_greedy(prompt, 40);
     const auto b = b16.generate_greedy(prompt, 40);

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <regex>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -114,6 +115,38 @@ TEST_CASE("cli.generate: --ring 2 puts two layer windows on each of 2 ranks and 
   CHECK(bad.rc != 0);
   CHECK(bad.err.find("--stages 3 x --ring 4 = 12 windows, more than the model's 9 layers") !=
         std::string::npos);
+}
+
+TEST_CASE("cli.generate: --pipeline-dtype bf16 sends half the activation bytes and prints run.c's "
+          "story; an unknown dtype is refused" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string story = ref["cases"][1]["stdout"];
+  const auto tag = std::to_string(::getpid());
+  std::map<std::string, nlohmann::json> metrics;
+  for (const std::string dtype : {"f32", "bf16"}) {
+    const fs::path path = fs::temp_directory_path() / ("brigade_cli_dtype_" + dtype + tag + ".json");
+    auto r = run_cli("generate " + model_flags() + " --temperature 0 --stages 2 --steps 64 " +
+                     "--prompt \"Once upon a time\" --pipeline-dtype " + dtype + " --metrics " +
+                     path.string());
+    REQUIRE(r.rc == 0);
+    CHECK(r.out == story);
+    CHECK(r.err.find("MB sent (" + dtype + " activations)") != std::string::npos);
+    std::ifstream in(path);
+    metrics[dtype] = nlohmann::json::parse(in);
+    fs::remove(path);
+    CHECK(metrics[dtype]["pipeline_dtype"] == dtype);
+  }
+  // Prompt rows once, then one row per decode step, 64 columns, 2 bytes saved per value.
+  const std::int64_t prompt = ref["cases"][1]["prompt_ids"].size();
+  const std::int64_t generated = metrics["f32"]["generated_tokens"];
+  CHECK(metrics["f32"]["sent_bytes"].get<std::int64_t>() -
+            metrics["bf16"]["sent_bytes"].get<std::int64_t>() ==
+        (prompt + generated - 1) * 64 * 2);
+  auto bad = run_cli("generate " + model_flags() + " --pipeline-dtype q8_0");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("--pipeline-dtype") != std::string::npos);
+  CHECK(bad.err.find("q8_0") != std::string::npos);
 }
 
 TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *

@@ -91,11 +91,11 @@ TEST_CASE("memory.inference: KV cache and weights per rank are what InferenceSta
   // Weight dtypes: matrices at 2 or 34/32 bytes, norm gains float32.
   const auto all = cost::stage_parameters(spec, {0, 0, spec.num_layers()}, true);
   CHECK(all.vector == (2 * c.n_layers + 1) * c.dim);
-  CHECK(cost::model_weight_bytes(spec, cost::WeightDType::BF16) ==
+  CHECK(cost::model_weight_bytes(spec, brigade::DType::BF16) ==
         2.0 * all.matrix + 4.0 * all.vector);
-  CHECK(cost::model_weight_bytes(spec, cost::WeightDType::Q8_0) ==
+  CHECK(cost::model_weight_bytes(spec, brigade::DType::Q8_0) ==
         34.0 / 32.0 * all.matrix + 4.0 * all.vector);
-  const auto half = engine::inference_memory(c, plan, reqs, cost::WeightDType::F16);
+  const auto half = engine::inference_memory(c, plan, reqs, brigade::DType::F16);
   CHECK(half[1].weights == doctest::Approx(mem[1].weights / 2).epsilon(0.01));
   CHECK(half[1].kv_cache == mem[1].kv_cache);
   // Receive buffers: 2 groups (sequences {0, 1}: 3 + 2 prompt rows; {2}: 1 row); rank 1's four

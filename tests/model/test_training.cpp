@@ -308,6 +308,57 @@ TEST_CASE("training over the caller's transports: TracingTransport endpoints giv
                        doctest::Contains("2 transports for a plan of 3 ranks"), Error);
 }
 
+TEST_CASE("training.pipeline-dtype: f16 and bf16 activations and gradients halve the bytes on "
+          "every link, and the step stays within their rounding of the f32 step") {
+  const auto samples = story_samples();
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = 3;
+  cfg.microbatches = 4;
+  const auto batches = split(samples, cfg.microbatches);
+  engine::TrainingEngine exact(stories(), cfg);
+  const auto want = exact.compute_gradients(batches);
+  std::int64_t rows = 0;
+  for (const auto& b : batches) rows += b.rows();
+  const std::int64_t dim = stories().config.dim;
+  // Every rank but the last sends each row forward; every rank but the first sends it back.
+  for (int r = 0; r < cfg.ranks; ++r)
+    CHECK(want.timeline.bytes(r, true) == rows * dim * 4 * ((r + 1 < cfg.ranks) + (r > 0)));
+  using transport::MessageKind;
+  for (const auto& [dtype, tolerance] : {std::pair{DType::F16, 2e-3}, std::pair{DType::BF16, 2e-2}}) {
+    CAPTURE(to_string(dtype));
+    auto c = cfg;
+    c.pipeline_dtype = dtype;
+    engine::TrainingEngine half(stories(), c);
+    transport::InProcessFabric fabric(cfg.ranks);
+    auto endpoints = transport::endpoints(fabric);
+    std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
+    for (auto& e : endpoints) traced.emplace_back(e);
+    const auto got = half.compute_gradients(std::span(traced), batches);
+    for (int r = 0; r + 1 < cfg.ranks; ++r) {
+      CAPTURE(r);
+      CHECK(traced[static_cast<std::size_t>(r)].sent(MessageKind::Activation, r + 1).bytes ==
+            rows * dim * 2);
+      CHECK(traced[static_cast<std::size_t>(r + 1)].sent(MessageKind::Gradient, r).bytes ==
+            rows * dim * 2);
+    }
+    for (int r = 0; r < cfg.ranks; ++r)
+      CHECK(got.timeline.bytes(r, true) == rows * dim * 2 * ((r + 1 < cfg.ranks) + (r > 0)));
+    // The rounding is real (the loss moves) and small (within the dtype's precision).
+    CHECK(got.loss != want.loss);
+    CHECK(std::abs(got.loss - want.loss) < tolerance * 1e-1 * std::abs(want.loss));
+    for (const auto& [name, g] : exact.gradients()) {
+      CAPTURE(name);
+      CHECK(relative_error(half.gradients().at(name), g) < tolerance);
+    }
+  }
+  auto bad = cfg;
+  bad.pipeline_dtype = DType::I32;
+  const auto msg =
+      test::error_of(Errc::InvalidArgument, [&] { engine::TrainingEngine refuses(stories(), bad); });
+  CHECK(msg.find("pipeline dtype i32") != std::string::npos);
+}
+
 namespace {
 
 /// Sets kFlagDropped on the received messages of one (kind, micro-batch), as VerifyingTransport's

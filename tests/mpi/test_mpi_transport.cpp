@@ -128,12 +128,12 @@ TEST_CASE("mpi.transport: a send nobody receives times out naming the receiver, 
       CHECK(conformance::contains(e.what(), "rank 1 did not take the message"));
       CHECK(conformance::contains(e.what(), "rank 1 stopped answering"));
       // Now let rank 1 receive it: the same send completes.
-      auto go = t.isend(1, 3, MessageHeader::make(0, 1, DType::Bytes, {0}), {});
+      auto go = t.isend(1, 3, MessageHeader::make(0, 1, DType::U8, {0}), {});
       t.wait(s, Deadline::after(30));
       t.wait(go, Deadline::after(30));
       CHECK(s.done);
     } else if (t.rank() == 1) {
-      auto go = t.irecv(0, 3, MessageHeader::make(0, 1, DType::Bytes, {0}), {});
+      auto go = t.irecv(0, 3, MessageHeader::make(0, 1, DType::U8, {0}), {});
       t.wait(go, Deadline::after(30));
       auto r = t.irecv(0, 2, h, conformance::mbytes(v));
       t.wait(r, Deadline::after(30));

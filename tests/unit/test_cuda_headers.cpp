@@ -28,7 +28,6 @@ static_assert(transport::Transport<transport::NcclTransport>);
 static_assert(!std::is_copy_constructible_v<cuda::DeviceBuffer>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceBuffer>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::CudaBackend>);
-static_assert(cuda::dtype_size(cuda::DType::F32) == 4 && cuda::dtype_size(cuda::DType::BF16) == 2);
 static_assert(BRIGADE_HAS_CUDA == 0 || BRIGADE_HAS_CUDA == 1);
 
 namespace {
@@ -53,7 +52,6 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST_CASE("cuda.headers: names and values usable without CUDA") {
-  CHECK(std::string(cuda::to_string(cuda::DType::BF16)) == "bf16");
   const cuda::SequenceSlice s{0, 4, 2, nullptr, nullptr};
   CHECK(s.tokens == 4);
   const cuda::CudaBackend::Options o;

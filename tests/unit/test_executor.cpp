@@ -74,7 +74,7 @@ class CheckingWorker {
   }
   void recv_messages(const Action& a, std::vector<eng::MessageSpec>& out) {
     out.push_back({sch::channel_of(*shape_, a),
-                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, tp::DType::I32, {1}),
+                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, brigade::DType::I32, {1}),
                    4});
   }
   void received(const Action& a, std::span<const eng::Received>) {
@@ -86,7 +86,7 @@ class CheckingWorker {
                   "rank {}: {} before its producer", rank_, sch::to_string(a));
     const std::int32_t v = 7;
     out.add(sch::channel_of(*shape_, a),
-            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, tp::DType::I32, {1}),
+            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, brigade::DType::I32, {1}),
             tp::as_bytes(std::span<const std::int32_t>(&v, 1)));
   }
 

@@ -428,7 +428,7 @@ struct StackRun {
   std::int64_t checked = 0, flagged = 0;
 };
 StackRun run_stack(const FaultSpec& spec, VerifyPolicy policy, int n,
-                   const SentinelConfig& cfg = {}) {
+                   const SentinelConfig& cfg = {}, DType dtype = DType::F32) {
   InProcessFabric fabric(2);
   auto eps = endpoints(fabric);
   std::vector<FaultInjectingTransport<InProcessTransport>> bad;
@@ -437,18 +437,23 @@ StackRun run_stack(const FaultSpec& spec, VerifyPolicy policy, int n,
   for (auto& b : bad) ver.emplace_back(b, cfg, policy);
   StackRun out;
   Stream stream(8, 64, 21);
-  std::vector<std::vector<float>> msgs;
-  for (int i = 0; i < n; ++i) msgs.push_back(stream.next());
+  std::vector<std::vector<std::byte>> msgs;  // each message in `dtype`
+  for (int i = 0; i < n; ++i) {
+    const auto x = stream.next();
+    msgs.emplace_back(brigade::dtype_bytes(dtype, static_cast<std::int64_t>(x.size())));
+    brigade::convert_from_f32(x.data(), msgs.back().data(), dtype,
+                              static_cast<std::int64_t>(x.size()));
+  }
   try {
     engine::run_ranks(std::span(ver), [&](auto& t) {
       for (int i = 0; i < n; ++i) {
-        const auto h = MessageHeader::make(i, 1, DType::F32, {8, 64}, i % 4, MessageKind::Activation);
+        const auto h = MessageHeader::make(i, 1, dtype, {8, 64}, i % 4, MessageKind::Activation);
         if (t.rank() == 0) {
-          auto r = t.isend(1, 5, h, as_bytes(std::span<const float>(msgs[static_cast<std::size_t>(i)])));
+          auto r = t.isend(1, 5, h, ConstBytes(msgs[static_cast<std::size_t>(i)]));
           t.wait(r, Deadline::after(30));
         } else {
-          std::vector<float> got(8 * 64);
-          auto r = t.irecv(0, 5, h, as_writable_bytes(std::span<float>(got)));
+          std::vector<std::byte> got(h.nbytes());
+          auto r = t.irecv(0, 5, h, MutableBytes(got));
           t.wait(r, Deadline::after(30));
           out.delivered.push_back(r.header);
         }
@@ -576,6 +581,34 @@ TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over 
         CHECK(contains(msg, "; rank 0 is quarantined, and no data-parallel replica exists to take "
                             "over its stages, so the run stops"));
     }
+  }
+}
+
+TEST_CASE("verify.transport: f16 and bf16 activations are checked as the float32 values they hold "
+          "and corrupted as such: the same faults are injected and flagged as in f32") {
+  FaultSpec spec = fault(FaultKind::Noise, 1.0, 3);
+  spec.rate = 0.1;
+  spec.ranks = {0};
+  constexpr int kMessages = 200;
+  const auto f32 = run_stack(spec, VerifyPolicy::Log, kMessages);
+  for (const DType t : {DType::F16, DType::BF16}) {
+    CAPTURE(to_string(t));
+    const auto run = run_stack(spec, VerifyPolicy::Log, kMessages, {}, t);
+    CHECK(run.checked == kMessages);
+    REQUIRE(run.injected.size() == f32.injected.size());
+    for (std::size_t i = 0; i < run.injected.size(); ++i) {
+      CHECK(run.injected[i].index == f32.injected[i].index);
+      // Noise of the payload's norm, then rounded to 16 bits: the change stays ~1.
+      CHECK(run.injected[i].relative_change == doctest::Approx(1.0).epsilon(0.01));
+    }
+    for (const auto& h : run.delivered) CHECK(h.dtype == t);
+    std::vector<std::int64_t> caught_f32, caught;
+    for (const auto& v : f32.verdicts)
+      if (v.flagged && v.index >= 64) caught_f32.push_back(v.index);
+    for (const auto& v : run.verdicts)
+      if (v.flagged && v.index >= 64) caught.push_back(v.index);
+    CHECK(!caught.empty());
+    CHECK(caught == caught_f32);
   }
 }
 

@@ -331,7 +331,7 @@ struct CountingWorker {
   }
   void recv_messages(const Action& a, std::vector<eng::MessageSpec>& out) {
     out.push_back({sch::channel_of(*shape, a),
-                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, tp::DType::I32, {1},
+                   tp::MessageHeader::make(a.microbatch, a.virtual_stage, brigade::DType::I32, {1},
                                            a.chunk),
                    4});
   }
@@ -348,7 +348,7 @@ struct CountingWorker {
     const Action peer = *sch::counterpart(*shape, a);
     const std::int32_t v = a.chunk;
     out.add(sch::channel_of(*shape, a),
-            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, tp::DType::I32, {1},
+            tp::MessageHeader::make(a.microbatch, peer.virtual_stage, brigade::DType::I32, {1},
                                     peer.chunk),
             tp::as_bytes(std::span<const std::int32_t>(&v, 1)));
   }

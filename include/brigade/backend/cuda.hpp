@@ -20,6 +20,7 @@
 // Forward only: the backward kernels come with the training issue.
 #pragma once
 
+#include "brigade/core/dtype.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -35,18 +36,6 @@ struct CUevent_st;   // cudaEvent_t is CUevent_st*
 
 namespace brigade::cuda {
 inline namespace v0 {
-
-/// Element type of device tensors.
-enum class DType : std::uint8_t {
-  F32 = 0,   ///< IEEE float32
-  BF16 = 1,  ///< bfloat16 (8-bit exponent, 7-bit mantissa), round-to-nearest-even on conversion
-};
-
-/// Bytes per element of `t` (4 or 2).
-constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::F32 ? 4 : 2; }
-
-/// Name of `t` ("f32", "bf16").
-constexpr const char* to_string(DType t) noexcept { return t == DType::F32 ? "f32" : "bf16"; }
 
 /// What the CUDA runtime reports about this machine's GPUs.
 struct DeviceInfo {
@@ -195,14 +184,15 @@ enum class AttentionPath : std::uint8_t {
            ///< cuBLAS GEMMs (tensor cores in bf16), with a causal softmax kernel between them
 };
 
-/// The decoder's forward kernels on one GPU. Owns a stream, a cuBLAS handle and grow-only
+/// The decoder's forward kernels on one GPU. Every DType parameter takes DType::F32 or DType::BF16
+/// (another dtype throws brigade::Error{InvalidArgument}). Owns a stream, a cuBLAS handle and grow-only
 /// scratch memory; not thread-safe (one backend per thread). Models the DESIGN.md Backend role
 /// for the forward pass: memory, streams and events, GEMM, RMSNorm, RoPE, causal varlen attention
 /// with a KV cache, SwiGLU, embedding, classifier and sampling.
 ///
 /// @code
 ///   brigade::cuda::CudaBackend gpu;                          // device 0
-///   auto w = gpu.upload_decoder_weights(cfg, host_layer, brigade::cuda::DType::BF16);
+///   auto w = gpu.upload_decoder_weights(cfg, host_layer, brigade::DType::BF16);
 ///   brigade::cuda::DeviceBuffer x(tokens * cfg.dim * 4);     // residual stream, float32
 ///   gpu.decoder_layer_forward(cfg, w, x.as<float>(), tokens, slices);
 ///   gpu.synchronize();

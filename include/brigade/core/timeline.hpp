@@ -22,6 +22,9 @@ struct Interval {
   double start = 0.0;         ///< seconds since the Timeline's origin
   double end = 0.0;           ///< seconds since the Timeline's origin, >= start
   std::int64_t tokens = 0;    ///< tokens processed by this interval (0 when not meaningful)
+  /// Payload bytes a SEND or RECV interval moved (as its headers' dtype and shape give them: an
+  /// f16 or bf16 message counts 2 bytes per element); 0 for every other op.
+  std::int64_t bytes = 0;
   std::string label;          ///< optional free text ("prefill", "decode", ...)
 
   /// Length in seconds.
@@ -101,6 +104,14 @@ class Timeline {
     for (const auto& iv : intervals_)
       if (iv.rank == r && is_compute(iv.op)) t += iv.duration();
     return t;
+  }
+  /// Payload bytes rank `r` sent (`sent` true: SEND intervals) or received (RECV intervals).
+  [[nodiscard]] std::int64_t bytes(int r, bool sent) const noexcept {
+    std::int64_t b = 0;
+    for (const auto& iv : intervals_)
+      if (iv.rank == r && (sent ? (iv.op == Op::SendF || iv.op == Op::SendB)
+                                 : (iv.op == Op::RecvF || iv.op == Op::RecvB))) b += iv.bytes;
+    return b;
   }
   /// busy(r) / makespan(), in [0, 1] (0 when the timeline is empty).
   [[nodiscard]] double utilization(int r) const noexcept {

@@ -63,7 +63,7 @@ LinkProfile measure_link(T& tp, int peer, bool leader, std::string name, double 
   if (!leader) {
     for (;;) {
       auto r = tp.irecv(peer, tag,
-                        tr::MessageHeader::make(0, 0, tr::DType::Bytes, {tr::kAny}),
+                        tr::MessageHeader::make(0, 0, brigade::DType::U8, {tr::kAny}),
                         tr::MutableBytes(buf));
       wait(r);
       if (r.header.nbytes() == 1) return {std::move(name), 0.0, 0.0};  // stop
@@ -72,7 +72,7 @@ LinkProfile measure_link(T& tp, int peer, bool leader, std::string name, double 
     }
   }
   auto round_trip = [&](std::size_t n) {
-    const auto h = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {static_cast<std::int64_t>(n)});
+    const auto h = tr::MessageHeader::make(0, 0, brigade::DType::U8, {static_cast<std::int64_t>(n)});
     auto s = tp.isend(peer, tag, h, tr::ConstBytes(buf.data(), n));
     auto r = tp.irecv(peer, tag + 1, h, tr::MutableBytes(back.data(), n));
     wait(s);
@@ -82,7 +82,7 @@ LinkProfile measure_link(T& tp, int peer, bool leader, std::string name, double 
   const double bandwidth =
       static_cast<double>(kLinkProbeBytes) /
       (detail::typical_seconds(budget, [&] { round_trip(kLinkProbeBytes); }) / 2.0);
-  const auto stop = tr::MessageHeader::make(0, 0, tr::DType::Bytes, {1});
+  const auto stop = tr::MessageHeader::make(0, 0, brigade::DType::U8, {1});
   auto s = tp.isend(peer, tag, stop, tr::ConstBytes(buf.data(), 1));
   wait(s);
   return {std::move(name), latency, bandwidth};

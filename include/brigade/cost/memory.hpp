@@ -6,6 +6,7 @@
 // runtime::InferenceStage and the executor allocate. docs/architecture.md ("Memory model").
 #pragma once
 
+#include "brigade/core/dtype.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/cost/cost_model.hpp"
 #include "brigade/cost/profile.hpp"
@@ -28,36 +29,6 @@
 namespace brigade::cost {
 inline namespace v0 {
 
-/// How weight matrices are stored. Norm gains (1-D tensors) stay float32 in every format, as in
-/// llama.cpp's GGUF files.
-enum class WeightDType : std::uint8_t {
-  F32,   ///< 4 bytes per weight (every path today)
-  F16,   ///< IEEE half: 2 bytes per weight
-  BF16,  ///< bfloat16: 2 bytes per weight
-  Q8_0,  ///< llama.cpp Q8_0: blocks of 32 int8 weights and one f16 scale, 34 / 32 bytes per weight
-};
-
-/// "f32", "f16", "bf16", "q8_0".
-constexpr std::string_view to_string(WeightDType t) noexcept {
-  switch (t) {
-    case WeightDType::F32: return "f32";
-    case WeightDType::F16: return "f16";
-    case WeightDType::BF16: return "bf16";
-    case WeightDType::Q8_0: return "q8_0";
-  }
-  return "?";
-}
-
-/// Bytes per weight of a matrix stored as `t` (Q8_0: 34 / 32 = 1.0625).
-constexpr double weight_element_bytes(WeightDType t) noexcept {
-  switch (t) {
-    case WeightDType::F32: return 4.0;
-    case WeightDType::F16:
-    case WeightDType::BF16: return 2.0;
-    case WeightDType::Q8_0: return 34.0 / 32.0;
-  }
-  return 4.0;
-}
 
 /// The parameters of a stage, in elements: matrices (stored at the weight dtype) and vectors
 /// (norm gains, always float32).
@@ -67,8 +38,8 @@ struct StageParameters {
   /// All elements.
   [[nodiscard]] std::int64_t total() const noexcept { return matrix + vector; }
   /// Bytes with matrices stored as `t` and vectors as float32.
-  [[nodiscard]] double bytes(WeightDType t) const noexcept {
-    return static_cast<double>(matrix) * weight_element_bytes(t) +
+  [[nodiscard]] double bytes(DType t) const noexcept {
+    return static_cast<double>(matrix) * dtype_element_bytes(t) +
            static_cast<double>(vector) * 4.0;
   }
 };
@@ -106,7 +77,7 @@ inline StageParameters stage_parameters(const model::ModelSpec& spec, partition:
 
 /// Bytes of the whole model's weights stored as `dtype` (one copy; a shared classifier once).
 inline double model_weight_bytes(const model::ModelSpec& spec,
-                                 WeightDType dtype = WeightDType::F32) {
+                                 DType dtype = DType::F32) {
   return stage_parameters(spec, {0, 0, spec.num_layers()}, spec.config().shared_classifier)
       .bytes(dtype);
 }
@@ -245,7 +216,7 @@ inline std::vector<MemoryBreakdown> training_memory(const model::ModelSpec& spec
 
 /// What an inference run keeps besides what the plan says.
 struct InferenceMemoryOptions {
-  WeightDType weights = WeightDType::F32;  ///< how the weight matrices are stored
+  DType weights = DType::F32;  ///< how the weight matrices are stored
   /// KV positions reserved per sequence (runtime::InferenceStage's capacities: a request's
   /// effective steps, prompt included; engine::detail::GenerationLayout::capacities), one entry
   /// per sequence, each >= 1.
@@ -359,7 +330,7 @@ inline std::vector<MemoryBreakdown> inference_memory(const model::ModelSpec& spe
     }
     // A shared classifier is the embedding table: once per rank that holds the LM head.
     if (head && c.shared_classifier && !embedding)
-      b.weights += static_cast<double>(c.vocab_size) * d * weight_element_bytes(options.weights);
+      b.weights += static_cast<double>(c.vocab_size) * d * dtype_element_bytes(options.weights);
   }
   return out;
 }
@@ -421,7 +392,7 @@ inline void check_one_process(std::span<const MemoryBreakdown> ranks, const Devi
 /// @throws brigade::Error{InvalidArgument} "profile <name>: memory_capacity_bytes = C is smaller
 ///         than the model's weights (W bytes, <dtype>)"
 inline void check_holds_weights(const DeviceProfile& device, const model::ModelSpec& spec,
-                                WeightDType dtype = WeightDType::F32) {
+                                DType dtype = DType::F32) {
   const double w = model_weight_bytes(spec, dtype);
   BRIGADE_CHECK(device.memory_capacity_bytes >= w, Errc::InvalidArgument,
                 "profile {}: memory_capacity_bytes = {:.0f} is smaller than the model's weights "

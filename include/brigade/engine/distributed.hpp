@@ -47,7 +47,7 @@ inline std::string encode_rank_result(const Timeline& tl, double end_s,
   nlohmann::json iv = nlohmann::json::array();
   for (const auto& i : tl.intervals())
     iv.push_back({i.rank, static_cast<int>(i.op), i.virtual_stage, i.microbatch, i.chunk, i.start,
-                  i.end, i.tokens, i.label});
+                  i.end, i.tokens, i.label, i.bytes});
   return nlohmann::json{
       {"end_s", end_s}, {"intervals", iv}, {"peak_memory_bytes", peak_memory_bytes}}
       .dump();
@@ -75,6 +75,7 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
       i.end = a.at(6).get<double>();
       i.tokens = a.at(7).get<std::int64_t>();
       i.label = a.at(8).get<std::string>();
+      i.bytes = a.at(9).get<std::int64_t>();
       tl.add(std::move(i));
     }
     return j.at("end_s").get<double>();
@@ -118,7 +119,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
                             const partition::Partition& partition,
                             std::span<const GenerationRequest> requests,
                             const InferenceOptions& options = {}, FaultInjection fault = {}) {
-  using transport::DType;
+  using brigade::DType;
   using transport::MessageHeader;
   const int me = transport.rank();
   const int world = transport.world_size();
@@ -142,7 +143,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
   transport::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
   auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
   const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
-    return MessageHeader::make(0, to_stage, DType::Bytes, {nbytes});
+    return MessageHeader::make(0, to_stage, DType::U8, {nbytes});
   };
 
   InferenceReport report;

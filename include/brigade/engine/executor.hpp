@@ -235,7 +235,8 @@ class SendRing final : public Outbox {
 /// `transport`, and records one Timeline interval per compute action that ran (op, virtual
 /// stage, micro-batch, chunk = round in inference), per PREFETCH and RELEASE (the worker's call:
 /// with madvise, the time to issue the advice, not the asynchronous read it starts), per RECV
-/// (the wait) and per message of a SEND (from its post to when the executor saw it complete). Receive and send buffers live in
+/// (the wait, with the bytes its messages carried) and per message of a SEND (from its post to
+/// when the executor saw it complete, with the message's bytes). Receive and send buffers live in
 /// slots reused across the run (no allocation per action once their capacity is reached).
 ///
 /// Semantics (what schedule::validate() models, ExecutionModel): RECVs are posted in program
@@ -261,7 +262,7 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
   };
   auto deadline = [&] { return transport::Deadline::after(run.timeout_s); };
   auto record = [&](const Action& a, Op op, double start, double end, std::int64_t tokens,
-                    std::string_view label) {
+                    std::string_view label, std::size_t bytes = 0) {
     Interval iv;
     iv.rank = run.rank;
     iv.op = op;
@@ -271,6 +272,7 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
     iv.start = start;
     iv.end = end;
     iv.tokens = tokens;
+    iv.bytes = static_cast<std::int64_t>(bytes);
     iv.label = std::string(label);
     timeline.add(std::move(iv));
   };
@@ -285,7 +287,8 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
   // Send window: a ring of slots in posting order.
   detail::SendRing<T> sends(transport, static_cast<std::size_t>(run.windows.send_window),
                             [&](const detail::SendSlot& s) {
-                              record(s.action, s.action.op, s.posted_s, now(), 0, {});
+                              record(s.action, s.action.op, s.posted_s, now(), 0, {},
+                                     s.buffer.size());
                             },
                             deadline);
 
@@ -343,16 +346,18 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
                       "execute: rank {}: {} was not posted", run.rank, schedule::to_string(a));
         auto& slot = recv[recv_head];
         got.clear();
+        std::size_t moved = 0;
         for (std::size_t i = 0; i < slot.count; ++i) {
           auto& r = slot.requests[i];
           transport.wait(r, deadline());
           got.push_back({r.header, transport::ConstBytes(slot.buffers[i].data(),
                                                          r.header.nbytes())});
+          moved += r.header.nbytes();
         }
         recv_head = (recv_head + 1) % W;
         --recv_count;
         worker.received(a, got);
-        record(a, a.op, start, now(), 0, {});
+        record(a, a.op, start, now(), 0, {}, moved);
         break;
       }
       case Op::SendF:

@@ -65,6 +65,12 @@ struct InferenceOptions {
   /// stays the program without them; schedule::with_weight_offload(plan.schedule()) is the
   /// program that runs (what sim::simulate should be given to predict it).
   bool weight_offload = false;
+  /// Element type of the activations sent between stages (Megatron-LM's `pipeline_dtype`): F32
+  /// (exact: tokens identical at any split), or F16 / BF16, which halve the bytes on every link
+  /// (each stage's input is rounded to nearest even once, so logits move by about the dtype's
+  /// epsilon and greedy tokens can differ where two logits are that close). Compute stays
+  /// float32. Tokens, descriptors and control messages are unaffected.
+  DType pipeline_dtype = DType::F32;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
@@ -189,7 +195,7 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
 std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
                                                     const plan::Plan& plan,
                                                     std::span<const GenerationRequest> requests,
-                                                    cost::WeightDType weights = cost::WeightDType::F32);
+                                                    brigade::DType weights = brigade::DType::F32);
 
 /// The inference side of the executor (engine::execute) on one rank: its InferenceStages (one
 /// per virtual stage it holds), and its program, emitted round by round
@@ -213,10 +219,13 @@ class InferenceWorker {
   /// @param book    the SequenceBook when this rank holds virtual stage 0 (else null)
   /// @param weight_offload emit each round with schedule::add_weight_offload (PREFETCH and
   ///        RELEASE around every window's run; InferenceOptions::weight_offload)
+  /// @param pipeline_dtype the activations' dtype between stages (InferenceOptions::pipeline_dtype)
+  /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStage* const> stages,
                   const detail::GenerationLayout& layout, detail::SequenceBook* book,
-                  std::chrono::steady_clock::time_point t0, bool weight_offload = false);
+                  std::chrono::steady_clock::time_point t0, bool weight_offload = false,
+                  DType pipeline_dtype = DType::F32);
 
   /// ProgramSource: appends the next round's lowered actions (append_inference_round) over the
   /// micro-batches still running, with add_weight_offload when weight offload is on; false once
@@ -231,13 +240,14 @@ class InferenceWorker {
   ///         whose weights were released and not prefetched since; the stage's errors
   Work compute(const schedule::Action& a);
   /// RECV_F on virtual stage 0: the tokens (I32 [kAny, 3]); elsewhere the descriptor and the
-  /// activations (buffers sized for the group's prefill).
+  /// activations in the pipeline dtype (buffers sized for the group's prefill).
   void recv_messages(const schedule::Action& a, std::vector<MessageSpec>& out);
   /// Checks what arrived against the sequences this rank expects and keeps it.
   /// @throws brigade::Error{HeaderMismatch} naming the rank, micro-batch, round, the expected and
   ///         the seen sequence and position, or a descriptor that disagrees with its activations
   void received(const schedule::Action& a, std::span<const Received> msgs);
-  /// SEND_F: the descriptor and the activations to the next virtual stage, or from the last
+  /// SEND_F: the descriptor and the activations (converted to the pipeline dtype: f16 and bf16
+  /// round to nearest even) to the next virtual stage, or from the last
   /// virtual stage the sampled (seq, position, token) rows to virtual stage 0 (nothing once the
   /// micro-batch is closed).
   void send(const schedule::Action& a, Outbox& out);
@@ -259,11 +269,13 @@ class InferenceWorker {
   std::vector<char> closed_;  // per micro-batch: closed in the current round
   std::vector<char> known_;   // per micro-batch: cur_ holds the current round's sequences
   bool weight_offload_ = false;
+  DType pipeline_dtype_ = DType::F32;
   std::vector<char> released_;  // per virtual stage: weights released, not prefetched since
   std::vector<std::vector<runtime::SeqEntry>> prev_, cur_;  // sequences of the last/this round
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
   std::vector<std::int32_t> scratch_;
+  std::vector<std::byte> wire_;  // activations converted to the pipeline dtype for a send
 };
 
 /// Runs this rank's part of a pipelined generation over `transport`: builds the InferenceStages
@@ -287,7 +299,8 @@ void run_inference_rank(T& transport, const model::LlamaWeights& weights, const 
         weights, plan.partition().stage(v), layout.capacities, options.sampler));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
-  InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload);
+  InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
+                         options.pipeline_dtype);
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
 }

@@ -71,13 +71,20 @@ class TrainingWorker {
   /// @param batches   the step's micro-batches
   /// @param grad_denominator the step's total target rows (the loss is their mean)
   /// @param dim       the model width (columns of every message)
+  /// @param pipeline_dtype the dtype of activations and gradients between stages
+  ///        (TrainingOptions::pipeline_dtype)
   /// @throws brigade::Error{InvalidArgument} for an inference shape or one with chunks > 1
-  ///         (chunked training, PACS, is simulated but not executed yet)
+  ///         (chunked training, PACS, is simulated but not executed yet), or a pipeline dtype
+  ///         other than f32, f16, bf16
   TrainingWorker(std::span<const schedule::Action> program, const schedule::Shape& shape, int rank,
                  std::span<runtime::TrainStage* const> stages,
-                 std::span<const data::PackedBatch> batches, double grad_denominator, int dim)
+                 std::span<const data::PackedBatch> batches, double grad_denominator, int dim,
+                 DType pipeline_dtype = DType::F32)
       : shape_(&shape), rank_(rank), stages_(stages), batches_(batches),
-        denominator_(grad_denominator), dim_(dim) {
+        denominator_(grad_denominator), dim_(dim), pipeline_dtype_(pipeline_dtype) {
+    BRIGADE_CHECK(is_float_dtype(pipeline_dtype), Errc::InvalidArgument,
+                  "executor: pipeline dtype {}; expected f32, f16 or bf16",
+                  to_string(pipeline_dtype));
     BRIGADE_CHECK(shape.mode == schedule::Mode::Training && shape.num_chunks == 1,
                   Errc::InvalidArgument,
                   "executor: a schedule in {} mode with {} chunk(s) per micro-batch; the "
@@ -139,22 +146,23 @@ class TrainingWorker {
     const bool fwd = a.op == schedule::Op::RecvF;
     out.push_back({fwd ? kTagActivation : kTagGradient,
                    transport::MessageHeader::make(
-                       a.microbatch, a.virtual_stage, transport::DType::F32, {rows, dim_}, 0,
+                       a.microbatch, a.virtual_stage, pipeline_dtype_, {rows, dim_}, 0,
                        fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient),
-                   static_cast<std::size_t>(rows * dim_) * sizeof(float)});
+                   dtype_bytes(pipeline_dtype_, rows * dim_)});
   }
 
   void received(const schedule::Action& a, std::span<const Received> msgs) {
     auto& dst = (a.op == schedule::Op::RecvF ? in_f_ : in_b_)[key(a.virtual_stage, a.microbatch)];
     const auto& p = msgs[0].payload;
+    const std::int64_t n = msgs[0].header.numel();
     release(dst);
-    dst.resize(p.size() / sizeof(float));
+    dst.resize(static_cast<std::size_t>(n));
     copies_bytes_ += dst.capacity() * sizeof(float);
     if ((msgs[0].header.flags & transport::kFlagDropped) != 0) {
       drops_.dropped[static_cast<std::size_t>(a.microbatch)] = 1;
       std::fill(dst.begin(), dst.end(), 0.0f);
     } else {
-      std::memcpy(dst.data(), p.data(), p.size());
+      convert_to_f32(p.data(), msgs[0].header.dtype, dst.data(), n);
     }
   }
 
@@ -176,10 +184,17 @@ class TrainingWorker {
     auto src = fwd ? stage(v).output(mb) : stage(v).grad_input(mb);
     const auto peer = schedule::counterpart(*shape_, a);
     auto header = transport::MessageHeader::make(
-        mb, peer->virtual_stage, transport::DType::F32, {batch(mb).rows(), dim_}, 0,
+        mb, peer->virtual_stage, pipeline_dtype_, {batch(mb).rows(), dim_}, 0,
         fwd ? transport::MessageKind::Activation : transport::MessageKind::Gradient);
     if (drops_.dropped[static_cast<std::size_t>(mb)] != 0) header.flags |= transport::kFlagDropped;
-    out.add(fwd ? kTagActivation : kTagGradient, header, transport::as_bytes(src));
+    if (pipeline_dtype_ == DType::F32) {
+      out.add(fwd ? kTagActivation : kTagGradient, header, transport::as_bytes(src));
+    } else {
+      const auto n = static_cast<std::int64_t>(src.size());
+      wire_.resize(dtype_bytes(pipeline_dtype_, n));
+      convert_from_f32(src.data(), wire_.data(), pipeline_dtype_, n);
+      out.add(fwd ? kTagActivation : kTagGradient, header, transport::ConstBytes(wire_));
+    }
     if (fwd)
       stage(v).release_output(mb);
     else
@@ -187,8 +202,8 @@ class TrainingWorker {
   }
 
   /// Message tags of the training protocol.
-  static constexpr int kTagActivation = 11;  ///< SEND_F -> RECV_F: F32 [rows, dim]
-  static constexpr int kTagGradient = 12;    ///< SEND_B -> RECV_B: F32 [rows, dim]
+  static constexpr int kTagActivation = 11;  ///< SEND_F -> RECV_F: [rows, dim], pipeline dtype
+  static constexpr int kTagGradient = 12;    ///< SEND_B -> RECV_B: [rows, dim], pipeline dtype
 
  private:
   [[nodiscard]] std::size_t key(int v, int mb) const noexcept {
@@ -254,6 +269,8 @@ class TrainingWorker {
   MicrobatchDrops drops_;
   std::vector<std::vector<float>> in_f_, in_b_;  // received, per (virtual stage, micro-batch)
   std::size_t copies_bytes_ = 0;                 // capacities of in_f_ and in_b_
+  DType pipeline_dtype_ = DType::F32;
+  std::vector<std::byte> wire_;  // a payload converted to the pipeline dtype for a send
 };
 
 /// Runs one rank's lowered program for one training step: engine::execute over a
@@ -267,6 +284,7 @@ class TrainingWorker {
 /// @param grad_denominator the step's total target rows (the loss is their mean)
 /// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
 /// @param drops     when given, receives the micro-batches this rank saw flagged (TrainingWorker)
+/// @param pipeline_dtype activations' and gradients' dtype between stages (TrainingWorker)
 /// @return the rank's peak memory (ExecutorStats; the stages should hold nothing at the start,
 ///         as after TrainStage::zero_grad)
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
@@ -276,8 +294,10 @@ ExecutorStats run_training_program(std::span<const schedule::Action> program, co
                           std::span<const data::PackedBatch> batches, double grad_denominator,
                           T& transport, std::chrono::steady_clock::time_point t0,
                           double timeout_s, Timeline& timeline, int dim,
-                          ExecutorWindows windows = {}, MicrobatchDrops* drops = nullptr) {
-  TrainingWorker worker(program, shape, rank, stages, batches, grad_denominator, dim);
+                          ExecutorWindows windows = {}, MicrobatchDrops* drops = nullptr,
+                          DType pipeline_dtype = DType::F32) {
+  TrainingWorker worker(program, shape, rank, stages, batches, grad_denominator, dim,
+                        pipeline_dtype);
   FixedProgram source(program);
   const auto stats = execute(source, worker, transport,
                              ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
@@ -290,6 +310,12 @@ struct TrainingOptions {
   AdamWConfig optimizer;     ///< AdamW and its learning-rate schedule
   double timeout_s = 120.0;  ///< a rank waiting longer on a peer fails (PeerTimeout)
   int threads_per_rank = 1;  ///< intra-op GEMM threads of each rank (cpu::set_blas_threads)
+  /// Element type of the activations and activation gradients sent between stages
+  /// (Megatron-LM's `pipeline_dtype`): F32 (exact), or F16 / BF16, which halve the bytes on every
+  /// link; each received tensor is rounded to nearest even once, the compute, the loss and the
+  /// parameter gradients stay float32. F16's range ends at 65504: a larger activation or gradient
+  /// arrives as infinity and stops the step (Error{NonFinite}).
+  DType pipeline_dtype = DType::F32;
 };
 
 /// A training run by names: the plan to build (training_plan()) and how to run it.
@@ -411,7 +437,7 @@ class TrainingEngine {
           run_training_program(s.lowered->ranks[static_cast<std::size_t>(r)], s.lowered->shape,
                                r, mine, batches, s.rows, tp, t0, s.timeout_s,
                                tls[static_cast<std::size_t>(r)], s.dim, s.windows,
-                               &drops[static_cast<std::size_t>(r)])
+                               &drops[static_cast<std::size_t>(r)], s.pipeline_dtype)
               .peak_memory_bytes);
     });
     return end_step(t0, tls, std::move(peaks), batches, drops);
@@ -468,6 +494,7 @@ class TrainingEngine {
     double timeout_s = 0.0;
     int dim = 0;
     ExecutorWindows windows;
+    DType pipeline_dtype = DType::F32;
   };
   /// Checks the batches (and that `ranks` transports match the plan), zeroes the gradients.
   StepSetup begin_step(std::span<const data::PackedBatch> batches, std::size_t ranks);

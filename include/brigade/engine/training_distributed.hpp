@@ -187,7 +187,8 @@ class DistributedTrainer {
       MicrobatchDrops drops;
       const auto stats = run_training_program(
           plan_.program(rank()), shape, rank(), stage_ptrs(), batches, static_cast<double>(rows),
-          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows, &drops);
+          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows, &drops,
+          cfg_.pipeline_dtype);
       StepResult res;
       const double end_s = seconds_since(t0);
       res.seconds = end_s;
@@ -284,7 +285,8 @@ class DistributedTrainer {
         }
       Timeline tl(shape.num_ranks);
       run_training_program(program, shape, me, stage_ptrs(), batches, 1.0, *tp_,
-                           std::chrono::steady_clock::now(), cfg_.timeout_s, tl, config_.dim);
+                           std::chrono::steady_clock::now(), cfg_.timeout_s, tl, config_.dim,
+                           ExecutorWindows{}, nullptr, cfg_.pipeline_dtype);
       const auto loss = reduce_loss([&] {
         cpu::CrossEntropyLoss sum;
         for (int mb = 0; mb < shape.num_microbatches; ++mb) {
@@ -402,7 +404,7 @@ class DistributedTrainer {
   }
   static transport::MessageHeader bytes_header(
       std::int64_t nbytes, transport::MessageKind kind = transport::MessageKind::Control) {
-    return transport::MessageHeader::make(0, 0, transport::DType::Bytes, {nbytes}, 0, kind);
+    return transport::MessageHeader::make(0, 0, brigade::DType::U8, {nbytes}, 0, kind);
   }
   runtime::TrainStage& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
   AdamW& optimizer(int v) { return *optimizers_[static_cast<std::size_t>(v)]; }
@@ -538,7 +540,7 @@ class DistributedTrainer {
     const bool is_first = rank() == first;
     auto mine = detail::find_param(stage(is_first ? 0 : N - 1), "tok_embeddings");
     std::vector<float> theirs(static_cast<std::size_t>(mine.size));
-    const auto h = transport::MessageHeader::make(0, 0, transport::DType::F32, {mine.size}, 0,
+    const auto h = transport::MessageHeader::make(0, 0, brigade::DType::F32, {mine.size}, 0,
                                                   transport::MessageKind::Gradient);
     const int peer = is_first ? last : first;
     auto rr = tp_->irecv(peer, detail::kTagTiedGrad, h,

@@ -17,7 +17,7 @@ inline namespace v0 {
 
 /// Chrome trace JSON ("traceEvents" of complete "X" events, microseconds) for a Timeline:
 /// one row (tid) per rank, named "stage R"; each event is named "OP mb" with the op's text
-/// form and carries microbatch, virtual stage, chunk and tokens in "args". Weight and cache
+/// form and carries microbatch, virtual stage, chunk, tokens and bytes in "args". Weight and cache
 /// movement (PREFETCH, RELEASE, MIGRATE) overlaps compute, so it goes on a row of its own per
 /// rank that has any: tid P + R, named "stage R I/O". Marks are instant ("i") events on their
 /// rank's row, with the detail in "args".
@@ -49,7 +49,8 @@ inline nlohmann::json to_chrome_trace(const Timeline& tl, const std::string& row
                        {{"microbatch", iv.microbatch},
                         {"virtual_stage", iv.virtual_stage},
                         {"chunk", iv.chunk},
-                        {"tokens", iv.tokens}}}});
+                        {"tokens", iv.tokens},
+                        {"bytes", iv.bytes}}}});
   }
   for (const auto& m : tl.marks())
     events.push_back({{"name", m.name},

@@ -202,8 +202,13 @@ inline FaultSpec parse_fault_spec(std::string_view text) {
 
 namespace fault_detail {
 
-/// Element i of a payload of `dtype` as a number (f32 value, i32 id, byte 0..255).
+/// Element i of a payload of `dtype` as a number (f32, f16 or bf16 value, i32 id, byte 0..255).
 inline double element(DType dtype, const std::byte* p, std::size_t i) noexcept {
+  if (dtype == DType::F16 || dtype == DType::BF16) {
+    std::uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+  }
   if (dtype == DType::F32) {
     float v;
     std::memcpy(&v, p + 4 * i, 4);
@@ -224,7 +229,7 @@ inline float get_f32(const std::byte* p, std::size_t i) noexcept {
 }
 /// Sum of squares of a payload's elements (as numbers), in double.
 inline double squared_norm(DType dtype, ConstBytes x) noexcept {
-  const std::size_t n = x.size() / dtype_size(dtype);
+  const std::size_t n = x.size() / dtype_block_bytes(dtype);
   double s = 0;
   for (std::size_t i = 0; i < n; ++i) {
     const double v = element(dtype, x.data(), i);
@@ -250,7 +255,7 @@ inline std::vector<double> drift_direction(std::uint64_t seed, std::size_t n) {
 inline double relative_change(DType dtype, ConstBytes clean, ConstBytes corrupted) {
   BRIGADE_CHECK(clean.size() == corrupted.size(), Errc::InvalidArgument,
                 "relative_change: payloads of {} and {} bytes", clean.size(), corrupted.size());
-  const std::size_t n = clean.size() / dtype_size(dtype);
+  const std::size_t n = clean.size() / dtype_block_bytes(dtype);
   double d2 = 0, x2 = 0;
   for (std::size_t i = 0; i < n; ++i) {
     const double a = fault_detail::element(dtype, clean.data(), i);
@@ -267,14 +272,28 @@ inline double relative_change(DType dtype, ConstBytes clean, ConstBytes corrupte
 /// payload `x` of `dtype` (a whole number of elements), drawing from `rng`. `previous` is an
 /// older clean payload of the same stream for Replay (no change when it is empty or of another
 /// size); `drift_step` is how many Drift faults came before this one (the k-th fault has
-/// drift_step = k - 1). Cost O(x.size()); Drift also draws its direction, O(x.size()).
+/// drift_step = k - 1). Cost O(x.size()); Drift also draws its direction, O(x.size()). Noise,
+/// Scale, Sign and Drift change float payloads (f32; f16 and bf16 are widened to float32,
+/// changed, and rounded back); Zero, BitFlip and Replay work on the bytes of any dtype.
 /// @return whether x changed (false: x = 0 for Noise, Scale, Drift; nothing chosen for Sign or
 ///         Zero; no previous payload for Replay; a dtype the fault does not apply to)
 /// @throws brigade::Error{InvalidArgument} for a bad spec (validate)
 inline bool apply_fault(const FaultSpec& spec, DType dtype, MutableBytes x, std::mt19937_64& rng,
                         ConstBytes previous, std::int64_t drift_step) {
   validate(spec);
-  const std::size_t esize = dtype_size(dtype);
+  const bool arithmetic = spec.kind == FaultKind::Noise || spec.kind == FaultKind::Scale ||
+                          spec.kind == FaultKind::Sign || spec.kind == FaultKind::Drift;
+  if (arithmetic && (dtype == DType::F16 || dtype == DType::BF16)) {
+    // A 16-bit payload is corrupted as the float32 values it holds, then rounded back.
+    const auto count = static_cast<std::int64_t>(x.size() / 2);
+    std::vector<float> wide(static_cast<std::size_t>(count));
+    convert_to_f32(x.data(), dtype, wide.data(), count);
+    const bool changed = apply_fault(spec, DType::F32, std::as_writable_bytes(std::span(wide)),
+                                     rng, previous, drift_step);
+    if (changed) convert_from_f32(wide.data(), x.data(), dtype, count);
+    return changed;
+  }
+  const std::size_t esize = dtype_block_bytes(dtype);
   const std::size_t n = x.size() / esize;
   const double m = spec.magnitude;
   const bool f32 = dtype == DType::F32;
@@ -502,7 +521,7 @@ class FaultInjectingTransport : public ForwardingTransport<Inner> {
             std::find(spec_.ranks.begin(), spec_.ranks.end(), this->rank()) != spec_.ranks.end()) &&
            (spec_.peer == kAny || spec_.peer == peer) &&
            (spec_.microbatch == kAny || spec_.microbatch == h.microbatch) &&
-           (spec_.chunk == kAny || spec_.chunk == h.chunk) && (!f32_only || h.dtype == DType::F32) &&
+           (spec_.chunk == kAny || spec_.chunk == h.chunk) && (!f32_only || is_float_dtype(h.dtype)) &&
            h.nbytes() > 0;
   }
   std::int64_t& count(int peer, MessageKind kind) { return sent_[{peer, static_cast<int>(kind)}]; }

@@ -89,7 +89,7 @@ class MpiSession {
 /// the same ndim, and a buffer at least as large as the payload; micro-batch, stage and shape
 /// dimensions may be kAny on the receive side.
 ///
-/// Wire format (version 4): every message starts with a 96-byte header record (magic, version,
+/// Wire format (version 5): every message starts with a 96-byte header record (magic, version,
 /// kind, flags, micro-batch, stage, chunk, dtype, ndim, shape[4], payload bytes, piece bytes) on MPI tag
 /// 1 + 2t. A record of another version is refused (Error{Mpi} naming both versions).
 /// A payload of at most kInlineBytes travels in the same MPI message, right after the record

@@ -4,6 +4,7 @@
 // decorators over any model in transport/decorators.hpp.
 #pragma once
 
+#include "brigade/core/dtype.hpp"
 #include "brigade/core/error.hpp"
 
 #include <array>
@@ -19,17 +20,6 @@
 
 namespace brigade::transport {
 inline namespace v0 {
-
-/// Element type of a message's payload.
-enum class DType : std::int32_t { F32 = 0, I32 = 1, Bytes = 2 };
-
-/// Size in bytes of one element of `t`.
-constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::Bytes ? 1 : 4; }
-
-/// Name of a dtype ("f32", "i32", "bytes").
-constexpr const char* to_string(DType t) noexcept {
-  return t == DType::F32 ? "f32" : t == DType::I32 ? "i32" : "bytes";
-}
 
 /// What a message carries, so that decorators (tracing, fault injection, integrity checks) can
 /// select messages without knowing an engine's tag numbers. Every engine's send path sets it;
@@ -115,7 +105,8 @@ struct MessageHeader {
   }
   /// Payload bytes described by the header.
   [[nodiscard]] std::size_t nbytes() const noexcept {
-    return static_cast<std::size_t>(numel()) * dtype_size(dtype);
+    return static_cast<std::size_t>(numel() / dtype_block_elements(dtype)) *
+           dtype_block_bytes(dtype);
   }
   /// Readable form: "activation mb 3 stage 1 f32[512, 64]", with " chunk c" after the stage
   /// when c != 0 and " (dropped)" at the end when kFlagDropped is set.
@@ -123,7 +114,7 @@ struct MessageHeader {
     std::string s = fmt::format("{} mb {} stage {}{} {}[", transport::to_string(kind), microbatch,
                                 stage,
                                 chunk != 0 ? fmt::format(" chunk {}", chunk) : std::string(),
-                                transport::to_string(dtype));
+                                brigade::to_string(dtype));
     for (int i = 0; i < ndim; ++i) s += fmt::format("{}{}", i ? ", " : "", shape[static_cast<std::size_t>(i)]);
     return s + ((flags & kFlagDropped) != 0 ? "] (dropped)" : "]");
   }

@@ -677,7 +677,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
     std::map<std::pair<int, int>, std::int64_t> received;  // (from, kind) -> messages
     std::vector<VerdictRecord> records;
     std::int64_t flagged = 0;
-    std::vector<float> aligned;  // a copy of a payload whose bytes are not float-aligned
+    std::vector<float> aligned;  // a payload widened to float32, or one not float-aligned
 
     CheckResult check(const MessageHeader& h, int from, ConstBytes payload) {
       const std::int64_t index = received[{from, static_cast<int>(h.kind)}]++;
@@ -687,8 +687,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
       if ((h.flags & kFlagDropped) != 0) return {};
       Assessment a;
       const std::int64_t numel = h.numel();
-      if (h.dtype == DType::F32 && numel > 0 &&
-          payload.size() >= static_cast<std::size_t>(numel) * sizeof(float)) {
+      if (is_float_dtype(h.dtype) && numel > 0 && payload.size() >= h.nbytes()) {
         const std::int64_t rows = h.ndim >= 1 ? std::max<std::int64_t>(1, h.shape[0]) : 1;
         const std::int64_t cols = numel / rows;
         const int bucket = std::bit_width(static_cast<std::uint64_t>(rows)) - 1;
@@ -697,7 +696,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                 .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage, bucket, cols),
                              config)
                 .first->second;
-        a = monitor.observe(floats(payload, static_cast<std::size_t>(numel)), rows);
+        a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows);
       } else if (h.dtype == DType::I32 && h.kind == MessageKind::Token && config.token_limit > 0 &&
                  numel > 0) {
         // [n] holds ids; [n, k] holds records whose last column is the id (the inference
@@ -737,11 +736,16 @@ class VerifyingTransport : public InspectingTransport<Inner> {
       return {};
     }
 
-    std::span<const float> floats(ConstBytes p, std::size_t n) {
-      if (reinterpret_cast<std::uintptr_t>(p.data()) % alignof(float) == 0)
+    /// The payload's n values as float32: a view of an aligned f32 payload, else a copy
+    /// (f16 and bf16 widened exactly).
+    std::span<const float> floats(ConstBytes p, DType dtype, std::size_t n) {
+      if (dtype == DType::F32 && reinterpret_cast<std::uintptr_t>(p.data()) % alignof(float) == 0)
         return {reinterpret_cast<const float*>(p.data()), n};
       aligned.resize(n);
-      std::memcpy(aligned.data(), p.data(), n * sizeof(float));
+      if (dtype == DType::F32)
+        std::memcpy(aligned.data(), p.data(), n * sizeof(float));
+      else
+        convert_to_f32(p.data(), dtype, aligned.data(), static_cast<std::int64_t>(n));
       return aligned;
     }
   };

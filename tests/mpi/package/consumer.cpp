@@ -11,7 +11,7 @@ int main(int argc, char** argv) {
   MpiSession mpi(&argc, &argv);
   MpiTransport t;
   std::vector<float> out{1, 2, 3}, in(3);
-  const auto h = MessageHeader::make(0, 0, DType::F32, {3});
+  const auto h = MessageHeader::make(0, 0, brigade::DType::F32, {3});
   auto r = t.irecv(t.rank(), 1, h, as_writable_bytes(std::span<float>(in)));
   auto s = t.isend(t.rank(), 1, h, as_bytes(std::span<const float>(out)));
   t.wait(s, Deadline::after(30));
