@@ -670,6 +670,92 @@ TEST_CASE("verify.transport: token ids out of range are flagged at once; prefill
   CHECK(f.injected()[1].relative_change == doctest::Approx(2.0 / 3.0));
 }
 
+TEST_CASE("verify.replay: ReplayGuard flags a payload equal to an earlier one of the stream, except "
+          "another micro-batch's in the same round and chunk; it forgets beyond its memory") {
+  const std::vector<std::byte> a(64, std::byte{1}), b(64, std::byte{2}), c(64, std::byte{3});
+  ReplayGuard g(3);
+  CHECK_FALSE(g.observe(a, 0, 0, 0));
+  CHECK_FALSE(g.observe(a, 1, 1, 0));  // same round, same chunk, another micro-batch: exempt
+  const auto same_mb = g.observe(a, 2, 1, 5);  // micro-batch 1 again: a new round
+  REQUIRE(same_mb);
+  CHECK(same_mb->index == 0);  // the original stays the reference
+  CHECK(same_mb->microbatch == 0);
+  CHECK_FALSE(g.observe(b, 3, 2, 5));
+  const auto later = g.observe(a, 4, 3, 0);  // same chunk as message 0, but another round
+  REQUIRE(later);
+  CHECK(later->index == 0);
+  CHECK_FALSE(g.observe(c, 5, 0, 1));  // remembers a, a (index 1), b ... now c evicts index 0
+  CHECK_FALSE(g.observe(std::vector<std::byte>(64, std::byte{4}), 6, 1, 1));
+  CHECK_FALSE(g.observe(std::vector<std::byte>(64, std::byte{5}), 7, 2, 1));
+  CHECK_FALSE(g.observe(a, 8, 3, 7));  // a was forgotten
+  CHECK(g.active());
+  CHECK_THROWS_AS(ReplayGuard(0), Error);
+  CHECK_THROWS_AS(ReplayGuard(4, -1), Error);
+  // A stream that repeats while learning (an embedding-only stage's decode rows) is not checked.
+  ReplayGuard embeddings(16, 4);
+  CHECK_FALSE(embeddings.observe(a, 0, 0, 0));
+  CHECK_FALSE(embeddings.observe(b, 1, 0, 1));
+  CHECK_FALSE(embeddings.observe(a, 2, 0, 2));  // the same token again, while learning
+  CHECK_FALSE(embeddings.active());
+  CHECK_FALSE(embeddings.observe(b, 9, 0, 9));
+  ReplayGuard learned(16, 2);
+  CHECK_FALSE(learned.observe(a, 0, 0, 0));
+  CHECK_FALSE(learned.observe(b, 1, 0, 1));
+  CHECK(learned.observe(a, 2, 0, 2));  // after learning: a replay
+  CHECK(learned.active());
+}
+
+TEST_CASE("verify.replay: replayed activations are flagged at once, from the first round after "
+          "the original's, and clean traffic never is") {
+  FaultSpec spec = fault(FaultKind::Replay, 1.0, 5);
+  spec.rate = 0.1;
+  constexpr int kMessages = 200, kMicrobatches = 4;
+  InProcessFabric fabric(2);
+  auto eps = endpoints(fabric);
+  std::vector<FaultInjectingTransport<InProcessTransport>> bad;
+  for (auto& e : eps) bad.emplace_back(e, spec);
+  std::vector<VerifyingTransport<FaultInjectingTransport<InProcessTransport>>> ver;
+  // Learning for one step: a replay while learning would turn the check off (ReplayGuard).
+  for (auto& x : bad) ver.emplace_back(x, SentinelConfig{.warmup = kMicrobatches}, VerifyPolicy::Log);
+  Stream stream(8, 64, 17);
+  std::vector<std::vector<float>> msgs;
+  for (int i = 0; i < kMessages; ++i) msgs.push_back(stream.next());
+  // Training-like traffic: steps of 4 micro-batches (ids 0..3), chunk 0.
+  engine::run_ranks(std::span(ver), [&](auto& t) {
+    for (int i = 0; i < kMessages; ++i) {
+      const auto h = MessageHeader::make(i % kMicrobatches, 1, DType::F32, {8, 64}, 0,
+                                         MessageKind::Activation);
+      if (t.rank() == 0) {
+        auto r = t.isend(1, 5, h, as_bytes(std::span<const float>(msgs[static_cast<std::size_t>(i)])));
+        t.wait(r, Deadline::after(30));
+      } else {
+        std::vector<float> got(8 * 64);
+        auto r = t.irecv(0, 5, h, as_writable_bytes(std::span<float>(got)));
+        t.wait(r, Deadline::after(30));
+      }
+    }
+  });
+  std::set<std::int64_t> injected, replays_flagged;
+  for (const auto& f : bad[0].injected()) injected.insert(f.index);
+  REQUIRE(injected.size() > 10);
+  for (const auto& v : ver[1].verdicts()) {
+    if (v.flagged && v.reason.find("replay") != std::string::npos) {
+      replays_flagged.insert(v.index);
+      CHECK(std::isinf(v.score));
+      INFO(v.reason);
+      CHECK(v.reason.find("message 0 (micro-batch 0, chunk 0)") != std::string::npos);
+    }
+  }
+  // Message 0 is the replayed original: its copies in step 0 (micro-batches 1-3) are the exempt
+  // same-round repeats (while learning); every later one is caught.
+  std::set<std::int64_t> expected;
+  for (const auto i : injected)
+    if (i >= kMicrobatches) expected.insert(i);
+  CHECK(replays_flagged == expected);
+  // Without the replay check the same traffic passes the EMA statistics unflagged.
+  CHECK(run_stack(spec, VerifyPolicy::Log, 100, SentinelConfig{.replay_memory = 0}).flagged == 0);
+}
+
 TEST_CASE("verify.faults: FaultInjectingTransport picks messages by sending rank, peer, kind, "
           "dtype, micro-batch, chunk and max_faults") {
   InProcessFabric fabric(3);

@@ -27,10 +27,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -57,6 +59,10 @@ struct SentinelConfig {
   double threshold = 0.0;
   /// Token (i32) payloads: every id must lie in [0, token_limit); 0 = no range check (>= 0).
   std::int64_t token_limit = 0;
+  /// Float payloads: how many recent payloads of each stream ReplayGuard remembers (by a 64-bit
+  /// hash of their bytes); a payload equal to one of them is flagged as a replay. 0 = no replay
+  /// check (>= 0). 16 bytes per remembered payload.
+  std::int64_t replay_memory = 4096;
 };
 
 /// Checks a SentinelConfig's fields.
@@ -74,6 +80,9 @@ inline void validate(const SentinelConfig& c) {
   BRIGADE_CHECK(c.token_limit >= 0, Errc::InvalidArgument,
                 "sentinel config: token_limit = {}, expected >= 0 (0: no range check)",
                 c.token_limit);
+  BRIGADE_CHECK(c.replay_memory >= 0, Errc::InvalidArgument,
+                "sentinel config: replay_memory = {}, expected >= 0 (0: no replay check)",
+                c.replay_memory);
 }
 
 /// What a SentinelMonitor says about one message.
@@ -561,6 +570,85 @@ inline std::string token_range_violation(std::span<const std::int32_t> ids, std:
                      bad > 1 ? fmt::format(" ({} ids out of range)", bad) : std::string());
 }
 
+/// Replay detection for one stream: an EMA of statistics cannot tell a replayed payload (an
+/// old, clean message sent again in place of a new one) from a fresh one, since its statistics
+/// are those of clean traffic. Fresh activations and gradients are never bitwise equal to an
+/// earlier message of their stream, except where the inputs are equal: two micro-batches of one
+/// round holding the same sequences (identical prompts in flight, a repeated sample in a step).
+/// So a payload is a replay when its bytes equal a remembered earlier payload of the stream,
+/// unless that one came in the current round (the run of messages whose micro-batch ids have
+/// only increased since the round's first), with the same chunk, for another micro-batch.
+/// A stream whose payloads repeat on their own is not checked: one that repeats within its first
+/// `learn` messages (the monitors' warm-up) turns the check off for good, e.g. the token
+/// embeddings a stage holding only the embedding layer sends (a token's row is the same at every
+/// position). Payloads are remembered by a 64-bit hash of their bytes (std::hash over the bytes;
+/// a false match is a hash collision, about 2^-64 per pair), the last `memory` of them. O(bytes)
+/// per message.
+class ReplayGuard {
+ public:
+  /// The earlier message a payload repeats.
+  struct Repeat {
+    std::int64_t index = 0;       ///< its number in the stream (observe's `index`)
+    std::int64_t microbatch = 0;  ///< its micro-batch
+    std::int64_t chunk = 0;       ///< its chunk
+  };
+
+  /// Remembers the last `memory` payloads (>= 1); a repeat among the first `learn` messages
+  /// (>= 0) turns the check off.
+  /// @throws brigade::Error{InvalidArgument} if memory < 1 or learn < 0
+  explicit ReplayGuard(std::int64_t memory, std::int64_t learn = 0)
+      : memory_(memory), learn_(learn) {
+    BRIGADE_CHECK(memory >= 1 && learn >= 0, Errc::InvalidArgument,
+                  "ReplayGuard: memory = {}, learn = {}; expected memory >= 1 and learn >= 0",
+                  memory, learn);
+  }
+  /// False once the stream repeated itself while learning (nothing is flagged after that).
+  [[nodiscard]] bool active() const noexcept { return active_; }
+
+  /// Checks message `index` of the stream (indices increase) and remembers it.
+  /// @return the earlier message whose bytes it repeats, or nullopt (new bytes, or an exempt
+  ///         same-round repeat)
+  std::optional<Repeat> observe(ConstBytes payload, std::int64_t index, std::int64_t microbatch,
+                                std::int64_t chunk) {
+    if (!active_) return std::nullopt;
+    const bool learning = seen_count_++ < learn_;
+    if (microbatch <= last_microbatch_) round_start_ = index;
+    last_microbatch_ = microbatch;
+    const std::size_t h = std::hash<std::string_view>{}(
+        std::string_view(reinterpret_cast<const char*>(payload.data()), payload.size()));
+    std::optional<Repeat> out;
+    if (const auto it = seen_.find(h); it != seen_.end()) {
+      const Repeat& r = it->second;
+      const bool same_round = r.index >= round_start_ && r.chunk == chunk &&
+                              r.microbatch != microbatch;
+      if (!same_round) out = r;
+    }
+    if (out && learning) {  // this stream repeats on its own: not checkable this way
+      active_ = false;
+      seen_.clear();
+      order_.clear();
+      return std::nullopt;
+    }
+    if (!out) {  // a replay is not remembered: the original stays the reference
+      if (static_cast<std::int64_t>(order_.size()) == memory_) {
+        seen_.erase(order_.front());
+        order_.pop_front();
+      }
+      if (seen_.try_emplace(h, Repeat{index, microbatch, chunk}).second) order_.push_back(h);
+    }
+    return out;
+  }
+
+ private:
+  std::int64_t memory_, learn_;
+  std::int64_t seen_count_ = 0;
+  bool active_ = true;
+  std::int64_t last_microbatch_ = std::numeric_limits<std::int64_t>::max();
+  std::int64_t round_start_ = 0;
+  std::map<std::size_t, Repeat> seen_;
+  std::deque<std::size_t> order_;  // hashes in arrival order (oldest first)
+};
+
 /// What VerifyingTransport does with a flagged message.
 enum class VerifyPolicy {
   Log,         ///< record it and deliver it (the monitor still does not learn it)
@@ -619,8 +707,10 @@ struct VerdictRecord {
 ///
 /// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols), rows =
 /// header.shape[0] and cols = the product of the other dims, so prefill-sized and decode-sized
-/// messages are not scored against each other. F32 payloads of the checked kinds go through
-/// the monitors; I32 Token payloads through the range check [0, config.token_limit) when
+/// messages are not scored against each other. Float payloads (f32; f16 and bf16 widened) of the
+/// checked kinds go first through the stream's ReplayGuard (per sending rank, kind, stage and
+/// payload size; SentinelConfig::replay_memory): a replay is flagged at once (score inf, also
+/// during warm-up) and not learned; then through the monitors; I32 Token payloads through the range check [0, config.token_limit) when
 /// token_limit > 0 (no EMA): a payload [n] holds n ids, a payload [n, k] n records whose last
 /// column is the id (the inference engine's (sequence, position, token)); every other message
 /// is not checked (and not recorded).
@@ -674,6 +764,8 @@ class VerifyingTransport : public InspectingTransport<Inner> {
     VerifyPolicy policy;
     int to;
     std::map<std::tuple<int, int, std::int64_t, int, std::int64_t>, SentinelMonitor> monitors;
+    // (from, kind, stage, payload bytes) -> the stream's replay check
+    std::map<std::tuple<int, int, std::int64_t, std::size_t>, ReplayGuard> replays;
     std::map<std::pair<int, int>, std::int64_t> received;  // (from, kind) -> messages
     std::vector<VerdictRecord> records;
     std::int64_t flagged = 0;
@@ -691,12 +783,30 @@ class VerifyingTransport : public InspectingTransport<Inner> {
         const std::int64_t rows = h.ndim >= 1 ? std::max<std::int64_t>(1, h.shape[0]) : 1;
         const std::int64_t cols = numel / rows;
         const int bucket = std::bit_width(static_cast<std::uint64_t>(rows)) - 1;
-        auto& monitor =
-            monitors
-                .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage, bucket, cols),
-                             config)
-                .first->second;
-        a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows);
+        std::optional<ReplayGuard::Repeat> repeat;
+        if (config.replay_memory > 0) {
+          const ConstBytes bytes = payload.first(h.nbytes());
+          repeat = replays
+                       .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
+                                               bytes.size()),
+                                    config.replay_memory, config.warmup)
+                       .first->second.observe(bytes, index, h.microbatch, h.chunk);
+        }
+        if (repeat) {  // flagged at once, warm-up or not; the monitor does not learn it
+          a.score = std::numeric_limits<double>::infinity();
+          a.flagged = true;
+          a.statistic = "replay";
+          a.reason = fmt::format("replay: the payload is bitwise the one of message {} "
+                                 "(micro-batch {}, chunk {}) of this stream",
+                                 repeat->index, repeat->microbatch, repeat->chunk);
+        } else {
+          auto& monitor =
+              monitors
+                  .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage, bucket, cols),
+                               config)
+                  .first->second;
+          a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows);
+        }
       } else if (h.dtype == DType::I32 && h.kind == MessageKind::Token && config.token_limit > 0 &&
                  numel > 0) {
         // [n] holds ids; [n, k] holds records whose last column is the id (the inference
@@ -717,7 +827,8 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                          std::chrono::steady_clock::now(), a.reason});
       if (!a.flagged) return {};
       ++flagged;
-      // Non-finite values and token ids out of range are flagged at any threshold (score inf).
+      // Non-finite values, replays and token ids out of range are flagged at any threshold
+      // (score inf).
       const std::string why =
           std::isinf(a.threshold)
               ? fmt::format("score inf: {}", a.reason)
