@@ -37,7 +37,9 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -97,7 +99,7 @@ Run shape42m_run(int steps) {
 struct Stream {
   std::string name;  // "activation 0 -> 1"
   std::vector<std::vector<float>> messages;
-  std::vector<std::int64_t> rows;
+  std::vector<std::int64_t> rows, microbatch, chunk;
 };
 
 /// Trains `steps` steps of `run` and records every activation and gradient received.
@@ -122,6 +124,8 @@ std::vector<Stream> record(Run& run, int steps) {
           s.messages.emplace_back(p.size() / sizeof(float));
           std::memcpy(s.messages.back().data(), p.data(), p.size());
           s.rows.push_back(h.shape[0]);
+          s.microbatch.push_back(h.microbatch);
+          s.chunk.push_back(h.chunk);
           return transport::CheckResult{};
         });
   }
@@ -152,6 +156,9 @@ struct Replay {
 Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
               const transport::SentinelConfig& cfg) {
   transport::SentinelMonitor mon(cfg);
+  // The stream's replay check, as VerifyingTransport runs it before the monitor.
+  std::optional<transport::ReplayGuard> guard;
+  if (cfg.replay_memory > 0) guard.emplace(cfg.replay_memory, cfg.warmup);
   std::mt19937_64 rng(seed);
   std::bernoulli_distribution coin(spec.rate);
   spec.seed = seed;
@@ -168,7 +175,14 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
       faulty = transport::apply_fault(spec, std::span(x), rng, previous, drift);
       if (faulty && spec.kind == FaultKind::Drift) ++drift;
     }
-    const auto a = mon.assess(x, s.rows[i]);
+    auto a = mon.assess(x, s.rows[i]);
+    const bool replayed =
+        guard && guard->observe(std::as_bytes(std::span<const float>(x)),
+                                static_cast<std::int64_t>(i), s.microbatch[i], s.chunk[i]);
+    if (replayed) {  // flagged at once (score inf) and not learned
+      a.score = std::numeric_limits<double>::infinity();
+      a.flagged = true;
+    }
     if (!a.flagged) mon.learn();
     if (!std::isfinite(a.threshold) && std::isfinite(a.score)) continue;  // warm-up
     (faulty ? r.faulty : r.clean).push_back(a.score);

@@ -29,10 +29,35 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/build RESULT_VARIAB
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "consumer build failed: ${rc}")
 endif()
-execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+# The consumer generates run.c's greedy story ("Once upon a time", stories260K) through its own
+# decorator and partition policy, and trains under its own schedule generator.
+set(_args)
+if(MODEL_DIR)
+  file(READ ${MODEL_DIR}/reference/stories260K_greedy.json _ref)
+  string(JSON _steps GET "${_ref}" cases 1 steps)
+  string(JSON _np LENGTH "${_ref}" cases 1 prompt_ids)
+  string(JSON _ng LENGTH "${_ref}" cases 1 generated_ids)
+  set(_ids)
+  math(EXPR _last "${_np} - 1")
+  foreach(_i RANGE ${_last})
+    string(JSON _id GET "${_ref}" cases 1 prompt_ids ${_i})
+    list(APPEND _ids ${_id})
+  endforeach()
+  math(EXPR _last "${_ng} - 1")
+  foreach(_i RANGE ${_last})
+    string(JSON _id GET "${_ref}" cases 1 generated_ids ${_i})
+    if(NOT _id EQUAL 1)  # a terminating BOS is not a position's token
+      list(APPEND _ids ${_id})
+    endif()
+  endforeach()
+  string(REPLACE ";" "," _ids "${_ids}")
+  set(_args ${MODEL_DIR} ${_steps} ${_np} ${_ids})
+endif()
+execute_process(COMMAND ${WORK_DIR}/build/consumer ${_args} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
 message(STATUS "consumer printed: ${out}")
 if(NOT rc EQUAL 0 OR NOT out MATCHES "brigade ok")
-  message(FATAL_ERROR "consumer failed: rc=${rc}")
+  message(FATAL_ERROR "consumer failed: rc=${rc}\n${out}\n${err}")
 endif()
 # A component that was not built must fail find_package with a message naming it.
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build-missing -G ${GENERATOR}
