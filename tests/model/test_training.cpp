@@ -82,6 +82,25 @@ void check_matches_reference(const Step& step, const Grads& grads, const Step& r
   }
 }
 
+/// 1F1B on 3 ranks with 4 micro-batches: the setup of the tests over the caller's transports.
+engine::TrainingConfig three_rank_1f1b() {
+  engine::TrainingConfig cfg;
+  cfg.schedule = "1f1b";
+  cfg.ranks = 3;
+  cfg.microbatches = 4;
+  return cfg;
+}
+
+/// TracingTransport decorators over the endpoints of an in-process fabric.
+struct TracedFabric {
+  explicit TracedFabric(int ranks) : fabric(ranks), endpoints(transport::endpoints(fabric)) {
+    for (auto& e : endpoints) traced.emplace_back(e);
+  }
+  transport::InProcessFabric fabric;
+  std::vector<transport::InProcessTransport> endpoints;
+  std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
+};
+
 }  // namespace
 
 TEST_CASE("training.gradients: every schedule, 1-5 stages and 1-8 micro-batches give the "
@@ -268,17 +287,12 @@ TEST_CASE("training.resume: a checkpoint continues the exact loss curve of an un
 TEST_CASE("training over the caller's transports: TracingTransport endpoints give the same "
           "gradients bit for bit and count every activation and gradient row") {
   const auto samples = story_samples();
-  engine::TrainingConfig cfg;
-  cfg.schedule = "1f1b";
-  cfg.ranks = 3;
-  cfg.microbatches = 4;
+  const auto cfg = three_rank_1f1b();
   const auto batches = split(samples, cfg.microbatches);
   engine::TrainingEngine plain(stories(), cfg), traced_engine(stories(), cfg);
   const auto want = plain.compute_gradients(batches);
-  transport::InProcessFabric fabric(cfg.ranks);
-  auto endpoints = transport::endpoints(fabric);
-  std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
-  for (auto& e : endpoints) traced.emplace_back(e);
+  TracedFabric tf(cfg.ranks);
+  auto& traced = tf.traced;
   const auto got = traced_engine.compute_gradients(std::span(traced), batches);
   CHECK(got.loss == want.loss);
   CHECK(traced_engine.gradients() == plain.gradients());
@@ -311,10 +325,7 @@ TEST_CASE("training over the caller's transports: TracingTransport endpoints giv
 TEST_CASE("training.pipeline-dtype: f16 and bf16 activations and gradients halve the bytes on "
           "every link, and the step stays within their rounding of the f32 step") {
   const auto samples = story_samples();
-  engine::TrainingConfig cfg;
-  cfg.schedule = "1f1b";
-  cfg.ranks = 3;
-  cfg.microbatches = 4;
+  const auto cfg = three_rank_1f1b();
   const auto batches = split(samples, cfg.microbatches);
   engine::TrainingEngine exact(stories(), cfg);
   const auto want = exact.compute_gradients(batches);
@@ -330,10 +341,8 @@ TEST_CASE("training.pipeline-dtype: f16 and bf16 activations and gradients halve
     auto c = cfg;
     c.pipeline_dtype = dtype;
     engine::TrainingEngine half(stories(), c);
-    transport::InProcessFabric fabric(cfg.ranks);
-    auto endpoints = transport::endpoints(fabric);
-    std::vector<transport::TracingTransport<transport::InProcessTransport>> traced;
-    for (auto& e : endpoints) traced.emplace_back(e);
+    TracedFabric tf(cfg.ranks);
+    auto& traced = tf.traced;
     const auto got = half.compute_gradients(std::span(traced), batches);
     for (int r = 0; r + 1 < cfg.ranks; ++r) {
       CAPTURE(r);
