@@ -53,6 +53,7 @@ struct Options {
   bool offload = false;
   double weight_load = 0.0;
   double load_bandwidth = brigade::cost::RooflineOptions{}.weight_load_bytes_per_s;
+  std::string pipeline_dtype = "f32";  // --pipeline-dtype: the roofline's message bytes
 };
 
 /// F,B[,W] as non-negative numbers.
@@ -169,6 +170,7 @@ int run(const Options& o) {
     }
     ro.workload = {o.batch, o.seq_len};
     ro.weight_load_bytes_per_s = o.load_bandwidth;
+    ro.pipeline_dtype = *brigade::parse_dtype(o.pipeline_dtype);
     if (o.link_latency) ro.link.latency_s = *o.link_latency;
     if (o.link_bandwidth) ro.link.bytes_per_s = *o.link_bandwidth;
     const auto part = brigade::cost::RooflineCostModel::placed_uniform(spec, shape);
@@ -370,6 +372,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->capture_default_str();
   weight_load->excludes(model);
   load_bw->needs(model);
+  brigade::cli::add_pipeline_dtype_option(sub, o->pipeline_dtype)->needs(model);
   sub.add_flag("--rendezvous", o->rendezvous,
                "Validate for a transport whose sends complete only when received (large MPI or "
                "NCCL messages), with the executor's default windows");

@@ -111,6 +111,12 @@ TEST_CASE("cost.roofline.110M.p4: each action sums layer_cost rooflines over its
   CHECK(rc.compute_seconds({Op::BI, 1, 0, 0}) + rc.compute_seconds({Op::BW, 1, 0, 0}) ==
         doctest::Approx(rc.compute_seconds({Op::B, 1, 0, 0})));
   CHECK(rc.message_bytes({Op::SendF, 1, 0, 0}) == doctest::Approx(256.0 * 768 * 4));
+  // A 16-bit pipeline dtype halves every activation and gradient message.
+  auto half = opt;
+  half.pipeline_dtype = brigade::DType::BF16;
+  const RooflineCostModel rc16(spec, part, shape, half);
+  CHECK(rc16.message_bytes({Op::SendF, 1, 0, 0}) == doctest::Approx(256.0 * 768 * 2));
+  CHECK(rc16.message_bytes({Op::SendB, 2, 0, 0}) == doctest::Approx(256.0 * 768 * 2));
   // Memory: training_stash() of the stage for 256 tokens in 2 sequences, changed by BI.
   const auto stash = brigade::cost::training_stash(spec, part.stage(1), 256, 2);
   CHECK(rc.activation_bytes({Op::F, 1, 0, 0}) == stash.forward);
@@ -160,6 +166,10 @@ TEST_CASE("cost.roofline: refusals name the mismatch") {
   opt.rank_rates.resize(3);
   CHECK(contains(error_of([&] { RooflineCostModel rc(spec, part, shape, opt); }),
                  "3 rank rates for 2 ranks"));
+  opt.rank_rates.clear();
+  opt.pipeline_dtype = brigade::DType::Q8_0;
+  CHECK(contains(error_of([&] { RooflineCostModel rc(spec, part, shape, opt); }),
+                 "pipeline dtype q8_0"));
   CHECK_THROWS_AS((void)RooflineCostModel::placed_uniform(spec, sch::Shape::make(4, 1, 2)), Error);
 }
 

@@ -2,6 +2,7 @@
 // roofline model prices real layers, a unit model checks closed forms.
 #pragma once
 
+#include "brigade/core/dtype.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/layer_cost.hpp"
@@ -273,6 +274,9 @@ struct RooflineOptions {
   /// calibrated model: cost::ProfiledLayerTimes on a device profile). The optimizer step stays
   /// priced at the rates' bandwidth.
   model::LayerSeconds layer_seconds;
+  /// Element type of the activations and gradients sent between stages (the engines'
+  /// pipeline_dtype): a SEND moves tokens x dim values of it (f32, f16, bf16).
+  DType pipeline_dtype = DType::F32;
 };
 
 /// Roofline costs (Williams et al. 2009) of a ModelSpec split by a Partition: each action's
@@ -347,6 +351,9 @@ class RooflineCostModel {
                   "RooflineCostModel: weight load bandwidth {} bytes/s, expected > 0",
                   opt_.weight_load_bytes_per_s);
     opt_.link.check();
+    BRIGADE_CHECK(is_float_dtype(opt_.pipeline_dtype), Errc::InvalidArgument,
+                  "RooflineCostModel: pipeline dtype {}, expected f32, f16 or bf16",
+                  to_string(opt_.pipeline_dtype));
     BRIGADE_CHECK(per_mb_.empty() ||
                       per_mb_.size() == static_cast<std::size_t>(shape_.num_microbatches),
                   Errc::InvalidArgument, "RooflineCostModel: work of {} micro-batches for {}",
@@ -398,7 +405,7 @@ class RooflineCostModel {
         if (shape_.mode == schedule::Mode::Training) e.stash = training_stash(spec, st, w.tokens, w.sequences);
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
         e.weights = weight_bytes;
-        e.message = static_cast<double>(w.tokens) * cfg.dim * 4.0;
+        e.message = static_cast<double>(w.tokens) * cfg.dim * dtype_element_bytes(opt_.pipeline_dtype);
         e.token_message = static_cast<double>(w.sequences) * 4.0;
         table_[index(v, m, c)] = e;
       }
