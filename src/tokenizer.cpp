@@ -4,6 +4,7 @@
 
 #include "brigade/core/error.hpp"
 #include "brigade/io/input.hpp"
+#include "brigade/io/trace.hpp"
 #include "brigade/model/weights.hpp"
 
 #include <algorithm>
@@ -115,6 +116,48 @@ Tokenizer& Tokenizer::operator=(const Tokenizer& other) {
 }
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+Tokenizer Tokenizer::from_vocabulary(std::vector<std::string> pieces, std::vector<float> scores,
+                                     std::string_view where) {
+  BRIGADE_CHECK(!pieces.empty() && pieces.size() <= static_cast<std::size_t>(
+                                                        std::numeric_limits<int>::max()),
+                Errc::BadFile, "{}: the vocabulary has {} tokens, expected 1 to {}", where,
+                pieces.size(), std::numeric_limits<int>::max());
+  BRIGADE_CHECK(pieces.size() == scores.size(), Errc::BadFile,
+                "{}: the vocabulary has {} pieces but {} scores", where, pieces.size(),
+                scores.size());
+  Tokenizer t;
+  Impl& m = *t.impl_;
+  for (std::size_t i = 0; i < scores.size(); ++i) {
+    BRIGADE_CHECK(std::isfinite(scores[i]), Errc::BadFile,
+                  "{}: token {} has merge score {}, expected a finite number (BPE merges compare "
+                  "scores)",
+                  where, i, scores[i]);
+    m.max_token_length = std::max(m.max_token_length, static_cast<int>(pieces[i].size()));
+  }
+  m.pieces = std::move(pieces);
+  m.scores = std::move(scores);
+  m.index(where);
+  return t;
+}
+
+void Tokenizer::save_llama2c(const std::filesystem::path& path) const {
+  const std::string name = path.string();
+  const Impl& m = impl_ ? *impl_ : Impl::empty();
+  BRIGADE_CHECK(!m.pieces.empty(), Errc::InvalidArgument,
+                "Tokenizer::save_llama2c({}): the vocabulary is empty", name);
+  std::string bytes;
+  auto put = [&](const void* p, std::size_t n) { bytes.append(static_cast<const char*>(p), n); };
+  const auto max_len = static_cast<std::uint32_t>(m.max_token_length);
+  put(&max_len, 4);
+  for (std::size_t i = 0; i < m.pieces.size(); ++i) {
+    const auto len = static_cast<std::int32_t>(m.pieces[i].size());
+    put(&m.scores[i], 4);
+    put(&len, 4);
+    bytes += m.pieces[i];
+  }
+  io::write_file_atomic(path, bytes);
+}
 
 Tokenizer Tokenizer::load_llama2c(const std::filesystem::path& path, int vocab_size) {
   const std::string name = path.string();

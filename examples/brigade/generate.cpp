@@ -7,6 +7,7 @@
 #include <brigade/engine/inference.hpp>
 #include <brigade/io/input.hpp>
 #include <brigade/io/trace.hpp>
+#include <brigade/model/gguf.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
@@ -112,10 +113,19 @@ int run(const GenerateArgs& a) {
   model::Tokenizer tok;
   std::string model_name;
   if (!a.model.empty()) {
-    weights = model::load_llama2c_checkpoint(a.model);
-    BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
-                  "--model needs --tokenizer (the llama2.c tokenizer file)");
-    tok = model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+    // The format from the file's magic: a GGUF file carries its tokenizer.
+    if (model::model_file_format(a.model) == model::ModelFileFormat::Gguf) {
+      const model::GgufFile file = model::GgufFile::open(a.model);
+      weights = model::load_gguf_llama(file);
+      tok = a.tokenizer.empty() ? model::load_gguf_tokenizer(file, weights.config.vocab_size)
+                                : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+    } else {
+      weights = model::load_llama2c_checkpoint(a.model);
+      BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
+                    "--model with a llama2.c checkpoint needs --tokenizer (the llama2.c tokenizer "
+                    "file)");
+      tok = model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+    }
     model_name = a.model;
   } else {
     weights = model::make_synthetic_weights(model::named_config(a.synthetic), a.model_seed);
@@ -374,8 +384,12 @@ int run(const GenerateArgs& a) {
 
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<GenerateArgs>();
-  sub.add_option("--model", a->model, "llama2.c checkpoint (.bin); without it, a synthetic model");
-  sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (.bin)");
+  sub.add_option("--model", a->model,
+                 "model file: a llama2.c checkpoint (.bin) or a GGUF file (format from its magic); "
+                 "without it, a synthetic model");
+  sub.add_option("--tokenizer", a->tokenizer,
+                 "llama2.c tokenizer (.bin); needed with a llama2.c checkpoint, optional with a GGUF "
+                 "file (which carries its own)");
   sub.add_option("--synthetic", a->synthetic,
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
       ->capture_default_str();

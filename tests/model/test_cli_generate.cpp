@@ -328,3 +328,42 @@ TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it
   CHECK(planless.err.find("--plan auto predicts times from a device profile") != std::string::npos);
   fs::remove_all(cache);
 }
+
+TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the file) prints "
+          "run.c's text; convert round-trips llama2.c <-> GGUF" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string gguf = (kData / "stories260K.gguf").string();
+  auto r = run_cli("generate --model " + gguf +
+                   " --temperature 0 --stages 2 --steps 64 --prompt \"Once upon a time\"");
+  REQUIRE(r.rc == 0);
+  CHECK(r.out == one);
+  // A llama2.c tokenizer given beside a GGUF model replaces the embedded one (the same here).
+  auto t = run_cli("generate --model " + gguf + " --tokenizer " + (kData / "tok512.bin").string() +
+                   " --temperature 0 --steps 64 --prompt \"Once upon a time\"");
+  REQUIRE(t.rc == 0);
+  CHECK(t.out == one);
+
+  brigade::test::TempDir dir("brigade-cli-convert");
+  auto c1 = run_cli("convert " + (kData / "stories260K.bin").string() + " " +
+                    (dir / "m.gguf").string() + " --tokenizer " + (kData / "tok512.bin").string());
+  REQUIRE(c1.rc == 0);
+  auto c2 = run_cli("convert " + (dir / "m.gguf").string() + " " + (dir / "m.bin").string() +
+                    " --tokenizer-out " + (dir / "tok.bin").string());
+  REQUIRE(c2.rc == 0);
+  fs::create_directory(dir / "again");  // the same file name: general.name is its stem
+  auto c3 = run_cli("convert " + (dir / "m.bin").string() + " " + (dir / "again" / "m.gguf").string() +
+                    " --tokenizer " + (dir / "tok.bin").string());
+  REQUIRE(c3.rc == 0);
+  auto slurp = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  CHECK(slurp(dir / "m.gguf") == slurp(dir / "again" / "m.gguf"));
+  CHECK(slurp(dir / "tok.bin") == slurp(kData / "tok512.bin"));
+  auto g = run_cli("generate --model " + (dir / "m.bin").string() + " --tokenizer " +
+                   (dir / "tok.bin").string() + " --temperature 0 --steps 64 --prompt \"Once upon a time\"");
+  REQUIRE(g.rc == 0);
+  CHECK(g.out == one);
+}

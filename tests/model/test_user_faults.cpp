@@ -32,7 +32,6 @@ using brigade::test::error_of;
 namespace {
 
 const fs::path kModels = BRIGADE_MODEL_DIR;  // the committed models/
-const fs::path kData = BRIGADE_DATA_DIR;     // what is not committed (skipped when absent)
 const bool kNoCli = std::string_view(BRIGADE_CLI).empty();
 
 std::string model_flags() {
@@ -340,19 +339,40 @@ TEST_CASE("faults.files: model and tokenizer swapped, or another format, are nam
                        "reads llama2.c .bin checkpoints; llama2.c's export.py writes them)");
 }
 
-TEST_CASE("faults.files: the real stories260K.gguf given to --model is named as GGUF") {
-  const fs::path gguf = kData / "stories260K.gguf";
-  if (kNoCli || !fs::exists(gguf)) {
-    // ctest reports the test as Skipped when its output holds "[skipped]" (tests/CMakeLists.txt).
-    std::printf("[skipped] %s not found: set the CMake cache variable BRIGADE_DATA_DIR to the "
-                "folder holding it\n",
-                gguf.c_str());
-    return;
-  }
-  const auto r = run_cli("generate --model " + gguf.string() + " --tokenizer " +
-                         (kModels / "tok512.bin").string());
+TEST_CASE("faults.files: convert refuses a missing --tokenizer, an unwritable output and a "
+          "k-quant GGUF, leaving no file behind" *
+          doctest::skip(kNoCli)) {
+  brigade::test::TempDir dir("brigade-faults");
+  const auto model = (kModels / "stories260K.bin").string();
+  const auto r = run_cli("convert " + model + " " + (dir / "a.gguf").string());
   CHECK(r.rc == 2);
-  CHECK(line(r) == "brigade: error (BadFile): " + gguf.string() +
-                       ": is a GGUF file (llama.cpp), not a llama2.c checkpoint (brigade reads "
-                       "llama2.c .bin checkpoints; llama2.c's export.py writes them)");
+  CHECK(line(r) == "brigade: error (InvalidArgument): convert: a llama2.c checkpoint to GGUF "
+                   "needs --tokenizer (the llama2.c tokenizer file to embed)");
+  const auto out = dir / "no-such-folder" / "a.gguf";
+  const auto w = run_cli("convert " + model + " " + out.string() + " --tokenizer " +
+                         (kModels / "tok512.bin").string());
+  CHECK(w.rc == 2);
+  CHECK(line(w).find("brigade: error (BadFile): " + out.string() + ": cannot create temporary file") == 0);
+  CHECK(fs::is_empty(dir.path));
+  // A GGUF whose first tensor is q4_K: the file is refused by the reader, naming type and tensor.
+  std::string bytes(reinterpret_cast<const char*>("GGUF\3\0\0\0"), 8);
+  auto put64 = [&](std::uint64_t v) { bytes.append(reinterpret_cast<const char*>(&v), 8); };
+  auto put32 = [&](std::uint32_t v) { bytes.append(reinterpret_cast<const char*>(&v), 4); };
+  put64(1);  // tensors
+  put64(0);  // metadata
+  put64(19);
+  bytes += "blk.0.attn_q.weight";
+  put32(2);
+  put64(256);
+  put64(4);
+  put32(12);  // q4_K
+  put64(0);
+  bytes.resize(4096, '\0');
+  const auto q4 = dir / "q4.gguf";
+  std::ofstream(q4, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  const auto q = run_cli("generate --model " + q4.string());
+  CHECK(q.rc == 2);
+  CHECK(line(q) == "brigade: error (BadFile): " + q4.string() +
+                       ": tensor blk.0.attn_q.weight has ggml type q4_K (12), which brigade does "
+                       "not read (it reads f32, f16, bf16 and q8_0)");
 }

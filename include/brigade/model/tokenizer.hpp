@@ -33,6 +33,24 @@ class Tokenizer {
   /// @throws brigade::Error{InvalidArgument} if vocab_size <= 0
   static Tokenizer load_llama2c(const std::filesystem::path& path, int vocab_size);
 
+  /// A vocabulary from its pieces and merge scores (id i is pieces[i]), in llama2.c's form
+  /// (spaces as " ", byte tokens "<0xXX>" at ids 3..258, BOS "\n<s>\n"): what a loader of
+  /// another file format (load_gguf_tokenizer) builds. max_token_length() is the longest piece.
+  /// @param where names the source in messages (a file path)
+  /// @throws brigade::Error{BadFile} naming `where`: no pieces, more than INT32_MAX, pieces and
+  ///         scores of different lengths, a non-finite score (its id), a piece stored twice
+  ///         (both ids)
+  static Tokenizer from_vocabulary(std::vector<std::string> pieces, std::vector<float> scores,
+                                   std::string_view where);
+
+  /// Writes the vocabulary as a llama2.c tokenizer file (the layout load_llama2c reads:
+  /// uint32 max_token_length, then per token float32 score, int32 length, the bytes),
+  /// atomically (`path` + ".tmp", fsync, rename; the temporary is removed on failure).
+  /// load_llama2c(path, vocab_size()) reads back the same pieces and scores.
+  /// @throws brigade::Error{InvalidArgument} if the vocabulary is empty
+  /// @throws brigade::Error{BadFile} naming the file if it cannot be written or renamed
+  void save_llama2c(const std::filesystem::path& path) const;
+
   /// A made-up vocabulary for synthetic models: ids 0..2 special, 3..258 byte fallback
   /// "<0xXX>", the rest pseudo-words built from `seed` (scores descending with id). Id 259 is
   /// " ", then "a".."z" and " a".." z" (as room allows), then unique lowercase words of up to 12

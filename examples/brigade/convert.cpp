@@ -1,0 +1,76 @@
+// `brigade convert`: a llama2.c checkpoint (with its tokenizer) to GGUF v3, and an f32 GGUF
+// Llama back to a llama2.c checkpoint (and, with --tokenizer-out, its tokenizer.bin).
+#include "cli.hpp"
+
+#include <brigade/model/gguf.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/model/weights.hpp>
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <string>
+
+namespace {
+
+struct ConvertArgs {
+  std::string in, out, tokenizer, tokenizer_out;
+};
+
+int run(const ConvertArgs& a) {
+  using namespace brigade;
+  namespace model = brigade::model;
+  if (model::model_file_format(a.in) == model::ModelFileFormat::Gguf) {
+    BRIGADE_CHECK(a.tokenizer.empty(), Errc::InvalidArgument,
+                  "convert: --tokenizer is for a llama2.c input; {} is GGUF and carries its own "
+                  "(write it with --tokenizer-out)",
+                  a.in);
+    const model::GgufFile file = model::GgufFile::open(a.in);
+    const model::LlamaWeights w = model::load_gguf_llama(file);
+    // Read the tokenizer before writing anything, so a bad one leaves no output behind.
+    model::Tokenizer tok;
+    if (!a.tokenizer_out.empty()) tok = model::load_gguf_tokenizer(file, w.config.vocab_size);
+    model::save_llama2c_checkpoint(a.out, w);
+    fmt::print(stderr, "convert: {} (GGUF v{}) -> {} (llama2.c checkpoint)\n", a.in,
+               file.version(), a.out);
+    if (!a.tokenizer_out.empty()) {
+      tok.save_llama2c(a.tokenizer_out);
+      fmt::print(stderr, "convert: tokenizer ({} tokens) -> {}\n", tok.vocab_size(),
+                 a.tokenizer_out);
+    }
+    return 0;
+  }
+  BRIGADE_CHECK(a.tokenizer_out.empty(), Errc::InvalidArgument,
+                "convert: --tokenizer-out is for a GGUF input; {} is a llama2.c checkpoint", a.in);
+  BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
+                "convert: a llama2.c checkpoint to GGUF needs --tokenizer (the llama2.c tokenizer "
+                "file to embed)");
+  const model::LlamaWeights w = model::load_llama2c_checkpoint(a.in);
+  const model::Tokenizer tok = model::Tokenizer::load_llama2c(a.tokenizer, w.config.vocab_size);
+  model::save_gguf_llama(a.out, w, tok);
+  fmt::print(stderr, "convert: {} (llama2.c checkpoint) + {} -> {} (GGUF v3, f32)\n", a.in,
+             a.tokenizer, a.out);
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto a = std::make_shared<ConvertArgs>();
+  sub.add_option("IN", a->in,
+                 "model to read: a llama2.c checkpoint (.bin) or a GGUF file (format from its "
+                 "magic)")
+      ->required();
+  sub.add_option("OUT", a->out,
+                 "file to write (atomically): GGUF v3 from a llama2.c input, a llama2.c "
+                 "checkpoint from a GGUF input")
+      ->required();
+  sub.add_option("--tokenizer", a->tokenizer,
+                 "llama2.c tokenizer (.bin) to embed in the GGUF file (llama2.c input)");
+  sub.add_option("--tokenizer-out", a->tokenizer_out,
+                 "also write the GGUF file's tokenizer as a llama2.c tokenizer.bin (GGUF input)");
+  return [a] { return run(*a); };
+}
+
+const brigade::cli::Registrar registrar{
+    {"convert", "Convert a model between llama2.c (.bin) and GGUF (f32)", setup}};
+
+}  // namespace
