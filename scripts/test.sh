@@ -6,7 +6,7 @@
 #                                 UndefinedBehaviorSanitizer (build-asan/; no CUDA, no MPI)
 #   scripts/test.sh --fuzz [S [T...]]  builds the libFuzzer targets of the parsers (build-fuzz/,
 #                                 clang) and runs each (or the targets T: checkpoint, tokenizer,
-#                                 schedule, gguf) for S seconds (default 600), one after another with
+#                                 schedule, gguf, safetensors) for S seconds (default 600), one after another with
 #                                 one job each; docs/testing.md records a run
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,7 +16,7 @@ if [[ "$mode" == "--fuzz" ]]; then
   "$root/scripts/deps.sh" clang-14 libclang-rt-14-dev
   seconds=${2:-600}
   targets=("${@:3}")
-  ((${#targets[@]})) || targets=(checkpoint tokenizer schedule gguf)
+  ((${#targets[@]})) || targets=(checkpoint tokenizer schedule gguf safetensors)
   build="$root/build-fuzz"
   CXX=clang++-14 cmake -S "$root/fuzz" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build "$build" -j"$jobs"

@@ -5,11 +5,9 @@
 #include "brigade/core/error.hpp"
 #include "brigade/core/finite.hpp"
 #include "brigade/io/input.hpp"
+#include "mapped_file.hpp"
 
 #include <fmt/ranges.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -490,44 +488,12 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
   auto impl = std::make_shared<Impl>();
   impl->path = path;
   impl->name = path.string();
-  const std::string& name = impl->name;
-  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int e = errno;
-    if (e == ENOENT) detail::fail(Errc::BadFile, "{}: GGUF file not found (no such file)", name);
-    detail::fail(Errc::BadFile, "{}: cannot open GGUF file: {}", name, errno_text(e));
-  }
-  struct FdGuard {
-    int fd;
-    bool armed = true;
-    ~FdGuard() {
-      if (armed) ::close(fd);
-    }
-  } guard{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0)
-    detail::fail(Errc::BadFile, "{}: cannot stat GGUF file: {}", name, errno_text(errno));
-  if (!S_ISREG(st.st_mode))
-    detail::fail(Errc::BadFile, "{}: is {}, not a regular file (expected a GGUF file)", name,
-                 io::non_regular_kind(static_cast<unsigned>(st.st_mode)));
-  impl->size = static_cast<std::uint64_t>(st.st_size);
-  if (impl->size < kHeaderBytes)
-    detail::fail(Errc::BadFile,
-                 "{}: file is {} bytes, shorter than the {}-byte GGUF header (magic, version, "
-                 "tensor count, metadata count)",
-                 name, impl->size, kHeaderBytes);
-  BRIGADE_CHECK(impl->size <= std::numeric_limits<std::size_t>::max(), Errc::BadFile,
-                "{}: {} bytes do not fit in this process's address space", name, impl->size);
-  const auto length = static_cast<std::size_t>(impl->size);
-  void* addr = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (addr == MAP_FAILED)
-    detail::fail(Errc::BadFile, "{}: mmap of {} bytes failed: {}", name, length, errno_text(errno));
-  guard.armed = false;
-  impl->mapping = std::shared_ptr<const void>(addr, [length, fd](const void* p) {
-    ::munmap(const_cast<void*>(p), length);
-    ::close(fd);
-  });
-  impl->parse(static_cast<const std::byte*>(addr));
+  const detail::MappedFile m = detail::map_file(
+      path, "GGUF file", kHeaderBytes,
+      "the GGUF header (magic, version, tensor count, metadata count)");
+  impl->mapping = m.mapping;
+  impl->size = m.size;
+  impl->parse(m.bytes);
   GgufFile f;
   f.impl_ = std::move(impl);
   return f;
@@ -1123,17 +1089,6 @@ void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
   add("output_norm.weight", {d}, w.rms_final);
   if (!c.shared_classifier) add("output.weight", {d, v}, w.wcls);
   g.write(path);
-}
-
-// ---- format by magic ----------------------------------------------------------------------
-
-ModelFileFormat model_file_format(const std::filesystem::path& path) {
-  return io::read_head(path, 4) == "GGUF" ? ModelFileFormat::Gguf : ModelFileFormat::Llama2c;
-}
-
-LlamaWeights load_model_weights(const std::filesystem::path& path) {
-  return model_file_format(path) == ModelFileFormat::Gguf ? load_gguf_llama(path)
-                                                          : load_llama2c_checkpoint(path);
 }
 
 }  // namespace v0

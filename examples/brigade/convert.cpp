@@ -3,6 +3,7 @@
 #include "cli.hpp"
 
 #include <brigade/model/gguf.hpp>
+#include <brigade/model/model_file.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 

@@ -8,6 +8,7 @@
 #include <brigade/io/input.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/gguf.hpp>
+#include <brigade/model/model_file.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
@@ -120,10 +121,10 @@ int run(const GenerateArgs& a) {
       tok = a.tokenizer.empty() ? model::load_gguf_tokenizer(file, weights.config.vocab_size)
                                 : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     } else {
-      weights = model::load_llama2c_checkpoint(a.model);
+      weights = model::load_model_weights(a.model);
       BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
-                    "--model with a llama2.c checkpoint needs --tokenizer (the llama2.c tokenizer "
-                    "file)");
+                    "--model with a llama2.c or safetensors checkpoint needs --tokenizer (the "
+                    "llama2.c tokenizer file)");
       tok = model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     }
     model_name = a.model;
@@ -385,11 +386,12 @@ int run(const GenerateArgs& a) {
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<GenerateArgs>();
   sub.add_option("--model", a->model,
-                 "model file: a llama2.c checkpoint (.bin) or a GGUF file (format from its magic); "
-                 "without it, a synthetic model");
+                 "model: a llama2.c checkpoint (.bin), a GGUF file, or a Hugging Face safetensors "
+                 "checkpoint (its directory, or a .safetensors file beside config.json); the "
+                 "format comes from the magic; without it, a synthetic model");
   sub.add_option("--tokenizer", a->tokenizer,
-                 "llama2.c tokenizer (.bin); needed with a llama2.c checkpoint, optional with a GGUF "
-                 "file (which carries its own)");
+                 "llama2.c tokenizer (.bin); needed with a llama2.c or safetensors checkpoint, "
+                 "optional with a GGUF file (which carries its own)");
   sub.add_option("--synthetic", a->synthetic,
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
       ->capture_default_str();

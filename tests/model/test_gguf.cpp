@@ -3,6 +3,7 @@
 // against tok512.bin, and the llama2.c <-> GGUF conversions (round trip exact).
 #include <brigade/engine/inference.hpp>
 #include <brigade/model/gguf.hpp>
+#include <brigade/model/model_file.hpp>
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>

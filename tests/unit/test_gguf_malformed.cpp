@@ -169,7 +169,7 @@ TEST_CASE("gguf.valid: a hand-built file opens, and its tiny llama loads") {
 TEST_CASE("gguf.malformed: header (size, magic, version, counts of 2^62)") {
   Files f;
   CHECK(error_of(Errc::BadFile, [&] { (void)model::GgufFile::open(f.write("GGUF\3\0\0\0")); })
-            .find("shorter than the 24-byte GGUF header") != std::string::npos);
+            .find("shorter than the GGUF header (magic, version, tensor count, metadata count) (24 bytes)") != std::string::npos);
   CHECK(error_of(Errc::BadFile, [&] { (void)model::GgufFile::open(f.dir / "missing.gguf"); })
             .find("GGUF file not found") != std::string::npos);
   CHECK(error_of(Errc::BadFile, [&] { (void)model::GgufFile::open(f.dir.path); })

@@ -210,20 +210,5 @@ Tokenizer load_gguf_tokenizer(const GgufFile& file, int vocab_size = 0);
 void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
                      const Tokenizer& tok);
 
-/// File formats brigade reads a model from.
-enum class ModelFileFormat : std::uint8_t {
-  Llama2c,  ///< llama2.c's legacy float32 checkpoint (no magic)
-  Gguf,     ///< GGUF (magic "GGUF")
-};
-
-/// The format of `path` from its first 4 bytes: Gguf for "GGUF", Llama2c otherwise (the
-/// llama2.c loader then names any other format it recognises). Never throws.
-ModelFileFormat model_file_format(const std::filesystem::path& path);
-
-/// Loads a model in either format (model_file_format): load_llama2c_checkpoint or
-/// load_gguf_llama.
-/// @throws brigade::Error{BadFile} as the chosen loader
-LlamaWeights load_model_weights(const std::filesystem::path& path);
-
 }  // namespace v0
 }  // namespace brigade::model

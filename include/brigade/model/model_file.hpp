@@ -1,0 +1,31 @@
+// A model file in any format brigade reads, chosen by its magic: llama2.c, GGUF, safetensors.
+#pragma once
+
+#include "brigade/model/weights.hpp"
+
+#include <cstdint>
+#include <filesystem>
+
+namespace brigade::model {
+inline namespace v0 {
+
+/// File formats brigade reads a model from.
+enum class ModelFileFormat : std::uint8_t {
+  Llama2c,      ///< llama2.c's legacy float32 checkpoint (no magic)
+  Gguf,         ///< GGUF (magic "GGUF"): load_gguf_llama, gguf.hpp
+  Safetensors,  ///< a Hugging Face checkpoint: a directory, or a file starting with a uint64
+                ///< header length and '{': load_safetensors_llama, safetensors.hpp
+};
+
+/// The format of `path`: Safetensors for a directory or a file whose first 10 bytes are a
+/// safetensors header start (io::foreign_format's test), Gguf for "GGUF", Llama2c otherwise
+/// (load_llama2c_checkpoint then names any other format it recognises). Never throws.
+ModelFileFormat model_file_format(const std::filesystem::path& path);
+
+/// Loads a model in the format model_file_format names: load_llama2c_checkpoint,
+/// load_gguf_llama or load_safetensors_llama.
+/// @throws brigade::Error{BadFile} as the chosen loader
+LlamaWeights load_model_weights(const std::filesystem::path& path);
+
+}  // namespace v0
+}  // namespace brigade::model

@@ -1,0 +1,290 @@
+// safetensors and Hugging Face Llama checkpoints: stories260K written in HF's layout (Q/K rows
+// permuted as HF's convert_llama_weights_to_hf.py does, config.json) loads back to exactly the
+// llama2.c weights and run.c's tokens; malformed headers and configs are refused by name.
+#include <brigade/engine/inference.hpp>
+#include <brigade/model/model_file.hpp>
+#include <brigade/model/safetensors.hpp>
+#include <brigade/model/weights.hpp>
+
+#include "test_util.hpp"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+using nlohmann::json;
+using test::error_of;
+
+namespace {
+
+const fs::path kData = BRIGADE_MODEL_DIR;
+
+struct Entry {
+  std::string name, dtype = "F32";
+  std::vector<std::int64_t> shape;
+  std::string bytes;
+};
+
+/// A safetensors file: the JSON header (padded with spaces to 8 bytes), then the data.
+std::string safetensors_bytes(const std::vector<Entry>& entries, const json& extra = json::object()) {
+  json h = extra;
+  std::uint64_t at = 0;
+  std::string data;
+  for (const Entry& e : entries) {
+    h[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {at, at + e.bytes.size()}}};
+    at += e.bytes.size();
+    data += e.bytes;
+  }
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  const std::uint64_t n = text.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + text + data;
+}
+
+std::string raw(std::string header_text, std::string data = "") {
+  std::string out(8, '\0');
+  const std::uint64_t n = header_text.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header_text + data;
+}
+
+void write(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string floats(const float* p, std::size_t n) {
+  return {reinterpret_cast<const char*>(p), n * sizeof(float)};
+}
+
+/// HF's permutation of Meta's Q/K rows (convert_llama_weights_to_hf.py's permute): HF row
+/// c * half + i of each head is Meta row 2i + c.
+std::string hf_permute(const float* w, int heads, int head_size, int cols) {
+  std::vector<float> out(static_cast<std::size_t>(heads * head_size * cols));
+  const int half = head_size / 2;
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < half; ++i)
+      for (int c = 0; c < 2; ++c)
+        std::memcpy(out.data() + (h * head_size + c * half + i) * cols,
+                    w + (h * head_size + 2 * i + c) * cols, static_cast<std::size_t>(cols) * 4);
+  return floats(out.data(), out.size());
+}
+
+/// stories260K in the HF layout: config.json and the entries (one list; the caller splits it
+/// into files).
+std::pair<json, std::vector<Entry>> hf_stories260K(const model::LlamaWeights& w) {
+  const model::LlamaConfig& c = w.config;
+  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"},
+                    {"hidden_size", c.dim}, {"intermediate_size", c.hidden_dim},
+                    {"num_hidden_layers", c.n_layers}, {"num_attention_heads", c.n_heads},
+                    {"num_key_value_heads", c.n_kv_heads}, {"max_position_embeddings", c.seq_len},
+                    {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0}, {"vocab_size", c.vocab_size},
+                    {"tie_word_embeddings", true}, {"rope_scaling", nullptr},
+                    {"torch_dtype", "float32"}};
+  const auto d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
+             kv = static_cast<std::size_t>(c.kv_dim()), v = static_cast<std::size_t>(c.vocab_size);
+  const std::int64_t D = c.dim, H = c.hidden_dim, KV = c.kv_dim(), V = c.vocab_size;
+  std::vector<Entry> e;
+  e.push_back({"model.embed_tokens.weight", "F32", {V, D}, floats(w.token_embedding, v * d)});
+  for (std::size_t l = 0; l < w.layers.size(); ++l) {
+    const model::DecoderWeights& x = w.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    e.push_back({p + "input_layernorm.weight", "F32", {D}, floats(x.rms_att, d)});
+    e.push_back({p + "self_attn.q_proj.weight", "F32", {D, D}, hf_permute(x.wq, c.n_heads, c.head_size(), c.dim)});
+    e.push_back({p + "self_attn.k_proj.weight", "F32", {KV, D}, hf_permute(x.wk, c.n_kv_heads, c.head_size(), c.dim)});
+    e.push_back({p + "self_attn.v_proj.weight", "F32", {KV, D}, floats(x.wv, kv * d)});
+    e.push_back({p + "self_attn.o_proj.weight", "F32", {D, D}, floats(x.wo, d * d)});
+    e.push_back({p + "post_attention_layernorm.weight", "F32", {D}, floats(x.rms_ffn, d)});
+    e.push_back({p + "mlp.gate_proj.weight", "F32", {H, D}, floats(x.w1, h * d)});
+    e.push_back({p + "mlp.down_proj.weight", "F32", {D, H}, floats(x.w2, d * h)});
+    e.push_back({p + "mlp.up_proj.weight", "F32", {H, D}, floats(x.w3, h * d)});
+  }
+  e.push_back({"model.norm.weight", "F32", {D}, floats(w.rms_final, d)});
+  return {cfg, e};
+}
+
+bool same(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * 4) == 0; }
+
+}  // namespace
+
+TEST_CASE("safetensors.stories260K: the HF layout loads back to llama2.c's weights bit for bit "
+          "(Q/K unpermuted) and gives run.c's tokens, from one file and from two shards") {
+  const model::LlamaWeights b = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  const auto [cfg, entries] = hf_stories260K(b);
+  test::TempDir dir("brigade-st");
+  write(dir / "config.json", cfg.dump());
+  write(dir / "model.safetensors", safetensors_bytes(entries, {{"__metadata__", {{"format", "pt"}}}}));
+  fs::create_directory(dir / "sharded");
+  write(dir / "sharded" / "config.json", cfg.dump());
+  const std::vector<Entry> first(entries.begin(), entries.begin() + 20),
+      second(entries.begin() + 20, entries.end());
+  write(dir / "sharded" / "model-00001-of-00002.safetensors", safetensors_bytes(first));
+  write(dir / "sharded" / "model-00002-of-00002.safetensors", safetensors_bytes(second));
+
+  const model::SafetensorsFile f = model::SafetensorsFile::open(dir / "model.safetensors");
+  CHECK(f.tensors().size() == entries.size());
+  CHECK(f.data_offset() % 8 == 0);
+  REQUIRE(f.metadata().size() == 1);
+  CHECK(f.metadata()[0].second == "pt");
+  const model::SafetensorsTensor* q = f.find("model.layers.0.self_attn.q_proj.weight");
+  REQUIRE(q != nullptr);
+  CHECK(q->shape == std::vector<std::int64_t>{64, 64});
+
+  for (const fs::path& src : {dir / "model.safetensors", dir / "sharded"}) {
+    CAPTURE(src);
+    const model::LlamaWeights g = model::load_safetensors_llama(src);
+    const model::LlamaConfig& c = g.config;
+    CHECK(c.dim == 64);
+    CHECK(c.n_kv_heads == 4);
+    CHECK(c.seq_len == 512);
+    CHECK(c.norm_eps == 1e-5f);
+    CHECK(c.shared_classifier);
+    CHECK_FALSE(g.mapped);
+    const auto d = 64u, h = 172u, kv = 32u;
+    CHECK(same(g.token_embedding, b.token_embedding, 512 * d));
+    CHECK(same(g.rms_final, b.rms_final, d));
+    for (std::size_t l = 0; l < 5; ++l) {
+      CAPTURE(l);
+      CHECK(same(g.layers[l].wq, b.layers[l].wq, d * d));
+      CHECK(same(g.layers[l].wk, b.layers[l].wk, kv * d));
+      CHECK(same(g.layers[l].wv, b.layers[l].wv, kv * d));
+      CHECK(same(g.layers[l].wo, b.layers[l].wo, d * d));
+      CHECK(same(g.layers[l].w1, b.layers[l].w1, h * d));
+      CHECK(same(g.layers[l].w2, b.layers[l].w2, d * h));
+      CHECK(same(g.layers[l].w3, b.layers[l].w3, h * d));
+      CHECK(same(g.layers[l].rms_att, b.layers[l].rms_att, d));
+      CHECK(same(g.layers[l].rms_ffn, b.layers[l].rms_ffn, d));
+    }
+  }
+  // The format comes from the magic (a directory is an HF checkpoint).
+  CHECK(model::model_file_format(dir / "sharded") == model::ModelFileFormat::Safetensors);
+  CHECK(model::model_file_format(dir / "model.safetensors") == model::ModelFileFormat::Safetensors);
+  CHECK(model::load_model_weights(dir / "model.safetensors").config.n_layers == 5);
+  // run.c's greedy tokens ("Once upon a time", 64 steps) at 1 and 3 stages.
+  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
+  const auto ref = json::parse(in)["cases"][1];
+  std::vector<int> expected = ref["prompt_ids"].get<std::vector<int>>();
+  for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
+  const model::LlamaWeights g = model::load_safetensors_llama(dir / "sharded");
+  for (int stages : {1, 3}) {
+    const std::vector<engine::GenerationRequest> req{{ref["prompt_ids"].get<std::vector<int>>(), 64}};
+    engine::InferenceOptions opt;
+    opt.sampler.temperature = 0.0f;
+    const auto rep = engine::generate(g, partition::uniform(model::ModelSpec(g.config), stages), req, opt);
+    CHECK(rep.sequences.at(0).tokens == expected);
+  }
+}
+
+TEST_CASE("safetensors.malformed: header lengths past the end, invalid JSON, overlaps, gaps, "
+          "sizes, dtypes") {
+  test::TempDir dir("brigade-st-bad");
+  int n = 0;
+  auto err = [&](const std::string& bytes) {
+    const fs::path p = dir / fmt::format("f{}.safetensors", n++);
+    write(p, bytes);
+    return error_of(Errc::BadFile, [&] { (void)model::SafetensorsFile::open(p); });
+  };
+  auto has = [](const std::string& msg, std::string_view part) {
+    INFO(msg);
+    return msg.find(part) != std::string::npos;
+  };
+  CHECK(has(err("abc"), "shorter than the 8-byte safetensors header length"));
+  std::string past(8, '\0');
+  const std::uint64_t big = std::uint64_t{1} << 62;
+  std::memcpy(past.data(), &big, 8);
+  CHECK(has(err(past + "{}"), "header length 4611686018427387904 runs past the end of the file (2 bytes"));
+  CHECK(has(err(raw("{\"a\": ")), "the header is not valid JSON: [json.exception.parse_error.101]"));
+  CHECK(has(err(raw("[1, 2]")), "the header is a JSON array, expected an object"));
+  const std::string f16(8, '\0');
+  CHECK(has(err(raw(R"({"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", f16)),
+            "tensor a has dtype I64, which brigade does not read"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f16)),
+            "tensor a (F32 [3]) has data_offsets [0, 8], 8 bytes, expected 12 bytes"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", f16)),
+            "tensor a has a shape whose element count overflows 64 bits (dimension 1 = 4294967296)"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", f16)),
+            "tensor a has dimension 0 = -1, expected an integer >= 0"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", f16)),
+            "tensor a ends at data offset 16, past the end of the file (the data section holds 8 bytes)"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", f16)),
+            "tensor b (data offsets [4, 8]) overlaps tensor a (which ends at 8)"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})", f16)),
+            "a gap of 4 bytes between tensor a (ending at 4) and tensor b (beginning at 8)"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", f16)),
+            "4 bytes follow the last tensor's data"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", f16)),
+            "tensor a has data_offsets [4,0], expected [begin, end] with 0 <= begin <= end"));
+  CHECK(has(err(raw(R"({"a":{"dtype":"F32"}})", f16)),
+            "tensor a is not an object with \"dtype\", \"shape\" and \"data_offsets\""));
+  CHECK(has(err(raw(R"({"__metadata__":{"k":1}})")), "__metadata__ entry 'k' is a JSON number, expected a string"));
+}
+
+TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past "
+          "num_hidden_layers, missing tensors, dtypes, RoPE scaling are refused by name") {
+  const model::LlamaWeights b = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  const auto [cfg, entries] = hf_stories260K(b);
+  test::TempDir dir("brigade-st-llama");
+  int n = 0;
+  auto err = [&](const json& c, const std::vector<Entry>& e) {
+    const fs::path d = dir / fmt::format("m{}", n++);
+    fs::create_directory(d);
+    write(d / "config.json", c.dump());
+    write(d / "model.safetensors", safetensors_bytes(e));
+    return error_of(Errc::BadFile, [&] { (void)model::load_safetensors_llama(d); });
+  };
+  auto has = [](const std::string& msg, std::string_view part) {
+    INFO(msg);
+    return msg.find(part) != std::string::npos;
+  };
+  json c = cfg;
+  c["intermediate_size"] = 128;
+  CHECK(has(err(c, entries), "tensor model.layers.0.mlp.down_proj.weight has shape [64, 172], expected [64, 128] from"));
+  c = cfg;
+  c["num_hidden_layers"] = 4;
+  CHECK(has(err(c, entries), "tensor model.layers.4.input_layernorm.weight belongs to layer 4, but"));
+  c = cfg;
+  c["num_hidden_layers"] = 6;
+  CHECK(has(err(c, entries), "tensor model.layers.5.input_layernorm.weight is missing"));
+  c = cfg;
+  c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  CHECK(has(err(c, entries), "key \"rope_scaling\" = {\"factor\":2.0,\"type\":\"linear\"}: RoPE scaling is not implemented"));
+  c = cfg;
+  c["model_type"] = "mistral";
+  c["architectures"] = {"MistralForCausalLM"};
+  CHECK(has(err(c, entries), "model_type = \"mistral\", expected \"llama\""));
+  c = cfg;
+  c.erase("hidden_size");
+  CHECK(has(err(c, entries), "key \"hidden_size\" is missing"));
+  std::vector<Entry> half = entries;
+  half[2].dtype = "F16";  // model.layers.0.self_attn.q_proj
+  half[2].bytes.resize(half[2].bytes.size() / 2);
+  CHECK(has(err(cfg, half), "tensor model.layers.0.self_attn.q_proj.weight is F16; brigade binds only F32"));
+  std::vector<Entry> extra = entries;
+  extra.push_back({"model.layers.0.self_attn.q_norm.weight", "F32", {64}, std::string(256, '\0')});
+  CHECK(has(err(cfg, extra), "tensor model.layers.0.self_attn.q_norm.weight is not one of a Llama decoder layer's"));
+  std::vector<Entry> tied = entries;
+  tied.push_back({"lm_head.weight", "F32", {512, 64}, tied[0].bytes});
+  CHECK(has(err(cfg, tied), "tensor lm_head.weight is present, but"));
+  c = cfg;
+  c["tie_word_embeddings"] = false;
+  const model::LlamaWeights sep = [&] {
+    const fs::path d = dir / "sep";
+    fs::create_directory(d);
+    write(d / "config.json", c.dump());
+    write(d / "model.safetensors", safetensors_bytes(tied));
+    return model::load_safetensors_llama(d);
+  }();
+  CHECK_FALSE(sep.config.shared_classifier);
+  CHECK(same(sep.wcls, b.token_embedding, 512 * 64));
+  CHECK(has(error_of(Errc::BadFile, [&] { (void)model::load_safetensors_llama(dir / "none"); }),
+            "config.json"));
+}
