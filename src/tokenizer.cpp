@@ -133,6 +133,9 @@ Tokenizer Tokenizer::from_vocabulary(std::vector<std::string> pieces, std::vecto
                   "{}: token {} has merge score {}, expected a finite number (BPE merges compare "
                   "scores)",
                   where, i, scores[i]);
+    BRIGADE_CHECK(pieces[i].size() <= static_cast<std::size_t>(std::numeric_limits<int>::max()),
+                  Errc::BadFile, "{}: token {} is {} bytes long, expected at most {}", where, i,
+                  pieces[i].size(), std::numeric_limits<int>::max());
     m.max_token_length = std::max(m.max_token_length, static_cast<int>(pieces[i].size()));
   }
   m.pieces = std::move(pieces);

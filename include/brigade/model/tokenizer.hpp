@@ -38,8 +38,8 @@ class Tokenizer {
   /// another file format (load_gguf_tokenizer) builds. max_token_length() is the longest piece.
   /// @param where names the source in messages (a file path)
   /// @throws brigade::Error{BadFile} naming `where`: no pieces, more than INT32_MAX, pieces and
-  ///         scores of different lengths, a non-finite score (its id), a piece stored twice
-  ///         (both ids)
+  ///         scores of different lengths, a non-finite score (its id), a piece longer than
+  ///         INT32_MAX bytes, a piece stored twice (both ids)
   static Tokenizer from_vocabulary(std::vector<std::string> pieces, std::vector<float> scores,
                                    std::string_view where);
 
