@@ -1,5 +1,6 @@
-// `brigade convert`: a llama2.c checkpoint (with its tokenizer) to GGUF v3, and an f32 GGUF
-// Llama back to a llama2.c checkpoint (and, with --tokenizer-out, its tokenizer.bin).
+// `brigade convert`: a llama2.c or Hugging Face safetensors checkpoint (with a llama2.c tokenizer)
+// to GGUF v3, and an f32 GGUF Llama back to a llama2.c checkpoint (and, with --tokenizer-out,
+// its tokenizer.bin).
 #include "cli.hpp"
 
 #include <brigade/model/gguf.hpp>
@@ -41,15 +42,19 @@ int run(const ConvertArgs& a) {
     }
     return 0;
   }
+  // A llama2.c checkpoint or a Hugging Face safetensors checkpoint becomes GGUF.
+  const std::string kind = model::model_file_format(a.in) == model::ModelFileFormat::Safetensors
+                               ? "a safetensors checkpoint"
+                               : "a llama2.c checkpoint";
   BRIGADE_CHECK(a.tokenizer_out.empty(), Errc::InvalidArgument,
-                "convert: --tokenizer-out is for a GGUF input; {} is a llama2.c checkpoint", a.in);
+                "convert: --tokenizer-out is for a GGUF input; {} is {}", a.in, kind);
   BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
-                "convert: a llama2.c checkpoint to GGUF needs --tokenizer (the llama2.c tokenizer "
-                "file to embed)");
-  const model::LlamaWeights w = model::load_llama2c_checkpoint(a.in);
+                "convert: {} to GGUF needs --tokenizer (the llama2.c tokenizer file to embed)",
+                kind);
+  const model::LlamaWeights w = model::load_model_weights(a.in);
   const model::Tokenizer tok = model::Tokenizer::load_llama2c(a.tokenizer, w.config.vocab_size);
   model::save_gguf_llama(a.out, w, tok);
-  fmt::print(stderr, "convert: {} (llama2.c checkpoint) + {} -> {} (GGUF v3, f32)\n", a.in,
+  fmt::print(stderr, "convert: {} ({}) + {} -> {} (GGUF v3, f32)\n", a.in, kind.substr(2),
              a.tokenizer, a.out);
   return 0;
 }
@@ -57,21 +62,23 @@ int run(const ConvertArgs& a) {
 std::function<int()> setup(CLI::App& sub) {
   auto a = std::make_shared<ConvertArgs>();
   sub.add_option("IN", a->in,
-                 "model to read: a llama2.c checkpoint (.bin) or a GGUF file (format from its "
-                 "magic)")
+                 "model to read: a llama2.c checkpoint (.bin), a GGUF file, or a Hugging Face "
+                 "safetensors checkpoint (directory or .safetensors file; format from its magic)")
       ->required();
   sub.add_option("OUT", a->out,
-                 "file to write (atomically): GGUF v3 from a llama2.c input, a llama2.c "
-                 "checkpoint from a GGUF input")
+                 "file to write (atomically): GGUF v3 from a llama2.c or safetensors input, a "
+                 "llama2.c checkpoint from a GGUF input")
       ->required();
   sub.add_option("--tokenizer", a->tokenizer,
-                 "llama2.c tokenizer (.bin) to embed in the GGUF file (llama2.c input)");
+                 "llama2.c tokenizer (.bin) to embed in the GGUF file (llama2.c or safetensors "
+                 "input)");
   sub.add_option("--tokenizer-out", a->tokenizer_out,
                  "also write the GGUF file's tokenizer as a llama2.c tokenizer.bin (GGUF input)");
   return [a] { return run(*a); };
 }
 
 const brigade::cli::Registrar registrar{
-    {"convert", "Convert a model between llama2.c (.bin) and GGUF (f32)", setup}};
+    {"convert", "Convert a model between llama2.c (.bin) and GGUF (f32), or safetensors to GGUF",
+     setup}};
 
 }  // namespace

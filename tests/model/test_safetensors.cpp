@@ -2,6 +2,7 @@
 // permuted as HF's convert_llama_weights_to_hf.py does, config.json) loads back to exactly the
 // llama2.c weights and run.c's tokens; malformed headers and configs are refused by name.
 #include <brigade/engine/inference.hpp>
+#include <brigade/model/gguf.hpp>
 #include <brigade/model/model_file.hpp>
 #include <brigade/model/safetensors.hpp>
 #include <brigade/model/weights.hpp>
@@ -287,4 +288,25 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
   CHECK(same(sep.wcls, b.token_embedding, 512 * 64));
   CHECK(has(error_of(Errc::BadFile, [&] { (void)model::load_safetensors_llama(dir / "none"); }),
             "config.json"));
+}
+
+TEST_CASE("safetensors.convert: brigade convert turns an HF checkpoint into a GGUF file with "
+          "llama2.c's Q/K order" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const model::LlamaWeights b = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  const auto [cfg, entries] = hf_stories260K(b);
+  test::TempDir dir("brigade-st-convert");
+  write(dir / "config.json", cfg.dump());
+  write(dir / "model.safetensors", safetensors_bytes(entries));
+  const auto r = test::run_cli("convert " + dir.path.string() + " " + (dir / "m.gguf").string() +
+                               " --tokenizer " + (kData / "tok512.bin").string());
+  REQUIRE(r.rc == 0);
+  const model::LlamaWeights g = model::load_gguf_llama(dir / "m.gguf");
+  for (std::size_t l = 0; l < 5; ++l) {
+    CHECK(same(g.layers[l].wq, b.layers[l].wq, 64 * 64));
+    CHECK(same(g.layers[l].wk, b.layers[l].wk, 32 * 64));
+  }
+  const auto t = test::run_cli("convert " + dir.path.string() + " " + (dir / "n.gguf").string());
+  CHECK(t.rc == 2);
+  CHECK(t.err.find("convert: a safetensors checkpoint to GGUF needs --tokenizer") != std::string::npos);
 }
