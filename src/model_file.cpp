@@ -12,7 +12,11 @@ inline namespace v0 {
 
 ModelFileFormat model_file_format(const std::filesystem::path& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return ModelFileFormat::Safetensors;
+  // A directory is a Hugging Face checkpoint when it holds config.json; any other directory
+  // goes to the llama2.c loader, which names it as a directory.
+  if (std::filesystem::is_directory(path, ec))
+    return std::filesystem::exists(path / "config.json", ec) ? ModelFileFormat::Safetensors
+                                                             : ModelFileFormat::Llama2c;
   const std::string head = io::read_head(path, 16);
   if (head.starts_with("GGUF")) return ModelFileFormat::Gguf;
   if (io::foreign_format(head) == "a safetensors file") return ModelFileFormat::Safetensors;

@@ -13,12 +13,12 @@ inline namespace v0 {
 enum class ModelFileFormat : std::uint8_t {
   Llama2c,      ///< llama2.c's legacy float32 checkpoint (no magic)
   Gguf,         ///< GGUF (magic "GGUF"): load_gguf_llama, gguf.hpp
-  Safetensors,  ///< a Hugging Face checkpoint: a directory, or a file starting with a uint64
-                ///< header length and '{': load_safetensors_llama, safetensors.hpp
+  Safetensors,  ///< a Hugging Face checkpoint: a directory with config.json, or a file
+                ///< starting with a uint64 header length and '{': load_safetensors_llama
 };
 
-/// The format of `path`: Safetensors for a directory or a file whose first 10 bytes are a
-/// safetensors header start (io::foreign_format's test), Gguf for "GGUF", Llama2c otherwise
+/// The format of `path`: Safetensors for a directory holding config.json or a file whose first
+/// 10 bytes are a safetensors header start (io::foreign_format's test), Gguf for "GGUF", Llama2c otherwise
 /// (load_llama2c_checkpoint then names any other format it recognises). Never throws.
 ModelFileFormat model_file_format(const std::filesystem::path& path);
 
