@@ -723,6 +723,13 @@ LlamaWeights load_gguf_llama(const GgufFile& f) {
                   name, n, c.vocab_size);
   }
 
+  // A block has 9 tensors: a block count the tensor table cannot hold is refused before
+  // anything is sized by it.
+  if (static_cast<std::uint64_t>(c.n_layers) * kLayerTensors.size() > f.tensors().size())
+    detail::fail(Errc::BadFile,
+                 "{}: metadata key 'llama.block_count' = {}, but the file holds {} tensors (each "
+                 "block has {})",
+                 name, c.n_layers, f.tensors().size(), kLayerTensors.size());
   // Every tensor is one brigade uses, of the expected shape.
   std::vector<std::uint8_t> seen(static_cast<std::size_t>(c.n_layers) * kLayerTensors.size(), 0);
   for (const GgufTensor& t : f.tensors()) {

@@ -358,6 +358,13 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
                      detail::excerpt(t.name, 80), it->second.second);
     }
   }
+  // A layer has 9 tensors: a layer count the files cannot hold is refused before anything is
+  // sized by it.
+  if (static_cast<std::uint64_t>(c.n_layers) * kHfLayer.size() > by_name.size())
+    detail::fail(Errc::BadFile,
+                 "{}: key \"num_hidden_layers\" = {}, but the checkpoint holds {} tensors (each "
+                 "layer has {})",
+                 cfg_name, c.n_layers, by_name.size(), kHfLayer.size());
   std::vector<std::uint8_t> seen(static_cast<std::size_t>(c.n_layers) * kHfLayer.size(), 0);
   for (const auto& [tname, entry] : by_name) {
     const SafetensorsTensor& t = *entry.first;

@@ -252,9 +252,12 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
   c = cfg;
   c["num_hidden_layers"] = 4;
   CHECK(has(err(c, entries), "tensor model.layers.4.input_layernorm.weight belongs to layer 4, but"));
+  std::vector<Entry> gone = entries;
+  gone.erase(gone.begin() + 45);  // model.layers.4.mlp.up_proj
+  CHECK(has(err(cfg, gone), "tensor model.layers.4.mlp.up_proj.weight is missing"));
   c = cfg;
-  c["num_hidden_layers"] = 6;
-  CHECK(has(err(c, entries), "tensor model.layers.5.input_layernorm.weight is missing"));
+  c["num_hidden_layers"] = 2147483647;
+  CHECK(has(err(c, entries), "key \"num_hidden_layers\" = 2147483647, but the checkpoint holds 47 tensors"));
   c = cfg;
   c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
   CHECK(has(err(c, entries), "key \"rope_scaling\" = {\"factor\":2.0,\"type\":\"linear\"}: RoPE scaling is not implemented"));

@@ -379,8 +379,18 @@ TEST_CASE("gguf.llama: block count vs tensors, missing and extra tensors, shapes
   CHECK(f.llama_error(llama(1, 2)).find(
             "tensor blk.1.attn_norm.weight belongs to block 1, but metadata key "
             "'llama.block_count' = 1") != std::string::npos);
+  // A block count of 2^31-1 with 2 blocks present is refused before anything is sized by it
+  // (a fuzzer finding: the loader used to allocate a flag per block and tensor).
+  CHECK(f.llama_error(llama(2147483647u, 2)).find(
+            "metadata key 'llama.block_count' = 2147483647, but the file holds 20 tensors (each "
+            "block has 9)") != std::string::npos);
   CHECK(f.llama_error(llama(3, 2)).find(
-            "tensor blk.2.attn_norm.weight is missing (metadata key 'llama.block_count' = 3)") !=
+            "metadata key 'llama.block_count' = 3, but the file holds 20 tensors") !=
+        std::string::npos);
+  Builder missing = llama(2, 2);
+  missing.tensors.erase(missing.tensors.begin() + 18);  // blk.1.ffn_up
+  CHECK(f.llama_error(missing).find(
+            "tensor blk.1.ffn_up.weight is missing (metadata key 'llama.block_count' = 2)") !=
         std::string::npos);
   Builder extra = llama(1, 1);
   extra.tensor("rope_freqs.weight", {4});
