@@ -26,6 +26,16 @@
 
 namespace brigade::test {
 
+/// True when `file` (data that is not committed: under BRIGADE_DATA_DIR, ../shared/data by
+/// default) exists; otherwise prints the "[skipped]" line ctest reports as Skipped
+/// (SKIP_REGULAR_EXPRESSION) and returns false, and the test returns at once.
+inline bool have_data(const std::filesystem::path& file) {
+  if (std::filesystem::exists(file)) return true;
+  std::printf("[skipped] %s not found: set the CMake cache variable BRIGADE_DATA_DIR to the "
+              "folder that holds it\n", file.string().c_str());
+  return false;
+}
+
 /// The message of the brigade::Error that `f` throws; fails the test when `f` throws nothing or
 /// throws with another code than `code`.
 inline std::string error_of(Errc code, const std::function<void()>& f) {

@@ -333,9 +333,10 @@ TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it
 TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the file) prints "
           "run.c's text; convert round-trips llama2.c <-> GGUF" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  if (!brigade::test::have_data(fs::path(BRIGADE_DATA_DIR) / "stories260K.gguf")) return;
   const auto ref = reference();
   const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
-  const std::string gguf = (kData / "stories260K.gguf").string();
+  const std::string gguf = (fs::path(BRIGADE_DATA_DIR) / "stories260K.gguf").string();
   auto r = run_cli("generate --model " + gguf +
                    " --temperature 0 --stages 2 --steps 64 --prompt \"Once upon a time\"");
   REQUIRE(r.rc == 0);
