@@ -100,7 +100,7 @@ void BM_WeightScan42M(benchmark::State& state) {
   const auto& w = weights42m();
   const auto& c = w.config;
   // The model's weights are one buffer: scan from the embedding to the end of rms_final.
-  const float* first = w.token_embedding;
+  const float* first = w.token_embedding.f32();
   const auto n = static_cast<std::size_t>(w.rms_final + c.dim - first);
   double scan_s = 0;
   for (auto _ : state) {

@@ -639,11 +639,22 @@ DeviceDecoderWeights CudaBackend::upload_decoder_weights(const model::LlamaConfi
   d.w2 = allocate(usize(dim * hidden) * es);
   upload(d.rms_att.data(), w.rms_att, usize(dim) * sizeof(float));
   upload(d.rms_ffn.data(), w.rms_ffn, usize(dim) * sizeof(float));
-  // Matrices: float32 rows uploaded through a staging buffer, converted into place.
+  // Matrices: float32 rows uploaded through a staging buffer, converted into place. A typed
+  // host matrix (F16, BF16, Q8_0) is dequantized on the host first (exact).
   DeviceBuffer tmp;
-  auto put = [&](DeviceBuffer& dst, std::int64_t row0, const float* src, std::int64_t rows,
+  std::vector<float> host;
+  auto put = [&](DeviceBuffer& dst, std::int64_t row0, model::WeightMatrix m, std::int64_t rows,
                  std::int64_t cols) {
     const std::int64_t n = rows * cols;
+    const float* src = nullptr;
+    if (m.dtype == brigade::DType::F32) {
+      src = m.f32();
+    } else {
+      synchronize();  // the previous upload may still read `host`
+      host.resize(usize(n));
+      model::dequantize_rows(m, cols, 0, rows, host.data());
+      src = host.data();
+    }
     void* at = static_cast<char*>(dst.data()) + usize(row0 * cols) * es;
     if (dtype == DType::F32) {
       upload(at, src, usize(n) * sizeof(float));

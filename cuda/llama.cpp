@@ -119,16 +119,27 @@ CudaLlama::CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, D
   }
   m.capacities.assign(capacities.begin(), capacities.end());
   const std::int64_t dim = c.dim, vocab = c.vocab_size;
+  // The embedding table and the classifier go up as float32 (a typed host table is
+  // dequantized on the host first: exact).
+  std::vector<float> emb_f32, cls_f32;
+  auto host_f32 = [&](model::WeightMatrix t, std::vector<float>& buf) {
+    if (t.dtype == brigade::DType::F32) return t.f32();
+    buf.resize(usize(vocab * dim));
+    model::dequantize_rows(t, dim, 0, vocab, buf.data());
+    return static_cast<const float*>(buf.data());
+  };
   m.embedding = backend.allocate(usize(vocab * dim) * sizeof(float));
-  backend.upload(m.embedding.data(), weights.token_embedding, m.embedding.size());
+  backend.upload(m.embedding.data(), host_f32(weights.token_embedding, emb_f32),
+                 m.embedding.size());
   m.rms_final = backend.allocate(usize(dim) * sizeof(float));
   backend.upload(m.rms_final.data(), weights.rms_final, m.rms_final.size());
   m.wcls = backend.allocate(usize(vocab * dim) * dtype_block_bytes(dtype));
+  const float* wcls = host_f32(weights.wcls, cls_f32);
   if (dtype == DType::F32) {
-    backend.upload(m.wcls.data(), weights.wcls, m.wcls.size());
+    backend.upload(m.wcls.data(), wcls, m.wcls.size());
   } else {
     DeviceBuffer tmp = backend.allocate(usize(vocab * dim) * sizeof(float));
-    backend.upload(tmp.data(), weights.wcls, tmp.size());
+    backend.upload(tmp.data(), wcls, tmp.size());
     backend.convert(tmp.data(), DType::F32, m.wcls.data(), dtype, vocab * dim);
     backend.synchronize();
   }

@@ -161,9 +161,10 @@ bool isa_supported(KernelIsa isa) noexcept {
 #if BRIGADE_X86_KERNELS
     // GCC's CPU model checks include the OS's support for the wider registers (XGETBV).
     case KernelIsa::Avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case KernelIsa::Avx512:
-      return __builtin_cpu_supports("avx512f");
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
 #else
     case KernelIsa::Avx2:
     case KernelIsa::Avx512:
@@ -197,7 +198,7 @@ std::atomic<KernelIsa>& current_isa() {
   return isa;
 }
 
-void small_m_gemm(const float* x, const float* w, float* out, std::int64_t tokens,
+void small_m_gemm(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, bool accumulate) {
   const detail::SmallMKernel kernel = kernel_of(current_isa().load(std::memory_order_relaxed));
   const double flops = 2.0 * double(tokens) * double(in) * double(out_dim);
@@ -207,18 +208,30 @@ void small_m_gemm(const float* x, const float* w, float* out, std::int64_t token
     // output's summation order is the same whoever computes it.
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < threads; ++p)
-      kernel(x, w, out, tokens, in, out_dim, out_dim * p / threads, out_dim * (p + 1) / threads,
-             accumulate);
+      kernel(x, w.data, w.dtype, out, tokens, in, out_dim, out_dim * p / threads,
+             out_dim * (p + 1) / threads, accumulate);
   } else {
-    kernel(x, w, out, tokens, in, out_dim, 0, out_dim, accumulate);
+    kernel(x, w.data, w.dtype, out, tokens, in, out_dim, 0, out_dim, accumulate);
   }
 }
 
-void gemm_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
-             std::int64_t out_dim, float beta) {
+void gemm_wt(const float* x, model::WeightMatrix wm, float* out, std::int64_t tokens,
+             std::int64_t in, std::int64_t out_dim, float beta) {
   if (tokens <= small_max_rows() && small_m_enabled()) {
-    small_m_gemm(x, w, out, tokens, in, out_dim, beta != 0.0f);
+    small_m_gemm(x, wm, out, tokens, in, out_dim, beta != 0.0f);
     return;
+  }
+  // More rows (prefill): a typed W is dequantized whole into this thread's float32 scratch
+  // (out_dim * in floats, kept for the next call) and the float32 GEMM runs on it, the same call
+  // as for a float32 W, so the bits are those of the dequantized matrix. The conversion streams
+  // W once and writes 4 bytes per weight: about 1 / tokens of the GEMM's work per weight.
+  thread_local std::vector<float> dequantized;
+  const float* w = nullptr;
+  if (wm.dtype == DType::F32) {
+    w = static_cast<const float*>(wm.data);
+  } else {
+    w = grow(dequantized, out_dim * in);
+    model::dequantize_rows(wm, in, 0, out_dim, dequantized.data());
   }
   if (gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
@@ -235,9 +248,10 @@ void gemm_wt(const float* x, const float* w, float* out, std::int64_t tokens, st
 }
 }  // namespace
 
-void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
-               std::int64_t out_dim) {
+void matmul_wt(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
+               std::int64_t in, std::int64_t out_dim) {
   check_gemm_shape("matmul_wt", tokens, in, out_dim);
+  model::check_weight_shape(w.dtype, in, "matmul_wt");
   if (tokens == 0 || out_dim == 0) return;
   if (in == 0) {
     MapMat(out, tokens, out_dim).setZero();
@@ -246,9 +260,10 @@ void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, 
   gemm_wt(x, w, out, tokens, in, out_dim, 0.0f);
 }
 
-void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
-                          std::int64_t in, std::int64_t out_dim) {
+void matmul_wt_accumulate(const float* x, model::WeightMatrix w, float* out,
+                          std::int64_t tokens, std::int64_t in, std::int64_t out_dim) {
   check_gemm_shape("matmul_wt_accumulate", tokens, in, out_dim);
+  model::check_weight_shape(w.dtype, in, "matmul_wt_accumulate");
   if (tokens == 0 || out_dim == 0 || in == 0) return;
   gemm_wt(x, w, out, tokens, in, out_dim, 1.0f);
 }
@@ -322,12 +337,10 @@ void softmax(float* x, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) x[i] /= sum;
 }
 
-void embedding(const float* table, const std::int32_t* ids, float* out, std::int64_t tokens,
-               std::int64_t dim) {
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const float* row = table + static_cast<std::int64_t>(ids[t]) * dim;
-    std::copy(row, row + dim, out + t * dim);
-  }
+void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
+               std::int64_t tokens, std::int64_t dim) {
+  for (std::int64_t t = 0; t < tokens; ++t)
+    model::dequantize_rows(table, dim, ids[t], 1, out + t * dim);
 }
 
 
@@ -461,21 +474,48 @@ void decoder_layer_forward(const model::LlamaConfig& config, const model::Decode
 
 // The definition of the small-M summation order (cpu_small_m.hpp), and the portable fallback.
 namespace brigade::cpu::detail {
-void small_m_generic(const float* x, const float* w, float* out, std::int64_t tokens,
-                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                     std::int64_t n_end, bool accumulate) {
+namespace {
+template <DType WT>
+void small_m_generic_typed(const float* x, const std::byte* w, float* out, std::int64_t tokens,
+                           std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                           std::int64_t n_end, bool accumulate) {
   const std::int64_t k_vec = in - in % kSmallMLanes;
+  const auto half = [](std::uint16_t h) { return f16_to_f32(h); };
   for (std::int64_t t = 0; t < tokens; ++t) {
     const float* xr = x + t * in;
     for (std::int64_t n = n_begin; n < n_end; ++n) {
-      const float* wr = w + n * in;
+      const std::byte* wr = w + n * row_bytes<WT>(in);
       float lanes[kSmallMLanes] = {};
       for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes)
-        for (int l = 0; l < kSmallMLanes; ++l) lanes[l] = std::fma(xr[k + l], wr[k + l], lanes[l]);
-      const float s = add_tail(reduce_lanes(lanes), xr, wr, k_vec, in);
+        for (int l = 0; l < kSmallMLanes; ++l)
+          lanes[l] = std::fma(xr[k + l], weight_at<WT>(wr, k + l, half), lanes[l]);
+      const float s = add_tail<WT>(reduce_lanes(lanes), xr, wr, k_vec, in, half);
       float& o = out[t * out_dim + n];
       o = accumulate ? o + s : s;
     }
+  }
+}
+}  // namespace
+
+void small_m_generic(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
+                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                     std::int64_t n_end, bool accumulate) {
+  const auto* wb = static_cast<const std::byte*>(w);
+  switch (wt) {
+    case DType::F32:
+      return small_m_generic_typed<DType::F32>(x, wb, out, tokens, in, out_dim, n_begin, n_end,
+                                               accumulate);
+    case DType::F16:
+      return small_m_generic_typed<DType::F16>(x, wb, out, tokens, in, out_dim, n_begin, n_end,
+                                               accumulate);
+    case DType::BF16:
+      return small_m_generic_typed<DType::BF16>(x, wb, out, tokens, in, out_dim, n_begin, n_end,
+                                                accumulate);
+    case DType::Q8_0:
+      return small_m_generic_typed<DType::Q8_0>(x, wb, out, tokens, in, out_dim, n_begin, n_end,
+                                                accumulate);
+    default:
+      return;
   }
 }
 }  // namespace brigade::cpu::detail

@@ -1,5 +1,5 @@
-// matmul_wt's small-M kernel for AVX2 + FMA (built with -mavx2 -mfma whatever the library's
-// target; run only where the CPU has both: see cpu_kernels.cpp). Includes nothing with external
+// matmul_wt's small-M kernel for AVX2 + FMA + F16C (built with -mavx2 -mfma -mf16c whatever the
+// library's target; run only where the CPU has all three: see cpu_kernels.cpp). Includes nothing with external
 // linkage but the entry point, so no AVX2 code can leak into the generic build's functions.
 #include "cpu_small_m_kernel.hpp"
 
@@ -13,6 +13,26 @@ struct Avx2 {
   static constexpr int kWidth = 8;
   static __m256 zero() { return _mm256_setzero_ps(); }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static float half(std::uint16_t h) { return _cvtsh_ss(h); }
+  /// W elements k .. k + 7 of a row: F16 by F16C, BF16 by a 16-bit shift, Q8_0 as the int8
+  /// values times the block's scale (each product exact).
+  template <DType WT>
+  static __m256 load_w(const std::byte* row, std::int64_t k) {
+    if constexpr (WT == DType::F32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    } else if constexpr (WT == DType::F16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
+    } else if constexpr (WT == DType::BF16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      const std::byte* block = row + (k >> 5) * 34;
+      std::uint16_t d;
+      std::memcpy(&d, block, 2);
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + (k & 31)));
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(half(d)));
+    }
+  }
   static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
@@ -24,10 +44,10 @@ constexpr int kMR = 4, kNR = 3, kGemvNR = 4;
 
 }  // namespace
 
-void small_m_avx2(const float* x, const float* w, float* out, std::int64_t tokens,
+void small_m_avx2(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
                   bool accumulate) {
-  sm_dispatch<Avx2, kMR, kNR, kGemvNR>(x, w, out, tokens, in, out_dim, n_begin, n_end,
+  sm_dispatch<Avx2, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin, n_end,
                                        accumulate);
 }
 

@@ -1,5 +1,5 @@
-// matmul_wt's small-M kernel for AVX-512F (built with -mavx512f whatever the library's target;
-// run only where the CPU and the OS support it: see cpu_kernels.cpp). Includes nothing with
+// matmul_wt's small-M kernel for AVX-512F (built with -mavx512f -mf16c whatever the library's
+// target; run only where the CPU and the OS support it: see cpu_kernels.cpp). Includes nothing with
 // external linkage but the entry point, so no AVX-512 code can leak into other builds.
 #include "cpu_small_m_kernel.hpp"
 
@@ -13,6 +13,26 @@ struct Avx512 {
   static constexpr int kWidth = 16;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static float half(std::uint16_t h) { return _cvtsh_ss(h); }
+  /// W elements k .. k + 15 of a row: F16 by vcvtph2ps, BF16 by a 16-bit shift, Q8_0 as the
+  /// int8 values times the block's scale (each product exact).
+  template <DType WT>
+  static __m512 load_w(const std::byte* row, std::int64_t k) {
+    if constexpr (WT == DType::F32) {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    } else if constexpr (WT == DType::F16) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k)));
+    } else if constexpr (WT == DType::BF16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      const std::byte* block = row + (k >> 5) * 34;
+      std::uint16_t d;
+      std::memcpy(&d, block, 2);
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + (k & 31)));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(half(d)));
+    }
+  }
   static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 };
@@ -23,10 +43,10 @@ constexpr int kMR = 4, kNR = 4, kGemvNR = 8;
 
 }  // namespace
 
-void small_m_avx512(const float* x, const float* w, float* out, std::int64_t tokens,
+void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                     std::int64_t n_end, bool accumulate) {
-  sm_dispatch<Avx512, kMR, kNR, kGemvNR>(x, w, out, tokens, in, out_dim, n_begin, n_end,
+  sm_dispatch<Avx512, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin, n_end,
                                          accumulate);
 }
 

@@ -14,8 +14,10 @@
 namespace brigade::cpu::detail {
 namespace {
 
-// Isa provides: Packet, kWidth (floats per packet), zero(), load(p), fma(a, b, c) = a*b + c
-// rounded once, store(p, v).
+// Isa provides: Packet, kWidth (floats per packet), zero(), load(p) (kWidth floats),
+// load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype WT,
+// exact; k is a multiple of kWidth, so a packet never straddles a Q8_0 block), half(h) (a
+// binary16 as float32), fma(a, b, c) = a*b + c rounded once, store(p, v).
 // The NR rows of W of a block lie `rs` rows apart (and so do their outputs): sm_run takes them
 // from NR far-apart segments of W, so the weights arrive as NR long sequential streams, which
 // keeps more memory requests in flight than one stream of short rows (about 2x the bandwidth of
@@ -23,10 +25,11 @@ namespace {
 // The lanes are independent sums, so the kernel walks k once per packet of lanes (lanes 0-7,
 // then 8-15 with 8-float packets): MR x NR accumulators of one register each, and MR + NR loads
 // per MR x NR FMAs. The first pass brings the block's W rows into L1; the others find them there.
-template <class Isa, int MR, int NR, bool Accumulate>
-inline __attribute__((always_inline)) void sm_block(const float* x, const float* w, float* out,
-                                                    std::int64_t in, std::int64_t out_dim,
-                                                    std::int64_t rs) {
+template <class Isa, DType WT, int MR, int NR, bool Accumulate>
+inline __attribute__((always_inline)) void sm_block(const float* x, const std::byte* w,
+                                                    float* out, std::int64_t in,
+                                                    std::int64_t out_dim, std::int64_t rs) {
+  const std::int64_t rb = rs * row_bytes<WT>(in);  // bytes between the block's W rows
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
   constexpr int kPk = kSmallMLanes / kW;
@@ -39,7 +42,7 @@ inline __attribute__((always_inline)) void sm_block(const float* x, const float*
       for (int j = 0; j < NR; ++j) acc[i][j] = Isa::zero();
     for (std::int64_t k = p * kW; k < k_vec; k += kSmallMLanes) {
       P wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = Isa::load(w + j * rs * in + k);
+      for (int j = 0; j < NR; ++j) wv[j] = Isa::template load_w<WT>(w + j * rb, k);
       for (int i = 0; i < MR; ++i) {
         const P xv = Isa::load(x + i * in + k);
         for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
@@ -50,42 +53,43 @@ inline __attribute__((always_inline)) void sm_block(const float* x, const float*
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      const float s = add_tail(reduce_lanes(lanes[i][j]), x + i * in, w + j * rs * in, k_vec, in);
+      const float s =
+          add_tail<WT>(reduce_lanes(lanes[i][j]), x + i * in, w + j * rb, k_vec, in, Isa::half);
       float& o = out[i * out_dim + j * rs];
       o = Accumulate ? o + s : s;
     }
 }
 
 /// The last `rows` < MR rows of x (MR - 1 down to 1) against the NR rows of W at wn.
-template <class Isa, int MR, int NR, bool Accumulate>
-inline void sm_row_tail(const float* x, const float* wn, float* on, std::int64_t rows,
+template <class Isa, DType WT, int MR, int NR, bool Accumulate>
+inline void sm_row_tail(const float* x, const std::byte* wn, float* on, std::int64_t rows,
                         std::int64_t in, std::int64_t out_dim, std::int64_t rs) {
   if constexpr (MR > 1) {
     if (rows == MR - 1)
-      sm_block<Isa, MR - 1, NR, Accumulate>(x, wn, on, in, out_dim, rs);
+      sm_block<Isa, WT, MR - 1, NR, Accumulate>(x, wn, on, in, out_dim, rs);
     else
-      sm_row_tail<Isa, MR - 1, NR, Accumulate>(x, wn, on, rows, in, out_dim, rs);
+      sm_row_tail<Isa, WT, MR - 1, NR, Accumulate>(x, wn, on, rows, in, out_dim, rs);
   }
 }
 
 /// All `tokens` rows of x against W rows n, n + rs, ..., n + (NR - 1) rs.
-template <class Isa, int MR, int NR, bool Accumulate>
-inline void sm_rows(const float* x, const float* w, float* out, std::int64_t tokens,
+template <class Isa, DType WT, int MR, int NR, bool Accumulate>
+inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs) {
-  const float* wn = w + n * in;
+  const std::byte* wn = w + n * row_bytes<WT>(in);
   float* on = out + n;
   std::int64_t t = 0;
   for (; t + MR <= tokens; t += MR)
-    sm_block<Isa, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, in, out_dim, rs);
+    sm_block<Isa, WT, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, in, out_dim, rs);
   if (t < tokens)
-    sm_row_tail<Isa, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, tokens - t, in,
-                                         out_dim, rs);
+    sm_row_tail<Isa, WT, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, tokens - t, in,
+                                             out_dim, rs);
 }
 
 /// W rows [n_begin, n_end): split into NR equal segments (GemvNR for one row of x) walked side
 /// by side, block i taking row i of each segment; the rows past the last whole segment one by one.
-template <class Isa, int MR, int NR, int GemvNR, bool Accumulate>
-inline void sm_run(const float* x, const float* w, float* out, std::int64_t tokens,
+template <class Isa, DType WT, int MR, int NR, int GemvNR, bool Accumulate>
+inline void sm_run(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                    std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                    std::int64_t n_end) {
   const std::int64_t rows = n_end - n_begin;
@@ -93,27 +97,52 @@ inline void sm_run(const float* x, const float* w, float* out, std::int64_t toke
   if (tokens == 1) {
     const std::int64_t seg = rows / GemvNR;
     for (std::int64_t i = 0; i < seg; ++i)
-      sm_block<Isa, 1, GemvNR, Accumulate>(x, w + (n_begin + i) * in, out + n_begin + i, in,
-                                           out_dim, seg);
+      sm_block<Isa, WT, 1, GemvNR, Accumulate>(x, w + (n_begin + i) * row_bytes<WT>(in),
+                                               out + n_begin + i, in, out_dim, seg);
     done = seg * GemvNR;
   } else {
     const std::int64_t seg = rows / NR;
     for (std::int64_t i = 0; i < seg; ++i)
-      sm_rows<Isa, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg);
+      sm_rows<Isa, WT, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg);
     done = seg * NR;
   }
   for (std::int64_t n = n_begin + done; n < n_end; ++n)
-    sm_rows<Isa, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1);
+    sm_rows<Isa, WT, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1);
 }
 
+template <class Isa, DType WT, int MR, int NR, int GemvNR>
+inline void sm_typed(const float* x, const void* w, float* out, std::int64_t tokens,
+                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
+                     std::int64_t n_end, bool accumulate) {
+  const auto* wb = static_cast<const std::byte*>(w);
+  if (accumulate)
+    sm_run<Isa, WT, MR, NR, GemvNR, true>(x, wb, out, tokens, in, out_dim, n_begin, n_end);
+  else
+    sm_run<Isa, WT, MR, NR, GemvNR, false>(x, wb, out, tokens, in, out_dim, n_begin, n_end);
+}
+
+/// The kernel for W's dtype `wt` (F32, F16, BF16 or Q8_0; anything else does nothing: the
+/// caller checks).
 template <class Isa, int MR, int NR, int GemvNR>
-inline void sm_dispatch(const float* x, const float* w, float* out, std::int64_t tokens,
+inline void sm_dispatch(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                         std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                         std::int64_t n_end, bool accumulate) {
-  if (accumulate)
-    sm_run<Isa, MR, NR, GemvNR, true>(x, w, out, tokens, in, out_dim, n_begin, n_end);
-  else
-    sm_run<Isa, MR, NR, GemvNR, false>(x, w, out, tokens, in, out_dim, n_begin, n_end);
+  switch (wt) {
+    case DType::F32:
+      return sm_typed<Isa, DType::F32, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                       n_end, accumulate);
+    case DType::F16:
+      return sm_typed<Isa, DType::F16, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                       n_end, accumulate);
+    case DType::BF16:
+      return sm_typed<Isa, DType::BF16, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                        n_end, accumulate);
+    case DType::Q8_0:
+      return sm_typed<Isa, DType::Q8_0, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                        n_end, accumulate);
+    default:
+      return;
+  }
 }
 
 }  // namespace

@@ -120,6 +120,10 @@ void check_weights(const char* what, const model::DecoderWeights& w) {
   BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,
                 Errc::InvalidArgument, "{}: a DecoderWeights pointer is null; expected all 9 set",
                 what);
+  for (const model::WeightMatrix* m : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3})
+    BRIGADE_CHECK(m->dtype == DType::F32, Errc::InvalidArgument,
+                  "{}: training needs float32 weights; a matrix is {}", what,
+                  to_string(m->dtype));
 }
 
 /// Position of every row within its sequence (offsets already validated).
@@ -675,13 +679,13 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
 
   // FFN block: x_out = x_mid + hb W2^T, hb = silu(h1) * h3, h1/h3 = xb_ffn W1^T / W3^T.
   float* dhb = grow(sc.a, tokens * hidden);
-  matmul_wt_backward_input(acts.dy.data(), w.w2, dhb, tokens, hidden, dim);
+  matmul_wt_backward_input(acts.dy.data(), w.w2.f32(), dhb, tokens, hidden, dim);
   float* hb = sized(acts.hb, tokens * hidden);
   swiglu_backward(acts.h1.data(), acts.h3.data(), dhb, acts.h1.data(), acts.h3.data(),
                   tokens * hidden, hb);  // h1, h3 now hold dh1, dh3
   float* dxb = grow(sc.b, tokens * dim);
-  matmul_wt_backward_input(acts.h1.data(), w.w1, dxb, tokens, dim, hidden);
-  matmul_wt_backward_input(acts.h3.data(), w.w3, dxb, tokens, dim, hidden, Store::Accumulate);
+  matmul_wt_backward_input(acts.h1.data(), w.w1.f32(), dxb, tokens, dim, hidden);
+  matmul_wt_backward_input(acts.h3.data(), w.w3.f32(), dxb, tokens, dim, hidden, Store::Accumulate);
   acts.d_mid = acts.dy;
   rmsnorm_backward(acts.x_mid.data(), w.rms_ffn, acts.inv_rms_ffn.data(), dxb, acts.d_mid.data(),
                    sized(acts.d_rms_ffn, dim, true), tokens, dim, Store::Accumulate);
@@ -690,7 +694,7 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
 
   // Attention block: x_mid = x_in + att Wo^T.
   float* datt = dxb;
-  matmul_wt_backward_input(acts.d_mid.data(), w.wo, datt, tokens, dim, dim);
+  matmul_wt_backward_input(acts.d_mid.data(), w.wo.f32(), datt, tokens, dim, dim);
   std::vector<float> dq(usize(tokens * dim)), dk(usize(tokens * kv_dim)),
       dv(usize(tokens * kv_dim));
   attention_varlen_backward(acts.q.data(), acts.k.data(), acts.v.data(), acts.att.data(),
@@ -702,9 +706,9 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
   acts.k = std::move(dk);
   acts.v = std::move(dv);
   release(acts.lse);
-  matmul_wt_backward_input(acts.q.data(), w.wq, dxb, tokens, dim, dim);
-  matmul_wt_backward_input(acts.k.data(), w.wk, dxb, tokens, dim, kv_dim, Store::Accumulate);
-  matmul_wt_backward_input(acts.v.data(), w.wv, dxb, tokens, dim, kv_dim, Store::Accumulate);
+  matmul_wt_backward_input(acts.q.data(), w.wq.f32(), dxb, tokens, dim, dim);
+  matmul_wt_backward_input(acts.k.data(), w.wk.f32(), dxb, tokens, dim, kv_dim, Store::Accumulate);
+  matmul_wt_backward_input(acts.v.data(), w.wv.f32(), dxb, tokens, dim, kv_dim, Store::Accumulate);
   std::copy(acts.d_mid.begin(), acts.d_mid.end(), dx);
   rmsnorm_backward(acts.x_in.data(), w.rms_att, acts.inv_rms_att.data(), dxb, dx,
                    sized(acts.d_rms_att, dim, true), tokens, dim, Store::Accumulate);

@@ -81,10 +81,12 @@ InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::St
   // The byte ranges of this stage's tensors, rounded out to whole pages and merged.
   const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
   std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;  // [begin, end)
-  auto tensor = [&](const float* p, std::int64_t floats) {
-    if (p == nullptr || floats <= 0) return;
-    const auto b = reinterpret_cast<std::uintptr_t>(p);
-    const auto bytes = static_cast<std::uintptr_t>(floats) * sizeof(float);
+  // A matrix counts its bytes in its dtype (rows x in elements).
+  auto tensor = [&](model::WeightMatrix m, std::int64_t rows, std::int64_t in) {
+    if (m.data == nullptr || rows * in <= 0) return;
+    const auto b = reinterpret_cast<std::uintptr_t>(m.data);
+    const auto bytes =
+        static_cast<std::uintptr_t>(rows) * model::weight_row_bytes(m.dtype, in);
     weight_bytes_ += bytes;
     ranges.emplace_back(b / page * page, (b + bytes + page - 1) / page * page);
   };
@@ -93,26 +95,26 @@ InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::St
     const auto& ls = spec_.layer(l);
     switch (ls.kind) {
       case LayerKind::Embedding:
-        tensor(weights.token_embedding, vocab * dim);
+        tensor(weights.token_embedding, vocab, dim);
         break;
       case LayerKind::Decoder: {
         const auto& d = weights.layers[static_cast<std::size_t>(ls.decoder_index)];
-        tensor(d.rms_att, dim);
-        tensor(d.wq, dim * dim);
-        tensor(d.wk, kv * dim);
-        tensor(d.wv, kv * dim);
-        tensor(d.wo, dim * dim);
-        tensor(d.rms_ffn, dim);
-        tensor(d.w1, hid * dim);
-        tensor(d.w2, dim * hid);
-        tensor(d.w3, hid * dim);
+        tensor(d.rms_att, 1, dim);
+        tensor(d.wq, dim, dim);
+        tensor(d.wk, kv, dim);
+        tensor(d.wv, kv, dim);
+        tensor(d.wo, dim, dim);
+        tensor(d.rms_ffn, 1, dim);
+        tensor(d.w1, hid, dim);
+        tensor(d.w2, dim, hid);
+        tensor(d.w3, hid, dim);
         break;
       }
       case LayerKind::FinalNorm:
-        tensor(weights.rms_final, dim);
+        tensor(weights.rms_final, 1, dim);
         break;
       case LayerKind::LMHead:
-        tensor(weights.wcls, vocab * dim);
+        tensor(weights.wcls, vocab, dim);
         break;
       case LayerKind::Sampler:
         break;

@@ -23,7 +23,8 @@ std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
 }
 
 std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
-  return {w.rms_att, w.wq, w.wk, w.wv, w.wo, w.rms_ffn, w.w1, w.w2, w.w3};
+  return {w.rms_att,     w.wq.f32(), w.wk.f32(), w.wv.f32(), w.wo.f32(),
+          w.rms_ffn, w.w1.f32(), w.w2.f32(), w.w3.f32()};
 }
 
 /// Stops training when a stage's activation or gradient holds a NaN or an infinity, naming the
@@ -46,6 +47,7 @@ void check_stage_buffer(const std::vector<float>& x, std::int64_t rows, std::int
 
 TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange range)
     : config_(init.config), range_(range) {
+  model::require_f32(init, "TrainStage");  // the master weights are float32
   const model::ModelSpec spec(config_);
   const int n = spec.num_layers();
   BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= n,
@@ -62,7 +64,7 @@ TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange ra
   const auto d = static_cast<std::size_t>(config_.dim);
   const auto vd = static_cast<std::size_t>(config_.vocab_size) * d;
   if (has_embedding()) {
-    embedding_.assign(init.token_embedding, init.token_embedding + vd);
+    embedding_.assign(init.token_embedding.f32(), init.token_embedding.f32() + vd);
     d_embedding_.assign(vd, 0.0f);
   }
   first_decoder_ = std::max(0, range.first - 1);
@@ -82,12 +84,21 @@ TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange ra
   for (auto& flat : decoder_params_) {
     model::DecoderWeights w;
     const float* p = flat.data();
-    std::array<const float**, 9> dst = {&w.rms_att, &w.wq, &w.wk, &w.wv, &w.wo,
-                                        &w.rms_ffn, &w.w1, &w.w2, &w.w3};
-    for (std::size_t t = 0; t < 9; ++t) {
-      *dst[t] = p;
-      p += sizes[t];
-    }
+    std::size_t t = 0;
+    auto next = [&] {  // the nine tensors in decoder_ptrs' order
+      const float* q = p;
+      p += sizes[t++];
+      return q;
+    };
+    w.rms_att = next();
+    w.wq = next();
+    w.wk = next();
+    w.wv = next();
+    w.wo = next();
+    w.rms_ffn = next();
+    w.w1 = next();
+    w.w2 = next();
+    w.w3 = next();
     decoders_.push_back(w);
     cpu::DecoderGrads g;
     g.zero(config_);
@@ -97,7 +108,7 @@ TrainStage::TrainStage(const model::LlamaWeights& init, partition::StageRange ra
     rms_final_.assign(init.rms_final, init.rms_final + d);
     d_rms_final_.assign(d, 0.0f);
     if (!(config_.shared_classifier && has_embedding())) {
-      wcls_.assign(init.wcls, init.wcls + vd);
+      wcls_.assign(init.wcls.f32(), init.wcls.f32() + vd);
       d_wcls_.assign(vd, 0.0f);
     }
   }

@@ -155,8 +155,9 @@ void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_vi
                           Errc errc) {
   const LlamaConfig& c = w.config;
   const auto d = static_cast<std::uint64_t>(c.dim);
-  auto check = [&](const float* p, std::uint64_t n, std::uint64_t cols, std::string_view tensor,
+  auto check = [&](WeightMatrix m, std::uint64_t n, std::uint64_t cols, std::string_view tensor,
                    int layer) {
+    const float* p = m.f32();  // llama2.c files (and files to write) are float32
     const std::uint64_t i = first_non_finite(p, static_cast<std::size_t>(n));
     if (i == n) return;
     const std::string at =
@@ -497,6 +498,7 @@ void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeigh
                   Errc::InvalidArgument,
                   "save_llama2c_checkpoint({}): layer {} has a null tensor pointer", name, i);
   }
+  require_f32(w, fmt::format("save_llama2c_checkpoint({})", name).c_str());
   const std::optional<Layout> layout = compute_layout(c);
   BRIGADE_CHECK(layout.has_value(), Errc::InvalidArgument,
                 "save_llama2c_checkpoint({}): the config's size overflows 64 bits", name);
@@ -521,15 +523,15 @@ void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeigh
       err = errno;
     }
   };
-  auto put_floats = [&](const float* p, std::uint64_t n) {
-    put(p, static_cast<std::size_t>(n) * sizeof(float));
+  auto put_floats = [&](WeightMatrix m, std::uint64_t n) {
+    put(m.f32(), static_cast<std::size_t>(n) * sizeof(float));
   };
   const std::array<std::int32_t, 7> header = {
       c.dim,      c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
       c.shared_classifier ? c.vocab_size : -c.vocab_size, c.seq_len};
   put(header.data(), kHeaderBytes);
   put_floats(w.token_embedding, layout->cls);
-  auto per_layer = [&](const float* DecoderWeights::*member, std::uint64_t n) {
+  auto per_layer = [&](auto DecoderWeights::*member, std::uint64_t n) {
     for (const DecoderWeights& x : w.layers) put_floats(x.*member, n);
   };
   per_layer(&DecoderWeights::rms_att, layout->dim);

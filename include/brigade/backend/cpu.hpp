@@ -4,6 +4,8 @@
 // packed one after another (varlen, as cu_seqlens): no padding, no wasted compute.
 #pragma once
 
+#include "brigade/model/weight_matrix.hpp"
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -21,26 +23,33 @@ inline namespace v0 {
 void rmsnorm(const float* x, const float* weight, float* out, std::int64_t tokens, std::int64_t dim,
              float eps);
 
-/// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k].
+/// out = x * W^T: out[t, n] = sum_k x[t, k] W[n, k], W in F32, F16, BF16 or Q8_0 (weights
+/// kept in their dtype; activations float32).
 /// Up to 64 rows (16 when gemm_backend() is OpenBLAS, faster from ~32 rows), the decode
 /// micro-batches, a small-M kernel streams W once, unpacked, with a fixed
 /// summation order per output (16 lanes over k, each lane one FMA per step in increasing k; the
 /// lanes reduced as pairs (l, l+8), (l, l+4), (l, l+2), (0, 1); then the K % 16 tail left to
 /// right): the bits do not depend on the buffers' alignment, the thread count, the other rows in
-/// the batch or the instruction set (kernel_isa()). More rows: one GEMM (Eigen's, or OpenBLAS
-/// SGEMM per gemm_backend()). BRIGADE_SMALL_M=0 in the environment sends every size to the GEMM
+/// the batch or the instruction set (kernel_isa()). A typed W is read in its dtype, each weight
+/// converted to its exact float32 value in registers (F16 by F16C, BF16 by a shift, Q8_0 as
+/// int8 times the block's scale), so it streams 2 (F16, BF16) or 1.0625 (Q8_0) bytes per weight
+/// and gives the bits of the float32 kernel on the dequantized W. More rows: one GEMM (Eigen's,
+/// or OpenBLAS SGEMM per gemm_backend()); a typed W is first dequantized whole into a
+/// per-thread float32 scratch of out x in floats (kept between calls), so the bits are again
+/// those of the dequantized W. BRIGADE_SMALL_M=0 in the environment sends every size to the GEMM
 /// (for comparisons).
 /// @param x   [tokens x in], row-major
-/// @param w   [out x in], row-major (llama2.c's layout)
+/// @param w   [out x in], row-major (llama2.c's layout), in its dtype (model/weight_matrix.hpp)
 /// @param out [tokens x out], row-major; must not alias x
-/// @throws brigade::Error{InvalidArgument} if a size is negative
-void matmul_wt(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t in,
-               std::int64_t out_dim);
+/// @throws brigade::Error{InvalidArgument} if a size is negative, w's dtype is not a weight
+///         dtype, or it is Q8_0 and in is not a multiple of 32
+void matmul_wt(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
+               std::int64_t in, std::int64_t out_dim);
 
-/// out += x * W^T (the residual-add form of matmul_wt), one GEMM with beta = 1.
-/// @throws brigade::Error{InvalidArgument} if a size is negative
-void matmul_wt_accumulate(const float* x, const float* w, float* out, std::int64_t tokens,
-                          std::int64_t in, std::int64_t out_dim);
+/// out += x * W^T (the residual-add form of matmul_wt, the same kernels), W in its dtype.
+/// @throws brigade::Error{InvalidArgument} as matmul_wt
+void matmul_wt_accumulate(const float* x, model::WeightMatrix w, float* out,
+                          std::int64_t tokens, std::int64_t in, std::int64_t out_dim);
 
 /// Rotary position embedding on adjacent pairs (2i, 2i+1) within each head, as run.c:
 /// freq = theta^(-(2i mod head_size)/head_size), angle = pos * freq,
@@ -72,10 +81,13 @@ void swiglu(float* gate, const float* up, std::int64_t n);
 /// In-place softmax over x[0..n) with the maximum subtracted.
 void softmax(float* x, std::int64_t n);
 
-/// out[t, :] = table[ids[t], :]: embedding lookup.
-/// @param table [vocab x dim]
-void embedding(const float* table, const std::int32_t* ids, float* out, std::int64_t tokens,
-               std::int64_t dim);
+/// out[t, :] = table[ids[t], :]: embedding lookup, the rows converted to float32 (exact).
+/// @param table [vocab x dim] in its dtype (F32, F16, BF16, Q8_0); ids must be in [0, vocab)
+/// @param out   [tokens x dim] float32
+/// @throws brigade::Error{InvalidArgument} if the table's dtype is not a weight dtype or is Q8_0
+///         with dim not a multiple of 32
+void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
+               std::int64_t tokens, std::int64_t dim);
 
 /// Intra-op threads of the GEMMs behind matmul_wt (Eigen's OpenMP threads and OpenBLAS's
 /// threads; both settings are process-wide). brigade's pipeline sets 1 per stage thread unless
@@ -91,7 +103,7 @@ int blas_threads();
 /// with its target flags). All give the same bits; only their speed differs.
 enum class KernelIsa : std::uint8_t {
   Generic,  ///< portable C++ (std::fma per lane): any CPU
-  Avx2,     ///< x86-64 AVX2 + FMA: two 256-bit registers per 16-lane accumulator
+  Avx2,     ///< x86-64 AVX2 + FMA + F16C: two 256-bit registers per 16-lane accumulator
   Avx512,   ///< x86-64 AVX-512F: one 512-bit register per 16-lane accumulator
 };
 

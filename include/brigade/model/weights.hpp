@@ -1,7 +1,10 @@
-// Llama weights: views into a mmap'd llama2.c checkpoint or an owned synthetic buffer.
+// Llama weights: views into a mmap'd llama2.c checkpoint or an owned synthetic buffer, the
+// matrices in their stored dtype (F32, F16, BF16, Q8_0; weight_matrix.hpp).
 #pragma once
 
+#include "brigade/core/dtype.hpp"
 #include "brigade/model/config.hpp"
+#include "brigade/model/weight_matrix.hpp"
 
 #include <cstdint>
 #include <filesystem>
@@ -11,34 +14,61 @@
 namespace brigade::model {
 inline namespace v0 {
 
-/// Pointers to one decoder layer's float32 tensors, row-major, matrices `out x in`
-/// (llama2.c's layout): y = W x is `y[i] = sum_j W[i*in + j] x[j]`.
+/// One decoder layer's tensors, row-major, matrices `out x in` (llama2.c's layout): y = W x is
+/// `y[i] = sum_j W[i*in + j] x[j]`. The matrices are typed views (F32, F16, BF16 or Q8_0, each
+/// its own: a loader sets `wq = WeightMatrix(ptr, dtype)`); the RMSNorm gains are float32.
 struct DecoderWeights {
   const float* rms_att = nullptr;  ///< [dim] attention RMSNorm gain
-  const float* wq = nullptr;       ///< [dim x dim]
-  const float* wk = nullptr;       ///< [kv_dim x dim]
-  const float* wv = nullptr;       ///< [kv_dim x dim]
-  const float* wo = nullptr;       ///< [dim x dim]
+  WeightMatrix wq;                 ///< [dim x dim]
+  WeightMatrix wk;                 ///< [kv_dim x dim]
+  WeightMatrix wv;                 ///< [kv_dim x dim]
+  WeightMatrix wo;                 ///< [dim x dim]
   const float* rms_ffn = nullptr;  ///< [dim] FFN RMSNorm gain
-  const float* w1 = nullptr;       ///< [hidden_dim x dim] gate
-  const float* w2 = nullptr;       ///< [dim x hidden_dim] down
-  const float* w3 = nullptr;       ///< [hidden_dim x dim] up
+  WeightMatrix w1;                 ///< [hidden_dim x dim] gate
+  WeightMatrix w2;                 ///< [dim x hidden_dim] down
+  WeightMatrix w3;                 ///< [hidden_dim x dim] up
 };
 
 /// All weights of a Llama model. The pointers stay valid while `storage` (the mmap or the
-/// owned buffer) lives; copies share it.
+/// owned buffer) lives; copies share it. The embedding table and the classifier are typed
+/// views like the decoder matrices (the embedding lookup converts the rows it reads).
 struct LlamaWeights {
   LlamaConfig config;
-  const float* token_embedding = nullptr;  ///< [vocab_size x dim]
-  std::vector<DecoderWeights> layers;      ///< n_layers entries
-  const float* rms_final = nullptr;        ///< [dim]
-  const float* wcls = nullptr;             ///< [vocab_size x dim]; == token_embedding when shared
+  WeightMatrix token_embedding;         ///< [vocab_size x dim]
+  std::vector<DecoderWeights> layers;   ///< n_layers entries
+  const float* rms_final = nullptr;     ///< [dim]
+  WeightMatrix wcls;                    ///< [vocab_size x dim]; == token_embedding when shared
   std::shared_ptr<const void> storage;     ///< keeps the memory behind the pointers alive
   /// True when the tensors point into a read-only file mapping (load_llama2c_checkpoint): pages
   /// dropped with madvise(MADV_DONTNEED) are read back from the file on their next use. False
   /// for owned memory (make_synthetic_weights), where dropping pages would lose the weights.
   bool mapped = false;
 };
+
+/// Bytes of every weight tensor of `w` as stored (matrices in their dtype, the RMSNorm gains as
+/// float32; a shared classifier counted once): the memory the weights occupy and the bytes one
+/// forward pass over the whole model streams.
+std::size_t weight_bytes(const LlamaWeights& w);
+
+/// True when every matrix of `w` (decoder matrices, embedding, classifier) is F32.
+bool all_f32(const LlamaWeights& w) noexcept;
+
+/// Refuses weights with a non-F32 matrix where float32 master weights are needed (training,
+/// writing a llama2.c file).
+/// @throws brigade::Error{InvalidArgument} naming `what`, the first such tensor (and its layer)
+///         and its dtype
+void require_f32(const LlamaWeights& w, const char* what);
+
+/// A copy of `w` (an F32 model) whose decoder matrices, embedding table and classifier are in
+/// `dtype` (F16, BF16: rounded to nearest even; Q8_0: as quantize_rows, llama.cpp's
+/// quantize_row_q8_0_ref), owned by the result's `storage`; the RMSNorm gains stay float32. A
+/// shared classifier stays shared. F32 gives a view of the same memory (no copy). Converting
+/// an F16/BF16/Q8_0 model back with dtype F32 dequantizes it (exact).
+/// @throws brigade::Error{InvalidArgument} if `dtype` is not F32, F16, BF16 or Q8_0; if a
+///         matrix of `w` is not F32 while `dtype` is not F32; if dtype is Q8_0 and dim or
+///         hidden_dim is not a multiple of 32 (naming the tensor and its row length); if
+///         w.layers.size() differs from n_layers or a tensor is null
+LlamaWeights convert_weights(const LlamaWeights& w, DType dtype);
 
 /// Loads a llama2.c checkpoint (legacy format: 7 little-endian int32 header fields dim,
 /// hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a negative vocab_size means a
@@ -70,7 +100,8 @@ bool is_llama2c_checkpoint(const std::filesystem::path& path);
 /// export does: real[pos][i] = cos(float(pos) * theta^(-2i/head_size)), imag = sin, both
 /// [seq_len x head_size/2] (float32 angle; within 1 ulp of the PyTorch-made tables).
 /// @throws brigade::Error{InvalidArgument} if `w.config` is invalid, `w.layers.size()` differs
-///         from n_layers, or a tensor pointer is null
+///         from n_layers, a tensor pointer is null, or a matrix is not F32 (require_f32; convert
+///         it with convert_weights(w, DType::F32) first)
 /// @throws brigade::Error{InvalidArgument} naming the tensor, layer and element if a weight is
 ///         NaN or infinite (nothing is written)
 /// @throws brigade::Error{BadFile} naming the file if it cannot be written or renamed

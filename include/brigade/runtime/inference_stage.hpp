@@ -99,8 +99,9 @@ class InferenceStage {
   /// Bytes held by this stage's KV cache.
   [[nodiscard]] std::size_t kv_cache_bytes() const noexcept;
 
-  /// Bytes of this stage's weights: every tensor of its layers (the embedding table, each
-  /// decoder's nine tensors, the final norm gain, the classifier; the sampler has none).
+  /// Bytes of this stage's weights as stored: every tensor of its layers (the embedding table,
+  /// each decoder's nine tensors, the final norm gain, the classifier; the sampler has none),
+  /// each matrix in its dtype (F16/BF16: 2 bytes per weight, Q8_0: 34 per 32).
   [[nodiscard]] std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file

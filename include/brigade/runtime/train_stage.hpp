@@ -40,9 +40,10 @@ struct ParamRef {
 /// rebuilds the rest before the backward (activation checkpointing at stage granularity).
 class TrainStage {
  public:
-  /// Copies the parameters of its layers out of `init`.
+  /// Copies the parameters of its layers out of `init` (the float32 master weights).
   /// @throws brigade::Error{InvalidArgument} if the range splits the final norm, LM head and
-  ///         loss across stages, or lies outside the model
+  ///         loss across stages, or lies outside the model; if a matrix of `init` is not F32
+  ///         (model::require_f32 names it: F16/BF16/Q8_0 models are for inference only)
   TrainStage(const model::LlamaWeights& init, partition::StageRange range);
 
   /// Forward of micro-batch `mb`. Input: `batch.inputs` when the stage holds the embedding, else
