@@ -117,17 +117,17 @@ TEST_CASE("loaders.stories260K: tensor pointers read the file's floats at comput
   };
   const auto& ly = w.layers;
   const std::vector<Probe> probes = {
-      {"token_embedding[100][7]", w.token_embedding + 100 * D + 7, kEmb + 100 * D + 7},
-      {"token_embedding[511][63]", w.token_embedding + 511 * D + 63, kEmb + 511 * D + 63},
+      {"token_embedding[100][7]", w.token_embedding.f32() + 100 * D + 7, kEmb + 100 * D + 7},
+      {"token_embedding[511][63]", w.token_embedding.f32() + 511 * D + 63, kEmb + 511 * D + 63},
       {"rms_att[2][5]", ly[2].rms_att + 5, kRmsAtt + 2 * D + 5},
-      {"wq[3][17][40]", ly[3].wq + 17 * D + 40, kWq + 3 * D * D + 17 * D + 40},
-      {"wk[4][31][63]", ly[4].wk + 31 * D + 63, kWk + 4 * KV * D + 31 * D + 63},
-      {"wv[1][0][0]", ly[1].wv, kWv + 1 * KV * D},
-      {"wo[0][63][63]", ly[0].wo + 63 * D + 63, kWo + 63 * D + 63},
+      {"wq[3][17][40]", ly[3].wq.f32() + 17 * D + 40, kWq + 3 * D * D + 17 * D + 40},
+      {"wk[4][31][63]", ly[4].wk.f32() + 31 * D + 63, kWk + 4 * KV * D + 31 * D + 63},
+      {"wv[1][0][0]", ly[1].wv.f32(), kWv + 1 * KV * D},
+      {"wo[0][63][63]", ly[0].wo.f32() + 63 * D + 63, kWo + 63 * D + 63},
       {"rms_ffn[2][0]", ly[2].rms_ffn, kRmsFfn + 2 * D},
-      {"w1[3][171][1]", ly[3].w1 + 171 * D + 1, kW1 + 3 * H * D + 171 * D + 1},
-      {"w2[4][63][171]", ly[4].w2 + 63 * H + 171, kW2 + 4 * D * H + 63 * H + 171},
-      {"w3[1][100]", ly[1].w3 + 100, kW3 + 1 * H * D + 100},
+      {"w1[3][171][1]", ly[3].w1.f32() + 171 * D + 1, kW1 + 3 * H * D + 171 * D + 1},
+      {"w2[4][63][171]", ly[4].w2.f32() + 63 * H + 171, kW2 + 4 * D * H + 63 * H + 171},
+      {"w3[1][100]", ly[1].w3.f32() + 100, kW3 + 1 * H * D + 100},
       {"rms_final[63]", w.rms_final + 63, kRmsFinal + 63},
   };
   for (const Probe& p : probes) {
@@ -138,7 +138,7 @@ TEST_CASE("loaders.stories260K: tensor pointers read the file's floats at comput
   }
   // The values are weights, not padding: norms are O(1) gains, matrices small and varied.
   CHECK(w.rms_final[0] != 0.0f);
-  CHECK(ly[0].wq[0] != ly[0].wq[1]);
+  CHECK(ly[0].wq.f32()[0] != ly[0].wq.f32()[1]);
 }
 
 TEST_CASE("loaders.stories260K: load then save reproduces the file (RoPE tables within 1 ulp)") {

@@ -346,10 +346,10 @@ TEST_CASE("pipeline.offload: RELEASE drops a stage's pages from the process, the
     return mb.act;
   };
   const auto logits = run();
-  const long before = mapping_rss_kb(w.token_embedding);
+  const long before = mapping_rss_kb(w.token_embedding.f32());
   REQUIRE(before > 0);
   CHECK(stage.release_weights());
-  const long after = mapping_rss_kb(w.token_embedding);
+  const long after = mapping_rss_kb(w.token_embedding.f32());
   CAPTURE(before);
   CAPTURE(after);
   CHECK(after < before / 4);
@@ -361,7 +361,7 @@ TEST_CASE("pipeline.offload: RELEASE drops a stage's pages from the process, the
   mb.token_ids = {1, 400, 401};
   again.forward(mb);
   CHECK(mb.act == logits);
-  const long reread = mapping_rss_kb(w.token_embedding);
+  const long reread = mapping_rss_kb(w.token_embedding.f32());
   CHECK(reread >= before / 2);
   MESSAGE("resident kB of the checkpoint's mapping: " << before << " after a forward, " << after
           << " after RELEASE, " << reread << " after the next forward");

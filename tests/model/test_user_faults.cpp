@@ -75,7 +75,7 @@ TEST_CASE("faults.nonfinite: activations that overflow stop generation naming st
   auto w = model::make_synthetic_weights(model::named_config("260K"), 3);
   // Decoder 2's attention output projection at 3e38: its output overflows to infinity.
   const auto& c = w.config;
-  float* wo = const_cast<float*>(w.layers[2].wo);
+  float* wo = const_cast<float*>(w.layers[2].wo.f32());
   std::fill(wo, wo + static_cast<std::ptrdiff_t>(c.dim) * c.dim, 3e38f);
   const model::ModelSpec spec(c);
   const auto part = partition::uniform(spec, 2);
@@ -98,7 +98,7 @@ TEST_CASE("faults.nonfinite: logits that overflow are named as the LM head's out
   const auto& c = w.config;
   // The shared classifier row of token 7 at 3e38: its logit overflows (the embedding of token 7
   // is not used by the prompt below, so activations stay finite).
-  float* emb = const_cast<float*>(w.token_embedding);
+  float* emb = const_cast<float*>(w.token_embedding.f32());
   std::fill(emb + 7 * c.dim, emb + 8 * c.dim, 3e38f);
   const model::ModelSpec spec(c);
   const auto part = partition::uniform(spec, 3);

@@ -121,7 +121,7 @@ TEST_CASE("hostile.nonfinite: an infinity in a matrix names its row and column; 
 TEST_CASE("hostile.nonfinite: saving weights with a NaN writes nothing") {
   TempDir dir;
   auto w = small_model(dir / "a.bin", true);
-  const_cast<float*>(w.layers[0].w2)[24 + 2] = std::nanf("");  // row 1, column 2 of [16 x 24]
+  const_cast<float*>(w.layers[0].w2.f32())[24 + 2] = std::nanf("");  // row 1, column 2 of [16 x 24]
   const auto out = dir / "b.bin";
   CHECK(error_of(Errc::InvalidArgument, [&] { brigade::model::save_llama2c_checkpoint(out, w); }) ==
         "save_llama2c_checkpoint(" + out.string() +

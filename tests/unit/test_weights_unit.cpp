@@ -106,22 +106,22 @@ void check_same_tensors(const LlamaWeights& a, const LlamaWeights& b) {
   auto same = [](const float* x, const float* y, std::size_t n) {
     return std::memcmp(x, y, n * sizeof(float)) == 0;
   };
-  CHECK(same(a.token_embedding, b.token_embedding, v * d));
-  CHECK(same(a.wcls, b.wcls, v * d));
+  CHECK(same(a.token_embedding.f32(), b.token_embedding.f32(), v * d));
+  CHECK(same(a.wcls.f32(), b.wcls.f32(), v * d));
   CHECK(same(a.rms_final, b.rms_final, d));
   REQUIRE(a.layers.size() == b.layers.size());
   for (std::size_t i = 0; i < a.layers.size(); ++i) {
     const auto &x = a.layers[i], &y = b.layers[i];
     CAPTURE(i);
     CHECK(same(x.rms_att, y.rms_att, d));
-    CHECK(same(x.wq, y.wq, d * d));
-    CHECK(same(x.wk, y.wk, kv * d));
-    CHECK(same(x.wv, y.wv, kv * d));
-    CHECK(same(x.wo, y.wo, d * d));
+    CHECK(same(x.wq.f32(), y.wq.f32(), d * d));
+    CHECK(same(x.wk.f32(), y.wk.f32(), kv * d));
+    CHECK(same(x.wv.f32(), y.wv.f32(), kv * d));
+    CHECK(same(x.wo.f32(), y.wo.f32(), d * d));
     CHECK(same(x.rms_ffn, y.rms_ffn, d));
-    CHECK(same(x.w1, y.w1, h * d));
-    CHECK(same(x.w2, y.w2, d * h));
-    CHECK(same(x.w3, y.w3, h * d));
+    CHECK(same(x.w1.f32(), y.w1.f32(), h * d));
+    CHECK(same(x.w2.f32(), y.w2.f32(), d * h));
+    CHECK(same(x.w3.f32(), y.w3.f32(), h * d));
   }
 }
 
@@ -166,18 +166,18 @@ TEST_CASE("weights.load: a well-formed shared-classifier file maps every tensor 
                     wv = wk + 2 * 128, wo = wv + 2 * 128, rms_ffn = wo + 2 * 256,
                     w1 = rms_ffn + 2 * 16, w2 = w1 + 2 * 384, w3 = w2 + 2 * 384,
                     rms_final = w3 + 2 * 384;
-  CHECK(w.token_embedding[0] == 0.0f);
+  CHECK(w.token_embedding.f32()[0] == 0.0f);
   CHECK(w.wcls == w.token_embedding);
   CHECK(w.layers.size() == 2);
   CHECK(w.layers[1].rms_att[0] == static_cast<float>(rms_att + 16));
-  CHECK(w.layers[0].wq[0] == static_cast<float>(wq));
-  CHECK(w.layers[1].wk[0] == static_cast<float>(wk + 128));
-  CHECK(w.layers[1].wv[5] == static_cast<float>(wv + 128 + 5));
-  CHECK(w.layers[1].wo[0] == static_cast<float>(wo + 256));
+  CHECK(w.layers[0].wq.f32()[0] == static_cast<float>(wq));
+  CHECK(w.layers[1].wk.f32()[0] == static_cast<float>(wk + 128));
+  CHECK(w.layers[1].wv.f32()[5] == static_cast<float>(wv + 128 + 5));
+  CHECK(w.layers[1].wo.f32()[0] == static_cast<float>(wo + 256));
   CHECK(w.layers[0].rms_ffn[3] == static_cast<float>(rms_ffn + 3));
-  CHECK(w.layers[1].w1[0] == static_cast<float>(w1 + 384));
-  CHECK(w.layers[1].w2[0] == static_cast<float>(w2 + 384));
-  CHECK(w.layers[1].w3[383] == static_cast<float>(w3 + 384 + 383));
+  CHECK(w.layers[1].w1.f32()[0] == static_cast<float>(w1 + 384));
+  CHECK(w.layers[1].w2.f32()[0] == static_cast<float>(w2 + 384));
+  CHECK(w.layers[1].w3.f32()[383] == static_cast<float>(w3 + 384 + 383));
   CHECK(w.rms_final[15] == static_cast<float>(rms_final + 15));
 }
 
@@ -195,8 +195,8 @@ TEST_CASE("weights.load: a negative vocab_size reads wcls after the RoPE tables"
   CHECK(w.config.vocab_size == 32);
   CHECK_FALSE(w.config.shared_classifier);
   CHECK(w.wcls != w.token_embedding);
-  CHECK(w.wcls[0] == 7.0f);
-  CHECK(w.wcls[1] == 0.5f);
+  CHECK(w.wcls.f32()[0] == 7.0f);
+  CHECK(w.wcls.f32()[1] == 0.5f);
 }
 
 TEST_CASE("weights.load: the mapping outlives the file name and copies share it") {
@@ -211,7 +211,7 @@ TEST_CASE("weights.load: the mapping outlives the file name and copies share it"
   }
   fs::remove(p);
   CHECK(copy.storage.use_count() == 1);
-  CHECK(copy.layers[1].w3[10] == 0.5f);
+  CHECK(copy.layers[1].w3.f32()[10] == 0.5f);
 }
 
 // ---- loader: each malformed case ------------------------------------------------------------
@@ -439,11 +439,11 @@ TEST_CASE("weights.synthetic: same seed gives the same bytes and another seed di
   const LlamaWeights other = brigade::model::make_synthetic_weights(c, 8);
   check_same_tensors(a, b);
   const auto d = static_cast<std::size_t>(c.dim);
-  CHECK(std::memcmp(a.layers[0].wq, other.layers[0].wq, d * d * 4) != 0);
-  CHECK(std::memcmp(a.token_embedding, other.token_embedding, 40 * d * 4) != 0);
-  CHECK(std::memcmp(a.wcls, other.wcls, 40 * d * 4) != 0);
+  CHECK(std::memcmp(a.layers[0].wq.f32(), other.layers[0].wq.f32(), d * d * 4) != 0);
+  CHECK(std::memcmp(a.token_embedding.f32(), other.token_embedding.f32(), 40 * d * 4) != 0);
+  CHECK(std::memcmp(a.wcls.f32(), other.wcls.f32(), 40 * d * 4) != 0);
   // Tensors are independent streams: wk and wv differ although they have the same shape.
-  CHECK(std::memcmp(a.layers[0].wk, a.layers[0].wv, 8 * d * 4) != 0);
+  CHECK(std::memcmp(a.layers[0].wk.f32(), a.layers[0].wv.f32(), 8 * d * 4) != 0);
 }
 
 TEST_CASE("weights.synthetic: N(0, 0.02^2) with wo and w2 scaled by 1/sqrt(2 n_layers) and unit norms") {
@@ -455,13 +455,13 @@ TEST_CASE("weights.synthetic: N(0, 0.02^2) with wo and w2 scaled by 1/sqrt(2 n_l
   c.n_layers = 8;
   const LlamaWeights w = brigade::model::make_synthetic_weights(c, 11);
   const std::size_t n = 8 * 128 * 128;  // wq / wo are contiguous across layers
-  const auto [mq, sq] = moments(w.layers[0].wq, n);
+  const auto [mq, sq] = moments(w.layers[0].wq.f32(), n);
   CHECK(std::abs(mq) < 2e-4);
   CHECK(sq == doctest::Approx(0.02).epsilon(0.01));
-  const auto [mo, so] = moments(w.layers[0].wo, n);
+  const auto [mo, so] = moments(w.layers[0].wo.f32(), n);
   CHECK(std::abs(mo) < 1e-4);
   CHECK(so == doctest::Approx(0.02 / 4.0).epsilon(0.01));
-  const auto [m2, s2] = moments(w.layers[0].w2, 8 * 128 * 256);
+  const auto [m2, s2] = moments(w.layers[0].w2.f32(), 8 * 128 * 256);
   CHECK(std::abs(m2) < 1e-4);
   CHECK(s2 == doctest::Approx(0.02 / 4.0).epsilon(0.01));
   for (const auto& layer : w.layers)
@@ -490,10 +490,10 @@ TEST_CASE("weights.synthetic: the 110M config is generated with the right shape"
   REQUIRE(w.layers.size() == 12);
   const std::size_t d = 768, h = 2048;
   // The last float of the last tensor is generated (the buffer is fully written).
-  const float last = w.layers[11].w3[h * d - 1];
+  const float last = w.layers[11].w3.f32()[h * d - 1];
   CHECK(std::isfinite(last));
   CHECK(last != 0.0f);
-  const auto [m, s] = moments(w.token_embedding, 32000 * d);
+  const auto [m, s] = moments(w.token_embedding.f32(), 32000 * d);
   CHECK(std::abs(m) < 1e-4);
   CHECK(s == doctest::Approx(0.02).epsilon(0.01));
 }
