@@ -39,6 +39,7 @@ namespace {
 struct GenerateArgs {
   std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
   std::string profile = "auto";  // device profile of the balanced split: auto, none or a file
+  std::string weights_dtype = "f32";  // --weights-dtype: the dtype the matrices are kept in
   std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
@@ -133,6 +134,14 @@ int run(const GenerateArgs& a) {
     tok = a.tokenizer.empty() ? model::Tokenizer::synthetic(weights.config.vocab_size, a.model_seed)
                               : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     model_name = "synthetic " + a.synthetic;
+  }
+  if (const DType wt = *parse_dtype(a.weights_dtype); wt != DType::F32) {
+    // Converted once at load; the kernels read the narrow type directly.
+    const std::size_t f32_bytes = model::weight_bytes(weights);
+    weights = model::convert_weights(weights, wt);
+    if (launch.rank() == 0)
+      fmt::print(stderr, "weights: {} ({:.1f} MB; {:.1f} MB as f32)\n", a.weights_dtype,
+                 model::weight_bytes(weights) / 1e6, f32_bytes / 1e6);
   }
   const model::ModelSpec spec(weights.config);
 
@@ -394,6 +403,12 @@ std::function<int()> setup(CLI::App& sub) {
                  "optional with a GGUF file (which carries its own)");
   sub.add_option("--synthetic", a->synthetic,
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
+      ->capture_default_str();
+  sub.add_option("--weights-dtype", a->weights_dtype,
+                 "dtype the weight matrices are kept in (converted at load): f32, f16, bf16 "
+                 "(rounded to nearest even) or q8_0 (llama.cpp's blocks of 32; needs dim and "
+                 "hidden_dim multiples of 32); activations stay f32")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}))
       ->capture_default_str();
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")
       ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))

@@ -369,3 +369,22 @@ TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the
   REQUIRE(g.rc == 0);
   CHECK(g.out == one);
 }
+
+TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's story still, at half "
+          "the bytes); q8_0 needs rows of whole blocks" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  auto r = run_cli("generate " + model_flags() + " --temperature 0 --stages 3 --steps 64 " +
+                   "--prompt \"Once upon a time\" --weights-dtype f16");
+  REQUIRE(r.rc == 0);
+  CHECK(r.out == one);
+  CHECK(r.err.find("weights: f16 (0.5 MB; 1.0 MB as f32)") != std::string::npos);
+  auto q = run_cli("generate " + model_flags() + " --weights-dtype q8_0");
+  CHECK(q.rc != 0);
+  CHECK(q.err.find("convert_weights: w2 of layer 0 has rows of 172 elements, not whole q8_0 "
+                   "blocks of 32") != std::string::npos);
+  auto bad = run_cli("generate " + model_flags() + " --weights-dtype q4_0");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("--weights-dtype") != std::string::npos);
+}
