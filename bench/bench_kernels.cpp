@@ -15,6 +15,10 @@
 //       (skipped where the CPU lacks it; the label names it); path:3 the packing GEMM of larger
 //       products (OpenBLAS SGEMM or Eigen's, per cpu::gemm_backend()), in this binary.
 //       Counters: GFLOP/s and weight_GB/s (W's bytes per second: the decode roofline's stream).
+//   BM_MatmulSmallMTyped/T/in/out/dtype  the same products with W kept in F32, F16, BF16 or
+//       Q8_0 (dtype = brigade::DType 0, 1, 2, 5), on this CPU's widest small-M kernel (T <= 64;
+//       T = 64 runs the GEMM on a dequantized copy where OpenBLAS takes T > 16): weight_GB/s
+//       counts the narrow bytes.
 //
 // Times are CPU time (the default; one BLAS thread, so all work runs on the benchmark thread):
 // on a shared machine they do not count time spent descheduled, unlike wall time.
@@ -68,6 +72,8 @@ extern "C" char* openblas_get_corename(void);
 namespace {
 
 namespace cpu = brigade::cpu;
+namespace model = brigade::model;
+using brigade::DType;
 using Vec = std::vector<float>;
 constexpr std::int64_t kTokens = 512;
 
@@ -338,6 +344,32 @@ void BM_Sgemm(benchmark::State& state) {
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// One output per row of y ([T x out] = x W^T) against a double dot product (relative to the
+/// sum of |products|).
+bool matches_double(const Vec& x, const Vec& w, const Vec& y, std::int64_t T, std::int64_t in,
+                    std::int64_t out) {
+  for (std::int64_t r = 0; r < T; ++r) {
+    const std::int64_t n = (r * 131 + 7) % out;
+    double ref = 0.0, mag = 0.0;
+    for (std::int64_t k = 0; k < in; ++k) {
+      ref += double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]);
+      mag += std::abs(double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]));
+    }
+    if (!(std::abs(ref - double(y[sz(r * out + n)])) <= 1e-5 * mag)) return false;
+  }
+  return true;
+}
+
+/// GFLOP/s, and weight_GB/s: W's bytes (`bytes_per_weight` each) per second, the decode
+/// roofline's stream, against the triad bandwidth (ceiling_triad_GBs_1core in the context).
+void set_small_m_counters(benchmark::State& state, std::int64_t T, std::int64_t in,
+                          std::int64_t out, double bytes_per_weight) {
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(in) * double(out) * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] = benchmark::Counter(
+      double(out) * double(in) * bytes_per_weight * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_MatmulSmallM(benchmark::State& state) {
   // path: 0-2 = matmul_wt with the small-M kernel of that instruction set (cpu::KernelIsa:
   // generic, avx2, avx512), 3 = the packing GEMM matmul_wt runs above 64 rows (OpenBLAS SGEMM
@@ -377,24 +409,37 @@ void BM_MatmulSmallM(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  for (std::int64_t r = 0; r < T; ++r) {
-    const std::int64_t n = (r * 131 + 7) % out;
-    double ref = 0.0, mag = 0.0;
-    for (std::int64_t k = 0; k < in; ++k) {
-      ref += double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]);
-      mag += std::abs(double(x[sz(r * in + k)]) * double(w[sz(n * in + k)]));
-    }
-    if (!(std::abs(ref - double(y[sz(r * out + n)])) <= 1e-5 * mag)) {
-      state.SkipWithError("matmul_wt output differs from a double dot product");
-      return;
-    }
-  }
   cpu::set_kernel_isa(isa_before);
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(in) * double(out) * 1e-9,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
-  // Weight bytes streamed per second: the decode roofline is this against the triad bandwidth.
-  state.counters["weight_GB/s"] = benchmark::Counter(
-      double(out) * double(in) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  if (!matches_double(x, w, y, T, in, out)) {
+    state.SkipWithError("matmul_wt output differs from a double dot product");
+    return;
+  }
+  set_small_m_counters(state, T, in, out, sizeof(float));
+}
+
+void BM_MatmulSmallMTyped(benchmark::State& state) {
+  // matmul_wt with W kept in dtype (brigade::DType: 0 F32, 1 F16, 2 BF16, 5 Q8_0), on this CPU's
+  // widest small-M kernel (cpu::kernel_isa(), the label): the kernel reads the narrow type.
+  const std::int64_t T = state.range(0), in = state.range(1), out = state.range(2);
+  const auto dtype = static_cast<DType>(state.range(3));
+  state.SetLabel(std::string(cpu::to_string(cpu::kernel_isa())) + " " +
+                 std::string(to_string(dtype)));
+  std::mt19937 rng(static_cast<unsigned>(in * 7 + out + T));
+  const Vec x = random_vec(rng, T * in, 1.0f), w = random_vec(rng, out * in, 0.05f);
+  std::vector<std::byte> typed(sz(out) * model::weight_row_bytes(dtype, in));
+  model::quantize_rows(w.data(), out, in, dtype, typed.data());
+  Vec deq(w.size()), y(sz(T * out));
+  model::dequantize_rows({typed.data(), dtype}, in, 0, out, deq.data());
+  for (auto _ : state) {
+    cpu::matmul_wt(x.data(), {typed.data(), dtype}, y.data(), T, in, out);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  if (!matches_double(x, deq, y, T, in, out)) {
+    state.SkipWithError("matmul_wt output differs from a double dot product");
+    return;
+  }
+  set_small_m_counters(state, T, in, out, dtype_element_bytes(dtype));
 }
 
 }  // namespace
@@ -419,6 +464,13 @@ BENCHMARK(BM_MatmulSmallM)
     ->ArgNames({"T", "in", "out", "path"})
     ->ArgsProduct({{1, 4, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1, 2, 3}})
     ->ArgsProduct({{1, 4, 16, 32, 64}, {1376}, {512}, {0, 1, 2, 3}})
+    ->Unit(benchmark::kMicrosecond);
+
+// dtype: 0 F32, 1 F16, 2 BF16, 5 Q8_0 (brigade::DType); the decode shapes of the 42M model.
+BENCHMARK(BM_MatmulSmallMTyped)
+    ->ArgNames({"T", "in", "out", "dtype"})
+    ->ArgsProduct({{1, 4, 16, 64}, {512}, {1376, 32000}, {0, 1, 2, 5}})
+    ->ArgsProduct({{1, 4, 16, 64}, {1376}, {512}, {0, 1, 2, 5}})
     ->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {

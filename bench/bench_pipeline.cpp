@@ -12,10 +12,12 @@
 //       ceiling of T cores for independent work, which is what pipeline stages do).
 //   BM_TriadCeiling/threads:T  T threads running a STREAM triad on private arrays (the
 //       memory-bound ceiling).
-//   BM_Llama42M_Prefill/threads:T / BM_Llama42M_Decode/threads:T  the llama.cpp reference shape
-//       (dim 512, 8 layers, FFN 1376, vocab 32000, F32): one sequence, 1 stage of T threads:
-//       prefill of 512 tokens, and decode tokens/s with the weight bytes streamed per second
-//       (weight_GB_per_s, against BM_TriadCeiling/threads:1 of the same run).
+//   BM_Llama42M_Prefill/threads:T / BM_Llama42M_Decode/threads:T/dtype:D  the llama.cpp
+//       reference shape (dim 512, 8 layers, FFN 1376, vocab 32000): one sequence, 1 stage of T
+//       threads: prefill of 512 tokens (F32), and decode tokens/s with the matrices kept in
+//       dtype D (brigade::DType: 0 F32, 1 F16, 2 BF16, 5 Q8_0; model::convert_weights) and the
+//       weight bytes streamed per second (weight_GB_per_s, against BM_TriadCeiling/threads:1 of
+//       the same run).
 //   BM_RingOffload/offload:O  prima.cpp's ring (2 ranks x 2 windows) of the 42M model written to
 //       a file and mapped, 8 sequences in 2 groups decode 32 positions, without (0) and with (1)
 //       weight offload (PREFETCH/RELEASE of every window each round, madvise); counters:
@@ -38,7 +40,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,6 +58,16 @@ const model::LlamaWeights& weights42m() {
   return w;
 }
 
+/// The 42M model with its matrices kept in `dtype` (model::convert_weights, once per dtype).
+const model::LlamaWeights& weights42m(DType dtype) {
+  static std::map<DType, model::LlamaWeights> converted;
+  static std::mutex m;
+  std::lock_guard lock(m);
+  auto it = converted.find(dtype);
+  if (it == converted.end()) it = converted.emplace(dtype, model::convert_weights(weights42m(), dtype)).first;
+  return it->second;
+}
+
 /// A decode run and the plan it ran (engine::inference_plan of its partition and requests).
 struct DecodeRun {
   engine::InferenceReport report;
@@ -66,8 +80,8 @@ using bench::machine_profile;
 /// stages of `threads` threads, split by the balanced policy on this machine's profile (the
 /// CLI's default: cost::ProfiledLayerTimes) unless `roofline` (the default-rate roofline).
 DecodeRun decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
-                     int microbatches = 0, bool roofline = false) {
-  const auto& w = weights42m();
+                     int microbatches = 0, bool roofline = false, DType dtype = DType::F32) {
+  const auto& w = weights42m(dtype);
   const model::ModelSpec spec(w.config);
   const int groups = microbatches > 0 ? std::min(seqs, microbatches) : std::min(seqs, std::max(stages, 1));
   const model::WorkItem work{(seqs + groups - 1) / groups, (seqs + groups - 1) / groups, steps / 2.0};
@@ -91,12 +105,11 @@ DecodeRun decode_run(int stages, int threads, int seqs, int steps, int prompt_le
   return {std::move(rep), std::move(p)};
 }
 
-/// Weight bytes one decode step streams (every layer's weights once, the classifier included).
-double weight_bytes_per_token() {
-  const model::ModelSpec spec(weights42m().config);
-  double bytes = 0.0;
-  for (int l = 0; l < spec.num_layers(); ++l) bytes += model::layer_cost(spec, l, {1, 1, 1.0}).weight_bytes;
-  return bytes;
+/// Weight bytes one decode step streams with the matrices in `dtype`: every matrix once (the
+/// shared embedding table as the classifier; the embedding lookup reads one row more) and the
+/// float32 norm gains: model::weight_bytes.
+double weight_bytes_per_token(DType dtype) {
+  return static_cast<double>(model::weight_bytes(weights42m(dtype)));
 }
 
 void BM_Decode(benchmark::State& state) {
@@ -221,18 +234,23 @@ BENCHMARK(BM_Llama42M_Prefill)->ArgName("threads")->Arg(1)->Arg(2)
 
 void BM_Llama42M_Decode(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
+  const auto dtype = static_cast<DType>(state.range(1));
+  state.SetLabel(std::string(to_string(dtype)) + " weights");
   double tps = 0;
   for (auto _ : state) {
-    const auto rep = decode_run(1, threads, 1, 129, 1).report;
+    const auto rep = decode_run(1, threads, 1, 129, 1, 0, false, dtype).report;
     tps += 1.0 / rep.sequences[0].tpot_s();
   }
   const double rate = tps / static_cast<double>(state.iterations());
   state.counters["decode_tokens_per_s"] = rate;
   // The weight stream: compare with BM_TriadCeiling's GB_per_s of the same run.
-  state.counters["weight_GB_per_s"] = rate * weight_bytes_per_token() * 1e-9;
+  state.counters["weight_GB_per_s"] = rate * weight_bytes_per_token(dtype) * 1e-9;
   cpu::set_blas_threads(1);
 }
-BENCHMARK(BM_Llama42M_Decode)->ArgName("threads")->Arg(1)->Arg(2)
+// dtype: the brigade::DType of the matrices (0 f32, 1 f16, 2 bf16, 5 q8_0).
+BENCHMARK(BM_Llama42M_Decode)->ArgNames({"threads", "dtype"})
+    ->ArgsProduct({{1, 2}, {static_cast<int>(DType::F32), static_cast<int>(DType::F16),
+                            static_cast<int>(DType::BF16), static_cast<int>(DType::Q8_0)}})
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 /// The calibrated model's prediction error on held-out work: a device profile measured once in

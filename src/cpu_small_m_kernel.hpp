@@ -15,9 +15,11 @@ namespace brigade::cpu::detail {
 namespace {
 
 // Isa provides: Packet, kWidth (floats per packet), zero(), load(p) (kWidth floats),
-// load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype WT,
-// exact; k is a multiple of kWidth, so a packet never straddles a Q8_0 block), half(h) (a
-// binary16 as float32), fma(a, b, c) = a*b + c rounded once, store(p, v).
+// load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype F32,
+// F16 or BF16, exact), q8_scale(row, k) (the scale of the Q8_0 block holding element k,
+// broadcast), q8_load(row, k, d) (elements k .. k + kWidth - 1 of a Q8_0 row as int8 times d:
+// exact; k is a multiple of kWidth, so a packet never straddles a block), half(h) (a binary16
+// as float32), fma(a, b, c) = a*b + c rounded once, store(p, v).
 // The NR rows of W of a block lie `rs` rows apart (and so do their outputs): sm_run takes them
 // from NR far-apart segments of W, so the weights arrive as NR long sequential streams, which
 // keeps more memory requests in flight than one stream of short rows (about 2x the bandwidth of
@@ -40,13 +42,28 @@ inline __attribute__((always_inline)) void sm_block(const float* x, const std::b
     P acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = Isa::zero();
-    for (std::int64_t k = p * kW; k < k_vec; k += kSmallMLanes) {
+    // One step of 16 lanes at k: the NR weight packets, then MR x NR FMAs.
+    auto step = [&](std::int64_t k, auto&& load_w) __attribute__((always_inline)) {
       P wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = Isa::template load_w<WT>(w + j * rb, k);
+      for (int j = 0; j < NR; ++j) wv[j] = load_w(j, k);
       for (int i = 0; i < MR; ++i) {
         const P xv = Isa::load(x + i * in + k);
         for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
       }
+    };
+    if constexpr (WT == DType::Q8_0) {
+      // Rows are whole blocks of 32 (k_vec == in): steps k and k + 16 of a pass read the same
+      // block, so its scale is broadcast once for both.
+      for (std::int64_t k = p * kW; k < k_vec; k += 2 * kSmallMLanes) {
+        P d[NR];
+        for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
+        auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
+        step(k, q8);
+        step(k + kSmallMLanes, q8);
+      }
+    } else {
+      for (std::int64_t k = p * kW; k < k_vec; k += kSmallMLanes)
+        step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
     }
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) Isa::store(&lanes[i][j][p * kW], acc[i][j]);
