@@ -193,6 +193,21 @@ detail::SmallMKernel kernel_of(KernelIsa isa) noexcept {
   }
 }
 
+/// The typed-W dequantizer of `isa` (the GEMM path's conversion).
+void dequantize_for(KernelIsa isa, model::WeightMatrix w, std::int64_t in, std::int64_t rows,
+                    float* out) {
+  switch (isa) {
+#if BRIGADE_X86_KERNELS
+    case KernelIsa::Avx2:
+      return detail::dequantize_avx2(w.data, w.dtype, in, rows, out);
+    case KernelIsa::Avx512:
+      return detail::dequantize_avx512(w.data, w.dtype, in, rows, out);
+#endif
+    default:
+      return model::dequantize_rows(w, in, 0, rows, out);
+  }
+}
+
 std::atomic<KernelIsa>& current_isa() {
   static std::atomic<KernelIsa> isa{best_isa()};
   return isa;
@@ -231,7 +246,8 @@ void gemm_wt(const float* x, model::WeightMatrix wm, float* out, std::int64_t to
     w = static_cast<const float*>(wm.data);
   } else {
     w = grow(dequantized, out_dim * in);
-    model::dequantize_rows(wm, in, 0, out_dim, dequantized.data());
+    dequantize_for(current_isa().load(std::memory_order_relaxed), wm, in, out_dim,
+                   dequantized.data());
   }
   if (gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),

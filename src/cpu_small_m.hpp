@@ -35,6 +35,11 @@ using SmallMKernel = void (*)(const float* x, const void* w, DType wt, float* ou
                               std::int64_t tokens, std::int64_t in, std::int64_t out_dim,
                               std::int64_t n_begin, std::int64_t n_end, bool accumulate);
 
+/// Dequantizes rows [0, rows) of W ([rows x in] in `wt`: F16, BF16 or Q8_0) into out
+/// [rows x in] float32 (exact; the GEMM path's conversion of a typed W).
+using DequantizeKernel = void (*)(const void* w, DType wt, std::int64_t in, std::int64_t rows,
+                                  float* out);
+
 // Internal linkage on purpose: every translation unit (each built for its own instruction set)
 // keeps its own copy, so the linker can never hand the AVX-512 build of it to the generic path.
 namespace {
@@ -110,6 +115,9 @@ void small_m_avx2(const float* x, const void* w, DType wt, float* out, std::int6
 void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                     std::int64_t n_end, bool accumulate);
+/// The dequantizers of the AVX2 and AVX-512 builds (the generic one is model::dequantize_rows).
+void dequantize_avx2(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out);
+void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out);
 #endif
 
 }  // namespace brigade::cpu::detail

@@ -55,4 +55,8 @@ void small_m_avx2(const float* x, const void* w, DType wt, float* out, std::int6
                                        accumulate);
 }
 
+void dequantize_avx2(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {
+  sm_dequantize<Avx2>(w, wt, in, rows, out);
+}
+
 }  // namespace brigade::cpu::detail

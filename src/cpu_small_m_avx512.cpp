@@ -54,4 +54,8 @@ void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::in
                                          accumulate);
 }
 
+void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {
+  sm_dequantize<Avx512>(w, wt, in, rows, out);
+}
+
 }  // namespace brigade::cpu::detail

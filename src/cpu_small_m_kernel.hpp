@@ -162,5 +162,42 @@ inline void sm_dispatch(const float* x, const void* w, DType wt, float* out, std
   }
 }
 
+/// Rows [0, rows) of W (dtype WT: F16, BF16 or Q8_0) as float32 into out [rows x in] (exact):
+/// the same packet conversions as the kernel, stored instead of summed.
+template <class Isa, DType WT>
+inline void sm_dequantize_typed(const std::byte* w, std::int64_t in, std::int64_t rows,
+                                float* out) {
+  constexpr int kW = Isa::kWidth;
+  const std::int64_t rb = row_bytes<WT>(in);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::byte* row = w + r * rb;
+    float* o = out + r * in;
+    if constexpr (WT == DType::Q8_0) {
+      for (std::int64_t k = 0; k < in; k += 32) {
+        const auto d = Isa::q8_scale(row, k);
+        for (std::int64_t kk = k; kk < k + 32; kk += kW) Isa::store(o + kk, Isa::q8_load(row, kk, d));
+      }
+    } else {
+      const std::int64_t k_vec = in - in % kW;
+      for (std::int64_t k = 0; k < k_vec; k += kW)
+        Isa::store(o + k, Isa::template load_w<WT>(row, k));
+      for (std::int64_t k = k_vec; k < in; ++k) o[k] = weight_at<WT>(row, k, Isa::half);
+    }
+  }
+}
+
+/// sm_dequantize_typed for W's dtype `wt` (F16, BF16 or Q8_0; anything else does nothing).
+template <class Isa>
+inline void sm_dequantize(const void* w, DType wt, std::int64_t in, std::int64_t rows,
+                          float* out) {
+  const auto* wb = static_cast<const std::byte*>(w);
+  switch (wt) {
+    case DType::F16: return sm_dequantize_typed<Isa, DType::F16>(wb, in, rows, out);
+    case DType::BF16: return sm_dequantize_typed<Isa, DType::BF16>(wb, in, rows, out);
+    case DType::Q8_0: return sm_dequantize_typed<Isa, DType::Q8_0>(wb, in, rows, out);
+    default: return;
+  }
+}
+
 }  // namespace
 }  // namespace brigade::cpu::detail
