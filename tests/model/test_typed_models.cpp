@@ -105,6 +105,10 @@ TEST_CASE("typed_models.stories260K: F16 and BF16 weights give the float32 engin
     // and 704 float32 gains.
     CHECK(model::weight_bytes(stories()) == 4u * (259328 + 704));
     CHECK(model::weight_bytes(narrow) == 2u * 259328 + 4u * 704);
+    // A stage of the five decoder layers (ModelSpec layers 1..5) holds 45,312 two-byte weights
+    // and two 64-float gains per layer.
+    runtime::InferenceStage decoders(narrow, {0, 1, 6}, std::vector<int>{8}, {});
+    CHECK(decoders.weight_bytes() == 5u * (2u * 45312 + 4u * 128));
     check_same_as_dequantized(narrow);
   }
 }
