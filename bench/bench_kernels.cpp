@@ -366,8 +366,9 @@ void set_small_m_counters(benchmark::State& state, std::int64_t T, std::int64_t 
                           std::int64_t out, double bytes_per_weight) {
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(in) * double(out) * 1e-9,
                                                  benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["weight_GB/s"] = benchmark::Counter(
-      double(out) * double(in) * bytes_per_weight * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] =
+      benchmark::Counter(double(out) * double(in) * bytes_per_weight * 1e-9,
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_MatmulSmallM(benchmark::State& state) {

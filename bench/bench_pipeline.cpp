@@ -64,7 +64,8 @@ const model::LlamaWeights& weights42m(DType dtype) {
   static std::mutex m;
   std::lock_guard lock(m);
   auto it = converted.find(dtype);
-  if (it == converted.end()) it = converted.emplace(dtype, model::convert_weights(weights42m(), dtype)).first;
+  if (it == converted.end())
+    it = converted.emplace(dtype, model::convert_weights(weights42m(), dtype)).first;
   return it->second;
 }
 

@@ -45,8 +45,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     const auto w = brigade::model::load_llama2c_checkpoint(f.path());
     // Touch what the loader bound: the first and last float of every tensor pointer.
-    volatile float sink = w.token_embedding.f32()[0] + w.rms_final[w.config.dim - 1] +
-                          w.wcls.f32()[static_cast<std::size_t>(w.config.vocab_size) * w.config.dim - 1];
+    volatile float sink =
+        w.token_embedding.f32()[0] + w.rms_final[w.config.dim - 1] +
+        w.wcls.f32()[static_cast<std::size_t>(w.config.vocab_size) * w.config.dim - 1];
     for (const auto& l : w.layers) sink = sink + l.w2.f32()[0] + l.w3.f32()[0];
     (void)sink;
   } catch (const brigade::Error&) {

@@ -1,6 +1,7 @@
 // matmul_wt's small-M kernel for AVX2 + FMA + F16C (built with -mavx2 -mfma -mf16c whatever the
-// library's target; run only where the CPU has all three: see cpu_kernels.cpp). Includes nothing with external
-// linkage but the entry point, so no AVX2 code can leak into the generic build's functions.
+// library's target; run only where the CPU has all three: see cpu_kernels.cpp). Includes
+// nothing with external linkage but the entry point, so no AVX2 code can leak into the generic
+// build's functions.
 #include "cpu_small_m_kernel.hpp"
 
 #include <immintrin.h>

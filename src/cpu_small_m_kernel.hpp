@@ -175,7 +175,8 @@ inline void sm_dequantize_typed(const std::byte* w, std::int64_t in, std::int64_
     if constexpr (WT == DType::Q8_0) {
       for (std::int64_t k = 0; k < in; k += 32) {
         const auto d = Isa::q8_scale(row, k);
-        for (std::int64_t kk = k; kk < k + 32; kk += kW) Isa::store(o + kk, Isa::q8_load(row, kk, d));
+        for (std::int64_t kk = k; kk < k + 32; kk += kW)
+          Isa::store(o + kk, Isa::q8_load(row, kk, d));
       }
     } else {
       const std::int64_t k_vec = in - in % kW;

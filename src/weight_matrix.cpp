@@ -28,7 +28,8 @@ void dequantize_q8_0_row(const std::byte* row, std::int64_t cols, float* out) {
     std::memcpy(&h, block, 2);
     const float d = f16_to_f32(h);
     const auto* q = reinterpret_cast<const std::int8_t*>(block + 2);
-    for (std::int64_t i = 0; i < kQ8Block; ++i) out[b * kQ8Block + i] = static_cast<float>(q[i]) * d;
+    for (std::int64_t i = 0; i < kQ8Block; ++i)
+      out[b * kQ8Block + i] = static_cast<float>(q[i]) * d;
   }
 }
 

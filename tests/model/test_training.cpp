@@ -484,7 +484,8 @@ TEST_CASE("training.drop: a gradient flagged after downstream ranks added its mi
   {
     const auto after = eng.export_weights();
     const auto n = static_cast<std::size_t>(stories().config.vocab_size * stories().config.dim);
-    CHECK(std::equal(after.token_embedding.f32(), after.token_embedding.f32() + n, before.token_embedding.f32()));
+    CHECK(std::equal(after.token_embedding.f32(), after.token_embedding.f32() + n,
+                     before.token_embedding.f32()));
   }
   // A clean step afterwards is the first step of an engine that never saw the attack.
   const auto a = eng.train_step(batches);

@@ -147,8 +147,9 @@ TEST_CASE("typed_weights.matmul_wt: F16, BF16 and Q8_0 give the bits of the floa
       // Odd K (the K % 16 tail) and odd N (rows outside the kernel's segments) for the 16-bit
       // types; Q8_0 rows are whole blocks of 32.
       const std::vector<std::pair<std::int64_t, std::int64_t>> shapes =
-          t == DType::Q8_0 ? std::vector<std::pair<std::int64_t, std::int64_t>>{{32, 7}, {96, 129}, {512, 37}}
-                           : std::vector<std::pair<std::int64_t, std::int64_t>>{{7, 11}, {172, 129}, {512, 37}};
+          t == DType::Q8_0
+              ? std::vector<std::pair<std::int64_t, std::int64_t>>{{32, 7}, {96, 129}, {512, 37}}
+              : std::vector<std::pair<std::int64_t, std::int64_t>>{{7, 11}, {172, 129}, {512, 37}};
       for (auto [in, out] : shapes) {
         const Typed w = make_typed(random_vec(rng, out * in, -0.5f, 0.5f), out, in, t);
         const Vec x_all = random_vec(rng, 80 * in);

@@ -26,7 +26,7 @@ struct WeightMatrix {
 
   constexpr WeightMatrix() noexcept = default;
   /// An F32 matrix at `f32` (implicit on purpose: every float32 weight pointer is one).
-  constexpr WeightMatrix(const float* f32) noexcept : data(f32) {}  // NOLINT(google-explicit-constructor)
+  constexpr WeightMatrix(const float* f32) noexcept : data(f32) {}  // NOLINT: implicit
   /// A matrix of `t` at `p` (the layout above).
   constexpr WeightMatrix(const void* p, DType t) noexcept : data(p), dtype(t) {}
 
@@ -54,8 +54,9 @@ void check_weight_shape(DType t, std::int64_t cols, const char* what);
 
 /// Row `n` of `w` ([? x cols]): its first byte.
 inline const std::byte* weight_row(WeightMatrix w, std::int64_t cols, std::int64_t n) noexcept {
-  const std::int64_t bytes =
-      w.dtype == DType::Q8_0 ? cols / 32 * 34 : cols * static_cast<std::int64_t>(dtype_block_bytes(w.dtype));
+  const std::int64_t bytes = w.dtype == DType::Q8_0
+                                 ? cols / 32 * 34
+                                 : cols * static_cast<std::int64_t>(dtype_block_bytes(w.dtype));
   return static_cast<const std::byte*>(w.data) + n * bytes;
 }
 
