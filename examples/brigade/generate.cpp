@@ -135,10 +135,11 @@ int run(const GenerateArgs& a) {
                               : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     model_name = "synthetic " + a.synthetic;
   }
-  if (const DType wt = *parse_dtype(a.weights_dtype); wt != DType::F32) {
+  const DType weights_dtype = *parse_dtype(a.weights_dtype);
+  if (weights_dtype != DType::F32) {
     // Converted once at load; the kernels read the narrow type directly.
     const std::size_t f32_bytes = model::weight_bytes(weights);
-    weights = model::convert_weights(weights, wt);
+    weights = model::convert_weights(weights, weights_dtype);
     if (launch.rank() == 0)
       fmt::print(stderr, "weights: {} ({:.1f} MB; {:.1f} MB as f32)\n", a.weights_dtype,
                  model::weight_bytes(weights) / 1e6, f32_bytes / 1e6);
@@ -244,15 +245,16 @@ int run(const GenerateArgs& a) {
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
   if (profile) {
-    cost::check_holds_weights(*profile, spec);
+    cost::check_holds_weights(*profile, spec, weights_dtype);
     const auto mem = engine::inference_memory(
         weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
-        requests);
+        requests, weights_dtype);
     if (under_mpi)
       cost::check_capacity(mem, std::span<const cost::DeviceProfile>(&*profile, 1),
                            "brigade generate");
     else
-      cost::check_one_process(mem, *profile, "brigade generate", cost::model_weight_bytes(spec));
+      cost::check_one_process(mem, *profile, "brigade generate",
+                              cost::model_weight_bytes(spec, weights_dtype));
   }
   // Every rank's transport under the integrity decorators (they only forward without --verify
   // and --inject): received activations and returning tokens are what the monitors check.
