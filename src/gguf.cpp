@@ -584,20 +584,22 @@ std::vector<std::int64_t> GgufFile::get_ints(std::string_view key) const {
 namespace {
 
 /// The per-layer tensors of a llama GGUF, in brigade's DecoderWeights order.
+/// A norm gain (`gain`, float32) or a matrix (`matrix`, a typed view): one of the two is set.
 struct LayerTensor {
   std::string_view suffix;
-  const float* DecoderWeights::*member;
+  const float* DecoderWeights::*gain = nullptr;
+  WeightMatrix DecoderWeights::*matrix = nullptr;
 };
 constexpr std::array<LayerTensor, 9> kLayerTensors = {{
-    {"attn_norm", &DecoderWeights::rms_att},
-    {"attn_q", &DecoderWeights::wq},
-    {"attn_k", &DecoderWeights::wk},
-    {"attn_v", &DecoderWeights::wv},
-    {"attn_output", &DecoderWeights::wo},
-    {"ffn_norm", &DecoderWeights::rms_ffn},
-    {"ffn_gate", &DecoderWeights::w1},
-    {"ffn_down", &DecoderWeights::w2},
-    {"ffn_up", &DecoderWeights::w3},
+    {"attn_norm", &DecoderWeights::rms_att, nullptr},
+    {"attn_q", nullptr, &DecoderWeights::wq},
+    {"attn_k", nullptr, &DecoderWeights::wk},
+    {"attn_v", nullptr, &DecoderWeights::wv},
+    {"attn_output", nullptr, &DecoderWeights::wo},
+    {"ffn_norm", &DecoderWeights::rms_ffn, nullptr},
+    {"ffn_gate", nullptr, &DecoderWeights::w1},
+    {"ffn_down", nullptr, &DecoderWeights::w2},
+    {"ffn_up", nullptr, &DecoderWeights::w3},
 }};
 
 /// ggml shape {in, out} of a per-layer tensor (1-D {dim} for the norms).
@@ -785,9 +787,14 @@ LlamaWeights load_gguf_llama(const GgufFile& f) {
   w.wcls = output ? weight_data(f, *output) : w.token_embedding;
   w.layers.assign(static_cast<std::size_t>(c.n_layers), DecoderWeights{});
   for (std::size_t l = 0; l < w.layers.size(); ++l)
-    for (const LayerTensor& lt : kLayerTensors)
-      w.layers[l].*lt.member =
+    for (const LayerTensor& lt : kLayerTensors) {
+      const float* p =
           weight_data(f, *f.find_tensor(fmt::format("blk.{}.{}.weight", l, lt.suffix)));
+      if (lt.gain != nullptr)
+        w.layers[l].*lt.gain = p;
+      else
+        w.layers[l].*lt.matrix = p;
+    }
   w.storage = f.storage();
   w.mapped = true;
   return w;
@@ -1032,7 +1039,9 @@ void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
                 "save_gguf_llama({}): token_embedding, rms_final or wcls is null", name);
   for (std::size_t i = 0; i < w.layers.size(); ++i)
     for (const LayerTensor& lt : kLayerTensors)
-      BRIGADE_CHECK(w.layers[i].*lt.member != nullptr, Errc::InvalidArgument,
+      BRIGADE_CHECK(lt.gain != nullptr ? w.layers[i].*lt.gain != nullptr
+                                       : static_cast<bool>(w.layers[i].*lt.matrix),
+                    Errc::InvalidArgument,
                     "save_gguf_llama({}): layer {} tensor {} is null", name, i, lt.suffix);
   BRIGADE_CHECK(tok.vocab_size() == c.vocab_size, Errc::InvalidArgument,
                 "save_gguf_llama({}): the tokenizer has {} tokens, the model's vocab_size is {}",
@@ -1088,13 +1097,13 @@ void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
     g.tensor(std::move(tname), std::move(shape), DType::F32, p,
              static_cast<std::uint64_t>(n) * sizeof(float));
   };
-  add("token_embd.weight", {d, v}, w.token_embedding);
+  add("token_embd.weight", {d, v}, w.token_embedding.f32());
   for (std::size_t l = 0; l < w.layers.size(); ++l)
     for (const LayerTensor& lt : kLayerTensors)
       add(fmt::format("blk.{}.{}.weight", l, lt.suffix), layer_shape(lt.suffix, c),
-          w.layers[l].*lt.member);
+          lt.gain != nullptr ? w.layers[l].*lt.gain : (w.layers[l].*lt.matrix).f32());
   add("output_norm.weight", {d}, w.rms_final);
-  if (!c.shared_classifier) add("output.weight", {d, v}, w.wcls);
+  if (!c.shared_classifier) add("output.weight", {d, v}, w.wcls.f32());
   g.write(path);
 }
 

@@ -207,20 +207,22 @@ namespace {
 
 /// The per-layer tensors of an HF Llama (model.layers.N.<suffix>.weight), in DecoderWeights
 /// order.
+/// A norm gain (`gain`, float32) or a matrix (`matrix`, a typed view): one of the two is set.
 struct HfLayerTensor {
   std::string_view suffix;
-  const float* DecoderWeights::*member;
+  const float* DecoderWeights::*gain = nullptr;
+  WeightMatrix DecoderWeights::*matrix = nullptr;
 };
 constexpr std::array<HfLayerTensor, 9> kHfLayer = {{
-    {"input_layernorm", &DecoderWeights::rms_att},
-    {"self_attn.q_proj", &DecoderWeights::wq},
-    {"self_attn.k_proj", &DecoderWeights::wk},
-    {"self_attn.v_proj", &DecoderWeights::wv},
-    {"self_attn.o_proj", &DecoderWeights::wo},
-    {"post_attention_layernorm", &DecoderWeights::rms_ffn},
-    {"mlp.gate_proj", &DecoderWeights::w1},
-    {"mlp.down_proj", &DecoderWeights::w2},
-    {"mlp.up_proj", &DecoderWeights::w3},
+    {"input_layernorm", &DecoderWeights::rms_att, nullptr},
+    {"self_attn.q_proj", nullptr, &DecoderWeights::wq},
+    {"self_attn.k_proj", nullptr, &DecoderWeights::wk},
+    {"self_attn.v_proj", nullptr, &DecoderWeights::wv},
+    {"self_attn.o_proj", nullptr, &DecoderWeights::wo},
+    {"post_attention_layernorm", &DecoderWeights::rms_ffn, nullptr},
+    {"mlp.gate_proj", nullptr, &DecoderWeights::w1},
+    {"mlp.down_proj", nullptr, &DecoderWeights::w2},
+    {"mlp.up_proj", nullptr, &DecoderWeights::w3},
 }};
 
 /// PyTorch shape {out, in} of a per-layer tensor ({dim} for the norms).
@@ -449,7 +451,10 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
         storage->owned.push_back(unpermute(p, heads, c.head_size(), c.dim));
         p = storage->owned.back().data();
       }
-      w.layers[l].*lt.member = p;
+      if (lt.gain != nullptr)
+        w.layers[l].*lt.gain = p;
+      else
+        w.layers[l].*lt.matrix = p;
     }
   w.storage = std::shared_ptr<const void>(storage, storage.get());
   w.mapped = false;

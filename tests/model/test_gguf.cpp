@@ -93,23 +93,23 @@ TEST_CASE("gguf.stories260K: every weight equals stories260K.bin bit for bit (no
   CHECK(g.wcls != g.token_embedding);
   const auto d = static_cast<std::size_t>(c.dim), h = static_cast<std::size_t>(c.hidden_dim),
              kv = static_cast<std::size_t>(c.kv_dim()), v = static_cast<std::size_t>(c.vocab_size);
-  CHECK(same_floats(g.token_embedding, b.token_embedding, v * d));
+  CHECK(same_floats(g.token_embedding.f32(), b.token_embedding.f32(), v * d));
   CHECK(same_floats(g.rms_final, b.rms_final, d));
-  CHECK(same_floats(g.wcls, b.wcls, v * d));
+  CHECK(same_floats(g.wcls.f32(), b.wcls.f32(), v * d));
   for (std::size_t l = 0; l < g.layers.size(); ++l) {
     CAPTURE(l);
     const model::DecoderWeights &x = g.layers[l], &y = b.layers[l];
     CHECK(same_floats(x.rms_att, y.rms_att, d));
     // llama.cpp's converters keep Meta's interleaved Q/K rows, the adjacent-pair RoPE of
     // llama2.c: wq and wk are the same bytes, nothing to undo.
-    CHECK(same_floats(x.wq, y.wq, d * d));
-    CHECK(same_floats(x.wk, y.wk, kv * d));
-    CHECK(same_floats(x.wv, y.wv, kv * d));
-    CHECK(same_floats(x.wo, y.wo, d * d));
+    CHECK(same_floats(x.wq.f32(), y.wq.f32(), d * d));
+    CHECK(same_floats(x.wk.f32(), y.wk.f32(), kv * d));
+    CHECK(same_floats(x.wv.f32(), y.wv.f32(), kv * d));
+    CHECK(same_floats(x.wo.f32(), y.wo.f32(), d * d));
     CHECK(same_floats(x.rms_ffn, y.rms_ffn, d));
-    CHECK(same_floats(x.w1, y.w1, h * d));
-    CHECK(same_floats(x.w2, y.w2, d * h));
-    CHECK(same_floats(x.w3, y.w3, h * d));
+    CHECK(same_floats(x.w1.f32(), y.w1.f32(), h * d));
+    CHECK(same_floats(x.w2.f32(), y.w2.f32(), d * h));
+    CHECK(same_floats(x.w3.f32(), y.w3.f32(), h * d));
   }
 }
 
@@ -208,7 +208,7 @@ TEST_CASE("gguf.convert: llama2.c -> GGUF -> llama2.c is byte-identical, and so 
   model::save_gguf_llama(dir / "sep.gguf", sep, tok);
   const model::LlamaWeights sep2 = model::load_gguf_llama(dir / "sep.gguf");
   CHECK_FALSE(sep2.config.shared_classifier);
-  CHECK(same_floats(sep2.wcls, cls.data(), cls.size()));
+  CHECK(same_floats(sep2.wcls.f32(), cls.data(), cls.size()));
   CHECK(model::GgufFile::open(dir / "sep.gguf").find_tensor("output.weight") != nullptr);
 }
 

@@ -95,19 +95,19 @@ std::pair<json, std::vector<Entry>> hf_stories260K(const model::LlamaWeights& w)
              kv = static_cast<std::size_t>(c.kv_dim()), v = static_cast<std::size_t>(c.vocab_size);
   const std::int64_t D = c.dim, H = c.hidden_dim, KV = c.kv_dim(), V = c.vocab_size;
   std::vector<Entry> e;
-  e.push_back({"model.embed_tokens.weight", "F32", {V, D}, floats(w.token_embedding, v * d)});
+  e.push_back({"model.embed_tokens.weight", "F32", {V, D}, floats(w.token_embedding.f32(), v * d)});
   for (std::size_t l = 0; l < w.layers.size(); ++l) {
     const model::DecoderWeights& x = w.layers[l];
     const std::string p = fmt::format("model.layers.{}.", l);
     e.push_back({p + "input_layernorm.weight", "F32", {D}, floats(x.rms_att, d)});
-    e.push_back({p + "self_attn.q_proj.weight", "F32", {D, D}, hf_permute(x.wq, c.n_heads, c.head_size(), c.dim)});
-    e.push_back({p + "self_attn.k_proj.weight", "F32", {KV, D}, hf_permute(x.wk, c.n_kv_heads, c.head_size(), c.dim)});
-    e.push_back({p + "self_attn.v_proj.weight", "F32", {KV, D}, floats(x.wv, kv * d)});
-    e.push_back({p + "self_attn.o_proj.weight", "F32", {D, D}, floats(x.wo, d * d)});
+    e.push_back({p + "self_attn.q_proj.weight", "F32", {D, D}, hf_permute(x.wq.f32(), c.n_heads, c.head_size(), c.dim)});
+    e.push_back({p + "self_attn.k_proj.weight", "F32", {KV, D}, hf_permute(x.wk.f32(), c.n_kv_heads, c.head_size(), c.dim)});
+    e.push_back({p + "self_attn.v_proj.weight", "F32", {KV, D}, floats(x.wv.f32(), kv * d)});
+    e.push_back({p + "self_attn.o_proj.weight", "F32", {D, D}, floats(x.wo.f32(), d * d)});
     e.push_back({p + "post_attention_layernorm.weight", "F32", {D}, floats(x.rms_ffn, d)});
-    e.push_back({p + "mlp.gate_proj.weight", "F32", {H, D}, floats(x.w1, h * d)});
-    e.push_back({p + "mlp.down_proj.weight", "F32", {D, H}, floats(x.w2, d * h)});
-    e.push_back({p + "mlp.up_proj.weight", "F32", {H, D}, floats(x.w3, h * d)});
+    e.push_back({p + "mlp.gate_proj.weight", "F32", {H, D}, floats(x.w1.f32(), h * d)});
+    e.push_back({p + "mlp.down_proj.weight", "F32", {D, H}, floats(x.w2.f32(), d * h)});
+    e.push_back({p + "mlp.up_proj.weight", "F32", {H, D}, floats(x.w3.f32(), h * d)});
   }
   e.push_back({"model.norm.weight", "F32", {D}, floats(w.rms_final, d)});
   return {cfg, e};
@@ -151,17 +151,17 @@ TEST_CASE("safetensors.stories260K: the HF layout loads back to llama2.c's weigh
     CHECK(c.shared_classifier);
     CHECK_FALSE(g.mapped);
     const auto d = 64u, h = 172u, kv = 32u;
-    CHECK(same(g.token_embedding, b.token_embedding, 512 * d));
+    CHECK(same(g.token_embedding.f32(), b.token_embedding.f32(), 512 * d));
     CHECK(same(g.rms_final, b.rms_final, d));
     for (std::size_t l = 0; l < 5; ++l) {
       CAPTURE(l);
-      CHECK(same(g.layers[l].wq, b.layers[l].wq, d * d));
-      CHECK(same(g.layers[l].wk, b.layers[l].wk, kv * d));
-      CHECK(same(g.layers[l].wv, b.layers[l].wv, kv * d));
-      CHECK(same(g.layers[l].wo, b.layers[l].wo, d * d));
-      CHECK(same(g.layers[l].w1, b.layers[l].w1, h * d));
-      CHECK(same(g.layers[l].w2, b.layers[l].w2, d * h));
-      CHECK(same(g.layers[l].w3, b.layers[l].w3, h * d));
+      CHECK(same(g.layers[l].wq.f32(), b.layers[l].wq.f32(), d * d));
+      CHECK(same(g.layers[l].wk.f32(), b.layers[l].wk.f32(), kv * d));
+      CHECK(same(g.layers[l].wv.f32(), b.layers[l].wv.f32(), kv * d));
+      CHECK(same(g.layers[l].wo.f32(), b.layers[l].wo.f32(), d * d));
+      CHECK(same(g.layers[l].w1.f32(), b.layers[l].w1.f32(), h * d));
+      CHECK(same(g.layers[l].w2.f32(), b.layers[l].w2.f32(), d * h));
+      CHECK(same(g.layers[l].w3.f32(), b.layers[l].w3.f32(), h * d));
       CHECK(same(g.layers[l].rms_att, b.layers[l].rms_att, d));
       CHECK(same(g.layers[l].rms_ffn, b.layers[l].rms_ffn, d));
     }
@@ -288,7 +288,7 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
     return model::load_safetensors_llama(d);
   }();
   CHECK_FALSE(sep.config.shared_classifier);
-  CHECK(same(sep.wcls, b.token_embedding, 512 * 64));
+  CHECK(same(sep.wcls.f32(), b.token_embedding.f32(), 512 * 64));
   CHECK(has(error_of(Errc::BadFile, [&] { (void)model::load_safetensors_llama(dir / "none"); }),
             "config.json"));
 }
@@ -306,8 +306,8 @@ TEST_CASE("safetensors.convert: brigade convert turns an HF checkpoint into a GG
   REQUIRE(r.rc == 0);
   const model::LlamaWeights g = model::load_gguf_llama(dir / "m.gguf");
   for (std::size_t l = 0; l < 5; ++l) {
-    CHECK(same(g.layers[l].wq, b.layers[l].wq, 64 * 64));
-    CHECK(same(g.layers[l].wk, b.layers[l].wk, 32 * 64));
+    CHECK(same(g.layers[l].wq.f32(), b.layers[l].wq.f32(), 64 * 64));
+    CHECK(same(g.layers[l].wk.f32(), b.layers[l].wk.f32(), 32 * 64));
   }
   const auto t = test::run_cli("convert " + dir.path.string() + " " + (dir / "n.gguf").string());
   CHECK(t.rc == 2);
