@@ -618,23 +618,61 @@ std::string shape_text(const std::vector<std::int64_t>& s) {
 
 /// The float32 values of weight tensor `t`: the one place a tensor's dtype is turned into what
 /// LlamaWeights holds. Only f32 is bound today; the narrow dtypes arrive with typed views.
-const float* weight_data(const GgufFile& f, const GgufTensor& t) {
-  if (t.dtype != DType::F32)
-    detail::fail(Errc::BadFile,
-                 "{}: tensor {} is {}; brigade binds only f32 weights from a GGUF file (convert "
-                 "it to f32 with llama.cpp's llama-quantize ... F32)",
-                 f.path().string(), t.name, to_string(t.dtype));
-  const auto* p = reinterpret_cast<const float*>(t.data);
+/// The first non-finite element of a matrix of `t` ([rows x cols]), or n = rows x cols: F16 and
+/// BF16 by their exponent bits, Q8_0 by its blocks' scales (each int8 is finite).
+std::size_t first_non_finite_typed(const GgufTensor& t) {
   const auto n = static_cast<std::size_t>(t.elements);
-  const std::size_t i = first_non_finite(p, n);
-  if (i != n) {
-    const auto cols = static_cast<std::size_t>(t.shape[0]);
-    detail::fail(Errc::BadFile,
-                 "{}: tensor {}, element {} (row {}, column {}) is {}: a model's weights must be "
-                 "finite",
-                 f.path().string(), t.name, i, i / cols, i % cols, p[i]);
+  switch (t.dtype) {
+    case DType::F32: return first_non_finite(reinterpret_cast<const float*>(t.data), n);
+    case DType::F16:
+    case DType::BF16: {
+      const std::uint16_t exp_mask = t.dtype == DType::F16 ? 0x7c00 : 0x7f80;
+      for (std::size_t i = 0; i < n; ++i) {
+        std::uint16_t h;
+        std::memcpy(&h, static_cast<const std::byte*>(t.data) + 2 * i, 2);
+        if ((h & exp_mask) == exp_mask) return i;
+      }
+      return n;
+    }
+    case DType::Q8_0:
+      for (std::size_t b = 0; b < n / 32; ++b) {
+        std::uint16_t d;
+        std::memcpy(&d, static_cast<const std::byte*>(t.data) + 34 * b, 2);
+        if ((d & 0x7c00) == 0x7c00) return 32 * b;
+      }
+      return n;
+    default: return n;
   }
-  return p;
+}
+
+/// A matrix tensor as a typed view into the mapping (f32, f16, bf16 or q8_0, kept in its dtype:
+/// the kernels read it), after a scan for non-finite values.
+/// @throws brigade::Error{BadFile} naming the tensor for another dtype, a q8_0 row that is not
+///         whole blocks, or a non-finite element (row and column)
+WeightMatrix matrix_data(const GgufFile& f, const GgufTensor& t) {
+  if (!is_weight_dtype(t.dtype))
+    detail::fail(Errc::BadFile, "{}: tensor {} is {}; brigade reads weight matrices in f32, f16, "
+                 "bf16 and q8_0", f.path().string(), t.name, to_string(t.dtype));
+  const auto cols = static_cast<std::size_t>(t.shape[0]);
+  if (t.dtype == DType::Q8_0 && cols % 32 != 0)
+    detail::fail(Errc::BadFile, "{}: tensor {} is q8_0 with rows of {} values, not whole blocks "
+                 "of 32", f.path().string(), t.name, cols);
+  const std::size_t i = first_non_finite_typed(t);
+  if (i != static_cast<std::size_t>(t.elements))
+    detail::fail(Errc::BadFile,
+                 "{}: tensor {}, element {} (row {}, column {}) is not finite: a model's weights "
+                 "must be finite",
+                 f.path().string(), t.name, i, i / cols, i % cols);
+  return WeightMatrix(t.data, t.dtype);
+}
+
+/// A norm gain ([dim]): float32, as llama.cpp writes them in every file type.
+/// @throws brigade::Error{BadFile} naming the tensor for another dtype or a non-finite element
+const float* gain_data(const GgufFile& f, const GgufTensor& t) {
+  if (t.dtype != DType::F32)
+    detail::fail(Errc::BadFile, "{}: tensor {} is {}; norm gains must be f32", f.path().string(),
+                 t.name, to_string(t.dtype));
+  return matrix_data(f, t).f32();
 }
 
 /// A positive int metadata value (the config's fields are int).
@@ -782,18 +820,17 @@ LlamaWeights load_gguf_llama(const GgufFile& f) {
   const GgufTensor* norm = f.find_tensor("output_norm.weight");
   if (!norm) detail::fail(Errc::BadFile, "{}: tensor output_norm.weight is missing", name);
 
-  w.token_embedding = weight_data(f, *embd);
-  w.rms_final = weight_data(f, *norm);
-  w.wcls = output ? weight_data(f, *output) : w.token_embedding;
+  w.token_embedding = matrix_data(f, *embd);
+  w.rms_final = gain_data(f, *norm);
+  w.wcls = output ? matrix_data(f, *output) : w.token_embedding;
   w.layers.assign(static_cast<std::size_t>(c.n_layers), DecoderWeights{});
   for (std::size_t l = 0; l < w.layers.size(); ++l)
     for (const LayerTensor& lt : kLayerTensors) {
-      const float* p =
-          weight_data(f, *f.find_tensor(fmt::format("blk.{}.{}.weight", l, lt.suffix)));
+      const GgufTensor& t = *f.find_tensor(fmt::format("blk.{}.{}.weight", l, lt.suffix));
       if (lt.gain != nullptr)
-        w.layers[l].*lt.gain = p;
+        w.layers[l].*lt.gain = gain_data(f, t);
       else
-        w.layers[l].*lt.matrix = p;
+        w.layers[l].*lt.matrix = matrix_data(f, t);
     }
   w.storage = f.storage();
   w.mapped = true;

@@ -404,8 +404,17 @@ TEST_CASE("gguf.llama: block count vs tensors, missing and extra tensors, shapes
   shape.tensors[2].dims = {8, 4};  // blk.0.attn_q
   CHECK(f.llama_error(shape).find("tensor blk.0.attn_q.weight has shape [8, 4], expected [8, 8]") !=
         std::string::npos);
-  CHECK(f.llama_error(llama(1, 1, 1)).find("tensor blk.0.attn_q.weight is f16") !=
-        std::string::npos);
+  // Matrices stay in their dtype (f16 here: read by the kernels); norm gains must be f32, and a
+  // q8_0 matrix needs whole blocks per row (8 columns are not).
+  const model::LlamaWeights typed = model::load_gguf_llama(f.write(llama(1, 1, 1).build()));
+  CHECK(typed.layers[0].wq.dtype == DType::F16);
+  CHECK(typed.layers[0].wk.dtype == DType::F32);
+  Builder half_gain = llama(1, 1);
+  half_gain.tensors[1].type = 1;  // blk.0.attn_norm
+  CHECK(f.llama_error(half_gain).find("tensor blk.0.attn_norm.weight is f16; norm gains must be "
+                                      "f32") != std::string::npos);
+  INFO(f.llama_error(llama(1, 1, 8)));
+  CHECK(f.llama_error(llama(1, 1, 8)).find("blk.0.attn_q.weight") != std::string::npos);
   Builder scaled = llama(1, 1);
   scaled.string("llama.rope.scaling.type", "linear");
   CHECK(f.llama_error(scaled).find("metadata key 'llama.rope.scaling.type' is set") !=
