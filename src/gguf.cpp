@@ -745,7 +745,7 @@ LlamaWeights load_gguf_llama(const GgufFile& f) {
     const std::int64_t rd = f.get_int("llama.rope.dimension_count");
     BRIGADE_CHECK(rd == c.head_size(), Errc::BadFile,
                   "{}: metadata key 'llama.rope.dimension_count' = {}, expected the head size {} "
-                  "(partial RoPE is not implemented)",
+                  "(brigade rotates whole heads; partial RoPE is refused)",
                   name, rd, c.head_size());
   }
   if (f.find("llama.vocab_size")) {

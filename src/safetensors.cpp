@@ -324,8 +324,8 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
   c.shared_classifier = cfg.value("tie_word_embeddings", false);
   if (cfg.contains("rope_scaling") && !cfg["rope_scaling"].is_null())
     detail::fail(Errc::BadFile,
-                 "{}: key \"rope_scaling\" = {}: RoPE scaling is not implemented in brigade, which "
-                 "would give wrong tokens",
+                 "{}: key \"rope_scaling\" = {}: brigade's RoPE has no scaling, so the model is "
+                 "refused (it would give wrong tokens)",
                  cfg_name, detail::excerpt(cfg["rope_scaling"].dump(), 64));
   try {
     c.validate(cfg_name);

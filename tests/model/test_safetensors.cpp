@@ -260,7 +260,7 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
   CHECK(has(err(c, entries), "key \"num_hidden_layers\" = 2147483647, but the checkpoint holds 47 tensors"));
   c = cfg;
   c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
-  CHECK(has(err(c, entries), "key \"rope_scaling\" = {\"factor\":2.0,\"type\":\"linear\"}: RoPE scaling is not implemented"));
+  CHECK(has(err(c, entries), "key \"rope_scaling\" = {\"factor\":2.0,\"type\":\"linear\"}: brigade's RoPE has no scaling"));
   c = cfg;
   c["model_type"] = "mistral";
   c["architectures"] = {"MistralForCausalLM"};
