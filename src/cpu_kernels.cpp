@@ -2,15 +2,15 @@
 // own GEMM or, for large products, OpenBLAS's SGEMM when OpenBLAS has a kernel for this CPU
 // (see gemm_backend()).
 //
-// Fidelity to llama2.c run.c: the element-wise kernels (RMSNorm, RoPE, softmax, SwiGLU) use
-// run.c's formulas, float accumulation and libm calls (sqrtf, powf, cosf, sinf, expf) in the
-// same order, so they give run.c's bits. Only the dot products inside GEMMs (projections and
-// the attention blocks) are summed in BLAS order instead of run.c's left-to-right order.
+// Threads: intra_op.hpp's team of the calling thread, one pool for every kernel. A product is
+// split over W's rows (the output's columns), attention over heads; OpenBLAS runs
+// single-threaded inside each part.
 #include "brigade/backend/cpu.hpp"
 
 #include "brigade/core/error.hpp"
 #include "cpu_checks.hpp"
 #include "cpu_small_m.hpp"
+#include "intra_op.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -39,8 +39,14 @@ using ConstMapMat = Eigen::Map<const RowMat>;
 using StridedMat = Eigen::Map<RowMat, 0, Eigen::OuterStride<>>;
 using ConstStridedMat = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
 
+// Products with fewer rows go to Eigen (a GEMV-like shape, where Eigen is faster than SGEMM).
+constexpr std::int64_t kBlasMinRows = 32;
+
+using detail::kGemmChunk;
+using detail::parallel_chunks;
+
 /// Query rows per attention block: S = Q_blk K^T is [kAttnBlock x context] floats.
-constexpr std::int64_t kAttnBlock = 64;
+constexpr std::int64_t kAttnBlock = 128;
 
 std::size_t usize(std::int64_t n) { return static_cast<std::size_t>(n); }
 
@@ -54,6 +60,10 @@ T* grow(std::vector<T>& v, std::int64_t n) {
 using detail::check_gemm_shape;
 using detail::check_heads;
 
+using detail::intra_op_threads;
+using detail::parallel_parts;
+using detail::part_range;
+
 /// attention() with caller-owned score storage (grown on demand).
 void attention_impl(const float* q, const float* k_cache, const float* v_cache, float* out,
                     std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads,
@@ -64,9 +74,18 @@ void attention_impl(const float* q, const float* k_cache, const float* v_cache, 
   const int kv_mul = n_heads / n_kv_heads;
   const float scale = std::sqrt(static_cast<float>(head_size));  // run.c: sqrtf(head_size)
   const std::int64_t context = pos0 + tokens;
-  float* att = grow(scores, std::min(kAttnBlock, tokens) * context);
-
-  for (int h = 0; h < n_heads; ++h) {
+  const std::int64_t block_scores = std::min(kAttnBlock, tokens) * context;
+  // Heads are independent: with intra-op threads each part takes a contiguous range of heads
+  // and its own score block (the bits do not depend on the thread count). Decode (a few rows
+  // over a short context) stays on the calling thread, where a fork costs more than the work.
+  const int threads = std::min(
+      n_heads, intra_op_threads(4.0 * double(tokens) * double(context) * double(dim)));
+  float* all = grow(scores, block_scores * threads);
+  parallel_parts(threads, [&](int part) {
+  std::int64_t h0 = 0, h1 = 0;
+  part_range(n_heads, threads, part, 1, h0, h1);
+  float* att = all + block_scores * part;
+  for (int h = static_cast<int>(h0); h < h1; ++h) {
     const std::int64_t kv_off = static_cast<std::int64_t>(h / kv_mul) * hs;
     for (std::int64_t r0 = 0; r0 < tokens; r0 += kAttnBlock) {
       const std::int64_t rows = std::min(kAttnBlock, tokens - r0);
@@ -87,6 +106,7 @@ void attention_impl(const float* q, const float* k_cache, const float* v_cache, 
       ob.noalias() = s * vb;
     }
   }
+  });
 }
 
 }  // namespace
@@ -109,6 +129,7 @@ void rmsnorm(const float* x, const float* weight, float* out, std::int64_t token
 
 GemmBackend gemm_backend() {
   static const GemmBackend chosen = [] {
+    openblas_set_num_threads(1);  // before any SGEMM: OpenBLAS never starts its own threads
     if (const char* env = std::getenv("BRIGADE_GEMM")) {
       if (std::string_view(env) == "eigen") return GemmBackend::Eigen;
       if (std::string_view(env) == "blas") return GemmBackend::Blas;
@@ -126,8 +147,6 @@ GemmBackend gemm_backend() {
 }
 
 namespace {
-// Products with fewer rows go to Eigen (a GEMV-like shape, where Eigen is faster than SGEMM).
-constexpr std::int64_t kBlasMinRows = 32;
 
 // ---- small-M path: out[T x N] (+)= x[T x K] W^T for few rows T, W streamed once unpacked ----
 //
@@ -216,15 +235,15 @@ std::atomic<KernelIsa>& current_isa() {
 void small_m_gemm(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, bool accumulate) {
   const detail::SmallMKernel kernel = kernel_of(current_isa().load(std::memory_order_relaxed));
-  const double flops = 2.0 * double(tokens) * double(in) * double(out_dim);
-  const int threads = Eigen::nbThreads();
-  if (threads > 1 && flops > 2e6) {
-    // Each thread takes one contiguous range of W's rows (its own weight streams); each
+  const int threads = intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
+  if (threads > 1) {
+    // Each part takes one contiguous range of W's rows (its own weight streams); each
     // output's summation order is the same whoever computes it.
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int p = 0; p < threads; ++p)
-      kernel(x, w.data, w.dtype, out, tokens, in, out_dim, out_dim * p / threads,
-             out_dim * (p + 1) / threads, accumulate);
+    parallel_parts(threads, [&](int p) {
+      std::int64_t n0 = 0, n1 = 0;
+      part_range(out_dim, threads, p, 16, n0, n1);
+      if (n1 > n0) kernel(x, w.data, w.dtype, out, tokens, in, out_dim, n0, n1, accumulate);
+    });
   } else {
     kernel(x, w.data, w.dtype, out, tokens, in, out_dim, 0, out_dim, accumulate);
   }
@@ -249,18 +268,27 @@ void gemm_wt(const float* x, model::WeightMatrix wm, float* out, std::int64_t to
     dequantize_for(current_isa().load(std::memory_order_relaxed), wm, in, out_dim,
                    dequantized.data());
   }
-  if (gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
-                static_cast<blasint>(out_dim), static_cast<blasint>(in), 1.0f, x,
-                static_cast<blasint>(in), w, static_cast<blasint>(in), beta, out,
-                static_cast<blasint>(out_dim));
+  const bool blas = gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows;
+  const int threads = intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
+  // Fixed chunks of kGemmChunk rows of x (OpenBLAS) or of W (Eigen), one single-threaded
+  // call each, dealt to the threads: the same calls at any thread count, so the same bits.
+  if (blas) {
+    parallel_chunks(tokens, kGemmChunk, threads, [&](std::int64_t t0, std::int64_t t1) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(t1 - t0),
+                  static_cast<blasint>(out_dim), static_cast<blasint>(in), 1.0f, x + t0 * in,
+                  static_cast<blasint>(in), w, static_cast<blasint>(in), beta,
+                  out + t0 * out_dim, static_cast<blasint>(out_dim));
+    });
     return;
   }
-  MapMat o(out, tokens, out_dim);
-  if (beta == 0.0f)
-    o.noalias() = ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
-  else
-    o.noalias() += ConstMapMat(x, tokens, in) * ConstMapMat(w, out_dim, in).transpose();
+  parallel_chunks(out_dim, kGemmChunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+    StridedMat o(out + n0, tokens, n1 - n0, Eigen::OuterStride<>(out_dim));
+    const ConstMapMat xm(x, tokens, in), wp(w + n0 * in, n1 - n0, in);
+    if (beta == 0.0f)
+      o.noalias() = xm * wp.transpose();
+    else
+      o.noalias() += xm * wp.transpose();
+  });
 }
 }  // namespace
 
@@ -299,8 +327,14 @@ void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int 
     f[usize(j)] =
         1.0f / std::pow(theta, static_cast<float>(head_dim) / static_cast<float>(head_size));
   }
+  // Tokens are independent (a cos and a sin per pair and token): split over the intra-op
+  // threads in prefill.
+  const int threads = intra_op_threads(40.0 * double(tokens) * double(half) + double(tokens * (dim + kv_dim)));
+  parallel_parts(threads, [&](int part) {
+  std::int64_t t0 = 0, t1 = 0;
+  part_range(tokens, threads, part, 1, t0, t1);
   std::vector<float> c(2 * static_cast<std::size_t>(half));  // cos, sin per pair
-  for (std::int64_t t = 0; t < tokens; ++t) {
+  for (std::int64_t t = t0; t < t1; ++t) {
     const float p = static_cast<float>(pos[t]);
     for (int j = 0; j < half; ++j) {
       const float val = p * f[usize(j)];
@@ -319,6 +353,7 @@ void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int 
     rotate(q + t * dim, dim);
     rotate(k + t * kv_dim, kv_dim);
   }
+  });
 }
 
 void attention(const float* q, const float* k_cache, const float* v_cache, float* out,
@@ -333,12 +368,18 @@ void attention(const float* q, const float* k_cache, const float* v_cache, float
 }
 
 void swiglu(float* gate, const float* up, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    float val = gate[i];
-    val *= 1.0f / (1.0f + std::exp(-val));
-    val *= up[i];
-    gate[i] = val;
-  }
+  // An expf per element (about 20 flops' time): split over the intra-op threads in prefill.
+  const int threads = intra_op_threads(20.0 * double(n));
+  parallel_parts(threads, [&](int p) {
+    std::int64_t i0 = 0, i1 = 0;
+    part_range(n, threads, p, 16, i0, i1);
+    for (std::int64_t i = i0; i < i1; ++i) {
+      float val = gate[i];
+      val *= 1.0f / (1.0f + std::exp(-val));
+      val *= up[i];
+      gate[i] = val;
+    }
+  });
 }
 
 void softmax(float* x, std::int64_t n) {
@@ -397,14 +438,6 @@ std::string cpu_model_name() {
   }
   return "unknown";
 }
-
-void set_blas_threads(int n) {
-  BRIGADE_CHECK(n >= 1, Errc::InvalidArgument, "set_blas_threads: n = {}; expected >= 1", n);
-  openblas_set_num_threads(n);
-  Eigen::setNbThreads(n);  // Eigen's GEMM splits its work over n OpenMP threads
-}
-
-int blas_threads() { return Eigen::nbThreads(); }
 
 void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                            float* x, std::int64_t tokens, const std::int32_t* pos,

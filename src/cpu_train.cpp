@@ -7,6 +7,7 @@
 #include "brigade/backend/cpu.hpp"
 #include "brigade/core/error.hpp"
 #include "cpu_checks.hpp"
+#include "intra_op.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -39,6 +40,17 @@ using ConstMapArr = Eigen::Map<const Eigen::ArrayXf>;
 
 /// Query rows per attention block: the score block is [kAttnBlock x keys] floats.
 constexpr std::int64_t kAttnBlock = 128;
+
+/// Flops of causal attention over the sequences of `offsets` (QK^T and PV, dim = heads x head
+/// size): the size that decides whether it is split over threads.
+double attention_flops(std::span<const std::int64_t> offsets, std::int64_t dim) {
+  double f = 0;
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+    const double len = static_cast<double>(offsets[s + 1] - offsets[s]);
+    f += 2.0 * len * len * static_cast<double>(dim);  // two products of len^2 / 2 x dim MACs
+  }
+  return f;
+}
 
 // Alignment-independent reductions and exp. Eigen peels an unaligned head of a dynamic-size Map
 // with scalar code, so the order of a sum, and whether an element's exp takes the vector or the
@@ -283,20 +295,31 @@ void matmul_wt_backward_input(const float* dy, const float* w, float* dx, std::i
     if (store == Store::Overwrite) d.setZero();
     return;
   }
-  const ConstMapMat g(dy, tokens, out_dim), wm(w, out_dim, in);
-  if (store == Store::Overwrite) {
-    d.noalias() = g * wm;
-  } else {
-    d.noalias() += g * wm;
-  }
+  // Fixed chunks of dx's columns (W's columns), one single-threaded product each: the same
+  // products at any thread count (intra_op.hpp).
+  const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
+  detail::parallel_chunks(in, detail::kGemmChunk, threads, [&](std::int64_t i0, std::int64_t i1) {
+    const ConstMapMat g(dy, tokens, out_dim);
+    const ConstStridedMat wm(w + i0, out_dim, i1 - i0, Eigen::OuterStride<>(in));
+    auto dp = d.middleCols(i0, i1 - i0);
+    if (store == Store::Overwrite) {
+      dp.noalias() = g * wm;
+    } else {
+      dp.noalias() += g * wm;
+    }
+  });
 }
 
 void matmul_wt_backward_weight(const float* dy, const float* x, float* dw, std::int64_t tokens,
                                std::int64_t in, std::int64_t out_dim) {
   check_gemm_shape("matmul_wt_backward_weight", tokens, in, out_dim);
   if (tokens == 0 || in == 0 || out_dim == 0) return;
-  MapMat(dw, out_dim, in).noalias() +=
-      ConstMapMat(dy, tokens, out_dim).transpose() * ConstMapMat(x, tokens, in);
+  // Fixed chunks of dW's rows (dy's columns), as above.
+  const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
+  detail::parallel_chunks(out_dim, detail::kGemmChunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+    const ConstStridedMat g(dy + n0, tokens, n1 - n0, Eigen::OuterStride<>(out_dim));
+    MapMat(dw + n0 * in, n1 - n0, in).noalias() += g.transpose() * ConstMapMat(x, tokens, in);
+  });
 }
 
 void rope_varlen(float* q, float* k, std::span<const std::int64_t> offsets, int n_heads,
@@ -332,11 +355,19 @@ void attention_varlen_forward(const float* q, const float* k, const float* v, fl
   std::int64_t longest = 0;
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s)
     longest = std::max(longest, offsets[s + 1] - offsets[s]);
-  std::vector<float> scores(usize(std::min(kAttnBlock, longest) * longest));
+  const std::int64_t block = std::min(kAttnBlock, longest) * longest;
+  // Parts over KV heads (each with the query heads that share it): the bits do not depend on
+  // the thread count.
+  const int threads = std::min(n_kv_heads, detail::intra_op_threads(attention_flops(offsets, dim)));
+  std::vector<float> all_scores(usize(block * threads));
 
+  detail::parallel_parts(threads, [&](int part) {
+  std::int64_t g0 = 0, g1 = 0;
+  detail::part_range(n_kv_heads, threads, part, 1, g0, g1);
+  float* const scores = all_scores.data() + block * part;
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
     const std::int64_t o = offsets[s], len = offsets[s + 1] - offsets[s];
-    for (int h = 0; h < n_heads; ++h) {
+    for (int h = static_cast<int>(g0) * kv_mul; h < g1 * kv_mul; ++h) {
       const std::int64_t kv_off = static_cast<std::int64_t>(h / kv_mul) * hs;
       for (std::int64_t r0 = 0; r0 < len; r0 += kAttnBlock) {
         const std::int64_t rows = std::min(kAttnBlock, len - r0);
@@ -345,23 +376,24 @@ void attention_varlen_forward(const float* q, const float* k, const float* v, fl
                                  Eigen::OuterStride<>(dim));
         const ConstStridedMat kb(k + o * kv_dim + kv_off, keys, hs, Eigen::OuterStride<>(kv_dim));
         const ConstStridedMat vb(v + o * kv_dim + kv_off, keys, hs, Eigen::OuterStride<>(kv_dim));
-        MapMat sm(scores.data(), rows, keys);
+        MapMat sm(scores, rows, keys);
         sm.noalias() = qb * kb.transpose();
         for (std::int64_t i = 0; i < rows; ++i) {
           const std::int64_t visible = r0 + i + 1;
-          MapArr row(scores.data() + i * keys, visible);
+          MapArr row(scores + i * keys, visible);
           row /= scale;
           const float mx = row.maxCoeff();
           const float sum = exp_affine_fixed(row.data(), row.data(), visible, 1.0f, mx);
           row /= sum;
           if (lse != nullptr) lse[(o + r0 + i) * n_heads + h] = mx + std::log(sum);
-          std::fill(scores.data() + i * keys + visible, scores.data() + (i + 1) * keys, 0.0f);
+          std::fill(scores + i * keys + visible, scores + (i + 1) * keys, 0.0f);
         }
         StridedMat(out + (o + r0) * dim + h * hs, rows, hs, Eigen::OuterStride<>(dim))
             .noalias() = sm * vb;
       }
     }
   }
+  });
 }
 
 void attention_varlen_backward(const float* q, const float* k, const float* v, const float* out,
@@ -382,14 +414,25 @@ void attention_varlen_backward(const float* q, const float* k, const float* v, c
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s)
     longest = std::max(longest, offsets[s + 1] - offsets[s]);
   const std::int64_t block = std::min(kAttnBlock, longest) * longest;
-  std::vector<float> pbuf(usize(block)), dpbuf(usize(block));
-  std::vector<float> dsum(usize(std::min(kAttnBlock, longest)));
+  const std::int64_t rows_max = std::min(kAttnBlock, longest);
   std::fill(dk, dk + tokens * kv_dim, 0.0f);
   std::fill(dv, dv + tokens * kv_dim, 0.0f);
+  // Parts over KV heads, as the forward: dK and dV of a KV head are summed by one part, over
+  // sequences and then its query heads in order, whatever the thread count.
+  const int threads =
+      std::min(n_kv_heads, detail::intra_op_threads(2.0 * attention_flops(offsets, dim)));
+  std::vector<float> all_p(usize(block * threads)), all_dp(usize(block * threads)),
+      all_dsum(usize(rows_max * threads));
 
+  detail::parallel_parts(threads, [&](int part) {
+  std::int64_t g0 = 0, g1 = 0;
+  detail::part_range(n_kv_heads, threads, part, 1, g0, g1);
+  float* const pdata = all_p.data() + block * part;
+  float* const dpdata = all_dp.data() + block * part;
+  float* const dsum = all_dsum.data() + rows_max * part;
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
     const std::int64_t o = offsets[s], len = offsets[s + 1] - offsets[s];
-    for (int h = 0; h < n_heads; ++h) {
+    for (int h = static_cast<int>(g0) * kv_mul; h < g1 * kv_mul; ++h) {
       const std::int64_t kv_off = static_cast<std::int64_t>(h / kv_mul) * hs;
       for (std::int64_t r0 = 0; r0 < len; r0 += kAttnBlock) {
         const std::int64_t rows = std::min(kAttnBlock, len - r0);
@@ -405,29 +448,30 @@ void attention_varlen_backward(const float* q, const float* k, const float* v, c
         StridedMat dqb(dq + qoff, rows, hs, Eigen::OuterStride<>(dim));
 
         // P = exp(S / sqrt(hs) - lse), zero above the causal diagonal.
-        MapMat pm(pbuf.data(), rows, keys);
+        MapMat pm(pdata, rows, keys);
         pm.noalias() = qb * kb.transpose();
         for (std::int64_t i = 0; i < rows; ++i) {
           const std::int64_t visible = r0 + i + 1;
-          MapArr row(pbuf.data() + i * keys, visible);
+          MapArr row(pdata + i * keys, visible);
           const float l = lse[(o + r0 + i) * n_heads + h];
           exp_affine_fixed(row.data(), row.data(), visible, scale, l);
-          std::fill(pbuf.data() + i * keys + visible, pbuf.data() + (i + 1) * keys, 0.0f);
-          dsum[usize(i)] = dot_fixed(gob.data() + i * dim, ob.data() + i * dim, hs);  // dO_i . O_i
+          std::fill(pdata + i * keys + visible, pdata + (i + 1) * keys, 0.0f);
+          dsum[i] = dot_fixed(gob.data() + i * dim, ob.data() + i * dim, hs);  // dO_i . O_i
         }
         dvb.noalias() += pm.transpose() * gob;
-        MapMat dsm(dpbuf.data(), rows, keys);
+        MapMat dsm(dpdata, rows, keys);
         dsm.noalias() = gob * vb.transpose();  // dP
         // dS = P * (dP - D) / sqrt(hs): the softmax Jacobian and the score scale in one pass.
         for (std::int64_t i = 0; i < rows; ++i) {
           dsm.row(i).array() =
-              pm.row(i).array() * (dsm.row(i).array() - dsum[usize(i)]) / scale;
+              pm.row(i).array() * (dsm.row(i).array() - dsum[i]) / scale;
         }
         dqb.noalias() = dsm * kb;
         dkb.noalias() += dsm.transpose() * qb;
       }
     }
   }
+  });
 }
 
 void swiglu_backward(const float* gate, const float* up, const float* dh, float* dgate,

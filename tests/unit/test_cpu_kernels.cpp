@@ -604,6 +604,37 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: a 7-token prefill equals 7 one-tok
   check_close(rows_of(decode.v_cache, 7, kv), rows_of(prefill.v_cache, 7, kv));
 }
 
+TEST_CASE("cpu_kernels.decoder_layer_forward: the same bits at 1, 2 and 3 intra-op threads") {
+  // The team splits every product over W's rows, attention over heads, RoPE over tokens and
+  // SwiGLU over elements (src/intra_op.hpp): no sum changes order. Shapes above the split
+  // threshold (2e5 flops): a 300-token prefill after a 20-token prefix (dim 128, GQA 8:2), and
+  // one decode row through 512 x 512 and 1376 x 512 matrices (the 42M Llama's layer).
+  struct Case { int dim, hidden, n_heads, n_kv_heads; std::int64_t tokens, pos0; };
+  for (Case c : {Case{128, 352, 8, 2, 300, 20}, Case{512, 1376, 8, 8, 1, 40}}) {
+    CAPTURE(c.dim);
+    const Layer l = make_layer(c.dim, c.hidden, c.n_heads, c.n_kv_heads, 400, 5u);
+    std::mt19937 rng(8);
+    const Seq start = make_seq(l, c.tokens, c.pos0, rng);
+    const int before = cpu::blas_threads();
+    std::vector<Seq> out;
+    for (int threads : {1, 2, 3}) {
+      cpu::set_blas_threads(threads);
+      Seq s = start;
+      cpu::DecoderScratch scratch;
+      run_packed(l, {&s}, scratch);
+      out.push_back(std::move(s));
+    }
+    cpu::set_blas_threads(before);
+    const std::int64_t rows = (c.pos0 + c.tokens) * l.cfg.kv_dim();
+    for (std::size_t i = 1; i < out.size(); ++i) {
+      CAPTURE(i + 1);
+      CHECK(out[i].x == out[0].x);
+      CHECK(rows_of(out[i].k_cache, rows / l.cfg.kv_dim(), l.cfg.kv_dim()) ==
+            rows_of(out[0].k_cache, rows / l.cfg.kv_dim(), l.cfg.kv_dim()));
+    }
+  }
+}
+
 TEST_CASE("cpu_kernels.decoder_layer_forward: a packed batch of lengths 5,1,3 equals each alone") {
   const Layer l = make_layer(48, 120, 6, 3, 40, 33);
   std::mt19937 rng(8);

@@ -682,6 +682,34 @@ TEST_CASE("train.decoder.backward: BI then BW vs finite differences of sum(dy * 
   }
 }
 
+TEST_CASE("train.decoder: forward, BI and BW give the same bits at 1, 2 and 3 intra-op threads") {
+  // Products split over output columns or dW's rows, attention over KV heads (dK, dV of a KV
+  // head summed by one thread in the serial order): sizes above the 2e5-flop split threshold.
+  const auto cfg = make_config(64, 96, 8, 2, 256);
+  const Layer l = make_layer(cfg, 41);
+  const Offsets offsets = {0, 130, 137, 200};
+  std::mt19937 rng(42);
+  const Vec x = random_vec(rng, offsets.back() * cfg.dim, -2.0f, 2.0f);
+  const Vec dy = random_vec(rng, offsets.back() * cfg.dim);
+  const int before = cpu::blas_threads();
+  std::vector<TrainResult> runs;
+  for (int threads : {1, 2, 3}) {
+    cpu::set_blas_threads(threads);
+    runs.push_back(run_train(l, x, dy, offsets));
+  }
+  cpu::set_blas_threads(before);
+  for (std::size_t i = 1; i < runs.size(); ++i) {
+    CAPTURE(i + 1);
+    CHECK(runs[i].y == runs[0].y);
+    CHECK(runs[i].dx == runs[0].dx);
+    const auto g = runs[i].grads.tensors(), g0 = runs[0].grads.tensors();
+    for (int t = 0; t < kTensors; ++t) {
+      CAPTURE(std::string(kTensorNames[t]));
+      CHECK(*g[sz(t)] == *g0[sz(t)]);
+    }
+  }
+}
+
 TEST_CASE("train.decoder.split: BI + BW equals decoder_backward, phases, memory, accumulation") {
   const auto cfg = make_config(16, 24, 4, 2, 32);
   const Layer l = make_layer(cfg, 31);

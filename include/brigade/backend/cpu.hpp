@@ -89,9 +89,11 @@ void softmax(float* x, std::int64_t n);
 void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
                std::int64_t tokens, std::int64_t dim);
 
-/// Intra-op threads of the GEMMs behind matmul_wt (Eigen's OpenMP threads and OpenBLAS's
-/// threads; both settings are process-wide). brigade's pipeline sets 1 per stage thread unless
-/// told otherwise.
+/// Intra-op threads of the kernels (process-wide): the size of the OpenMP team that splits a
+/// matrix product over W's rows (matmul_wt, with OpenBLAS's SGEMM kept single-threaded inside
+/// each part), attention over heads, and Eigen's GEMM in the backward kernels. Work under about
+/// 2e5 flops stays on the calling thread. The bits do not depend on n. brigade's pipeline sets 1
+/// per stage thread unless told otherwise.
 /// @throws brigade::Error{InvalidArgument} if n < 1
 void set_blas_threads(int n);
 

@@ -1,0 +1,71 @@
+// Intra-op threads of the CPU kernels: each thread that runs kernels (a stage's thread, the main
+// thread of a one-stage run) owns a team of cpu::blas_threads() - 1 workers that spin between
+// parallel regions, so a fork and join costs well under a microsecond: single-sequence decode
+// splits every weight matrix of 0.5-4 MB over the cores, about 60 regions per token.
+//
+// One pool for every kernel: OpenBLAS runs single-threaded inside each part (its own pthreads
+// pool stays idle) and Eigen's GEMM is never given OpenMP threads. Two pools on the same cores
+// (OpenBLAS's and Eigen's OpenMP team, as brigade had before) busy-wait against each other:
+// 2-thread prefill of the 42M Llama ran at 0.8x of one thread on a 2-core machine.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace brigade::cpu::detail {
+
+/// Work under this many flops (or the equivalent in bytes streamed) stays on the calling thread:
+/// a fork and join of a spinning team costs about a microsecond, 2e5 flops a few.
+inline constexpr double kParallelMinFlops = 2e5;
+
+/// Rows per call of a packing GEMM (OpenBLAS's SGEMM, Eigen's GEMM) split over the threads.
+/// The cut is fixed, so the one-thread path makes the same calls: a packing GEMM's rounding
+/// depends on where its micro-kernel tiles fall, which moves with the size of each call.
+inline constexpr std::int64_t kGemmChunk = 128;
+
+/// Threads a kernel of `flops` uses: cpu::blas_threads(), or 1 under kParallelMinFlops or when
+/// called from inside a part of a parallel region (teams never nest).
+int intra_op_threads(double flops) noexcept;
+
+/// Runs fn(ctx, p) for p in [0, parts) with part 0 on the calling thread and parts 1.. on the
+/// calling thread's workers (started on first use, kept until the thread exits), and returns
+/// when all are done. parts must be <= cpu::blas_threads(); parts <= 1 runs inline. The first
+/// exception thrown by a part is rethrown here after every part has finished.
+void run_parts(int parts, void (*fn)(void*, int), void* ctx);
+
+/// run_parts over a callable f(int part).
+template <class F>
+void parallel_parts(int parts, F&& f) {
+  if (parts <= 1) {
+    f(0);
+    return;
+  }
+  using Fn = std::remove_reference_t<F>;
+  run_parts(parts, [](void* c, int p) { (*static_cast<Fn*>(c))(p); },
+            const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+/// Runs f(begin, end) over [0, n) cut into chunks of `chunk` items (the last one shorter), the
+/// chunks dealt in contiguous runs to min(threads, chunks) parts. The cut does not depend on the
+/// thread count: work done per chunk gives the same bits at any thread count.
+template <class F>
+void parallel_chunks(std::int64_t n, std::int64_t chunk, int threads, F&& f) {
+  const std::int64_t chunks = (n + chunk - 1) / chunk;
+  const int parts = static_cast<int>(std::min<std::int64_t>(threads, chunks));
+  parallel_parts(parts, [&](int p) {
+    for (std::int64_t c = chunks * p / parts; c < chunks * (p + 1) / parts; ++c)
+      f(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
+/// [begin, end) of part p of n items split into `parts` contiguous ranges, each a multiple of
+/// `granule` items except the last.
+inline void part_range(std::int64_t n, int parts, int p, std::int64_t granule,
+                       std::int64_t& begin, std::int64_t& end) noexcept {
+  const std::int64_t units = (n + granule - 1) / granule;
+  begin = std::min(n, units * p / parts * granule);
+  end = std::min(n, units * (p + 1) / parts * granule);
+}
+
+}  // namespace brigade::cpu::detail
