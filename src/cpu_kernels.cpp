@@ -270,18 +270,16 @@ void gemm_wt(const float* x, model::WeightMatrix wm, float* out, std::int64_t to
   }
   const bool blas = gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows;
   const int threads = intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
-  // Fixed chunks of kGemmChunk rows of x (OpenBLAS) or of W (Eigen), one single-threaded
-  // call each, dealt to the threads: the same calls at any thread count, so the same bits.
-  if (blas) {
-    parallel_chunks(tokens, kGemmChunk, threads, [&](std::int64_t t0, std::int64_t t1) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(t1 - t0),
-                  static_cast<blasint>(out_dim), static_cast<blasint>(in), 1.0f, x + t0 * in,
-                  static_cast<blasint>(in), w, static_cast<blasint>(in), beta,
-                  out + t0 * out_dim, static_cast<blasint>(out_dim));
-    });
-    return;
-  }
+  // Fixed chunks of kGemmChunk rows of W (columns of out), one single-threaded call each,
+  // dealt to the threads: the same calls at any thread count, so the same bits.
   parallel_chunks(out_dim, kGemmChunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+    if (blas) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
+                  static_cast<blasint>(n1 - n0), static_cast<blasint>(in), 1.0f, x,
+                  static_cast<blasint>(in), w + n0 * in, static_cast<blasint>(in), beta,
+                  out + n0, static_cast<blasint>(out_dim));
+      return;
+    }
     StridedMat o(out + n0, tokens, n1 - n0, Eigen::OuterStride<>(out_dim));
     const ConstMapMat xm(x, tokens, in), wp(w + n0 * in, n1 - n0, in);
     if (beta == 0.0f)

@@ -170,8 +170,9 @@ struct ResolvedProfile {
 };
 
 /// Where `--profile auto` keeps this machine's profile for `cores` cores:
-/// $XDG_CACHE_HOME/brigade (else $HOME/.cache/brigade)/profile-<cores>c.json; empty when
-/// neither variable is set.
+/// $XDG_CACHE_HOME/brigade (else $HOME/.cache/brigade)/profile-<cores>c-v2.json; empty when
+/// neither variable is set. The version changes when what a profile measures changes (v2: the
+/// kernels' own intra-op team replaced OpenMP and OpenBLAS threads, so multi-thread rates moved).
 inline std::filesystem::path profile_cache_path(int cores) {
   namespace fs = std::filesystem;
   fs::path dir;
@@ -181,7 +182,7 @@ inline std::filesystem::path profile_cache_path(int cores) {
     dir = fs::path(h) / ".cache" / "brigade";
   else
     return {};
-  return dir / fmt::format("profile-{}c.json", cores);
+  return dir / fmt::format("profile-{}c-v2.json", cores);
 }
 
 /// Resolves --profile (docs/profiles.md, "The calibrated split by default"):

@@ -89,11 +89,12 @@ void softmax(float* x, std::int64_t n);
 void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
                std::int64_t tokens, std::int64_t dim);
 
-/// Intra-op threads of the kernels (process-wide): the size of the OpenMP team that splits a
-/// matrix product over W's rows (matmul_wt, with OpenBLAS's SGEMM kept single-threaded inside
-/// each part), attention over heads, and Eigen's GEMM in the backward kernels. Work under about
-/// 2e5 flops stays on the calling thread. The bits do not depend on n. brigade's pipeline sets 1
-/// per stage thread unless told otherwise.
+/// Intra-op threads of the kernels (process-wide): each thread that runs kernels uses a team
+/// of n threads (itself and n - 1 workers it owns, spinning about 300 us between regions) that
+/// splits the decode kernel over W's rows, a packing GEMM into fixed chunks of 128 rows (one
+/// single-threaded OpenBLAS or Eigen call each), attention over heads, RoPE over tokens and
+/// SwiGLU over elements. Work under about 2e5 flops stays on the calling thread. The bits do
+/// not depend on n. brigade's pipeline sets 1 per stage thread unless told otherwise.
 /// @throws brigade::Error{InvalidArgument} if n < 1
 void set_blas_threads(int n);
 
