@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -137,6 +138,8 @@ void DeviceProfile::validate() const {
                   name, i, model::to_string(g.product));
     need(g.rows >= 1, fmt::format("gemm[{}].rows", i), static_cast<double>(g.rows), ">= 1");
     need(g.threads >= 1, fmt::format("gemm[{}].threads", i), g.threads, ">= 1");
+    need(g.busy_cores == 0 || g.busy_cores >= g.threads, fmt::format("gemm[{}].busy_cores", i),
+         g.busy_cores, "0 (the product alone) or >= threads");
     need(positive(g.flops_per_s), fmt::format("gemm[{}].flops_per_s", i), g.flops_per_s, "> 0");
   }
   for (std::size_t i = 0; i < attention.size(); ++i) {
@@ -161,11 +164,12 @@ void DeviceProfile::validate() const {
   }
 }
 
-double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads,
-                                       model::Phase product) const {
-  BRIGADE_CHECK(rows >= 1 && threads >= 1, Errc::InvalidArgument,
-                "profile '{}': a product of {} rows on {} threads, expected both >= 1", name, rows,
-                threads);
+double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads, model::Phase product,
+                                       int busy_cores) const {
+  BRIGADE_CHECK(rows >= 1 && threads >= 1 && busy_cores >= 0, Errc::InvalidArgument,
+                "profile '{}': a product of {} rows on {} threads with {} cores busy, expected "
+                "rows and threads >= 1, busy cores >= 0",
+                name, rows, threads, busy_cores);
   BRIGADE_CHECK(one_of(product, kProducts), Errc::InvalidArgument,
                 "profile '{}': no '{}' product (forward, backward_input, backward_weight)", name,
                 model::to_string(product));
@@ -177,9 +181,15 @@ double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads,
     if (g.threads <= threads) below = std::max(below, g.threads);
   }
   if (below > 0) use = below;
+  // The busy-core count to read: the largest measured <= busy_cores, else the product alone.
+  const auto busy_of = [](const GemmPoint& g) { return g.busy_cores == 0 ? g.threads : g.busy_cores; };
+  int busy = use;
+  for (const auto& g : gemm)
+    if (g.product == product && g.threads == use && busy_of(g) <= std::max(busy_cores, use))
+      busy = std::max(busy, busy_of(g));
   std::vector<const GemmPoint*> pts;
   for (const auto& g : gemm)
-    if (g.product == product && g.threads == use) pts.push_back(&g);
+    if (g.product == product && g.threads == use && busy_of(g) == busy) pts.push_back(&g);
   BRIGADE_CHECK(!pts.empty(), Errc::InvalidArgument, "profile '{}' has no '{}' product points",
                 name, model::to_string(product));
   std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->rows < b->rows; });
@@ -252,6 +262,8 @@ nlohmann::json to_json(const DeviceProfile& p) {
                     {"rows", g.rows},
                     {"threads", g.threads},
                     {"flops_per_s", g.flops_per_s}});
+  for (std::size_t i = 0; i < p.gemm.size(); ++i)
+    if (p.gemm[i].busy_cores != 0) gemm[i]["busy_cores"] = p.gemm[i].busy_cores;
   for (const auto& a : p.attention)
     att.push_back({{"phase", model::to_string(a.phase)},
                    {"context", a.context},
@@ -302,7 +314,10 @@ DeviceProfile profile_from_json(const nlohmann::json& j, std::string_view where)
     p.gemm.push_back({phase_named(gemm[i], "product", where, at, kProducts),
                       whole<std::int64_t>(gemm[i], "rows", where, at, 1, 1e12),
                       whole<int>(gemm[i], "threads", where, at, 1, 1 << 20),
-                      number(gemm[i], "flops_per_s", where, at)});
+                      number(gemm[i], "flops_per_s", where, at),
+                      gemm[i].is_object() && gemm[i].contains("busy_cores")
+                          ? whole<int>(gemm[i], "busy_cores", where, at, 0, 1 << 20)
+                          : 0});
   }
   const auto& att = array(j, "attention", where);
   for (std::size_t i = 0; i < att.size(); ++i) {
@@ -462,18 +477,52 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
   const std::size_t copies = std::max<std::size_t>(
       1, static_cast<std::size_t>(o.stream_bytes) / (wsize * sizeof(float)));
   std::vector<float> w(wsize * copies, 0.25f);
-  for (int threads : {1, o.cores}) {
+  // Each product on 1 thread alone, on 1 thread while the other cores run products too (the
+  // rate of one stage of a pipeline that keeps every core busy: GemmPoint::busy_cores), and on
+  // `cores` intra-op threads.
+  struct Config {
+    int threads, busy;
+  };
+  std::vector<Config> configs{{1, 0}};
+  if (o.cores > 1) configs.insert(configs.end(), {{1, o.cores}, {o.cores, 0}});
+  // The other cores' work during a busy point: forward products of the same rows over their
+  // own weight copies (together the size of the stream), so they stream memory as a stage does.
+  std::vector<float> others_w(o.cores > 1 ? wsize * copies : 0, 0.25f);
+  const std::size_t others_copies = std::max<std::size_t>(1, copies / std::max(1, o.cores - 1));
+  for (const Config cfg : configs) {
+    const int threads = cfg.threads;
     cpu::set_blas_threads(threads);
+    const auto busy_while = [&](std::int64_t rows, auto&& measure) {
+      if (cfg.busy == 0) return measure();
+      std::atomic<bool> stop{false};
+      std::vector<std::thread> others;
+      for (int t = 0; t + 1 < cfg.busy; ++t)
+        others.emplace_back([&, t] {
+          std::vector<float> x(static_cast<std::size_t>(rows * o.gemm_in), 0.5f),
+              y(static_cast<std::size_t>(rows * o.gemm_out));
+          const float* base =
+              others_w.data() + wsize * ((static_cast<std::size_t>(t) * others_copies) % copies);
+          for (std::size_t next = 0; !stop.load(std::memory_order_relaxed);
+               next = (next + 1) % others_copies)
+            cpu::matmul_wt(x.data(), base + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
+        });
+      const double seconds = measure();
+      stop.store(true);
+      for (auto& th : others) th.join();
+      return seconds;
+    };
     for (auto rows : o.rows) {
       std::vector<float> x(static_cast<std::size_t>(rows * o.gemm_in), 0.5f),
           y(static_cast<std::size_t>(rows * o.gemm_out));
       std::size_t next = 0;
-      const double s = typical_seconds(budget, [&] {
-        cpu::matmul_wt(x.data(), w.data() + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
-        next = (next + 1) % copies;
+      const double s = busy_while(rows, [&] {
+        return typical_seconds(budget, [&] {
+          cpu::matmul_wt(x.data(), w.data() + wsize * next, y.data(), rows, o.gemm_in, o.gemm_out);
+          next = (next + 1) % copies;
+        });
       });
       p.gemm.push_back({model::Phase::Forward, rows, threads,
-                        2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out) / s});
+                        2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out) / s, cfg.busy});
     }
     // Training products: dx = dy W reads the weight copies as the forward does; dW += dy^T x
     // writes into the next gradient copy (a stage accumulates into every layer's gradients).
@@ -483,20 +532,23 @@ DeviceProfile measure_profile(const ProfileOptions& o) {
           dx(static_cast<std::size_t>(rows * o.gemm_in));
       const double flops = 2.0 * static_cast<double>(rows * o.gemm_in * o.gemm_out);
       std::size_t next = 0;
-      const double si = typical_seconds(budget, [&] {
-        cpu::matmul_wt_backward_input(dy.data(), w.data() + wsize * next, dx.data(), rows,
-                                      o.gemm_in, o.gemm_out);
-        next = (next + 1) % copies;
+      const double si = busy_while(rows, [&] {
+        return typical_seconds(budget, [&] {
+          cpu::matmul_wt_backward_input(dy.data(), w.data() + wsize * next, dx.data(), rows,
+                                        o.gemm_in, o.gemm_out);
+          next = (next + 1) % copies;
+        });
       });
-      p.gemm.push_back({model::Phase::BackwardInput, rows, threads, flops / si});
-      const double sw = typical_seconds(budget, [&] {
-        cpu::matmul_wt_backward_weight(dy.data(), x.data(), w.data() + wsize * next, rows,
-                                       o.gemm_in, o.gemm_out);
-        next = (next + 1) % copies;
+      p.gemm.push_back({model::Phase::BackwardInput, rows, threads, flops / si, cfg.busy});
+      const double sw = busy_while(rows, [&] {
+        return typical_seconds(budget, [&] {
+          cpu::matmul_wt_backward_weight(dy.data(), x.data(), w.data() + wsize * next, rows,
+                                         o.gemm_in, o.gemm_out);
+          next = (next + 1) % copies;
+        });
       });
-      p.gemm.push_back({model::Phase::BackwardWeight, rows, threads, flops / sw});
+      p.gemm.push_back({model::Phase::BackwardWeight, rows, threads, flops / sw, cfg.busy});
     }
-    if (o.cores == 1) break;
   }
   cpu::set_blas_threads(1);
 

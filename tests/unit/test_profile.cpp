@@ -88,6 +88,43 @@ TEST_CASE("profile.json: a profile survives JSON both ways; look-ups interpolate
                        Error);
 }
 
+TEST_CASE("profile.busy_cores: a product's rate while other cores run products too") {
+  auto p = sample();
+  using model::Phase;
+  // One thread alone: 10 and 50 GFLOP/s; with 4 cores busy: 6 and 40 (as a 4-stage pipeline of
+  // 1 thread each runs); 4 intra-op threads alone: 30.
+  p.gemm.push_back({Phase::Forward, 1, 1, 6e9, 4});
+  p.gemm.push_back({Phase::Forward, 16, 1, 40e9, 4});
+  CHECK(p.gemm_flops_per_s(1, 1, Phase::Forward) == 10e9);        // alone
+  CHECK(p.gemm_flops_per_s(1, 1, Phase::Forward, 1) == 10e9);     // 1 busy core = alone
+  CHECK(p.gemm_flops_per_s(1, 1, Phase::Forward, 2) == 10e9);     // no point at <= 2 busy
+  CHECK(p.gemm_flops_per_s(1, 1, Phase::Forward, 4) == 6e9);
+  CHECK(p.gemm_flops_per_s(16, 1, Phase::Forward, 8) == 40e9);    // the largest <= 8
+  CHECK(p.gemm_flops_per_s(4, 1, Phase::Forward, 4) == doctest::Approx(23e9));  // log-linear
+  CHECK(p.gemm_flops_per_s(1, 4, Phase::Forward, 4) == 30e9);     // 4 threads: its own points
+  CHECK(p.gemm_flops_per_s(16, 1, Phase::BackwardInput, 4) == 60e9);  // no busy points: alone
+  CHECK_THROWS_WITH_AS((void)p.gemm_flops_per_s(1, 1, Phase::Forward, -1),
+                       doctest::Contains("with -1 cores busy"), Error);
+  // ProfiledLayerTimes reads the busy rate for S x T active cores.
+  const model::ModelSpec spec(model::LlamaConfig{64, 128, 2, 4, 4, 32, 16});
+  const model::WorkItem one{1, 1, 8.0};
+  const double alone = cost::ProfiledLayerTimes(p, 1, 1)(spec, 1, one, Phase::Decode);
+  const double busy = cost::ProfiledLayerTimes(p, 1, 4)(spec, 1, one, Phase::Decode);
+  CHECK(busy > alone);
+  // JSON: written only when set, read back; a count below the threads is refused by name.
+  const auto j = cost::to_json(p);
+  CHECK_FALSE(j["gemm"][0].contains("busy_cores"));
+  CHECK(j["gemm"][6]["busy_cores"] == 4);
+  CHECK(cost::to_json(cost::profile_from_json(j)) == j);
+  auto bad = j;
+  bad["gemm"][3]["busy_cores"] = 2;  // the 4-thread point
+  CHECK(error_of(bad).find("field 'gemm[3].busy_cores' = 2, expected 0 (the product alone) or "
+                           ">= threads") != std::string::npos);
+  bad = j;
+  bad["gemm"][6]["busy_cores"] = -3;
+  CHECK(error_of(bad).find("gemm[6].busy_cores") != std::string::npos);
+}
+
 TEST_CASE("profile.errors: a bad profile names the field") {
   const auto good = cost::to_json(sample());
   auto without = [&](const char* key) {

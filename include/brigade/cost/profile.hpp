@@ -30,6 +30,12 @@ struct GemmPoint {
   std::int64_t rows = 1;     ///< activation rows (decode: sequences of a micro-batch; prefill: tokens)
   int threads = 1;           ///< threads (CPU) the product ran on, >= 1
   double flops_per_s = 0.0;  ///< FLOP/s (a multiply-add counts 2), > 0
+  /// Cores running products at once while this point was measured (the others each ran the
+  /// same product on their own weights): 0 = `threads`, the product alone; otherwise >=
+  /// threads. A pipeline of S stages of T threads keeps S x T cores busy, and one core's rate
+  /// then drops (shared memory bandwidth and caches, a lower all-core clock): on the 2-core AMD
+  /// EPYC of docs/benchmarks.md by 10-25%. JSON "busy_cores", optional.
+  int busy_cores = 0;
 };
 
 /// Attention cost per query token and head of `head_dim`, at a mean of `context` attended
@@ -73,12 +79,16 @@ struct DeviceProfile {
   std::vector<LinkProfile> links;   ///< at least one
 
   /// FLOP/s of product `product` (Forward, BackwardInput, BackwardWeight) of `rows` rows on
-  /// `threads` threads: the points of that product and thread count (else the largest count
-  /// <= threads, else the smallest), interpolated linearly in log(rows) between the nearest
-  /// measured row counts and held constant beyond them.
-  /// @throws brigade::Error{InvalidArgument} if rows or threads < 1, or for another phase
+  /// `threads` threads while `busy_cores` cores run products at once (0: `threads`, the
+  /// product alone): the points of that product and thread count (else the largest count
+  /// <= threads, else the smallest) whose busy cores are the largest <= busy_cores (else the
+  /// product alone), interpolated linearly in log(rows) between the nearest measured row
+  /// counts and held constant beyond them.
+  /// @throws brigade::Error{InvalidArgument} if rows or threads < 1, busy_cores < 0, or for
+  ///         another phase
   [[nodiscard]] double gemm_flops_per_s(std::int64_t rows, int threads = 1,
-                                        model::Phase product = model::Phase::Forward) const;
+                                        model::Phase product = model::Phase::Forward,
+                                        int busy_cores = 0) const;
   /// Seconds of attention in `phase` (Decode, Forward, BackwardInput) for `tokens` query tokens
   /// of `heads` heads of size `head_dim` at a mean of `context` attended positions: the phase's
   /// points' seconds per token and head, interpolated linearly in context (extrapolated

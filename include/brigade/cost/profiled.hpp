@@ -22,9 +22,10 @@ inline namespace v0 {
 ///
 /// - a product of r rows by a weight of W elements, in product p (forward y = x W^T, backward
 ///   input dx = dy W, backward weight dW += dy^T x) takes max(2 r W / gemm_flops_per_s(r,
-///   threads, p), W bytes / b), twice the weight bytes for the backward weight (the gradient is
-///   read and written), so a product of few rows is bound by streaming its weight and one of
-///   many rows by the FMA rate;
+///   threads, p, active_cores), W bytes / b), twice the weight bytes for the backward weight
+///   (the gradient is read and written), so a product of few rows is bound by streaming its
+///   weight and one of many rows by the FMA rate; the rate is the one measured while
+///   active_cores cores ran products at once when the profile has it (GemmPoint::busy_cores);
 /// - decoder, prefill and decode: the 7 projections (Q, K, V, O, W1, W3, W2) on `tokens` rows,
 ///   decode attention (profile.attention_seconds, phase decode) at work.context, and the
 ///   elementwise work (norms, RoPE, SwiGLU, residuals; model::layer_cost's activation bytes less
@@ -79,7 +80,7 @@ class ProfiledLayerTimes {
     auto product = [&](std::int64_t rows, double weights, Phase which) {
       const double flops = 2.0 * static_cast<double>(rows) * weights;
       const double bytes = weights * f * (which == Phase::BackwardWeight ? 2.0 : 1.0);
-      return std::max(flops / p.gemm_flops_per_s(rows, threads_, which), bytes / bw);
+      return std::max(flops / p.gemm_flops_per_s(rows, threads_, which, active_), bytes / bw);
     };
     const model::LayerCost lc = model::layer_cost(spec, layer, work);
     switch (spec.layer(layer).kind) {
