@@ -42,7 +42,7 @@ using ConstStridedMat = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
 // Products with fewer rows go to Eigen (a GEMV-like shape, where Eigen is faster than SGEMM).
 constexpr std::int64_t kBlasMinRows = 32;
 
-using detail::kGemmChunk;
+using detail::gemm_chunk;
 using detail::parallel_chunks;
 
 /// Query rows per attention block: S = Q_blk K^T is [kAttnBlock x context] floats.
@@ -270,9 +270,10 @@ void gemm_wt(const float* x, model::WeightMatrix wm, float* out, std::int64_t to
   }
   const bool blas = gemm_backend() == GemmBackend::Blas && tokens >= kBlasMinRows;
   const int threads = intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
-  // Fixed chunks of kGemmChunk rows of W (columns of out), one single-threaded call each,
-  // dealt to the threads: the same calls at any thread count, so the same bits.
-  parallel_chunks(out_dim, kGemmChunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+  // Fixed chunks of gemm_chunk(out_dim) rows of W (columns of out), one single-threaded call
+  // each, dealt to the threads: the same calls at any thread count, so the same bits.
+  const std::int64_t chunk = gemm_chunk(out_dim);
+  parallel_chunks(out_dim, chunk, threads, [&](std::int64_t n0, std::int64_t n1) {
     if (blas) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
                   static_cast<blasint>(n1 - n0), static_cast<blasint>(in), 1.0f, x,
@@ -327,7 +328,8 @@ void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int 
   }
   // Tokens are independent (a cos and a sin per pair and token): split over the intra-op
   // threads in prefill.
-  const int threads = intra_op_threads(40.0 * double(tokens) * double(half) + double(tokens * (dim + kv_dim)));
+  const int threads =
+      intra_op_threads(40.0 * double(tokens) * double(half) + double(tokens * (dim + kv_dim)));
   parallel_parts(threads, [&](int part) {
   std::int64_t t0 = 0, t1 = 0;
   part_range(tokens, threads, part, 1, t0, t1);

@@ -298,7 +298,8 @@ void matmul_wt_backward_input(const float* dy, const float* w, float* dx, std::i
   // Fixed chunks of dx's columns (W's columns), one single-threaded product each: the same
   // products at any thread count (intra_op.hpp).
   const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
-  detail::parallel_chunks(in, detail::kGemmChunk, threads, [&](std::int64_t i0, std::int64_t i1) {
+  const std::int64_t chunk = detail::gemm_chunk(in);
+  detail::parallel_chunks(in, chunk, threads, [&](std::int64_t i0, std::int64_t i1) {
     const ConstMapMat g(dy, tokens, out_dim);
     const ConstStridedMat wm(w + i0, out_dim, i1 - i0, Eigen::OuterStride<>(in));
     auto dp = d.middleCols(i0, i1 - i0);
@@ -316,7 +317,8 @@ void matmul_wt_backward_weight(const float* dy, const float* x, float* dw, std::
   if (tokens == 0 || in == 0 || out_dim == 0) return;
   // Fixed chunks of dW's rows (dy's columns), as above.
   const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
-  detail::parallel_chunks(out_dim, detail::kGemmChunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+  const std::int64_t chunk = detail::gemm_chunk(out_dim);
+  detail::parallel_chunks(out_dim, chunk, threads, [&](std::int64_t n0, std::int64_t n1) {
     const ConstStridedMat g(dy + n0, tokens, n1 - n0, Eigen::OuterStride<>(out_dim));
     MapMat(dw + n0 * in, n1 - n0, in).noalias() += g.transpose() * ConstMapMat(x, tokens, in);
   });

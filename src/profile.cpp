@@ -182,7 +182,9 @@ double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads, model::Ph
   }
   if (below > 0) use = below;
   // The busy-core count to read: the largest measured <= busy_cores, else the product alone.
-  const auto busy_of = [](const GemmPoint& g) { return g.busy_cores == 0 ? g.threads : g.busy_cores; };
+  const auto busy_of = [](const GemmPoint& g) {
+    return g.busy_cores == 0 ? g.threads : g.busy_cores;
+  };
   int busy = use;
   for (const auto& g : gemm)
     if (g.product == product && g.threads == use && busy_of(g) <= std::max(busy_cores, use))

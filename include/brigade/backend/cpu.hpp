@@ -91,8 +91,8 @@ void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
 
 /// Intra-op threads of the kernels (process-wide): each thread that runs kernels uses a team
 /// of n threads (itself and n - 1 workers it owns, spinning about 300 us between regions) that
-/// splits the decode kernel over W's rows, a packing GEMM into fixed chunks of 128 rows (one
-/// single-threaded OpenBLAS or Eigen call each), attention over heads, RoPE over tokens and
+/// splits the decode kernel over W's rows, a packing GEMM into ceil(rows / 256) equal calls over
+/// W's rows (one single-threaded OpenBLAS or Eigen call each), attention over heads, RoPE over tokens and
 /// SwiGLU over elements. Work under about 2e5 flops stays on the calling thread. The bits do
 /// not depend on n. brigade's pipeline sets 1 per stage thread unless told otherwise.
 /// @throws brigade::Error{InvalidArgument} if n < 1
