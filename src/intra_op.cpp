@@ -65,11 +65,13 @@ class Team {
     generation_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) generation_.notify_all();
     std::exception_ptr mine;
+    inside_part() = true;  // a kernel called from part 0 runs inline too: teams never nest
     try {
       fn(ctx, 0);
     } catch (...) {
       mine = std::current_exception();
     }
+    inside_part() = false;
     for (std::uint32_t spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
       if (spins < 20000) {
         cpu_relax();
