@@ -504,9 +504,30 @@ void decoder_layer_forward(const model::LlamaConfig& config, const model::Decode
     std::copy(v + s.offset * kv_dim, v + (s.offset + s.tokens) * kv_dim,
               s.v_cache + s.pos0 * kv_dim);
   }
-  for (const SequenceSlice& s : seqs) {
-    attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
-                   s.pos0, config.n_heads, config.n_kv_heads, hs, scratch.att);
+  // Several sequences (a decode micro-batch): parts over sequences, each sequence's attention
+  // on one thread (its heads split only when it is alone), so the bits stay those of one thread.
+  double attention_flops = 0.0;
+  for (const SequenceSlice& s : seqs)
+    attention_flops += 4.0 * double(s.tokens) * double(s.pos0 + s.tokens) * double(dim);
+  const int seq_threads =
+      seqs.size() > 1
+          ? std::min(static_cast<int>(seqs.size()), intra_op_threads(attention_flops))
+          : 1;
+  if (seq_threads > 1) {
+    parallel_parts(seq_threads, [&](int part) {
+      thread_local std::vector<float> scores;
+      std::int64_t s0 = 0, s1 = 0;
+      part_range(static_cast<std::int64_t>(seqs.size()), seq_threads, part, 1, s0, s1);
+      for (std::int64_t i = s0; i < s1; ++i) {
+        const SequenceSlice& s = seqs[static_cast<std::size_t>(i)];
+        attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
+                       s.pos0, config.n_heads, config.n_kv_heads, hs, scores);
+      }
+    });
+  } else {
+    for (const SequenceSlice& s : seqs)
+      attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
+                     s.pos0, config.n_heads, config.n_kv_heads, hs, scratch.att);
   }
   matmul_wt_accumulate(xb, w.wo, x, tokens, dim, dim);
 

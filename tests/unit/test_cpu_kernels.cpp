@@ -633,6 +633,29 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: the same bits at 1, 2 and 3 intra-
             rows_of(out[0].k_cache, rows / l.cfg.kv_dim(), l.cfg.kv_dim()));
     }
   }
+  // A decode micro-batch of 6 sequences at contexts 90-140: attention split over sequences.
+  const Layer l = make_layer(128, 352, 8, 2, 200, 6u);
+  std::mt19937 rng(9);
+  std::vector<Seq> start;
+  for (int i = 0; i < 6; ++i) start.push_back(make_seq(l, 1, 90 + 10 * i, rng));
+  const int before = cpu::blas_threads();
+  std::vector<std::vector<Seq>> out;
+  for (int threads : {1, 2, 3}) {
+    cpu::set_blas_threads(threads);
+    std::vector<Seq> batch = start;
+    std::vector<Seq*> ptrs;
+    for (Seq& s : batch) ptrs.push_back(&s);
+    cpu::DecoderScratch scratch;
+    run_packed(l, ptrs, scratch);
+    out.push_back(std::move(batch));
+  }
+  cpu::set_blas_threads(before);
+  for (std::size_t i = 1; i < out.size(); ++i)
+    for (std::size_t s = 0; s < start.size(); ++s) {
+      CAPTURE(i + 1);
+      CAPTURE(s);
+      CHECK(out[i][s].x == out[0][s].x);
+    }
 }
 
 TEST_CASE("cpu_kernels.decoder_layer_forward: a packed batch of lengths 5,1,3 equals each alone") {
