@@ -201,7 +201,7 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(stages_used >= 1 && stages_used <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} outside [1, {}] for a model of {} layers", stages_used,
                 weights.config.n_layers + 4, spec.num_layers());
-  // Every stage thread (one per stage here, one per process under mpirun) with its BLAS threads.
+  // Every stage thread (one per stage here, one per process under mpirun) with its intra-op threads.
   const int threads_used = planned ? planned->threads : a.threads;
   cli::check_threads_startable(
       (under_mpi ? 1 : stages_used) * threads_used,
@@ -460,7 +460,9 @@ std::function<int()> setup(CLI::App& sub) {
                  "sequence groups in flight; 0 = min(sequences, stages)")
       ->check(brigade::cli::number_in<int>(0, 65536, "0 (automatic) or a whole number from 1 to 65536"))
       ->capture_default_str());
-  a->planned_options.push_back(sub.add_option("--threads", a->threads, "BLAS threads per stage")
+  a->planned_options.push_back(sub.add_option(
+      "--threads", a->threads,
+      "intra-op threads per stage (products, attention, RoPE and SwiGLU split over them)")
       ->check(brigade::cli::threads_range())->capture_default_str());
   sub.add_option("--plan", a->plan,
                  "manual (--stages, --threads, --microbatches) or auto (the planner picks them from "

@@ -54,7 +54,7 @@ struct SequenceResult {
 struct InferenceOptions {
   int microbatches = 0;         ///< sequence groups in flight; 0 = min(sequences, stages)
   model::SamplerConfig sampler; ///< sampling (temperature 0 = greedy)
-  int blas_threads = 1;         ///< BLAS threads per stage thread
+  int blas_threads = 1;         ///< intra-op threads per stage thread (cpu::set_blas_threads)
   double timeout_s = 120.0;     ///< a stage waiting longer than this on a peer fails (PeerTimeout)
   ExecutorWindows windows;      ///< the executor's receive and send windows
   /// Weight offload (prima.cpp): every round, each rank PREFETCHes each of its virtual stages'
