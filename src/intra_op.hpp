@@ -20,14 +20,14 @@ namespace brigade::cpu::detail {
 inline constexpr double kParallelMinFlops = 2e5;
 
 /// Rows of W per call when a packing GEMM (OpenBLAS's SGEMM, Eigen's GEMM) of `rows` rows of W
-/// is cut for the threads: ceil(rows / 256) calls of equal size (rounded up to 16 rows, the
-/// last call shorter). The cut depends on the shape only, so the one-thread path makes the same
+/// is cut for the threads: ceil(rows / 256) calls of equal size (rounded up to 8 rows, the
+/// last call shorter: 1376 rows as 5 x 232 + 216). The cut depends on the shape only, so the one-thread path makes the same
 /// calls: a packing GEMM's rounding depends on where its micro-kernel tiles fall, which moves
 /// with the size of each call. Each call packs the other operand again: 256 rows keep that
 /// within about 3% of one call (OpenBLAS 0.3.21 on Zen 3, K = 512 and 1376; 128 rows cost 5-7%).
 inline std::int64_t gemm_chunk(std::int64_t rows) noexcept {
   const std::int64_t calls = std::max<std::int64_t>(1, (rows + 255) / 256);
-  return ((rows + calls - 1) / calls + 15) / 16 * 16;
+  return ((rows + calls - 1) / calls + 7) / 8 * 8;
 }
 
 /// Threads a kernel of `flops` uses: cpu::blas_threads(), or 1 under kParallelMinFlops or when
