@@ -153,7 +153,7 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
       schedule::append_inference_round(sh, r, c, live, lowered.ranks[static_cast<std::size_t>(r)]);
   plan::Plan plan(partition, lowered, detail::prefill_work(layout));
   if (!devices.empty()) {
-    for (const auto& d : devices) cost::check_holds_weights(d, spec);
+    for (const auto& d : devices) cost::check_holds_weights(d, cost::model_weight_bytes(spec));
     cost::check_capacity(inference_memory(config, plan, requests), devices, "inference_plan");
   }
   return plan;
@@ -162,10 +162,10 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
 std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
                                                     const plan::Plan& plan,
                                                     std::span<const GenerationRequest> requests,
-                                                    brigade::DType weights) {
+                                                    std::vector<double> layer_weight_bytes) {
   const auto layout = detail::make_layout(requests, config, plan.shape().num_microbatches);
   cost::InferenceMemoryOptions mo;
-  mo.weights = weights;
+  mo.layer_weight_bytes = std::move(layer_weight_bytes);
   mo.kv_positions = layout.capacities;
   return cost::inference_memory(model::ModelSpec(config), plan, mo);
 }

@@ -143,7 +143,8 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
   const model::ModelSpec spec(model);
   plan::Plan plan = plan::make_plan(spec, compute, req);
   if (!config.devices.empty()) {
-    for (const auto& d : config.devices) cost::check_holds_weights(d, spec);
+    for (const auto& d : config.devices)
+      cost::check_holds_weights(d, cost::model_weight_bytes(spec));
     cost::TrainingMemoryOptions mo;
     mo.workload = {1, config.seq_len_hint};
     cost::check_capacity(cost::training_memory(spec, plan, mo), config.devices, "training_plan");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace brigade::model {
@@ -124,13 +125,30 @@ std::string tensor_name(const char* name, int layer) {
 
 }  // namespace
 
-std::size_t weight_bytes(const LlamaWeights& w) {
+std::vector<std::size_t> layer_weight_bytes(const LlamaWeights& w) {
   const LlamaConfig& c = w.config;
-  std::size_t bytes = usize(c.dim) * sizeof(float) * (1 + 2 * w.layers.size());  // the gains
-  for_each_matrix(c, w, [&](const char*, int, WeightMatrix m, std::int64_t rows, std::int64_t cols) {
-    bytes += usize(rows) * weight_row_bytes(m.dtype, cols);
+  BRIGADE_CHECK(static_cast<int>(w.layers.size()) == c.n_layers, Errc::InvalidArgument,
+                "layer_weight_bytes: {} decoder layers; the config has n_layers = {}",
+                w.layers.size(), c.n_layers);
+  std::vector<std::size_t> bytes(w.layers.size() + 4, 0);
+  const std::size_t gain = usize(c.dim) * sizeof(float);
+  for (std::size_t i = 1; i <= w.layers.size(); ++i) bytes[i] = 2 * gain;
+  bytes[w.layers.size() + 1] = gain;  // the final norm
+  for_each_matrix(c, w, [&](const char* name, int layer, WeightMatrix m, std::int64_t rows,
+                            std::int64_t cols) {
+    // The embedding table is ModelSpec layer 0, decoder l is l + 1, the classifier n_layers + 2.
+    const std::size_t at = layer >= 0                                  ? usize(layer) + 1
+                           : std::string_view(name) == "token_embedding" ? 0
+                                                                         : w.layers.size() + 2;
+    bytes[at] += usize(rows) * weight_row_bytes(m.dtype, cols);
   });
   return bytes;
+}
+
+std::size_t weight_bytes(const LlamaWeights& w) {
+  std::size_t total = 0;
+  for (const std::size_t b : layer_weight_bytes(w)) total += b;
+  return total;
 }
 
 bool all_f32(const LlamaWeights& w) noexcept {
@@ -172,13 +190,14 @@ LlamaWeights convert_weights(const LlamaWeights& w, DType dtype) {
                             std::int64_t cols) {
     const std::string t = tensor_name(name, layer);
     BRIGADE_CHECK(m.data != nullptr, Errc::InvalidArgument, "convert_weights: {} is null", t);
-    BRIGADE_CHECK(dtype == DType::F32 || m.dtype == DType::F32, Errc::InvalidArgument,
-                  "convert_weights: {} is {}; only float32 weights convert to {}", t,
-                  to_string(m.dtype), to_string(dtype));
+    BRIGADE_CHECK(is_weight_dtype(m.dtype), Errc::InvalidArgument,
+                  "convert_weights: {} is {}, not a weight dtype (f32, f16, bf16, q8_0)", t,
+                  to_string(m.dtype));
+    if (m.dtype == dtype) return;  // kept as it is
     BRIGADE_CHECK(dtype != DType::Q8_0 || cols % kQ8Block == 0, Errc::InvalidArgument,
                   "convert_weights: {} has rows of {} elements, not whole q8_0 blocks of 32", t,
                   cols);
-    same = same && m.dtype == dtype;
+    same = false;
     total += (usize(rows) * weight_row_bytes(dtype, cols) + 63) / 64 * 64;
   });
   if (same) return w;
@@ -188,12 +207,24 @@ LlamaWeights convert_weights(const LlamaWeights& w, DType dtype) {
   std::size_t at = 0;
   std::vector<float> rows_f32;
   auto convert = [&](WeightMatrix m, std::int64_t rows, std::int64_t cols) {
-    void* dst = buffer->data() + at;
+    if (m.dtype == dtype) return m;  // the same view: exact, and no copy
+    auto* dst = buffer->data() + at;
     at += (usize(rows) * weight_row_bytes(dtype, cols) + 63) / 64 * 64;
     if (dtype == DType::F32) {
-      dequantize_rows(m, cols, 0, rows, static_cast<float*>(dst));
-    } else {
+      dequantize_rows(m, cols, 0, rows, reinterpret_cast<float*>(dst));
+    } else if (m.dtype == DType::F32) {
       quantize_rows(m.f32(), rows, cols, dtype, dst);
+    } else {
+      // Narrow to another narrow type through float32 (the dequantization is exact), a block
+      // of rows at a time.
+      const std::int64_t block = std::max<std::int64_t>(1, 65536 / cols);
+      rows_f32.resize(usize(std::min(block, rows) * cols));
+      const std::size_t row_bytes = weight_row_bytes(dtype, cols);
+      for (std::int64_t r = 0; r < rows; r += block) {
+        const std::int64_t n = std::min(block, rows - r);
+        dequantize_rows(m, cols, r, n, rows_f32.data());
+        quantize_rows(rows_f32.data(), n, cols, dtype, dst + usize(r) * row_bytes);
+      }
     }
     return WeightMatrix(dst, dtype);
   };

@@ -245,16 +245,20 @@ int run(const GenerateArgs& a) {
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
   if (profile) {
-    cost::check_holds_weights(*profile, spec, weights_dtype);
+    // The bytes the weights take as held: a GGUF file's F16 or Q8_0 matrices stay in their
+    // dtype whatever --weights-dtype says (f32, the default, converts nothing).
+    const std::vector<std::size_t> layer_bytes = model::layer_weight_bytes(weights);
+    const double held = static_cast<double>(model::weight_bytes(weights));
+    cost::check_holds_weights(*profile, held, "as loaded");
     const auto mem = engine::inference_memory(
         weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
-        requests, weights_dtype);
+        requests, std::vector<double>(layer_bytes.begin(), layer_bytes.end()));
     if (under_mpi)
       cost::check_capacity(mem, std::span<const cost::DeviceProfile>(&*profile, 1),
                            "brigade generate");
     else
       cost::check_one_process(mem, *profile, "brigade generate",
-                              cost::model_weight_bytes(spec, weights_dtype));
+                              held);
   }
   // Every rank's transport under the integrity decorators (they only forward without --verify
   // and --inject): received activations and returning tokens are what the monitors check.

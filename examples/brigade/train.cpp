@@ -310,7 +310,7 @@ int run(const TrainArgs& a) {
       cfg.devices = {*resolved.profile};
     } else {
       const model::ModelSpec spec(weights.config);
-      cost::check_holds_weights(*resolved.profile, spec);
+      cost::check_holds_weights(*resolved.profile, cost::model_weight_bytes(spec));
       cost::TrainingMemoryOptions mo;
       mo.tied_gradient_copies = 0;
       mo.workload = {1, cfg.seq_len_hint};

@@ -95,9 +95,33 @@ TEST_CASE("memory.inference: KV cache and weights per rank are what InferenceSta
         2.0 * all.matrix + 4.0 * all.vector);
   CHECK(cost::model_weight_bytes(spec, brigade::DType::Q8_0) ==
         34.0 / 32.0 * all.matrix + 4.0 * all.vector);
-  const auto half = engine::inference_memory(c, plan, reqs, brigade::DType::F16);
+  const auto half =
+      engine::inference_memory(c, plan, reqs, cost::layer_weight_bytes(spec, brigade::DType::F16));
   CHECK(half[1].weights == doctest::Approx(mem[1].weights / 2).epsilon(0.01));
   CHECK(half[1].kv_cache == mem[1].kv_cache);
+  // A model held in F16 or Q8_0 is counted at the bytes it holds (model::layer_weight_bytes),
+  // what its InferenceStages hold, and what the prediction for that dtype says.
+  const std::vector<double> f32_layers = cost::layer_weight_bytes(spec);
+  const auto model_f32 = model::layer_weight_bytes(w);
+  CHECK(std::vector<double>(model_f32.begin(), model_f32.end()) == f32_layers);
+  CHECK(f32_layers[0] == 4.0 * c.vocab_size * c.dim);
+  CHECK(f32_layers[static_cast<std::size_t>(spec.num_layers() - 2)] == 0.0);  // shared head
+  const model::LlamaWeights f16 = model::convert_weights(w, brigade::DType::F16);
+  const auto held = model::layer_weight_bytes(f16);
+  const std::vector<double> held_d(held.begin(), held.end());
+  CHECK(held_d == cost::layer_weight_bytes(spec, brigade::DType::F16));
+  const auto mem16 = engine::inference_memory(c, plan, reqs, held_d);
+  for (int v = 0; v < 2; ++v) {
+    runtime::InferenceStage stage(f16, part.stage(v), caps, {});
+    CHECK(mem16[static_cast<std::size_t>(v)].weights == static_cast<double>(stage.weight_bytes()));
+    CHECK(mem16[static_cast<std::size_t>(v)].weights < mem[static_cast<std::size_t>(v)].weights);
+  }
+  CHECK(static_cast<double>(model::weight_bytes(f16)) ==
+        cost::model_weight_bytes(spec, brigade::DType::F16));
+  CHECK(test::error_of(Errc::InvalidArgument,
+                       [&] { (void)engine::inference_memory(c, plan, reqs, {1.0, 2.0}); })
+            .find("inference_memory: layer_weight_bytes has 2 entries, the model 9 layers") !=
+        std::string::npos);
   // Receive buffers: 2 groups (sequences {0, 1}: 3 + 2 prompt rows; {2}: 1 row); rank 1's four
   // window slots each sized for group 0's descriptor (3 x 3 int32) and 5 rows x max(dim, vocab)
   // floats; rank 0 receives the sampled tokens (3 x 2 int32).

@@ -9,6 +9,8 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -138,11 +140,19 @@ TEST_CASE("typed_models.errors: Q8_0 needs whole blocks, conversions start from 
                        "blocks of 32",
                        Error);
   const model::LlamaWeights f16 = model::convert_weights(stories(), DType::F16);
-  CHECK_THROWS_WITH_AS(model::convert_weights(f16, DType::BF16),
-                       "convert_weights: token_embedding is f16; only float32 weights convert to "
-                       "bf16",
+  CHECK_THROWS_WITH_AS(model::convert_weights(f16, DType::Q8_0),
+                       "convert_weights: w2 of layer 0 has rows of 172 elements, not whole q8_0 "
+                       "blocks of 32",
                        Error);
-  CHECK_THROWS_AS(model::convert_weights(stories(), DType::I32), Error);
+  CHECK_THROWS_WITH_AS(model::convert_weights(stories(), DType::I32),
+                       "convert_weights: dtype i32 is not a weight dtype (f32, f16, bf16, q8_0)",
+                       Error);
+  model::LlamaWeights odd = stories();
+  odd.layers[3].w1 = model::WeightMatrix(odd.layers[3].w1.data, DType::I32);
+  CHECK_THROWS_WITH_AS(model::convert_weights(odd, DType::F16),
+                       "convert_weights: w1 of layer 3 is i32, not a weight dtype (f32, f16, "
+                       "bf16, q8_0)",
+                       Error);
   CHECK_THROWS_WITH_AS(runtime::TrainStage(f16, {0, 0, 3}),
                        "TrainStage: needs float32 weights, but token_embedding is f16 (convert "
                        "the model with convert_weights(w, DType::F32) first)",
@@ -153,4 +163,116 @@ TEST_CASE("typed_models.errors: Q8_0 needs whole blocks, conversions start from 
   // Converting to F32 (or to the dtype it has) converts nothing that need not be.
   const model::LlamaWeights same = model::convert_weights(stories(), DType::F32);
   CHECK(same.layers[1].wq == stories().layers[1].wq);
+}
+
+namespace {
+
+/// A one-layer model of whole Q8_0 blocks (dim 64, hidden 192, vocab 64, a shared classifier)
+/// whose embedding table is `table` (vocab x dim elements of `t`; the classifier too).
+model::LlamaWeights with_table(const model::LlamaWeights& base, const void* table, DType t) {
+  model::LlamaWeights w = base;
+  w.token_embedding = model::WeightMatrix(table, t);
+  w.wcls = w.token_embedding;
+  return w;
+}
+
+model::LlamaWeights block_model(DType t) {
+  model::LlamaConfig c;
+  c.dim = 64;
+  c.hidden_dim = 192;
+  c.n_layers = 1;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.vocab_size = 64;
+  c.seq_len = 16;
+  c.shared_classifier = true;
+  return model::convert_weights(model::make_synthetic_weights(c, 11), t);
+}
+
+std::vector<std::uint16_t> halves(model::WeightMatrix m, std::size_t n) {
+  std::vector<std::uint16_t> out(n);
+  std::memcpy(out.data(), m.data, n * 2);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("typed_models.convert: the same dtype is kept bit for bit; F16 <-> BF16 and narrow "
+          "<-> Q8_0 round once through float32") {
+  const std::size_t n = 64 * 64;
+  SUBCASE("F16 to F16 and to BF16") {
+    const model::LlamaWeights base = block_model(DType::F16);
+    std::vector<std::uint16_t> table = halves(base.token_embedding, n);
+    // 1 + 3 * 2^-10 (below half a BF16 step: down), 1 + 2^-8 and 1 + 3 * 2^-8 (ties: to even),
+    // 65504 (F16's largest: rounds up to 65536 in BF16), -0.0.
+    const std::vector<std::uint16_t> in{0x3C03, 0x3C04, 0x3C0C, 0x7BFF, 0x8000};
+    std::copy(in.begin(), in.end(), table.begin());
+    const model::LlamaWeights w = with_table(base, table.data(), DType::F16);
+    const model::LlamaWeights same = model::convert_weights(w, DType::F16);
+    CHECK(same.token_embedding == w.token_embedding);  // the same view
+    CHECK(same.layers[0].w2 == w.layers[0].w2);
+    const model::LlamaWeights bf = model::convert_weights(w, DType::BF16);
+    CHECK(bf.token_embedding.dtype == DType::BF16);
+    CHECK(bf.wcls == bf.token_embedding);
+    CHECK(bf.layers[0].w2.dtype == DType::BF16);
+    const auto out = halves(bf.token_embedding, in.size());
+    CHECK(out == std::vector<std::uint16_t>{0x3F80, 0x3F80, 0x3F82, 0x4780, 0x8000});
+    // Every other element: the BF16 rounding of the F16 value's float32.
+    const auto all = halves(bf.token_embedding, n);
+    for (std::size_t i = in.size(); i < n; ++i)
+      REQUIRE(all[i] == f32_to_bf16(f16_to_f32(table[i])));
+  }
+  SUBCASE("BF16 to F16") {
+    const model::LlamaWeights base = block_model(DType::BF16);
+    std::vector<std::uint16_t> table = halves(base.token_embedding, n);
+    // 1 + 2^-7 (exact in F16), 65536 (past F16's largest: infinity), 2^-26 (below half F16's
+    // smallest subnormal: zero), -3.
+    const std::vector<std::uint16_t> in{0x3F81, 0x4780, 0x3280, 0xC040};
+    std::copy(in.begin(), in.end(), table.begin());
+    const model::LlamaWeights h =
+        model::convert_weights(with_table(base, table.data(), DType::BF16), DType::F16);
+    CHECK(halves(h.token_embedding, in.size()) ==
+          std::vector<std::uint16_t>{0x3C08, 0x7C00, 0x0000, 0xC200});
+  }
+  SUBCASE("F16 to Q8_0 and Q8_0 to F16, BF16, F32") {
+    const model::LlamaWeights base = block_model(DType::F16);
+    std::vector<std::uint16_t> table = halves(base.token_embedding, n);
+    // The first block: 127, 1, -63.5, then zeros: amax 127, scale 1, q = round half away.
+    std::fill(table.begin(), table.begin() + 32, std::uint16_t{0});
+    table[0] = 0x57F0;  // 127
+    table[1] = 0x3C00;  // 1
+    table[2] = 0xD3F0;  // -63.5
+    const model::LlamaWeights q =
+        model::convert_weights(with_table(base, table.data(), DType::F16), DType::Q8_0);
+    CHECK(q.token_embedding.dtype == DType::Q8_0);
+    const auto* b = static_cast<const std::uint8_t*>(q.token_embedding.data);
+    CHECK(b[0] == 0x00);
+    CHECK(b[1] == 0x3C);  // d = 1.0 as F16, little-endian
+    CHECK(static_cast<std::int8_t>(b[2]) == 127);
+    CHECK(static_cast<std::int8_t>(b[3]) == 1);
+    CHECK(static_cast<std::int8_t>(b[4]) == -64);
+    CHECK(b[5] == 0);
+
+    // A Q8_0 block d = 0.5, q = 127, -3, 1: 63.5, -1.5, 0.5 in F16, BF16 and F32.
+    const model::LlamaWeights q8 = block_model(DType::Q8_0);
+    std::vector<std::uint8_t> blocks(64 * 2 * 34);
+    std::memcpy(blocks.data(), q8.token_embedding.data, blocks.size());
+    blocks[0] = 0x00;
+    blocks[1] = 0x38;
+    std::fill(blocks.begin() + 2, blocks.begin() + 34, std::uint8_t{0});
+    blocks[2] = 127;
+    blocks[3] = static_cast<std::uint8_t>(-3);
+    blocks[4] = 1;
+    const model::LlamaWeights w = with_table(q8, blocks.data(), DType::Q8_0);
+    CHECK(halves(model::convert_weights(w, DType::F16).token_embedding, 4) ==
+          std::vector<std::uint16_t>{0x53F0, 0xBE00, 0x3800, 0x0000});
+    CHECK(halves(model::convert_weights(w, DType::BF16).token_embedding, 4) ==
+          std::vector<std::uint16_t>{0x427E, 0xBFC0, 0x3F00, 0x0000});
+    const model::LlamaWeights f32 = model::convert_weights(w, DType::F32);
+    const float* f = f32.token_embedding.f32();
+    CHECK(f[0] == 63.5f);
+    CHECK(f[1] == -1.5f);
+    CHECK(f[2] == 0.5f);
+    CHECK(model::convert_weights(w, DType::Q8_0).token_embedding == w.token_embedding);
+  }
 }

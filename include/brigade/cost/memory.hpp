@@ -82,6 +82,18 @@ inline double model_weight_bytes(const model::ModelSpec& spec,
       .bytes(dtype);
 }
 
+/// Bytes of each ModelSpec layer's weights with the matrices stored as `dtype` (the gains as
+/// float32; the classifier 0 when shared): the prediction for a model not loaded yet, in the
+/// form model::layer_weight_bytes gives for a loaded one. spec.num_layers() entries.
+inline std::vector<double> layer_weight_bytes(const model::ModelSpec& spec,
+                                              DType dtype = DType::F32) {
+  std::vector<double> out(static_cast<std::size_t>(spec.num_layers()));
+  for (int l = 0; l < spec.num_layers(); ++l)
+    out[static_cast<std::size_t>(l)] =
+        stage_parameters(spec, {0, l, l + 1}, spec.config().shared_classifier).bytes(dtype);
+  return out;
+}
+
 /// What one rank holds at its peak, in bytes, by part. Parts that do not apply are 0 (no
 /// gradients in inference, no KV cache in training).
 struct MemoryBreakdown {
@@ -216,7 +228,11 @@ inline std::vector<MemoryBreakdown> training_memory(const model::ModelSpec& spec
 
 /// What an inference run keeps besides what the plan says.
 struct InferenceMemoryOptions {
-  DType weights = DType::F32;  ///< how the weight matrices are stored
+  /// Bytes of each ModelSpec layer's weights as held (spec.num_layers() entries):
+  /// model::layer_weight_bytes of a loaded model (its matrices in the dtypes the file or
+  /// model::convert_weights gave them), or layer_weight_bytes(spec, dtype) for a prediction.
+  /// Empty: float32 (layer_weight_bytes(spec)).
+  std::vector<double> layer_weight_bytes;
   /// KV positions reserved per sequence (runtime::InferenceStage's capacities: a request's
   /// effective steps, prompt included; engine::detail::GenerationLayout::capacities), one entry
   /// per sequence, each >= 1.
@@ -228,8 +244,8 @@ struct InferenceMemoryOptions {
 /// engine::InferenceWorker allocate it (float32 activations and KV cache). Weights and KV cache
 /// are exact; the small parts (receive buffers, activations, workspace) are the sizes the worker
 /// and the kernels ask for at the largest micro-batch, not a replay of every buffer's capacity:
-/// - weights: the distinct tensors of the rank's virtual stages at options.weights (the shared
-///   classifier once per rank);
+/// - weights: the distinct tensors of the rank's virtual stages, options.layer_weight_bytes of
+///   their layers (the shared classifier, the embedding's bytes, once per rank);
 /// - KV cache: per decoder layer on the rank, K and V rows of kv_dim floats for every reserved
 ///   position: 2 x layers x kv_dim x sum(kv_positions) x 4 bytes;
 /// - receive buffers: the receive window's slots (recv_window of them, at most one per RECV of
@@ -243,8 +259,9 @@ struct InferenceMemoryOptions {
 ///   n rows (n (2 dim + 2 kv_dim + 2 hidden) floats) and, with the LM head, sequences x vocab
 ///   floats of logits scratch.
 /// @return one breakdown per rank, rank order
-/// @throws brigade::Error{InvalidArgument} for a training plan, a plan without work, or a
-///         kv_positions entry < 1 or above the model's seq_len
+/// @throws brigade::Error{InvalidArgument} for a training plan, a plan without work, a
+///         kv_positions entry < 1 or above the model's seq_len, or layer_weight_bytes neither
+///         empty nor spec.num_layers() long
 inline std::vector<MemoryBreakdown> inference_memory(const model::ModelSpec& spec,
                                                      const plan::Plan& plan,
                                                      const InferenceMemoryOptions& options) {
@@ -263,6 +280,12 @@ inline std::vector<MemoryBreakdown> inference_memory(const model::ModelSpec& spe
                   p, c.seq_len);
     positions += p;
   }
+  const std::vector<double> layer_bytes = options.layer_weight_bytes.empty()
+                                              ? layer_weight_bytes(spec)
+                                              : options.layer_weight_bytes;
+  BRIGADE_CHECK(static_cast<int>(layer_bytes.size()) == spec.num_layers(), Errc::InvalidArgument,
+                "inference_memory: layer_weight_bytes has {} entries, the model {} layers",
+                layer_bytes.size(), spec.num_layers());
   const double f32 = 4.0, d = c.dim, kv = c.kv_dim(), h = c.hidden_dim, V = c.vocab_size;
   const double width = std::max(d, V);
   const auto work = plan.work();
@@ -282,16 +305,15 @@ inline std::vector<MemoryBreakdown> inference_memory(const model::ModelSpec& spe
     for (int v = 0; v < N; ++v) {
       const auto& st = plan.partition().stage(v);
       if (st.rank != r) continue;
-      const StageParameters p = stage_parameters(spec, st, c.shared_classifier);
       bool decoders = false, stage_head = false, sampler = false;
       for (int l = st.first; l < st.last; ++l) {
+        b.weights += layer_bytes[static_cast<std::size_t>(l)];
         const auto kind = spec.layer(l).kind;
         decoders = decoders || kind == model::LayerKind::Decoder;
         stage_head = stage_head || kind == model::LayerKind::LMHead;
         sampler = sampler || kind == model::LayerKind::Sampler;
         if (kind == model::LayerKind::Decoder) b.kv_cache += 2.0 * kv * positions * f32;
       }
-      b.weights += p.bytes(options.weights);
       embedding = embedding || st.first == 0;
       head = head || stage_head;
       if (decoders) b.workspace += max_rows * (2 * d + 2 * kv + 2 * h) * f32;
@@ -329,8 +351,7 @@ inline std::vector<MemoryBreakdown> inference_memory(const model::ModelSpec& spe
       if (head) b.activations += static_cast<double>(w.sequences) * V * f32;
     }
     // A shared classifier is the embedding table: once per rank that holds the LM head.
-    if (head && c.shared_classifier && !embedding)
-      b.weights += static_cast<double>(c.vocab_size) * d * dtype_element_bytes(options.weights);
+    if (head && c.shared_classifier && !embedding) b.weights += layer_bytes[0];
   }
   return out;
 }
@@ -387,17 +408,18 @@ inline void check_one_process(std::span<const MemoryBreakdown> ranks, const Devi
                                              ranks.size(), all.largest_parts()));
 }
 
-/// Checks that a device can hold the whole model's weights at `dtype` (a profile that cannot is
-/// of no use for the model, whatever the split).
+/// Checks that a device can hold the whole model's weights, `weight_bytes` (model_weight_bytes
+/// of a spec, or model::weight_bytes of a loaded model), stored as `held_as` ("f32", "f16",
+/// "as loaded"; for the message). A profile that cannot is of no use for the model, whatever
+/// the split.
 /// @throws brigade::Error{InvalidArgument} "profile <name>: memory_capacity_bytes = C is smaller
-///         than the model's weights (W bytes, <dtype>)"
-inline void check_holds_weights(const DeviceProfile& device, const model::ModelSpec& spec,
-                                DType dtype = DType::F32) {
-  const double w = model_weight_bytes(spec, dtype);
-  BRIGADE_CHECK(device.memory_capacity_bytes >= w, Errc::InvalidArgument,
+///         than the model's weights (W bytes, <held_as>)"
+inline void check_holds_weights(const DeviceProfile& device, double weight_bytes,
+                                std::string_view held_as = "f32") {
+  BRIGADE_CHECK(device.memory_capacity_bytes >= weight_bytes, Errc::InvalidArgument,
                 "profile {}: memory_capacity_bytes = {:.0f} is smaller than the model's weights "
                 "({:.0f} bytes, {})",
-                device.name, device.memory_capacity_bytes, w, to_string(dtype));
+                device.name, device.memory_capacity_bytes, weight_bytes, held_as);
 }
 
 }  // namespace v0

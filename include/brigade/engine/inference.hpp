@@ -189,13 +189,15 @@ plan::Plan inference_plan(const model::LlamaConfig& config, const partition::Par
                           std::span<const cost::DeviceProfile> devices = {});
 
 /// The memory of every rank of `plan` (inference_plan() of `requests` for a model of `config`)
-/// with weight matrices stored as `weights`: cost::inference_memory with each sequence's KV
-/// positions (its effective steps, what runtime::InferenceStage reserves).
+/// with each ModelSpec layer's weights taking `layer_weight_bytes` (model::layer_weight_bytes of
+/// the loaded model, cost::layer_weight_bytes(spec, dtype) for a prediction; empty: float32):
+/// cost::inference_memory with each sequence's KV positions (its effective steps, what
+/// runtime::InferenceStage reserves).
 /// @throws brigade::Error{InvalidArgument} as cost::inference_memory; for an empty prompt
 std::vector<cost::MemoryBreakdown> inference_memory(const model::LlamaConfig& config,
                                                     const plan::Plan& plan,
                                                     std::span<const GenerationRequest> requests,
-                                                    brigade::DType weights = brigade::DType::F32);
+                                                    std::vector<double> layer_weight_bytes = {});
 
 /// The inference side of the executor (engine::execute) on one rank: its InferenceStages (one
 /// per virtual stage it holds), and its program, emitted round by round

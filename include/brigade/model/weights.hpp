@@ -45,6 +45,15 @@ struct LlamaWeights {
   bool mapped = false;
 };
 
+/// Bytes of the weights of each ModelSpec layer of `w` as stored (matrices in their dtype, the
+/// RMSNorm gains as float32), in ModelSpec order: the embedding table, each decoder (its seven
+/// matrices and two gains), the final norm's gain, the classifier (0 when it is shared: its
+/// table is the embedding's), the sampler (0); n_layers + 4 entries. The memory checks read
+/// these (cost::InferenceMemoryOptions::layer_weight_bytes), so a model loaded in F16 or Q8_0 is
+/// counted at the bytes it holds.
+/// @throws brigade::Error{InvalidArgument} if w.layers.size() differs from n_layers
+std::vector<std::size_t> layer_weight_bytes(const LlamaWeights& w);
+
 /// Bytes of every weight tensor of `w` as stored (matrices in their dtype, the RMSNorm gains as
 /// float32; a shared classifier counted once): the memory the weights occupy and the bytes one
 /// forward pass over the whole model streams.
@@ -59,15 +68,22 @@ bool all_f32(const LlamaWeights& w) noexcept;
 ///         and its dtype
 void require_f32(const LlamaWeights& w, const char* what);
 
-/// A copy of `w` (an F32 model) whose decoder matrices, embedding table and classifier are in
-/// `dtype` (F16, BF16: rounded to nearest even; Q8_0: as quantize_rows, llama.cpp's
-/// quantize_row_q8_0_ref), owned by the result's `storage`; the RMSNorm gains stay float32. A
-/// shared classifier stays shared. F32 gives a view of the same memory (no copy). Converting
-/// an F16/BF16/Q8_0 model back with dtype F32 dequantizes it (exact).
+/// `w` with its decoder matrices, embedding table and classifier in `dtype`; the RMSNorm gains
+/// stay float32 (views of w's), and a shared classifier stays shared. Per matrix:
+/// - already `dtype`: kept as it is (the same view, bit for bit; no copy). A model whose matrices
+///   are all `dtype` comes back as `w` itself.
+/// - F32 to F16 or BF16: rounded to nearest, ties to even; F32 to Q8_0: as quantize_rows
+///   (llama.cpp's quantize_row_q8_0_ref).
+/// - F16, BF16 or Q8_0 to F32: dequantized, exact (every such value is a float32).
+/// - between narrow types (F16 <-> BF16, F16/BF16 -> Q8_0, Q8_0 -> F16/BF16): dequantized to
+///   float32 (exact), then converted as from F32: so rounded once, to nearest even for F16 and
+///   BF16 (a BF16 value outside F16's range becomes infinity, one below its subnormals 0), and
+///   as llama.cpp's Q8_0 quantization of those float32 values for Q8_0.
+/// Converted matrices are owned by the result's `storage` (which keeps w's alive too).
 /// @throws brigade::Error{InvalidArgument} if `dtype` is not F32, F16, BF16 or Q8_0; if a
-///         matrix of `w` is not F32 while `dtype` is not F32; if dtype is Q8_0 and dim or
-///         hidden_dim is not a multiple of 32 (naming the tensor and its row length); if
-///         w.layers.size() differs from n_layers or a tensor is null
+///         matrix of `w` is of another dtype; if a matrix converted to Q8_0 has rows that are
+///         not whole blocks of 32 (naming the tensor and its row length); if w.layers.size()
+///         differs from n_layers or a tensor is null
 LlamaWeights convert_weights(const LlamaWeights& w, DType dtype);
 
 /// Loads a llama2.c checkpoint (legacy format: 7 little-endian int32 header fields dim,
