@@ -39,7 +39,7 @@ namespace {
 struct GenerateArgs {
   std::string model, tokenizer, synthetic = "42M", prompt_file, trace, metrics, partition = "balanced";
   std::string profile = "auto";  // device profile of the balanced split: auto, none or a file
-  std::string weights_dtype = "f32";  // --weights-dtype: the dtype the matrices are kept in
+  std::string weights_dtype;  // --weights-dtype: the dtype the matrices are kept in; "": the file's
   std::string plan = "manual";  // manual (--stages/--threads/--microbatches) or auto (planner)
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
@@ -135,14 +135,14 @@ int run(const GenerateArgs& a) {
                               : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     model_name = "synthetic " + a.synthetic;
   }
-  const DType weights_dtype = *parse_dtype(a.weights_dtype);
-  if (weights_dtype != DType::F32) {
-    // Converted once at load; the kernels read the narrow type directly.
-    const std::size_t f32_bytes = model::weight_bytes(weights);
-    weights = model::convert_weights(weights, weights_dtype);
+  if (!a.weights_dtype.empty()) {
+    // Converted once at load (matrices already in that dtype kept as they are); the kernels
+    // read the narrow type directly.
+    const std::size_t loaded_bytes = model::weight_bytes(weights);
+    weights = model::convert_weights(weights, *parse_dtype(a.weights_dtype));
     if (launch.rank() == 0)
-      fmt::print(stderr, "weights: {} ({:.1f} MB; {:.1f} MB as f32)\n", a.weights_dtype,
-                 model::weight_bytes(weights) / 1e6, f32_bytes / 1e6);
+      fmt::print(stderr, "weights: {} ({:.1f} MB; {:.1f} MB as loaded)\n", a.weights_dtype,
+                 model::weight_bytes(weights) / 1e6, loaded_bytes / 1e6);
   }
   const model::ModelSpec spec(weights.config);
 
@@ -245,8 +245,8 @@ int run(const GenerateArgs& a) {
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
   if (profile) {
-    // The bytes the weights take as held: a GGUF file's F16 or Q8_0 matrices stay in their
-    // dtype whatever --weights-dtype says (f32, the default, converts nothing).
+    // The bytes the weights take as held: without --weights-dtype a GGUF file's F16 or Q8_0
+    // matrices stay in their dtype.
     const std::vector<std::size_t> layer_bytes = model::layer_weight_bytes(weights);
     const double held = static_cast<double>(model::weight_bytes(weights));
     cost::check_holds_weights(*profile, held, "as loaded");
@@ -413,9 +413,10 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--weights-dtype", a->weights_dtype,
                  "dtype the weight matrices are kept in (converted at load): f32, f16, bf16 "
                  "(rounded to nearest even) or q8_0 (llama.cpp's blocks of 32; needs dim and "
-                 "hidden_dim multiples of 32); activations stay f32")
-      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}))
-      ->capture_default_str();
+                 "hidden_dim multiples of 32); activations stay f32. Default: as the file "
+                 "holds them (a GGUF file's f16/bf16/q8_0 tensors stay so; llama2.c, "
+                 "safetensors and synthetic models are f32)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights")
       ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))
       ->capture_default_str();

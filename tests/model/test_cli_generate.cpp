@@ -379,7 +379,7 @@ TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's stor
                    "--prompt \"Once upon a time\" --weights-dtype f16");
   REQUIRE(r.rc == 0);
   CHECK(r.out == one);
-  CHECK(r.err.find("weights: f16 (0.5 MB; 1.0 MB as f32)") != std::string::npos);
+  CHECK(r.err.find("weights: f16 (0.5 MB; 1.0 MB as loaded)") != std::string::npos);
   auto q = run_cli("generate " + model_flags() + " --weights-dtype q8_0");
   CHECK(q.rc != 0);
   CHECK(q.err.find("convert_weights: w2 of layer 0 has rows of 172 elements, not whole q8_0 "
