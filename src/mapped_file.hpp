@@ -1,4 +1,5 @@
-// Internal: a whole file mapped read-only, for the readers of model files (GGUF, safetensors).
+// Internal: a whole file mapped read-only, for the readers of model files (llama2.c, GGUF,
+// safetensors).
 #pragma once
 
 #include "brigade/core/error.hpp"
@@ -18,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 
 namespace brigade::detail {
 
@@ -29,13 +31,58 @@ struct MappedFile {
   std::uint64_t size = 0;
 };
 
-/// Maps `path` read-only. `what` names the kind of file in messages ("GGUF file").
+/// A regular file open for reading (open_file), not mapped yet: a reader may look at its head
+/// or read it with pread(fd) before mapping it (map_open_file). Closes fd unless mapped.
+class OpenFile {
+ public:
+  OpenFile(std::string name, int fd, std::uint64_t size)
+      : name_(std::move(name)), fd_(fd), size_(size) {}
+  OpenFile(OpenFile&& o) noexcept
+      : name_(std::move(o.name_)), fd_(std::exchange(o.fd_, -1)), size_(o.size_) {}
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  OpenFile& operator=(OpenFile&&) = delete;
+  ~OpenFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+
+  /// Maps the whole file read-only; the mapping then owns the descriptor.
+  /// @throws brigade::Error{BadFile} naming the path if the size does not fit in size_t, the
+  ///         file is empty, or mmap fails
+  MappedFile map() {
+    BRIGADE_CHECK(size_ <= std::numeric_limits<std::size_t>::max(), Errc::BadFile,
+                  "{}: {} bytes do not fit in this process's address space", name_, size_);
+    const auto length = static_cast<std::size_t>(size_);
+    void* addr = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd_, 0);
+    if (addr == MAP_FAILED)
+      fail(Errc::BadFile, "{}: mmap of {} bytes failed: {}", name_, length,
+           std::generic_category().message(errno));
+    MappedFile m;
+    m.size = size_;
+    m.mapping = std::shared_ptr<const void>(addr, [length, fd = fd_](const void* p) {
+      ::munmap(const_cast<void*>(p), length);
+      ::close(fd);
+    });
+    fd_ = -1;
+    m.bytes = static_cast<const std::byte*>(addr);
+    return m;
+  }
+
+ private:
+  std::string name_;
+  int fd_;
+  std::uint64_t size_;
+};
+
+/// Opens `path` for reading and checks it is a regular file. `what` names the kind of file in
+/// messages ("GGUF file", "llama2.c checkpoint").
 /// @throws brigade::Error{BadFile} naming the path when it is missing, cannot be opened or
-///         stat'ed, is not a regular file (saying which kind), is shorter than `min_bytes`
-///         (`min_what` describes those bytes), or cannot be mapped
-inline MappedFile map_file(const std::filesystem::path& path, std::string_view what,
-                           std::uint64_t min_bytes, std::string_view min_what) {
-  const std::string name = path.string();
+///         stat'ed, or is not a regular file (saying which kind)
+inline OpenFile open_file(const std::filesystem::path& path, std::string_view what) {
+  std::string name = path.string();
   auto os = [](int e) { return std::generic_category().message(e); };
   // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
   const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -44,36 +91,28 @@ inline MappedFile map_file(const std::filesystem::path& path, std::string_view w
     if (e == ENOENT) fail(Errc::BadFile, "{}: {} not found (no such file)", name, what);
     fail(Errc::BadFile, "{}: cannot open {}: {}", name, what, os(e));
   }
-  struct FdGuard {
-    int fd;
-    bool armed = true;
-    ~FdGuard() {
-      if (armed) ::close(fd);
-    }
-  } guard{fd};
   struct stat st {};
-  if (::fstat(fd, &st) != 0) fail(Errc::BadFile, "{}: cannot stat {}: {}", name, what, os(errno));
+  const int stat_rc = ::fstat(fd, &st);
+  const int stat_errno = errno;
+  OpenFile f(std::move(name), fd, static_cast<std::uint64_t>(st.st_size));
+  if (stat_rc != 0) fail(Errc::BadFile, "{}: cannot stat {}: {}", f.name(), what, os(stat_errno));
   if (!S_ISREG(st.st_mode))
-    fail(Errc::BadFile, "{}: is {}, not a regular file (expected a {})", name,
+    fail(Errc::BadFile, "{}: is {}, not a regular file (expected a {})", f.name(),
          io::non_regular_kind(static_cast<unsigned>(st.st_mode)), what);
-  MappedFile m;
-  m.size = static_cast<std::uint64_t>(st.st_size);
-  if (m.size < min_bytes)
-    fail(Errc::BadFile, "{}: file is {} bytes, shorter than {} ({} bytes)", name, m.size,
+  return f;
+}
+
+/// Maps `path` read-only: open_file, then a file shorter than `min_bytes` (`min_what` describes
+/// those bytes) is refused, then OpenFile::map.
+/// @throws brigade::Error{BadFile} as open_file and OpenFile::map, and "<path>: file is N
+///         bytes, shorter than <min_what> (M bytes)"
+inline MappedFile map_file(const std::filesystem::path& path, std::string_view what,
+                           std::uint64_t min_bytes, std::string_view min_what) {
+  OpenFile f = open_file(path, what);
+  if (f.size() < min_bytes)
+    fail(Errc::BadFile, "{}: file is {} bytes, shorter than {} ({} bytes)", f.name(), f.size(),
          min_what, min_bytes);
-  BRIGADE_CHECK(m.size <= std::numeric_limits<std::size_t>::max(), Errc::BadFile,
-                "{}: {} bytes do not fit in this process's address space", name, m.size);
-  const auto length = static_cast<std::size_t>(m.size);
-  void* addr = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (addr == MAP_FAILED)
-    fail(Errc::BadFile, "{}: mmap of {} bytes failed: {}", name, length, os(errno));
-  guard.armed = false;
-  m.mapping = std::shared_ptr<const void>(addr, [length, fd](const void* p) {
-    ::munmap(const_cast<void*>(p), length);
-    ::close(fd);
-  });
-  m.bytes = static_cast<const std::byte*>(addr);
-  return m;
+  return f.map();
 }
 
 }  // namespace brigade::detail

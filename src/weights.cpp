@@ -9,10 +9,9 @@
 #include "brigade/core/finite.hpp"
 #include "brigade/io/input.hpp"
 
+#include "mapped_file.hpp"
+
 #include <Eigen/Core>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -369,31 +368,10 @@ bool is_llama2c_checkpoint(const std::filesystem::path& path) {
 }
 
 LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
-  const std::string name = path.string();
-  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
-  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int e = errno;
-    if (e == ENOENT)
-      detail::fail(Errc::BadFile, "{}: llama2.c checkpoint not found (no such file)", name);
-    detail::fail(Errc::BadFile, "{}: cannot open llama2.c checkpoint: {}", name, errno_text(e));
-  }
-  // Closes fd on every error path until the mapping owns it.
-  struct FdGuard {
-    int fd;
-    bool armed = true;
-    ~FdGuard() {
-      if (armed) ::close(fd);
-    }
-  } guard{fd};
-
-  struct stat st {};
-  if (::fstat(fd, &st) != 0)
-    detail::fail(Errc::BadFile, "{}: cannot stat llama2.c checkpoint: {}", name, errno_text(errno));
-  if (!S_ISREG(st.st_mode))
-    detail::fail(Errc::BadFile, "{}: is {}, not a regular file (expected a llama2.c checkpoint)",
-                 name, io::non_regular_kind(static_cast<unsigned>(st.st_mode)));
-  const auto size = static_cast<std::uint64_t>(st.st_size);
+  detail::OpenFile file = detail::open_file(path, "llama2.c checkpoint");
+  const std::string& name = file.name();
+  const int fd = file.fd();
+  const std::uint64_t size = file.size();
   if (const auto other = io::foreign_format(io::read_head(path, 16)))
     detail::fail(Errc::BadFile,
                  "{}: is {}, not a llama2.c checkpoint (brigade reads llama2.c .bin checkpoints; "
@@ -463,20 +441,10 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
                  "float32{}",
                  name, size, expected, header_text, kHeaderBytes, layout->total, hint);
   }
-  BRIGADE_CHECK(expected <= std::numeric_limits<std::size_t>::max(), Errc::BadFile,
-                "{}: {} bytes do not fit in this process's address space", name, expected);
-
-  void* addr = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-  if (addr == MAP_FAILED)
-    detail::fail(Errc::BadFile, "{}: mmap of {} bytes failed: {}", name, size, errno_text(errno));
-  guard.armed = false;
-  const auto length = static_cast<std::size_t>(size);
-  w.storage = std::shared_ptr<const void>(addr, [length, fd](const void* p) {
-    ::munmap(const_cast<void*>(p), length);
-    ::close(fd);
-  });
+  const detail::MappedFile m = file.map();
+  w.storage = m.mapping;
   w.mapped = true;
-  const auto* base = reinterpret_cast<const float*>(static_cast<const char*>(addr) + kHeaderBytes);
+  const auto* base = reinterpret_cast<const float*>(m.bytes + kHeaderBytes);
   bind(w, base, *layout);
   check_finite_weights(w, *layout, name, Errc::BadFile);
   return w;
