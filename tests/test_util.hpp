@@ -12,11 +12,13 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <string>
 #include <vector>
 #include <string_view>
@@ -69,6 +71,15 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   [[nodiscard]] std::filesystem::path operator/(std::string_view name) const { return path / name; }
 };
+
+/// `n` floats drawn uniformly from [lo, hi) by `rng` (the random inputs of the kernel tests).
+inline std::vector<float> random_vec(std::mt19937& rng, std::int64_t n, float lo = -1.0f,
+                                     float hi = 1.0f) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (float& x : v) x = d(rng);
+  return v;
+}
 
 /// ||a - b|| / ||b|| (Euclidean norms in double; a tiny floor for ||b|| = 0): how gradient
 /// tensors of two runs are compared. a and b have the same size.

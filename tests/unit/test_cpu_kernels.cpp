@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,12 +28,7 @@ using DVec = std::vector<double>;
 
 std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
 
-Vec random_vec(std::mt19937& rng, std::int64_t n, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  Vec v(sz(n));
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using brigade::test::random_vec;
 
 /// max_i |got_i - ref_i| <= rtol * max_i |ref_i|: relative to the output's scale, so that
 /// elements that cancel to near zero do not demand more than float can give.

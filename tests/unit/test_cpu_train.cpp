@@ -11,6 +11,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -40,12 +42,7 @@ constexpr double kGradTol = 1e-5;
 
 std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
 
-Vec random_vec(std::mt19937& rng, std::int64_t n, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  Vec v(sz(n));
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using brigade::test::random_vec;
 
 DVec to_d(const Vec& v) { return DVec(v.begin(), v.end()); }
 

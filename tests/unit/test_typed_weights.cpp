@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,12 +27,7 @@ using Vec = std::vector<float>;
 
 std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
 
-Vec random_vec(std::mt19937& rng, std::int64_t n, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  Vec v(sz(n));
-  for (float& x : v) x = d(rng);
-  return v;
-}
+using brigade::test::random_vec;
 
 /// `w` [rows x cols] stored in `t` (the bytes), and its dequantized float32 copy.
 struct Typed {
