@@ -1,29 +1,69 @@
 #!/usr/bin/env bash
-# brigade beside llama.cpp on the 42M Llama shape (docs/benchmarks.md, "Decode and prefill beside
-# llama.cpp"): each repetition runs llama-bench (pp512, tg64 at 1 and 2 threads),
-# llama-batched-bench (8 and 32 sequences, 48 decode tokens, 1 and 2 threads) and then
-# bench_pipeline (ceilings, decode, planner, prefill) back to back, so both see the same load.
+# brigade beside llama.cpp on the 42M Llama shape, back to back in each repetition so both
+# engines see the same load (the machine's load and the host's steal vary from minute to minute).
 #   bench/vs_llamacpp.sh LLAMA_CPP_BIN_DIR MODEL.gguf [REPETITIONS]
-# MODEL.gguf: brigade's synthetic 42M as a llama2.c checkpoint converted by llama.cpp's
-# llama-convert-llama2c-to-ggml (docs/benchmarks.md gives the commands).
+#     docs/benchmarks.md, "Decode and prefill beside llama.cpp": llama-bench (pp512, tg64 at 1 and
+#     2 threads), llama-batched-bench (8 and 32 sequences, 48 decode tokens, 1 and 2 threads),
+#     then bench_pipeline (ceilings, decode, planner, prefill). Default 3 repetitions.
+#   bench/vs_llamacpp.sh --dtypes LLAMA_CPP_BIN_DIR A.gguf [B.gguf ...] [REPETITIONS]
+#     docs/benchmarks.md, "Weights kept in F16, BF16 and Q8_0": single-sequence decode per weight
+#     dtype: llama-bench tg64 (-p 0 -n 64 -r 2) on each GGUF (the same model in the dtypes to
+#     compare, e.g. F32, F16, Q8_0), then bench_pipeline's BM_Llama42M_Decode for every dtype and
+#     the triad ceiling. THREADS (default 1; a list such as 1,2) sets the threads of both.
+#     Default 2 repetitions.
+# The GGUFs: brigade's synthetic 42M as a llama2.c checkpoint converted by llama.cpp's
+# llama-convert-llama2c-to-ggml, and llama-quantize's F16 and Q8_0 copies (docs/benchmarks.md
+# gives the commands).
 set -euo pipefail
+mode=all
+if [[ "${1:-}" == "--dtypes" ]]; then
+  mode=dtypes
+  shift
+fi
 bin=${1:?llama.cpp bin directory}
-model=${2:?GGUF model}
-reps=${3:-3}
+shift
+models=()
+while (($#)) && [[ "$1" == *.gguf ]]; do
+  models+=("$1")
+  shift
+done
+((${#models[@]})) || { echo "vs_llamacpp.sh: no GGUF model given" >&2; exit 2; }
+[[ $mode == dtypes || ${#models[@]} -eq 1 ]] || {
+  echo "vs_llamacpp.sh: one model without --dtypes" >&2
+  exit 2
+}
+reps=${1:-$([[ $mode == dtypes ]] && echo 2 || echo 3)}
+threads=${THREADS:-1}
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="${BRIGADE_BUILD_DIR:-$root/build}"
 lscpu | grep -E "^Model name|^CPU\(s\)"
-echo "ISA: $(grep -m1 -o -w -E 'avx512f|avx2|fma' /proc/cpuinfo | sort -u | tr '\n' ' ')"
-for r in $(seq "$reps"); do
-  echo "== repetition $r: $(uptime)"
-  "$bin/llama-bench" -m "$model" -p 512 -n 64 -t 1,2 -r 1 2>/dev/null | grep -E '^\|'
+echo "ISA: $(grep -m1 -o -w -E 'avx512f|avx2|fma|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+
+run_all() {
+  "$bin/llama-bench" -m "${models[0]}" -p 512 -n 64 -t 1,2 -r 1 2>/dev/null | grep -E '^\|'
   for t in 1 2; do
     echo "llama-batched-bench -t $t"
-    "$bin/llama-batched-bench" -m "$model" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 48 -npl 8,32 \
-      -t "$t" 2>/dev/null | grep -E '^\|'
+    "$bin/llama-batched-bench" -m "${models[0]}" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 48 \
+      -npl 8,32 -t "$t" 2>/dev/null | grep -E '^\|'
   done
   "$build/bench/bench_pipeline" \
     --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
     grep -E '^BM_|cpu_model|kernel_isa|ceiling_'
+}
+
+run_dtypes() {
+  local m=() t
+  for f in "${models[@]}"; do m+=(-m "$f"); done
+  "$bin/llama-bench" "${m[@]}" -p 0 -n 64 -t "$threads" -r 2 2>/dev/null | grep -E '^\|'
+  for t in ${threads//,/ }; do
+    "$build/bench/bench_pipeline" \
+      --benchmark_filter="BM_TriadCeiling/threads:$t(/|\$)|BM_Llama42M_Decode/threads:$t/" 2>&1 |
+      grep -E '^BM_|cpu_model|kernel_isa|ceiling_'
+  done
+}
+
+for r in $(seq "$reps"); do
+  echo "== repetition $r: $(uptime)"
+  if [[ $mode == dtypes ]]; then run_dtypes; else run_all; fi
 done
 echo "== end: $(uptime)"
