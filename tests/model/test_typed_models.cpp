@@ -59,6 +59,21 @@ std::vector<float> logits_trace(const model::LlamaWeights& w, const partition::P
   return trace;
 }
 
+/// A Llama config whose rows are whole Q8_0 blocks (dim 64, hidden 192; 8 heads, 4 KV heads;
+/// seq_len 128).
+model::LlamaConfig whole_blocks(int layers, int vocab, bool shared_classifier) {
+  model::LlamaConfig c;
+  c.dim = 64;
+  c.hidden_dim = 192;
+  c.n_layers = layers;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.vocab_size = vocab;
+  c.seq_len = 128;
+  c.shared_classifier = shared_classifier;
+  return c;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -117,16 +132,7 @@ TEST_CASE("typed_models.stories260K: F16 and BF16 weights give the float32 engin
 
 TEST_CASE("typed_models: Q8_0 weights on a model of whole blocks (dim 64, hidden 192) give the "
           "float32 engine's logits and tokens on the dequantized weights") {
-  model::LlamaConfig c;
-  c.dim = 64;
-  c.hidden_dim = 192;
-  c.n_layers = 4;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.vocab_size = 512;
-  c.seq_len = 128;
-  c.shared_classifier = false;
-  const model::LlamaWeights f32 = model::make_synthetic_weights(c, 5);
+  const model::LlamaWeights f32 = model::make_synthetic_weights(whole_blocks(4, 512, false), 5);
   const model::LlamaWeights q8 = model::convert_weights(f32, DType::Q8_0);
   CHECK(q8.wcls.dtype == DType::Q8_0);
   CHECK(q8.wcls != q8.token_embedding);
@@ -177,16 +183,7 @@ model::LlamaWeights with_table(const model::LlamaWeights& base, const void* tabl
 }
 
 model::LlamaWeights block_model(DType t) {
-  model::LlamaConfig c;
-  c.dim = 64;
-  c.hidden_dim = 192;
-  c.n_layers = 1;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.vocab_size = 64;
-  c.seq_len = 16;
-  c.shared_classifier = true;
-  return model::convert_weights(model::make_synthetic_weights(c, 11), t);
+  return model::convert_weights(model::make_synthetic_weights(whole_blocks(1, 64, true), 11), t);
 }
 
 std::vector<std::uint16_t> halves(model::WeightMatrix m, std::size_t n) {
