@@ -75,7 +75,7 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   json header;
   try {
     header = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number overflow
     detail::fail(Errc::BadFile, "{}: the header is not valid JSON: {}", name, e.what());
   }
   if (!header.is_object())
@@ -272,7 +272,7 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
     const std::string text = io::read_input_file(config_path, "config.json", io::kMaxPromptFileBytes);
     try {
       return json::parse(text);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, out_of_range (number overflow)
       detail::fail(Errc::BadFile, "{}: not valid JSON: {}", cfg_name, e.what());
     }
   }();

@@ -204,6 +204,11 @@ TEST_CASE("safetensors.malformed: header lengths past the end, invalid JSON, ove
   std::memcpy(past.data(), &big, 8);
   CHECK(has(err(past + "{}"), "header length 4611686018427387904 runs past the end of the file (2 bytes"));
   CHECK(has(err(raw("{\"a\": ")), "the header is not valid JSON: [json.exception.parse_error.101]"));
+  // A number JSON cannot hold (fuzz_safetensors found nlohmann's out_of_range escaping): refused
+  // as invalid JSON, not a crash.
+  CHECK(has(err(raw(R"({"b": {"dtype": "BF16", "shape": [40e0000000000000000000073709551615]}})")),
+            "the header is not valid JSON: [json.exception.out_of_range.406] number overflow "
+            "parsing '40e0000000000000000000073709551615'"));
   CHECK(has(err(raw("[1, 2]")), "the header is a JSON array, expected an object"));
   const std::string f16(8, '\0');
   CHECK(has(err(raw(R"({"a":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", f16)),
@@ -268,6 +273,15 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
   c = cfg;
   c.erase("hidden_size");
   CHECK(has(err(c, entries), "key \"hidden_size\" is missing"));
+  {  // a config.json number JSON cannot hold: invalid JSON, not an escaped exception
+    const fs::path d = dir / "overflow";
+    fs::create_directory(d);
+    write(d / "config.json", R"({"model_type": "llama", "hidden_size": 1e999})");
+    write(d / "model.safetensors", safetensors_bytes(entries));
+    CHECK(has(error_of(Errc::BadFile, [&] { (void)model::load_safetensors_llama(d); }),
+              "config.json: not valid JSON: [json.exception.out_of_range.406] number overflow "
+              "parsing '1e999'"));
+  }
   std::vector<Entry> half = entries;
   half[2].dtype = "F16";  // model.layers.0.self_attn.q_proj
   half[2].bytes.resize(half[2].bytes.size() / 2);
