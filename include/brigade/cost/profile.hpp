@@ -147,9 +147,11 @@ struct ProfileOptions {
                                    ///< counts)
 };
 
-/// Measures this machine (CPU): matmul_wt FP32 rates at options.rows on 1 thread and on
-/// options.cores threads (weights read from memory: each repetition takes the next of enough
-/// copies to fill options.stream_bytes); the training products (matmul_wt_backward_input and
+/// Measures this machine (CPU): matmul_wt FP32 rates at options.rows on 1 thread alone, on 1
+/// thread while the other options.cores - 1 cores run products of their own (GemmPoint::
+/// busy_cores = cores), and on options.cores threads (weights read from memory: each
+/// repetition takes the next of enough copies to fill options.stream_bytes); the training
+/// products (matmul_wt_backward_input and
 /// matmul_wt_backward_weight) at options.backward_rows on the same threads; decode attention at
 /// options.contexts and the training attention (attention_varlen_forward and _backward, 8 heads,
 /// one sequence of 2 c - 1 tokens) at options.training_contexts; STREAM triad bandwidth of one
