@@ -1067,19 +1067,7 @@ void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
                      const Tokenizer& tok) {
   const std::string name = path.string();
   const LlamaConfig& c = w.config;
-  c.validate(fmt::format("save_gguf_llama({})", name));
-  BRIGADE_CHECK(w.layers.size() == static_cast<std::size_t>(c.n_layers), Errc::InvalidArgument,
-                "save_gguf_llama({}): {} layers of weights, expected n_layers = {}", name,
-                w.layers.size(), c.n_layers);
-  BRIGADE_CHECK(w.token_embedding && w.rms_final && (c.shared_classifier || w.wcls),
-                Errc::InvalidArgument,
-                "save_gguf_llama({}): token_embedding, rms_final or wcls is null", name);
-  for (std::size_t i = 0; i < w.layers.size(); ++i)
-    for (const LayerTensor& lt : kLayerTensors)
-      BRIGADE_CHECK(lt.gain != nullptr ? w.layers[i].*lt.gain != nullptr
-                                       : static_cast<bool>(w.layers[i].*lt.matrix),
-                    Errc::InvalidArgument,
-                    "save_gguf_llama({}): layer {} tensor {} is null", name, i, lt.suffix);
+  check_complete(w, fmt::format("save_gguf_llama({})", name));
   BRIGADE_CHECK(tok.vocab_size() == c.vocab_size, Errc::InvalidArgument,
                 "save_gguf_llama({}): the tokenizer has {} tokens, the model's vocab_size is {}",
                 name, tok.vocab_size(), c.vocab_size);

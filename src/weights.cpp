@@ -28,6 +28,8 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
+#include <string_view>
 #include <vector>
 
 namespace brigade::model {
@@ -450,22 +452,31 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
   return w;
 }
 
+void check_complete(const LlamaWeights& w, std::string_view what) {
+  const LlamaConfig& c = w.config;
+  c.validate(what);
+  BRIGADE_CHECK(w.layers.size() == static_cast<std::size_t>(c.n_layers), Errc::InvalidArgument,
+                "{}: {} layers of weights, expected n_layers = {}", what, w.layers.size(),
+                c.n_layers);
+  BRIGADE_CHECK(w.token_embedding && w.rms_final && (c.shared_classifier || w.wcls),
+                Errc::InvalidArgument, "{}: token_embedding, rms_final or wcls is null", what);
+  for (std::size_t i = 0; i < w.layers.size(); ++i) {
+    const DecoderWeights& x = w.layers[i];
+    const std::array<std::pair<std::string_view, bool>, 9> tensors = {{
+        {"rms_att", x.rms_att != nullptr}, {"wq", static_cast<bool>(x.wq)},
+        {"wk", static_cast<bool>(x.wk)}, {"wv", static_cast<bool>(x.wv)},
+        {"wo", static_cast<bool>(x.wo)}, {"rms_ffn", x.rms_ffn != nullptr},
+        {"w1", static_cast<bool>(x.w1)}, {"w2", static_cast<bool>(x.w2)},
+        {"w3", static_cast<bool>(x.w3)}}};
+    for (const auto& [tensor, set] : tensors)
+      BRIGADE_CHECK(set, Errc::InvalidArgument, "{}: layer {} tensor {} is null", what, i, tensor);
+  }
+}
+
 void save_llama2c_checkpoint(const std::filesystem::path& path, const LlamaWeights& w) {
   const std::string name = path.string();
   const LlamaConfig& c = w.config;
-  c.validate(fmt::format("save_llama2c_checkpoint({})", name));
-  BRIGADE_CHECK(w.layers.size() == static_cast<std::size_t>(c.n_layers), Errc::InvalidArgument,
-                "save_llama2c_checkpoint({}): {} layers of weights, expected n_layers = {}", name,
-                w.layers.size(), c.n_layers);
-  BRIGADE_CHECK(w.token_embedding && w.rms_final && (c.shared_classifier || w.wcls),
-                Errc::InvalidArgument,
-                "save_llama2c_checkpoint({}): token_embedding, rms_final or wcls is null", name);
-  for (std::size_t i = 0; i < w.layers.size(); ++i) {
-    const DecoderWeights& x = w.layers[i];
-    BRIGADE_CHECK(x.rms_att && x.wq && x.wk && x.wv && x.wo && x.rms_ffn && x.w1 && x.w2 && x.w3,
-                  Errc::InvalidArgument,
-                  "save_llama2c_checkpoint({}): layer {} has a null tensor pointer", name, i);
-  }
+  check_complete(w, fmt::format("save_llama2c_checkpoint({})", name));
   require_f32(w, fmt::format("save_llama2c_checkpoint({})", name).c_str());
   const std::optional<Layout> layout = compute_layout(c);
   BRIGADE_CHECK(layout.has_value(), Errc::InvalidArgument,

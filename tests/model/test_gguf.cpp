@@ -210,6 +210,11 @@ TEST_CASE("gguf.convert: llama2.c -> GGUF -> llama2.c is byte-identical, and so 
   CHECK_FALSE(sep2.config.shared_classifier);
   CHECK(same_floats(sep2.wcls.f32(), cls.data(), cls.size()));
   CHECK(model::GgufFile::open(dir / "sep.gguf").find_tensor("output.weight") != nullptr);
+  // An incomplete model is refused by name (model::check_complete) and nothing is written.
+  sep.layers[0].wq = {};
+  CHECK_THROWS_WITH_AS(model::save_gguf_llama(dir / "partial.gguf", sep, tok),
+                       doctest::Contains("): layer 0 tensor wq is null"), Error);
+  CHECK_FALSE(fs::exists(dir / "partial.gguf"));
 }
 
 TEST_CASE("gguf.format: the loader is chosen from the magic") {

@@ -364,6 +364,33 @@ TEST_CASE("weights.save: synthetic weights round-trip byte for byte (shared and 
   }
 }
 
+TEST_CASE("weights.check_complete: a missing layer or tensor is named, and nothing is saved") {
+  TempDir dir;
+  const auto p = dir / "partial.bin";
+  const LlamaWeights whole = brigade::model::make_synthetic_weights(tiny_config(true), 5);
+  CHECK_NOTHROW(brigade::model::check_complete(whole, "x"));
+  auto refused = [&](const LlamaWeights& w, const std::string& message) {
+    CHECK_THROWS_WITH_AS(brigade::model::check_complete(w, "check(t)"),
+                         ("check(t): " + message).c_str(), brigade::Error);
+    const std::string saver = "save_llama2c_checkpoint(" + p.string() + "): " + message;
+    CHECK_THROWS_WITH_AS(brigade::model::save_llama2c_checkpoint(p, w),
+                         doctest::Contains(saver.c_str()), brigade::Error);
+    CHECK_FALSE(std::filesystem::exists(p));
+  };
+  LlamaWeights w = whole;
+  w.layers.pop_back();
+  refused(w, "2 layers of weights, expected n_layers = 3");
+  w = whole;
+  w.rms_final = nullptr;
+  refused(w, "token_embedding, rms_final or wcls is null");
+  w = whole;
+  w.layers[1].w2 = {};
+  refused(w, "layer 1 tensor w2 is null");
+  w = whole;
+  w.layers[0].rms_att = nullptr;
+  refused(w, "layer 0 tensor rms_att is null");
+}
+
 TEST_CASE("weights.save: RoPE tables hold cos and sin of pos * theta^(-2i/head_size)") {
   TempDir dir;
   const auto p = dir / "rope.bin";

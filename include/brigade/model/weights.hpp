@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 namespace brigade::model {
@@ -44,6 +45,15 @@ struct LlamaWeights {
   /// for owned memory (make_synthetic_weights), where dropping pages would lose the weights.
   bool mapped = false;
 };
+
+/// Checks that `w` is a whole model for its config: LlamaConfig::validate passes, it has
+/// n_layers decoder layers, and the embedding, the final norm, the classifier (unless shared)
+/// and every tensor of every layer are set. The savers (save_llama2c_checkpoint,
+/// save_gguf_llama) call it before writing anything.
+/// @param what names the caller in messages, e.g. "save_gguf_llama(out.gguf)"
+/// @throws brigade::Error{InvalidArgument} "<what>: ..." naming the layer count, or the layer
+///         and tensor (rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3) that is missing
+void check_complete(const LlamaWeights& w, std::string_view what);
 
 /// Bytes of the weights of each ModelSpec layer of `w` as stored (matrices in their dtype, the
 /// RMSNorm gains as float32), in ModelSpec order: the embedding table, each decoder (its seven
