@@ -42,18 +42,23 @@ struct Avx2 {
   static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
 
-// 16 ymm registers: MR x NR accumulators (one 8-lane packet at a time), plus NR weight packets
-// and one x packet live at once: 4 x 3 (12 + 3 + 1), 7 loads per 12 FMAs; a GEMV of 4 W rows
-// (4 weight streams). Measured on Zen 3 with bench_kernels BM_MatmulSmallM (docs/benchmarks.md).
-constexpr int kMR = 4, kNR = 3, kGemvNR = 4;
+// 16 ymm registers: MR x NR accumulators (one 8-lane packet at a time), plus the weight packets
+// and x packets live at once. F32 W: 2 x 6 (12 + 2 + up to 2), which beats 4 x 3 and 3 x 4 on
+// Zen 3 by 1.1-1.6x at 4 and 16 rows: each x packet, which comes from L2 once per block of W
+// rows, feeds 6 W rows (8 loads per 12 FMAs). A typed W (F16, BF16, Q8_0): 4 x 3, since every
+// weight packet is converted (vcvtph2ps, shifts, int8 conversion and scale) once per block of x
+// rows, and 6 conversions per 12 FMAs cost it 25-35% against 3. A GEMV of 4 W rows (4 weight
+// streams). Measured with bench_kernels BM_MatmulSmallM and BM_MatmulSmallMTyped
+// (docs/benchmarks.md, "Decode kernels per instruction set").
+constexpr int kMR = 2, kNR = 6, kTypedMR = 4, kTypedNR = 3, kGemvNR = 4;
 
 }  // namespace
 
 void small_m_avx2(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
                   bool accumulate) {
-  sm_dispatch<Avx2, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin, n_end,
-                                       accumulate);
+  sm_dispatch<Avx2, kMR, kNR, kTypedMR, kTypedNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim,
+                                                           n_begin, n_end, accumulate);
 }
 
 void dequantize_avx2(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {

@@ -42,16 +42,17 @@ struct Avx512 {
 };
 
 // 32 zmm registers: 4 x 4 accumulators (16) with 4 weight packets and one x packet; a GEMV of 8
-// W rows (8 weight streams). Tuned on Emerald Rapids (bench_kernels BM_MatmulSmallM, docs/benchmarks.md).
+// W rows (8 weight streams). Tuned on Emerald Rapids (bench_kernels BM_MatmulSmallM,
+// docs/benchmarks.md).
 constexpr int kMR = 4, kNR = 4, kGemvNR = 8;
 
 }  // namespace
 
 void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
-                    std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                    std::int64_t n_end, bool accumulate) {
-  sm_dispatch<Avx512, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin, n_end,
-                                         accumulate);
+                    std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
+                    bool accumulate) {
+  sm_dispatch<Avx512, kMR, kNR, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin,
+                                                   n_end, accumulate);
 }
 
 void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {

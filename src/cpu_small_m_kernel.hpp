@@ -2,17 +2,32 @@
 // by the per-ISA translation units, each compiled for its instruction set). Everything here has
 // internal linkage, so the copies built for different instruction sets never meet at link time.
 //
-// Blocks of NR rows of W (NR*K floats, in L1 for the 42M shapes) times blocks of MR rows of x
-// (in L1/L2), MR x NR accumulators of 16 lanes, k advancing 16 at a time with unaligned loads.
-// W is read once per call; x once per block of NR W rows.
+// Blocks of NR rows of W times blocks of MR rows of x, MR x NR accumulators of 16 lanes, k
+// advancing 16 at a time with unaligned loads. One row of x (a GEMV) walks each block's whole
+// rows at once (sm_block); more rows walk them in chunks of kSmallMChunk floats (sm_rows), so
+// the chunk stays in L1 for every block of x rows. W is read once per call; x once per block of
+// NR W rows.
 #pragma once
 
 #include "cpu_small_m.hpp"
+
+#include <immintrin.h>
 
 #include <cstdint>
 
 namespace brigade::cpu::detail {
 namespace {
+
+/// reduce_lanes (cpu_small_m.hpp) in 256- and 128-bit registers: the same additions of the same
+/// operands in the same tree (lanes l + (l + 8); the halves; (0 + 2), (1 + 3); the last two), so
+/// the same bits, in 6 instructions instead of 15 scalar adds. Both instruction-set builds that
+/// include this header have AVX.
+inline float reduce_lanes_vec(const float* lanes) {
+  const __m256 s8 = _mm256_add_ps(_mm256_loadu_ps(lanes), _mm256_loadu_ps(lanes + 8));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
 
 // Isa provides: Packet, kWidth (floats per packet), zero(), load(p) (kWidth floats),
 // load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype F32,
@@ -28,9 +43,9 @@ namespace {
 // then 8-15 with 8-float packets): MR x NR accumulators of one register each, and MR + NR loads
 // per MR x NR FMAs. The first pass brings the block's W rows into L1; the others find them there.
 template <class Isa, DType WT, int MR, int NR, bool Accumulate>
-inline __attribute__((always_inline)) void sm_block(const float* x, const std::byte* w,
-                                                    float* out, std::int64_t in,
-                                                    std::int64_t out_dim, std::int64_t rs) {
+inline __attribute__((always_inline)) void sm_block(const float* x, const std::byte* w, float* out,
+                                                    std::int64_t in, std::int64_t out_dim,
+                                                    std::int64_t rs) {
   const std::int64_t rb = rs * row_bytes<WT>(in);  // bytes between the block's W rows
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
@@ -71,36 +86,111 @@ inline __attribute__((always_inline)) void sm_block(const float* x, const std::b
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const float s =
-          add_tail<WT>(reduce_lanes(lanes[i][j]), x + i * in, w + j * rb, k_vec, in, Isa::half);
+          add_tail<WT>(reduce_lanes_vec(lanes[i][j]), x + i * in, w + j * rb, k_vec, in, Isa::half);
       float& o = out[i * out_dim + j * rs];
       o = Accumulate ? o + s : s;
     }
 }
 
-/// The last `rows` < MR rows of x (MR - 1 down to 1) against the NR rows of W at wn.
-template <class Isa, DType WT, int MR, int NR, bool Accumulate>
-inline void sm_row_tail(const float* x, const std::byte* wn, float* on, std::int64_t rows,
-                        std::int64_t in, std::int64_t out_dim, std::int64_t rs) {
-  if constexpr (MR > 1) {
-    if (rows == MR - 1)
-      sm_block<Isa, WT, MR - 1, NR, Accumulate>(x, wn, on, in, out_dim, rs);
-    else
-      sm_row_tail<Isa, WT, MR - 1, NR, Accumulate>(x, wn, on, rows, in, out_dim, rs);
+/// Floats of x's rows per k-chunk of sm_rows: the chunk of an x block and of the NR W rows stays
+/// in L1 between the packet passes and across the x blocks, so x comes from L2 once per block of
+/// W rows and W from memory once. 256 keeps the chunks of 64 x rows (64 KiB) in L2 and the
+/// accumulators' spills (one load and one store per accumulator per chunk) under 7% of the loads.
+inline constexpr std::int64_t kSmallMChunk = 256;
+/// Most x rows whose accumulators sm_rows keeps at once (more rows are taken in groups of it).
+inline constexpr std::int64_t kSmallMGroupRows = 64;
+
+/// One k-chunk [k0, k1) (multiples of 16; of 32 for Q8_0) of MR rows of x against NR rows of W
+/// (`rb` bytes apart), continuing the MR x NR accumulators of 16 lanes in `acc` ([MR][NR][16];
+/// from zero when `first`). Each lane sums its k in increasing order across the chunks, so the
+/// chunking leaves every output's summation order (cpu_small_m.hpp) unchanged.
+template <class Isa, DType WT, int MR, int NR>
+inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::byte* w,
+                                                    float* acc_lanes, std::int64_t in,
+                                                    std::int64_t rb, std::int64_t k0,
+                                                    std::int64_t k1, bool first) {
+  using P = typename Isa::Packet;
+  constexpr int kW = Isa::kWidth;
+  constexpr int kPk = kSmallMLanes / kW;
+  static_assert(kPk * kW == kSmallMLanes, "packet width must divide 16");
+  for (int p = 0; p < kPk; ++p) {
+    P acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] =
+            first ? Isa::zero() : Isa::load(acc_lanes + (i * NR + j) * kSmallMLanes + p * kW);
+    auto step = [&](std::int64_t k, auto&& load_w) __attribute__((always_inline)) {
+      P wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = load_w(j, k);
+      for (int i = 0; i < MR; ++i) {
+        const P xv = Isa::load(x + i * in + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
+      }
+    };
+    if constexpr (WT == DType::Q8_0) {
+      for (std::int64_t k = k0 + p * kW; k < k1; k += 2 * kSmallMLanes) {
+        P d[NR];
+        for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
+        auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
+        step(k, q8);
+        step(k + kSmallMLanes, q8);
+      }
+    } else {
+      for (std::int64_t k = k0 + p * kW; k < k1; k += kSmallMLanes)
+        step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j)
+        Isa::store(acc_lanes + (i * NR + j) * kSmallMLanes + p * kW, acc[i][j]);
   }
 }
 
-/// All `tokens` rows of x against W rows n, n + rs, ..., n + (NR - 1) rs.
+/// sm_chunk for the last `rows` < MR rows of x (MR - 1 down to 1).
+template <class Isa, DType WT, int MR, int NR>
+inline void sm_chunk_tail(const float* x, const std::byte* w, float* acc_lanes, std::int64_t rows,
+                          std::int64_t in, std::int64_t rb, std::int64_t k0, std::int64_t k1,
+                          bool first) {
+  if constexpr (MR > 1) {
+    if (rows == MR - 1)
+      sm_chunk<Isa, WT, MR - 1, NR>(x, w, acc_lanes, in, rb, k0, k1, first);
+    else
+      sm_chunk_tail<Isa, WT, MR - 1, NR>(x, w, acc_lanes, rows, in, rb, k0, k1, first);
+  }
+}
+
+/// All `tokens` rows of x against W rows n, n + rs, ..., n + (NR - 1) rs: for each group of up
+/// to kSmallMGroupRows x rows, the k-chunks in order, each over the group's blocks of MR rows;
+/// then each output's lanes reduced and its K % 16 tail added.
 template <class Isa, DType WT, int MR, int NR, bool Accumulate>
 inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs) {
+  const std::int64_t rb = rs * row_bytes<WT>(in);
   const std::byte* wn = w + n * row_bytes<WT>(in);
-  float* on = out + n;
-  std::int64_t t = 0;
-  for (; t + MR <= tokens; t += MR)
-    sm_block<Isa, WT, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, in, out_dim, rs);
-  if (t < tokens)
-    sm_row_tail<Isa, WT, MR, NR, Accumulate>(x + t * in, wn, on + t * out_dim, tokens - t, in,
-                                             out_dim, rs);
+  const std::int64_t k_vec = in - in % kSmallMLanes;
+  alignas(64) float lanes[kSmallMGroupRows * NR * kSmallMLanes];
+  for (std::int64_t g = 0; g < tokens; g += kSmallMGroupRows) {
+    const std::int64_t rows = tokens - g < kSmallMGroupRows ? tokens - g : kSmallMGroupRows;
+    const float* xg = x + g * in;
+    if (k_vec == 0)
+      for (float& l : lanes) l = 0.0f;
+    for (std::int64_t k0 = 0; k0 < k_vec; k0 += kSmallMChunk) {
+      const std::int64_t k1 = k0 + kSmallMChunk < k_vec ? k0 + kSmallMChunk : k_vec;
+      std::int64_t t = 0;
+      for (; t + MR <= rows; t += MR)
+        sm_chunk<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, in, rb, k0, k1,
+                                  k0 == 0);
+      if (t < rows)
+        sm_chunk_tail<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, rows - t, in,
+                                       rb, k0, k1, k0 == 0);
+    }
+    for (std::int64_t t = 0; t < rows; ++t)
+      for (int j = 0; j < NR; ++j) {
+        const float s = add_tail<WT>(reduce_lanes_vec(lanes + (t * NR + j) * kSmallMLanes),
+                                     xg + t * in, wn + j * rb, k_vec, in, Isa::half);
+        float& o = out[(g + t) * out_dim + n + j * rs];
+        o = Accumulate ? o + s : s;
+      }
+  }
 }
 
 /// W rows [n_begin, n_end): split into NR equal segments (GemvNR for one row of x) walked side
@@ -139,8 +229,9 @@ inline void sm_typed(const float* x, const void* w, float* out, std::int64_t tok
 }
 
 /// The kernel for W's dtype `wt` (F32, F16, BF16 or Q8_0; anything else does nothing: the
-/// caller checks).
-template <class Isa, int MR, int NR, int GemvNR>
+/// caller checks): MR x NR blocks for F32, TMR x TNR for the typed W (each weight packet is
+/// converted once per block of x rows, so a typed W favours fewer W rows per block).
+template <class Isa, int MR, int NR, int TMR, int TNR, int GemvNR>
 inline void sm_dispatch(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                         std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                         std::int64_t n_end, bool accumulate) {
@@ -149,14 +240,14 @@ inline void sm_dispatch(const float* x, const void* w, DType wt, float* out, std
       return sm_typed<Isa, DType::F32, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
                                                        n_end, accumulate);
     case DType::F16:
-      return sm_typed<Isa, DType::F16, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                       n_end, accumulate);
+      return sm_typed<Isa, DType::F16, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                         n_end, accumulate);
     case DType::BF16:
-      return sm_typed<Isa, DType::BF16, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                        n_end, accumulate);
+      return sm_typed<Isa, DType::BF16, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                          n_end, accumulate);
     case DType::Q8_0:
-      return sm_typed<Isa, DType::Q8_0, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                        n_end, accumulate);
+      return sm_typed<Isa, DType::Q8_0, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
+                                                          n_end, accumulate);
     default:
       return;
   }
@@ -189,14 +280,17 @@ inline void sm_dequantize_typed(const std::byte* w, std::int64_t in, std::int64_
 
 /// sm_dequantize_typed for W's dtype `wt` (F16, BF16 or Q8_0; anything else does nothing).
 template <class Isa>
-inline void sm_dequantize(const void* w, DType wt, std::int64_t in, std::int64_t rows,
-                          float* out) {
+inline void sm_dequantize(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {
   const auto* wb = static_cast<const std::byte*>(w);
   switch (wt) {
-    case DType::F16: return sm_dequantize_typed<Isa, DType::F16>(wb, in, rows, out);
-    case DType::BF16: return sm_dequantize_typed<Isa, DType::BF16>(wb, in, rows, out);
-    case DType::Q8_0: return sm_dequantize_typed<Isa, DType::Q8_0>(wb, in, rows, out);
-    default: return;
+    case DType::F16:
+      return sm_dequantize_typed<Isa, DType::F16>(wb, in, rows, out);
+    case DType::BF16:
+      return sm_dequantize_typed<Isa, DType::BF16>(wb, in, rows, out);
+    case DType::Q8_0:
+      return sm_dequantize_typed<Isa, DType::Q8_0>(wb, in, rows, out);
+    default:
+      return;
   }
 }
 
