@@ -5,6 +5,7 @@
 #include "brigade/core/error.hpp"
 #include "brigade/core/finite.hpp"
 #include "brigade/io/input.hpp"
+#include "layer_tensor.hpp"
 #include "mapped_file.hpp"
 
 #include <fmt/ranges.h>
@@ -584,12 +585,6 @@ std::vector<std::int64_t> GgufFile::get_ints(std::string_view key) const {
 namespace {
 
 /// The per-layer tensors of a llama GGUF, in brigade's DecoderWeights order.
-/// A norm gain (`gain`, float32) or a matrix (`matrix`, a typed view): one of the two is set.
-struct LayerTensor {
-  std::string_view suffix;
-  const float* DecoderWeights::*gain = nullptr;
-  WeightMatrix DecoderWeights::*matrix = nullptr;
-};
 constexpr std::array<LayerTensor, 9> kLayerTensors = {{
     {"attn_norm", &DecoderWeights::rms_att, nullptr},
     {"attn_q", nullptr, &DecoderWeights::wq},
@@ -616,35 +611,6 @@ std::string shape_text(const std::vector<std::int64_t>& s) {
   return fmt::format("[{}]", fmt::join(s, ", "));
 }
 
-/// The float32 values of weight tensor `t`: the one place a tensor's dtype is turned into what
-/// LlamaWeights holds. Only f32 is bound today; the narrow dtypes arrive with typed views.
-/// The first non-finite element of a matrix of `t` ([rows x cols]), or n = rows x cols: F16 and
-/// BF16 by their exponent bits, Q8_0 by its blocks' scales (each int8 is finite).
-std::size_t first_non_finite_typed(const GgufTensor& t) {
-  const auto n = static_cast<std::size_t>(t.elements);
-  switch (t.dtype) {
-    case DType::F32: return first_non_finite(reinterpret_cast<const float*>(t.data), n);
-    case DType::F16:
-    case DType::BF16: {
-      const std::uint16_t exp_mask = t.dtype == DType::F16 ? 0x7c00 : 0x7f80;
-      for (std::size_t i = 0; i < n; ++i) {
-        std::uint16_t h;
-        std::memcpy(&h, static_cast<const std::byte*>(t.data) + 2 * i, 2);
-        if ((h & exp_mask) == exp_mask) return i;
-      }
-      return n;
-    }
-    case DType::Q8_0:
-      for (std::size_t b = 0; b < n / 32; ++b) {
-        std::uint16_t d;
-        std::memcpy(&d, static_cast<const std::byte*>(t.data) + 34 * b, 2);
-        if ((d & 0x7c00) == 0x7c00) return 32 * b;
-      }
-      return n;
-    default: return n;
-  }
-}
-
 /// A matrix tensor as a typed view into the mapping (f32, f16, bf16 or q8_0, kept in its dtype:
 /// the kernels read it), after a scan for non-finite values.
 /// @throws brigade::Error{BadFile} naming the tensor for another dtype, a q8_0 row that is not
@@ -657,7 +623,9 @@ WeightMatrix matrix_data(const GgufFile& f, const GgufTensor& t) {
   if (t.dtype == DType::Q8_0 && cols % 32 != 0)
     detail::fail(Errc::BadFile, "{}: tensor {} is q8_0 with rows of {} values, not whole blocks "
                  "of 32", f.path().string(), t.name, cols);
-  const std::size_t i = first_non_finite_typed(t);
+  const std::int64_t rows = cols == 0 ? 0 : t.elements / static_cast<std::int64_t>(cols);
+  const std::size_t i = first_non_finite_weight(WeightMatrix(t.data, t.dtype), rows,
+                                         static_cast<std::int64_t>(cols));
   if (i != static_cast<std::size_t>(t.elements))
     detail::fail(Errc::BadFile,
                  "{}: tensor {}, element {} (row {}, column {}) is not finite: a model's weights "

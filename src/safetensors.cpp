@@ -5,6 +5,7 @@
 #include "brigade/core/error.hpp"
 #include "brigade/core/finite.hpp"
 #include "brigade/io/input.hpp"
+#include "layer_tensor.hpp"
 #include "mapped_file.hpp"
 
 #include <fmt/ranges.h>
@@ -207,13 +208,7 @@ namespace {
 
 /// The per-layer tensors of an HF Llama (model.layers.N.<suffix>.weight), in DecoderWeights
 /// order.
-/// A norm gain (`gain`, float32) or a matrix (`matrix`, a typed view): one of the two is set.
-struct HfLayerTensor {
-  std::string_view suffix;
-  const float* DecoderWeights::*gain = nullptr;
-  WeightMatrix DecoderWeights::*matrix = nullptr;
-};
-constexpr std::array<HfLayerTensor, 9> kHfLayer = {{
+constexpr std::array<LayerTensor, 9> kHfLayer = {{
     {"input_layernorm", &DecoderWeights::rms_att, nullptr},
     {"self_attn.q_proj", nullptr, &DecoderWeights::wq},
     {"self_attn.k_proj", nullptr, &DecoderWeights::wk},
@@ -235,26 +230,28 @@ std::vector<std::int64_t> hf_shape(std::string_view suffix, const LlamaConfig& c
   return {d, d};
 }
 
-/// What the loaded model owns: the files' mappings and the permuted Q/K copies.
+/// What the loaded model owns: the files' mappings, the unpermuted Q/K copies (in the file's
+/// dtype) and the norm gains widened to float32 from F16 or BF16.
 struct HfStorage {
   std::vector<SafetensorsFile> files;
-  std::vector<std::vector<float>> owned;
+  std::vector<std::vector<std::byte>> matrices;
+  std::vector<std::vector<float>> gains;
 };
 
 /// HF's rotate-half rows back to adjacent pairs, per head (llama2.c export.py's
-/// permute_reverse): row 2i + c of a head is HF row c * head_size/2 + i.
-std::vector<float> unpermute(const float* w, int heads, int head_size, int cols) {
-  std::vector<float> out(static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_size) *
-                         static_cast<std::size_t>(cols));
+/// permute_reverse): row 2i + c of a head is HF row c * head_size/2 + i. Rows of `row_bytes`
+/// bytes are moved whole, so every dtype keeps its bits.
+std::vector<std::byte> unpermute(const std::byte* w, int heads, int head_size,
+                                 std::size_t row_bytes) {
+  std::vector<std::byte> out(static_cast<std::size_t>(heads) *
+                             static_cast<std::size_t>(head_size) * row_bytes);
   const int half = head_size / 2;
-  const auto row_bytes = static_cast<std::size_t>(cols) * sizeof(float);
   for (int h = 0; h < heads; ++h)
     for (int i = 0; i < half; ++i)
       for (int c = 0; c < 2; ++c) {
         const auto dst = static_cast<std::size_t>(h * head_size + 2 * i + c);
         const auto src = static_cast<std::size_t>(h * head_size + c * half + i);
-        std::memcpy(out.data() + dst * static_cast<std::size_t>(cols),
-                    w + src * static_cast<std::size_t>(cols), row_bytes);
+        std::memcpy(out.data() + dst * row_bytes, w + src * row_bytes, row_bytes);
       }
   return out;
 }
@@ -382,7 +379,7 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
       std::uint64_t layer = 0;
       const auto [end, err] = std::from_chars(rest.data(), rest.data() + dot, layer);
       const std::string_view tail = dot < rest.size() ? rest.substr(dot + 1) : std::string_view();
-      const auto lt = std::find_if(kHfLayer.begin(), kHfLayer.end(), [&](const HfLayerTensor& x) {
+      const auto lt = std::find_if(kHfLayer.begin(), kHfLayer.end(), [&](const LayerTensor& x) {
         return tail.size() == x.suffix.size() + 7 && tail.starts_with(x.suffix) &&
                tail.ends_with(".weight");
       });
@@ -405,34 +402,50 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
     if (t.shape != expected)
       detail::fail(Errc::BadFile, "{}: tensor {} has shape [{}], expected [{}] from {}", file,
                    tname, fmt::join(t.shape, ", "), fmt::join(expected, ", "), cfg_name);
-    if (t.dtype != DType::F32)
+    // F32, F16 and BF16 (the reader refuses other dtypes): matrices are bound as typed views
+    // (the kernels read them), norm gains widened to float32 below.
+    const std::size_t elem = dtype_block_bytes(t.dtype);
+    if (reinterpret_cast<std::uintptr_t>(t.data) % elem != 0)
       detail::fail(Errc::BadFile,
-                   "{}: tensor {} is {}; brigade binds only F32 weights from safetensors for now",
-                   file, tname, t.dtype_name);
-    if (reinterpret_cast<std::uintptr_t>(t.data) % alignof(float) != 0)
-      detail::fail(Errc::BadFile,
-                   "{}: tensor {} starts at a file offset that is not a multiple of 4 (the "
+                   "{}: tensor {} ({}) starts at a file offset that is not a multiple of {} (the "
                    "header length is not padded to 8 bytes)",
-                   file, tname);
-    const auto* p = reinterpret_cast<const float*>(t.data);
-    const auto n = static_cast<std::size_t>(t.elements);
-    if (const std::size_t i = first_non_finite(p, n); i != n)
-      detail::fail(Errc::BadFile, "{}: tensor {}, element {} is {}: a model's weights must be finite",
-                   file, tname, i, p[i]);
+                   file, tname, t.dtype_name, elem);
+    const std::int64_t cols = t.shape.back();
+    const std::size_t i =
+        first_non_finite_weight(WeightMatrix(t.data, t.dtype), cols == 0 ? 0 : t.elements / cols, cols);
+    if (i != static_cast<std::size_t>(t.elements))
+      detail::fail(Errc::BadFile,
+                   "{}: tensor {} ({}), element {} (row {}, column {}) is not finite: a model's "
+                   "weights must be finite",
+                   file, tname, t.dtype_name, i, i / static_cast<std::size_t>(cols),
+                   i % static_cast<std::size_t>(cols));
   }
   for (std::size_t i = 0; i < seen.size(); ++i)
     if (!seen[i])
       detail::fail(Errc::BadFile, "{}: tensor model.layers.{}.{}.weight is missing ({} says num_hidden_layers = {})",
                    dir.string(), i / kHfLayer.size(), kHfLayer[i % kHfLayer.size()].suffix, cfg_name,
                    c.n_layers);
-  auto data = [&](const std::string& tname) -> const float* {
+  auto tensor = [&](const std::string& tname) -> const SafetensorsTensor& {
     const auto it = by_name.find(tname);
     if (it == by_name.end())
       detail::fail(Errc::BadFile, "{}: tensor {} is missing", dir.string(), tname);
-    return reinterpret_cast<const float*>(it->second.first->data);
+    return *it->second.first;
   };
-  w.token_embedding = data("model.embed_tokens.weight");
-  w.rms_final = data("model.norm.weight");
+  auto matrix = [&](const std::string& tname) {
+    const SafetensorsTensor& t = tensor(tname);
+    return WeightMatrix(t.data, t.dtype);
+  };
+  // A norm gain as float32: in place when the file has it so, else widened (exactly) into an
+  // owned copy (HF's bf16 and fp16 checkpoints store the gains in the checkpoint's dtype).
+  auto gain = [&](const std::string& tname) -> const float* {
+    const SafetensorsTensor& t = tensor(tname);
+    if (t.dtype == DType::F32) return reinterpret_cast<const float*>(t.data);
+    std::vector<float>& g = storage->gains.emplace_back(static_cast<std::size_t>(t.elements));
+    dequantize_rows(WeightMatrix(t.data, t.dtype), t.elements, 0, 1, g.data());
+    return g.data();
+  };
+  w.token_embedding = matrix("model.embed_tokens.weight");
+  w.rms_final = gain("model.norm.weight");
   if (c.shared_classifier) {
     if (by_name.count("lm_head.weight"))
       detail::fail(Errc::BadFile,
@@ -440,21 +453,24 @@ LlamaWeights load_safetensors_llama(const std::filesystem::path& path) {
                    dir.string(), cfg_name);
     w.wcls = w.token_embedding;
   } else {
-    w.wcls = data("lm_head.weight");
+    w.wcls = matrix("lm_head.weight");
   }
   w.layers.assign(static_cast<std::size_t>(c.n_layers), DecoderWeights{});
   for (std::size_t l = 0; l < w.layers.size(); ++l)
-    for (const HfLayerTensor& lt : kHfLayer) {
-      const float* p = data(fmt::format("model.layers.{}.{}.weight", l, lt.suffix));
+    for (const LayerTensor& lt : kHfLayer) {
+      const std::string tname = fmt::format("model.layers.{}.{}.weight", l, lt.suffix);
+      if (lt.gain != nullptr) {
+        w.layers[l].*lt.gain = gain(tname);
+        continue;
+      }
+      WeightMatrix m = matrix(tname);
       if (lt.suffix == "self_attn.q_proj" || lt.suffix == "self_attn.k_proj") {
         const int heads = lt.suffix == "self_attn.q_proj" ? c.n_heads : c.n_kv_heads;
-        storage->owned.push_back(unpermute(p, heads, c.head_size(), c.dim));
-        p = storage->owned.back().data();
+        storage->matrices.push_back(unpermute(static_cast<const std::byte*>(m.data), heads,
+                                              c.head_size(), weight_row_bytes(m.dtype, c.dim)));
+        m.data = storage->matrices.back().data();
       }
-      if (lt.gain != nullptr)
-        w.layers[l].*lt.gain = p;
-      else
-        w.layers[l].*lt.matrix = p;
+      w.layers[l].*lt.matrix = m;
     }
   w.storage = std::shared_ptr<const void>(storage, storage.get());
   w.mapped = false;

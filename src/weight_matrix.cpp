@@ -3,6 +3,7 @@
 #include "brigade/model/weight_matrix.hpp"
 
 #include "brigade/core/error.hpp"
+#include "brigade/core/finite.hpp"
 #include "brigade/model/weights.hpp"
 
 #include <algorithm>
@@ -83,6 +84,37 @@ void dequantize_rows(WeightMatrix w, std::int64_t cols, std::int64_t row0, std::
     return;
   }
   convert_to_f32(weight_row(w, cols, row0), w.dtype, out, rows * cols);
+}
+
+std::size_t first_non_finite_weight(WeightMatrix w, std::int64_t rows, std::int64_t cols) {
+  check_weight_shape(w.dtype, cols, "first_non_finite_weight");
+  BRIGADE_CHECK(rows >= 0, Errc::InvalidArgument, "first_non_finite_weight: rows = {}; expected >= 0",
+                rows);
+  const std::size_t n = usize(rows) * usize(cols);
+  const auto* bytes = static_cast<const std::byte*>(w.data);
+  switch (w.dtype) {
+    case DType::F32:
+      return brigade::first_non_finite(static_cast<const float*>(w.data), n);
+    case DType::F16:
+    case DType::BF16: {
+      const std::uint16_t exp_mask = w.dtype == DType::F16 ? 0x7c00 : 0x7f80;
+      for (std::size_t i = 0; i < n; ++i) {
+        std::uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, 2);
+        if ((h & exp_mask) == exp_mask) return i;
+      }
+      return n;
+    }
+    case DType::Q8_0:
+      for (std::size_t b = 0; b < n / 32; ++b) {
+        std::uint16_t d;
+        std::memcpy(&d, bytes + 34 * b, 2);
+        if ((d & 0x7c00) == 0x7c00) return 32 * b;
+      }
+      return n;
+    default:
+      return n;  // check_weight_shape refused it
+  }
 }
 
 void quantize_rows(const float* src, std::int64_t rows, std::int64_t cols, DType t, void* dst) {

@@ -115,6 +115,23 @@ std::pair<json, std::vector<Entry>> hf_stories260K(const model::LlamaWeights& w)
 
 bool same(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * 4) == 0; }
 
+/// The entries with every F32 tensor rounded to "BF16" or "F16" (to nearest even).
+std::vector<Entry> to_16bit(std::vector<Entry> entries, const std::string& dtype) {
+  for (Entry& e : entries) {
+    const std::size_t n = e.bytes.size() / 4;
+    std::string out(2 * n, '\0');
+    for (std::size_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, e.bytes.data() + 4 * i, 4);
+      const std::uint16_t h = dtype == "BF16" ? f32_to_bf16(f) : f32_to_f16(f);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+    e.dtype = dtype;
+    e.bytes = std::move(out);
+  }
+  return entries;
+}
+
 }  // namespace
 
 TEST_CASE("safetensors.stories260K: the HF layout loads back to llama2.c's weights bit for bit "
@@ -182,6 +199,64 @@ TEST_CASE("safetensors.stories260K: the HF layout loads back to llama2.c's weigh
     opt.sampler.temperature = 0.0f;
     const auto rep = engine::generate(g, partition::uniform(model::ModelSpec(g.config), stages), req, opt);
     CHECK(rep.sequences.at(0).tokens == expected);
+  }
+}
+
+TEST_CASE("safetensors.stories260K in BF16 and F16: matrices bound in their dtype with "
+          "convert_weights' bits, gains widened, run.c's tokens at 1 and 3 stages") {
+  const model::LlamaWeights b = model::load_llama2c_checkpoint(kData / "stories260K.bin");
+  const auto [cfg, entries] = hf_stories260K(b);
+  test::TempDir dir("brigade-st16");
+  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
+  const auto ref = json::parse(in)["cases"][1];
+  const auto prompt = ref["prompt_ids"].get<std::vector<int>>();
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const std::string name(dt == DType::BF16 ? "BF16" : "F16");
+    CAPTURE(name);
+    const fs::path d = dir / name;
+    fs::create_directory(d);
+    json c = cfg;
+    c["torch_dtype"] = dt == DType::BF16 ? "bfloat16" : "float16";
+    write(d / "config.json", c.dump());
+    write(d / "model.safetensors", safetensors_bytes(to_16bit(entries, name)));
+    const model::LlamaWeights g = model::load_safetensors_llama(d);
+    const model::LlamaWeights want = model::convert_weights(b, dt);
+    auto same_matrix = [](model::WeightMatrix x, model::WeightMatrix y, std::size_t elements) {
+      return x.dtype == y.dtype && std::memcmp(x.data, y.data, 2 * elements) == 0;
+    };
+    auto rounded = [&](float f) { return dt == DType::BF16 ? bf16_to_f32(f32_to_bf16(f)) : f16_to_f32(f32_to_f16(f)); };
+    const auto d64 = 64u, h = 172u, kv = 32u;
+    CHECK(same_matrix(g.token_embedding, want.token_embedding, 512 * d64));
+    CHECK(g.wcls == g.token_embedding);
+    for (std::size_t l = 0; l < 5; ++l) {
+      CAPTURE(l);
+      const model::DecoderWeights &x = g.layers[l], &y = want.layers[l];
+      CHECK(same_matrix(x.wq, y.wq, d64 * d64));  // unpermuted row by row in the file's dtype
+      CHECK(same_matrix(x.wk, y.wk, kv * d64));
+      CHECK(same_matrix(x.wv, y.wv, kv * d64));
+      CHECK(same_matrix(x.wo, y.wo, d64 * d64));
+      CHECK(same_matrix(x.w1, y.w1, h * d64));
+      CHECK(same_matrix(x.w2, y.w2, d64 * h));
+      CHECK(same_matrix(x.w3, y.w3, h * d64));
+      int off = 0;
+      for (std::size_t i = 0; i < d64; ++i) {
+        off += x.rms_att[i] != rounded(b.layers[l].rms_att[i]);
+        off += x.rms_ffn[i] != rounded(b.layers[l].rms_ffn[i]);
+      }
+      CHECK(off == 0);
+    }
+    std::vector<std::vector<int>> tokens;
+    for (int stages : {1, 3}) {
+      const std::vector<engine::GenerationRequest> req{{prompt, 64}};
+      engine::InferenceOptions opt;
+      opt.sampler.temperature = 0.0f;
+      tokens.push_back(engine::generate(g, partition::uniform(model::ModelSpec(g.config), stages), req, opt)
+                           .sequences.at(0).tokens);
+    }
+    CHECK(tokens[0] == tokens[1]);
+    std::vector<int> expected = prompt;
+    for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
+    CHECK(tokens[0] == expected);
   }
 }
 
@@ -282,10 +357,17 @@ TEST_CASE("safetensors.llama: shapes that disagree with config.json, layers past
               "config.json: not valid JSON: [json.exception.out_of_range.406] number overflow "
               "parsing '1e999'"));
   }
-  std::vector<Entry> half = entries;
-  half[2].dtype = "F16";  // model.layers.0.self_attn.q_proj
-  half[2].bytes.resize(half[2].bytes.size() / 2);
-  CHECK(has(err(cfg, half), "tensor model.layers.0.self_attn.q_proj.weight is F16; brigade binds only F32"));
+  {  // a 2-byte tensor first (an older export's inv_freq, skipped) puts every F32 tensor at 2 mod 4
+    std::vector<Entry> odd = entries;
+    odd.insert(odd.begin(), {"model.layers.0.self_attn.rotary_emb.inv_freq", "F16", {1}, std::string(2, '\0')});
+    CHECK(has(err(cfg, odd), "tensor model.embed_tokens.weight (F32) starts at a file offset that is not a multiple of 4"));
+  }
+  {  // a NaN in a BF16 matrix: named with its row and column
+    std::vector<Entry> nan = to_16bit(entries, "BF16");
+    nan[4].bytes[2 * (64 * 3 + 5) + 1] = '\x7f';  // model.layers.0.self_attn.v_proj: row 3, column 5
+    nan[4].bytes[2 * (64 * 3 + 5)] = '\xc0';
+    CHECK(has(err(cfg, nan), "tensor model.layers.0.self_attn.v_proj.weight (BF16), element 197 (row 3, column 5) is not finite"));
+  }
   std::vector<Entry> extra = entries;
   extra.push_back({"model.layers.0.self_attn.q_norm.weight", "F32", {64}, std::string(256, '\0')});
   CHECK(has(err(cfg, extra), "tensor model.layers.0.self_attn.q_norm.weight is not one of a Llama decoder layer's"));

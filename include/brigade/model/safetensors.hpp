@@ -77,17 +77,20 @@ class SafetensorsFile {
 /// "LlamaForCausalLM") gives the config (hidden_size, intermediate_size, num_hidden_layers,
 /// num_attention_heads, num_key_value_heads (default: heads), max_position_embeddings,
 /// rms_norm_eps (default 1e-6), rope_theta (default 10000), vocab_size, tie_word_embeddings
-/// (default false)); the tensors come from every .safetensors file of the directory (or the
-/// ones model.safetensors.index.json names). q_proj and k_proj rows are permuted back from
-/// HF's rotate-half order to the adjacent-pair order of brigade's RoPE (llama2.c export.py's
-/// permute_reverse), into owned buffers; every other weight is a view into its file's mapping.
+/// (default false)); the tensors come from every .safetensors file of the directory (sorted
+/// by name; each tensor in exactly one). q_proj and k_proj rows are permuted back from HF's
+/// rotate-half order to the adjacent-pair order of brigade's RoPE (llama2.c export.py's
+/// permute_reverse), into owned buffers; every other matrix is a view into its file's mapping,
+/// in the file's dtype (F32, F16 or BF16: `WeightMatrix`). Norm gains stored as F16 or BF16
+/// are widened (exactly) to float32 into owned buffers.
 /// `mapped` is false, because the permuted copies cannot be re-read from a file.
 /// @throws brigade::Error{BadFile} naming the file and key or tensor: config.json missing or
 ///         invalid JSON, another model type, a missing or out-of-range key, rope_scaling set,
 ///         head_dim other than hidden_size / heads; a tensor missing, of a shape that disagrees
 ///         with config.json (seen vs expected), a layer index >= num_hidden_layers, a tensor
-///         brigade does not use, the same tensor in two files; a weight that is not F32 (until
-///         typed weight views land); a NaN or infinite weight; SafetensorsFile::open's checks
+///         brigade does not use, the same tensor in two files; a tensor whose address is not a
+///         multiple of its element size; a NaN or infinite weight; SafetensorsFile::open's
+///         checks
 LlamaWeights load_safetensors_llama(const std::filesystem::path& path);
 
 }  // namespace v0

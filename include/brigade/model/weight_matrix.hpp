@@ -66,6 +66,14 @@ inline const std::byte* weight_row(WeightMatrix w, std::int64_t cols, std::int64
 void dequantize_rows(WeightMatrix w, std::int64_t cols, std::int64_t row0, std::int64_t rows,
                      float* out);
 
+/// The first element of `w` ([rows x cols], row-major) that is not finite, as rows * cols + 0 ..
+/// rows * cols - 1 in row-major order, or rows * cols when every element is finite: F32 by
+/// core/finite.hpp's scan, F16 and BF16 by their exponent bits, Q8_0 by its blocks' scales (each
+/// int8 value is finite). The loaders' check of a file's weights (a NaN weight would only show
+/// as a NaN logit later).
+/// @throws brigade::Error{InvalidArgument} as check_weight_shape, or if rows < 0
+std::size_t first_non_finite_weight(WeightMatrix w, std::int64_t rows, std::int64_t cols);
+
 /// Converts a float32 [rows x cols] matrix to `t` in `dst` (rows * weight_row_bytes(t, cols)
 /// bytes): F16 and BF16 rounded to nearest even (core/dtype.hpp); Q8_0 as llama.cpp's
 /// quantize_row_q8_0_ref: per block of 32, amax = max |x|, d = amax / 127 (float32),
