@@ -3,8 +3,8 @@
 // internal linkage, so the copies built for different instruction sets never meet at link time.
 //
 // Blocks of NR rows of W times blocks of MR rows of x, MR x NR accumulators of 16 lanes, k
-// advancing 16 at a time with unaligned loads. One row of x (a GEMV) walks each block's whole
-// rows at once (sm_block); more rows walk them in chunks of kSmallMChunk floats (sm_rows), so
+// advancing 16 at a time with unaligned loads. One row of x (a GEMV, sm_gemv) walks each
+// block's whole rows at once; more rows walk them in chunks of kSmallMChunk floats (sm_rows), so
 // the chunk stays in L1 for every block of x rows. W is read once per call; x once per block of
 // NR W rows.
 #pragma once
@@ -39,58 +39,10 @@ inline float reduce_lanes_vec(const float* lanes) {
 // from NR far-apart segments of W, so the weights arrive as NR long sequential streams, which
 // keeps more memory requests in flight than one stream of short rows (about 2x the bandwidth of
 // adjacent rows on Zen 3, where one core's bandwidth is bound by its outstanding misses).
-// The lanes are independent sums, so the kernel walks k once per packet of lanes (lanes 0-7,
-// then 8-15 with 8-float packets): MR x NR accumulators of one register each, and MR + NR loads
-// per MR x NR FMAs. The first pass brings the block's W rows into L1; the others find them there.
-template <class Isa, DType WT, int MR, int NR, bool Accumulate>
-inline __attribute__((always_inline)) void sm_block(const float* x, const std::byte* w, float* out,
-                                                    std::int64_t in, std::int64_t out_dim,
-                                                    std::int64_t rs) {
-  const std::int64_t rb = rs * row_bytes<WT>(in);  // bytes between the block's W rows
-  using P = typename Isa::Packet;
-  constexpr int kW = Isa::kWidth;
-  constexpr int kPk = kSmallMLanes / kW;
-  static_assert(kPk * kW == kSmallMLanes, "packet width must divide 16");
-  alignas(64) float lanes[MR][NR][kSmallMLanes];
-  const std::int64_t k_vec = in - in % kSmallMLanes;
-  for (int p = 0; p < kPk; ++p) {
-    P acc[MR][NR];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = Isa::zero();
-    // One step of 16 lanes at k: the NR weight packets, then MR x NR FMAs.
-    auto step = [&](std::int64_t k, auto&& load_w) __attribute__((always_inline)) {
-      P wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = load_w(j, k);
-      for (int i = 0; i < MR; ++i) {
-        const P xv = Isa::load(x + i * in + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
-      }
-    };
-    if constexpr (WT == DType::Q8_0) {
-      // Rows are whole blocks of 32 (k_vec == in): steps k and k + 16 of a pass read the same
-      // block, so its scale is broadcast once for both.
-      for (std::int64_t k = p * kW; k < k_vec; k += 2 * kSmallMLanes) {
-        P d[NR];
-        for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
-        auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
-        step(k, q8);
-        step(k + kSmallMLanes, q8);
-      }
-    } else {
-      for (std::int64_t k = p * kW; k < k_vec; k += kSmallMLanes)
-        step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
-    }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) Isa::store(&lanes[i][j][p * kW], acc[i][j]);
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const float s =
-          add_tail<WT>(reduce_lanes_vec(lanes[i][j]), x + i * in, w + j * rb, k_vec, in, Isa::half);
-      float& o = out[i * out_dim + j * rs];
-      o = Accumulate ? o + s : s;
-    }
-}
+// The lanes are independent sums. For several x rows (sm_rows) the kernel walks k once per
+// packet of lanes (lanes 0-7, then 8-15 with 8-float packets): MR x NR accumulators of one
+// register each, and MR + NR loads per MR x NR FMAs; the first pass brings the chunk's W rows
+// into L1, the others find them there. One x row (sm_gemv) takes all 16 lanes at once.
 
 /// Floats of x's rows per k-chunk of sm_rows: the chunk of an x block and of the NR W rows stays
 /// in L1 between the packet passes and across the x blocks, so x comes from L2 once per block of
@@ -193,6 +145,46 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
   }
 }
 
+/// One row of x (a GEMV) against the NR rows of W at w, `rs` rows apart: all 16 lanes in one
+/// pass (NR x 16 / kWidth accumulators), so each Q8_0 block's scale is read once and x once.
+template <class Isa, DType WT, int NR, bool Accumulate>
+inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::byte* w, float* out,
+                                                   std::int64_t in, std::int64_t rs) {
+  const std::int64_t rb = rs * row_bytes<WT>(in);
+  using P = typename Isa::Packet;
+  constexpr int kW = Isa::kWidth;
+  constexpr int kPk = kSmallMLanes / kW;
+  const std::int64_t k_vec = in - in % kSmallMLanes;
+  P acc[NR][kPk];
+  for (int j = 0; j < NR; ++j)
+    for (int p = 0; p < kPk; ++p) acc[j][p] = Isa::zero();
+  auto step = [&](std::int64_t k, auto&& load_w) __attribute__((always_inline)) {
+    for (int p = 0; p < kPk; ++p) {
+      const P xv = Isa::load(x + k + p * kW);
+      for (int j = 0; j < NR; ++j) acc[j][p] = Isa::fma(xv, load_w(j, k + p * kW), acc[j][p]);
+    }
+  };
+  if constexpr (WT == DType::Q8_0) {
+    for (std::int64_t k = 0; k < k_vec; k += 2 * kSmallMLanes) {
+      P d[NR];
+      for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
+      auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
+      step(k, q8);
+      step(k + kSmallMLanes, q8);
+    }
+  } else {
+    for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes)
+      step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
+  }
+  alignas(64) float lanes[kSmallMLanes];
+  for (int j = 0; j < NR; ++j) {
+    for (int p = 0; p < kPk; ++p) Isa::store(lanes + p * kW, acc[j][p]);
+    const float s = add_tail<WT>(reduce_lanes_vec(lanes), x, w + j * rb, k_vec, in, Isa::half);
+    float& o = out[j * rs];
+    o = Accumulate ? o + s : s;
+  }
+}
+
 /// W rows [n_begin, n_end): split into NR equal segments (GemvNR for one row of x) walked side
 /// by side, block i taking row i of each segment; the rows past the last whole segment one by one.
 template <class Isa, DType WT, int MR, int NR, int GemvNR, bool Accumulate>
@@ -204,8 +196,8 @@ inline void sm_run(const float* x, const std::byte* w, float* out, std::int64_t 
   if (tokens == 1) {
     const std::int64_t seg = rows / GemvNR;
     for (std::int64_t i = 0; i < seg; ++i)
-      sm_block<Isa, WT, 1, GemvNR, Accumulate>(x, w + (n_begin + i) * row_bytes<WT>(in),
-                                               out + n_begin + i, in, out_dim, seg);
+      sm_gemv<Isa, WT, GemvNR, Accumulate>(x, w + (n_begin + i) * row_bytes<WT>(in),
+                                           out + n_begin + i, in, seg);
     done = seg * GemvNR;
   } else {
     const std::int64_t seg = rows / NR;
