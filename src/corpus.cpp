@@ -1,6 +1,7 @@
 // Text corpora: sample splitting, loading, held-out split and packing into micro-batches.
 #include "brigade/data/corpus.hpp"
 
+#include "brigade/batching/batcher.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/io/input.hpp"
 #include "brigade/model/weights.hpp"
@@ -184,21 +185,35 @@ void Packer::seek(std::int64_t pos) {
 }
 
 PackedBatch Packer::next() {
+  // The stream's next samples, up to the first that fills the budget, grouped by the offsets
+  // batcher (the one rule for packing by offsets); its first micro-batch is this one.
+  std::vector<batching::SampleLength> window;
+  std::vector<const Sample*> picked;
+  std::int64_t rows = 0;
+  for (std::int64_t pos = position_; rows < budget_; ++pos) {
+    const Sample& s = sample_at(pos);
+    BRIGADE_CHECK(s.tokens.size() >= 2, Errc::InvalidArgument,
+                  "Packer: sample {} of the stream has {} tokens, expected >= 2", pos,
+                  s.tokens.size());
+    const auto r = std::min<std::int64_t>(static_cast<std::int64_t>(s.tokens.size()) - 1, budget_);
+    window.push_back({r, s.task, pos});
+    picked.push_back(&s);
+    rows += r;
+  }
+  const auto mb = batching::OffsetsBatcher{budget_}.plan(window).front();
   PackedBatch b;
   b.offsets.push_back(0);
-  while (true) {
-    const Sample& s = sample_at(position_);
-    const auto rows = std::min<std::int64_t>(static_cast<std::int64_t>(s.tokens.size()) - 1, budget_);
-    if (b.rows() > 0 && b.rows() + rows > budget_) break;  // starts the next micro-batch
-    for (std::int64_t t = 0; t < rows; ++t) {
+  for (const auto k : mb.samples) {
+    const Sample& s = *picked[static_cast<std::size_t>(k)];
+    const auto r = window[static_cast<std::size_t>(k)].tokens;
+    for (std::int64_t t = 0; t < r; ++t) {
       b.inputs.push_back(s.tokens[static_cast<std::size_t>(t)]);
       b.targets.push_back(s.tokens[static_cast<std::size_t>(t) + 1]);
     }
     b.offsets.push_back(b.rows());
     b.tasks.push_back(s.task);
-    ++position_;
-    if (b.rows() >= budget_) break;
   }
+  position_ += static_cast<std::int64_t>(mb.samples.size());
   return b;
 }
 

@@ -1,5 +1,6 @@
 // TrainingEngine: in-process pipeline training over the schedule IR.
 #include "brigade/engine/training.hpp"
+#include "brigade/batching/batcher.hpp"
 
 #include "brigade/engine/threads.hpp"
 #include "brigade/io/trace.hpp"
@@ -543,13 +544,10 @@ std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> 
                   "microbatch_work: micro-batch {} has {} rows in {} sequences", m, b.rows(),
                   b.offsets.empty() ? 0 : b.offsets.size() - 1);
     double attended = 0.0;
-    for (std::size_t s = 0; s + 1 < b.offsets.size(); ++s) {
-      const auto n = static_cast<double>(b.offsets[s + 1] - b.offsets[s]);
-      attended += n * (n + 1) / 2;
-    }
-    const auto rows = b.rows();
-    out.push_back({rows, static_cast<std::int64_t>(b.offsets.size()) - 1,
-                   attended / static_cast<double>(rows)});
+    for (std::size_t s = 0; s + 1 < b.offsets.size(); ++s)
+      attended += batching::causal_pairs(b.offsets[s + 1] - b.offsets[s]);
+    out.push_back(batching::varlen_work(b.rows(), static_cast<std::int64_t>(b.offsets.size()) - 1,
+                                        attended));
   }
   return out;
 }

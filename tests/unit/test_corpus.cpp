@@ -45,6 +45,9 @@ TEST_CASE("corpus.packer: micro-batches hold whole samples within the budget, by
   CHECK(p.next().inputs == std::vector<std::int32_t>{1, 1, 30});
   CHECK_THROWS_AS(data::Packer({}, 5, 0), Error);
   CHECK_THROWS_AS(data::Packer(s, 0, 0), Error);
+  const std::vector<data::Sample> one_token{{0, {1, 10}}, {0, {1}}};
+  data::Packer q(one_token, 5, 0);
+  CHECK_THROWS_WITH_AS(q.next(), doctest::Contains("sample 1 of the stream has 1 tokens"), Error);
 }
 
 TEST_CASE("corpus.packer: a seed shuffles each epoch reproducibly") {

@@ -63,12 +63,20 @@ inline void check_samples(std::span<const SampleLength> samples, const char* who
                   who, s.index, s.tokens);
 }
 
-/// Sum over the samples of l (l + 1) / 2: the causal attention positions of varlen sequences.
-inline double causal_pairs(std::int64_t l) noexcept {
+}  // namespace detail
+
+/// Causal attention positions of one sequence of l tokens, l (l + 1) / 2 (token p attends p + 1).
+constexpr double causal_pairs(std::int64_t l) noexcept {
   return static_cast<double>(l) * static_cast<double>(l + 1) / 2.0;
 }
 
-}  // namespace detail
+/// The work of `sequences` varlen sequences packed by offsets (attention within each): `tokens`
+/// rows, context = the sum of their causal_pairs over the rows. The one formula for the work of
+/// packed micro-batches (batchers here, engine::microbatch_work for materialised batches).
+constexpr model::WorkItem varlen_work(std::int64_t tokens, std::int64_t sequences,
+                                      double pairs) noexcept {
+  return {tokens, sequences, pairs / static_cast<double>(tokens)};
+}
 
 /// The micro-batch of the samples at `positions` (indices into `samples`) packed by offsets:
 /// one row of varlen sequences, no padding, attention within each sample; work = {useful
@@ -81,12 +89,12 @@ inline MicroBatch varlen_microbatch(std::span<const SampleLength> samples,
     const auto l = samples[static_cast<std::size_t>(i)].tokens;
     mb.useful_tokens += l;
     mb.longest = std::max(mb.longest, l);
-    pairs += detail::causal_pairs(l);
+    pairs += causal_pairs(l);
   }
   const auto n = static_cast<std::int64_t>(positions.size());
   mb.samples = std::move(positions);
   mb.row_offsets = {0, n};
-  mb.work = {mb.useful_tokens, n, pairs / static_cast<double>(mb.useful_tokens)};
+  mb.work = varlen_work(mb.useful_tokens, n, pairs);
   return mb;
 }
 

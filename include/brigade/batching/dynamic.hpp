@@ -152,8 +152,8 @@ class DynamicBatcher {
       double pairs = 0.0;
       for (std::int64_t j = i; j < n; ++j) {
         tokens += len(j);
-        pairs += detail::causal_pairs(len(j));
-        const model::WorkItem w{tokens, j - i + 1, pairs / static_cast<double>(tokens)};
+        pairs += causal_pairs(len(j));
+        const auto w = varlen_work(tokens, j - i + 1, pairs);
         const double b = cost_.activation_bytes(w);
         if (b > limit_) {
           const auto& s = samples[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];

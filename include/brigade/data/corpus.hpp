@@ -83,8 +83,9 @@ struct PackedBatch {
   }
 };
 
-/// Packs samples into micro-batches of at most `token_budget` rows each, in order, for a
-/// training stream: a sample that does not fit in the current micro-batch starts the next one;
+/// The training stream of micro-batches packed by offsets: samples in stream order (shuffled
+/// per epoch), grouped by batching::OffsetsBatcher{token_budget} (a sample that does not fit
+/// in the current micro-batch starts the next one), each sample's n tokens giving n - 1 rows;
 /// a sample longer than the budget is truncated to budget + 1 tokens.
 class Packer {
  public:
@@ -95,6 +96,7 @@ class Packer {
   Packer(std::span<const Sample> samples, int token_budget, std::uint64_t seed);
 
   /// The next micro-batch of the stream.
+  /// @throws brigade::Error{InvalidArgument} if a sample has fewer than 2 tokens
   PackedBatch next();
 
   /// Position in the stream (samples consumed since the start), for checkpoints.
