@@ -12,6 +12,8 @@
 #include "brigade/partition/partition.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -33,7 +35,9 @@ struct MicroBatchCost {
 /// The cost of a micro-batch on the slowest stage of `partition` from the calibrated layer
 /// times (cost::ProfiledLayerTimes or model::roofline_layer_seconds):
 /// - seconds: max over stages of the sum over the stage's layers of the Forward, BackwardInput
-///   and BackwardWeight seconds of `layer_seconds` for the work item;
+///   and BackwardWeight seconds of `layer_seconds` for the work item. A ModelSpec's layers of
+///   one kind share one shape (every decoder is built from the one LlamaConfig), so each kind
+///   is priced once per work item, on its first layer, and counted per stage;
 /// - activation_bytes: max over stages of the larger part of cost::training_stash (what the
 ///   stage holds after F, or after BI until BW) for the work item's tokens and sequences.
 /// @throws brigade::Error{InvalidArgument} if layer_seconds is empty
@@ -41,14 +45,32 @@ inline MicroBatchCost stage_cost(const model::ModelSpec& spec, const partition::
                                  model::LayerSeconds layer_seconds) {
   BRIGADE_CHECK(static_cast<bool>(layer_seconds), Errc::InvalidArgument,
                 "batching::stage_cost: no layer_seconds");
+  constexpr int kKinds = 5;  // model::LayerKind's values
+  std::array<int, kKinds> first_layer;
+  first_layer.fill(-1);
+  std::vector<std::array<int, kKinds>> counts;  // [stage][kind] layers
+  for (const auto& st : partition.stages()) {
+    std::array<int, kKinds> c{};
+    for (int l = st.first; l < st.last; ++l) {
+      const auto k = static_cast<std::size_t>(spec.layer(l).kind);
+      ++c[k];
+      if (first_layer[k] < 0) first_layer[k] = l;
+    }
+    counts.push_back(c);
+  }
   MicroBatchCost c;
-  c.seconds = [spec, partition, ls = std::move(layer_seconds)](const model::WorkItem& w) {
+  c.seconds = [spec, counts, first_layer, ls = std::move(layer_seconds)](const model::WorkItem& w) {
+    std::array<double, kKinds> per_kind{};
+    for (std::size_t k = 0; k < kKinds; ++k) {
+      if (first_layer[k] < 0) continue;
+      per_kind[k] = ls(spec, first_layer[k], w, model::Phase::Forward) +
+                    ls(spec, first_layer[k], w, model::Phase::BackwardInput) +
+                    ls(spec, first_layer[k], w, model::Phase::BackwardWeight);
+    }
     double worst = 0.0;
-    for (const auto& st : partition.stages()) {
+    for (const auto& stage : counts) {
       double s = 0.0;
-      for (int l = st.first; l < st.last; ++l)
-        s += ls(spec, l, w, model::Phase::Forward) + ls(spec, l, w, model::Phase::BackwardInput) +
-             ls(spec, l, w, model::Phase::BackwardWeight);
+      for (std::size_t k = 0; k < kKinds; ++k) s += stage[k] * per_kind[k];
       worst = std::max(worst, s);
     }
     return worst;
@@ -97,12 +119,14 @@ struct DynamicPlan {
 /// slowest micro-batch is fixed and a DP over prefixes minimises the sum of micro-batch times
 /// with every micro-batch at most T: f(0) = 0, f(j) = min over i < j with t(i, j) <= T and
 /// memory(i, j) <= limit of f(i) + t(i, j); the answer is the best (stages - 1) x (the split's
-/// own slowest) + f(n) over the bounds. With every distinct t(i, j) tried as a bound this is
-/// exact; when there are more than `max_bounds` distinct times, `max_bounds` of them are tried,
+/// own slowest) + f(n) over the bounds, tried from the largest down, each DP's split skipping
+/// the bounds between its own slowest and its bound (they give the same split). With every
+/// distinct t(i, j) a candidate bound this is exact; when there are more than `max_bounds` distinct times, `max_bounds` of them are tried,
 /// evenly spaced in rank order from the largest single-sample time (no split can have its
 /// slowest below it) to the largest (the paper quantises the bound the same way). Memory is
 /// assumed to grow as samples are added, so each range stops at the first that does not fit:
-/// O(n w) per bound for n samples and w samples in the largest micro-batch.
+/// O(n w) cost evaluations for n samples and w samples in the largest micro-batch, then
+/// O(n w) per bound at most (a range's scan stops where no longer range is under the bound).
 class DynamicBatcher {
  public:
   /// @param cost               seconds and activation bytes of a micro-batch (stage_cost)
@@ -144,10 +168,13 @@ class DynamicBatcher {
     };
     // times[i][k], bytes[i][k]: the range [i, i + k + 1) of the sorted samples, while it fits.
     std::vector<std::vector<double>> times(static_cast<std::size_t>(n)),
-        bytes(static_cast<std::size_t>(n));
+        bytes(static_cast<std::size_t>(n)), suffix_min(static_cast<std::size_t>(n));
     std::vector<double> all_times;
     double single_max = 0.0;
+    all_times.reserve(static_cast<std::size_t>(n) * 16);
     for (std::int64_t i = 0; i < n; ++i) {
+      times[static_cast<std::size_t>(i)].reserve(16);
+      bytes[static_cast<std::size_t>(i)].reserve(16);
       std::int64_t tokens = 0;
       double pairs = 0.0;
       for (std::int64_t j = i; j < n; ++j) {
@@ -170,6 +197,13 @@ class DynamicBatcher {
         all_times.push_back(t);
       }
       single_max = std::max(single_max, times[static_cast<std::size_t>(i)].front());
+      // suffix_min[i][k]: the fastest of the ranges [i, i + k' + 1), k' >= k; a bound below it
+      // ends the scan of i's ranges (at once where times grow with the range, as they do).
+      auto& m = suffix_min[static_cast<std::size_t>(i)];
+      const auto& ti = times[static_cast<std::size_t>(i)];
+      m.resize(ti.size());
+      for (std::size_t k = ti.size(); k-- > 0;)
+        m[k] = k + 1 == ti.size() ? ti[k] : std::min(ti[k], m[k + 1]);
     }
     std::sort(all_times.begin(), all_times.end());
     all_times.erase(std::unique(all_times.begin(), all_times.end()), all_times.end());
@@ -193,8 +227,13 @@ class DynamicBatcher {
     double best = kInf;
     std::vector<std::int64_t> best_prev;
     DynamicPlan out;
-    for (const double bound : candidates) {
-      if (bound < single_max) continue;  // some sample's own micro-batch is slower: infeasible
+    // Bounds from the largest down. The DP's split at bound T has its own slowest W <= T, and
+    // every bound in [W, T] gives that same split (it is feasible there and optimal for the
+    // larger T), so the next bound tried is the largest one below W; a bound without any
+    // feasible split ends the search (no smaller one has one).
+    for (auto next = static_cast<std::ptrdiff_t>(candidates.size()) - 1; next >= 0;) {
+      const double bound = candidates[static_cast<std::size_t>(next)];
+      if (bound < single_max) break;  // some sample's own micro-batch is slower: infeasible
       ++out.bounds_tried;
       std::fill(f.begin(), f.end(), kInf);
       f[0] = 0.0;
@@ -203,7 +242,8 @@ class DynamicBatcher {
         const double fi = f[static_cast<std::size_t>(i)];
         if (fi == kInf) continue;
         const auto& ti = times[static_cast<std::size_t>(i)];
-        for (std::size_t k = 0; k < ti.size(); ++k) {
+        const auto& mi = suffix_min[static_cast<std::size_t>(i)];
+        for (std::size_t k = 0; k < ti.size() && mi[k] <= bound; ++k) {
           if (ti[k] > bound) continue;
           const auto j = static_cast<std::size_t>(i) + k + 1;
           if (fi + ti[k] < f[j]) {
@@ -213,13 +253,16 @@ class DynamicBatcher {
           }
         }
       }
-      if (f[static_cast<std::size_t>(n)] == kInf) continue;
-      const double objective = (stages_ - 1) * worst[static_cast<std::size_t>(n)] +
-                               f[static_cast<std::size_t>(n)];
+      if (f[static_cast<std::size_t>(n)] == kInf) break;
+      const double slowest = worst[static_cast<std::size_t>(n)];
+      const double objective = (stages_ - 1) * slowest + f[static_cast<std::size_t>(n)];
       if (objective < best) {
         best = objective;
         best_prev = prev;
       }
+      next = static_cast<std::ptrdiff_t>(
+                 std::lower_bound(candidates.begin(), candidates.end(), slowest) -
+                 candidates.begin()) - 1;
     }
     // Walk the best split back, then emit it front to back.
     std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
