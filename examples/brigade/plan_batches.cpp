@@ -1,0 +1,183 @@
+// `brigade plan-batches`: one global batch's samples (a lengths file or a corpus) through a
+// batcher of the batching joint; prints the micro-batches, each one's predicted seconds per
+// stage and activation bytes, and the pipeline's predicted iteration time.
+#include "cli.hpp"
+
+#include <brigade/batching/batcher.hpp>
+#include <brigade/batching/dynamic.hpp>
+#include <brigade/core/error.hpp>
+#include <brigade/cost/profiled.hpp>
+#include <brigade/data/corpus.hpp>
+#include <brigade/io/input.hpp>
+#include <brigade/model/config.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/partition/partition.hpp>
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace brigade;
+
+struct Options {
+  std::string lengths, corpus, tokenizer, profile, model = "1.1B", batching = "dynamic";
+  int vocab_size = 512, stages = 4, samples_per_microbatch = 8, row_tokens = 0;
+  std::int64_t token_budget = 0;
+  double memory_limit = 0.0;
+};
+
+/// One length per line (blank lines skipped); errors name the file and the line.
+std::vector<batching::SampleLength> read_lengths(const std::string& path) {
+  const std::string text = io::read_input_file(path, "lengths file", io::kMaxPromptFileBytes);
+  if (const auto other = io::foreign_format(std::string_view(text).substr(0, 16)))
+    detail::fail(Errc::BadFile, "{}: is {}, not a lengths file (one token count per line)", path,
+                 *other);
+  if (const auto nul = text.find('\0'); nul != std::string::npos)
+    detail::fail(Errc::BadFile,
+                 "{}: is a binary file, not a lengths file (a NUL byte at offset {}; expected "
+                 "one token count per line)",
+                 path, nul);
+  std::vector<batching::SampleLength> out;
+  std::size_t start = 0;
+  for (int line = 1; start < text.size(); ++line) {
+    auto end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string_view l(text.data() + start, end - start);
+    start = end + 1;
+    while (!l.empty() && (l.back() == '\r' || l.back() == ' ' || l.back() == '\t')) l.remove_suffix(1);
+    while (!l.empty() && (l.front() == ' ' || l.front() == '\t')) l.remove_prefix(1);
+    if (l.empty()) continue;
+    std::int64_t v = 0;
+    const auto [p, ec] = std::from_chars(l.data(), l.data() + l.size(), v);
+    BRIGADE_CHECK(ec == std::errc() && p == l.data() + l.size() && v >= 1, Errc::BadFile,
+                  "{}:{}: '{}' is not a token count (a whole number >= 1)", path, line,
+                  detail::excerpt(l));
+    out.push_back({v, 0, static_cast<std::int64_t>(out.size())});
+  }
+  BRIGADE_CHECK(!out.empty(), Errc::BadFile, "{}: no lengths (expected one token count per line)",
+                path);
+  return out;
+}
+
+int run(const Options& o) {
+  const model::ModelSpec spec(model::named_config(o.model));
+  const int row = o.row_tokens > 0 ? o.row_tokens : spec.config().seq_len;
+  const std::int64_t budget = o.token_budget > 0 ? o.token_budget : 4 * std::int64_t{row};
+  std::vector<batching::SampleLength> samples;
+  std::string source;
+  if (!o.lengths.empty()) {
+    samples = read_lengths(o.lengths);
+    source = o.lengths;
+  } else {
+    const auto tok = model::Tokenizer::load_llama2c(o.tokenizer, o.vocab_size);
+    const auto corpus = data::load_corpus(o.corpus, tok, static_cast<int>(budget) + 1);
+    for (const auto& s : corpus.samples)  // n tokens give n - 1 training rows
+      samples.push_back({static_cast<std::int64_t>(s.tokens.size()) - 1, s.task,
+                         static_cast<std::int64_t>(samples.size())});
+    source = fmt::format("{} ({} tasks; {} samples cut to {} tokens)", o.corpus,
+                         corpus.tasks.size(), corpus.truncated_samples, budget + 1);
+  }
+  const auto partition = partition::uniform(spec, o.stages);
+  const auto cost = batching::stage_cost(
+      spec, partition,
+      o.profile.empty() ? model::roofline_layer_seconds()
+                        : model::LayerSeconds(cost::ProfiledLayerTimes(cost::load_profile(o.profile))));
+  const double limit = o.memory_limit > 0.0
+                           ? o.memory_limit
+                           : cost.activation_bytes(batching::varlen_work(
+                                 budget, 1, batching::causal_pairs(budget)));
+  std::vector<batching::MicroBatch> mbs;
+  if (o.batching == "dynamic") {
+    mbs = batching::DynamicBatcher(cost, o.stages, limit).plan(samples);
+  } else if (o.batching == "padding") {
+    mbs = batching::PaddingBatcher{o.samples_per_microbatch}.plan(samples);
+  } else if (o.batching == "packing") {
+    mbs = batching::PackingBatcher{row, static_cast<int>(std::max<std::int64_t>(1, budget / row))}
+              .plan(samples);
+  } else {
+    mbs = batching::OffsetsBatcher{budget}.plan(samples);
+  }
+  std::int64_t tokens = 0, useful = 0;
+  for (const auto& mb : mbs) {
+    tokens += mb.work.tokens;
+    useful += mb.useful_tokens;
+  }
+  fmt::print("plan-batches: {} samples, {} tokens from {}\n", samples.size(), useful, source);
+  fmt::print("model {} on {} uniform stages, {} layer times; batching {}; memory limit {:.4g} "
+             "bytes of activations per micro-batch on a stage\n",
+             o.model, o.stages, o.profile.empty() ? "roofline" : o.profile, o.batching, limit);
+  fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>14}\n", "mb", "samples", "tokens",
+             "useful", "padding", "longest", "seconds", "activation B");
+  std::vector<double> seconds;
+  double peak = 0.0;
+  for (std::size_t m = 0; m < mbs.size(); ++m) {
+    const auto& mb = mbs[m];
+    const double t = cost.seconds(mb.work), b = cost.activation_bytes(mb.work);
+    seconds.push_back(t);
+    peak = std::max(peak, b);
+    fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12.6g} {:>14.6g}{}\n", m,
+               mb.samples.size(), mb.work.tokens, mb.useful_tokens, mb.padding_tokens(),
+               mb.longest, t, b, b > limit ? "  over the limit" : "");
+  }
+  fmt::print("micro-batches {}; tokens {} ({} padding, {:.1f}%)\n", mbs.size(), tokens,
+             tokens - useful, 100.0 * static_cast<double>(tokens - useful) / static_cast<double>(tokens));
+  fmt::print("predicted iteration {:.6g} s ((S - 1) x slowest + sum over micro-batches)\n",
+             batching::predicted_iteration_seconds(seconds, o.stages));
+  fmt::print("peak activation {:.6g} bytes (one micro-batch on the worst stage)\n", peak);
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto o = std::make_shared<Options>();
+  auto* lengths = sub.add_option("lengths", o->lengths,
+                                 "A lengths file: one sample's token count per line");
+  auto* corpus = sub.add_option("--corpus", o->corpus,
+                                "A text file or folder (one task per file), tokenized with "
+                                "--tokenizer; each sample counts its tokens - 1 rows");
+  auto* tok = sub.add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer for --corpus");
+  sub.add_option("--vocab-size", o->vocab_size, "The tokenizer's vocabulary size")
+      ->check(cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"))
+      ->capture_default_str();
+  lengths->excludes(corpus);
+  corpus->needs(tok);
+  sub.add_option("--batching", o->batching, "padding, packing (Megatron/T5 rows), offsets, dynamic")
+      ->check(CLI::IsMember({"padding", "packing", "offsets", "dynamic"}))
+      ->capture_default_str();
+  sub.add_option("--model", o->model, "A named model size (the cost model's shapes)")
+      ->capture_default_str();
+  sub.add_option("--stages", o->stages, "Pipeline stages S (uniform split)")
+      ->check(cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))
+      ->capture_default_str();
+  sub.add_option("--profile", o->profile,
+                 "A device profile for the layer times (docs/profiles.md); default: the roofline");
+  sub.add_option("--token-budget", o->token_budget,
+                 "Tokens per micro-batch for offsets and packing (default 4 x the row); the "
+                 "default memory limit is one sequence of this many tokens")
+      ->check(cli::number_in<std::int64_t>(1, std::int64_t{1} << 40, "a whole number from 1 to 2^40"));
+  sub.add_option("--row-tokens", o->row_tokens, "Packing: tokens per row (default: the model's seq_len)")
+      ->check(cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"));
+  sub.add_option("--samples-per-microbatch", o->samples_per_microbatch, "Padding: samples per micro-batch")
+      ->check(cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"))
+      ->capture_default_str();
+  sub.add_option("--memory-limit", o->memory_limit,
+                 "Dynamic: activation bytes one micro-batch may take on a stage")
+      ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  return [o, lengths, corpus] {
+    BRIGADE_CHECK(lengths->count() + corpus->count() > 0, Errc::InvalidArgument,
+                  "plan-batches: give a lengths file or --corpus");
+    return run(*o);
+  };
+}
+
+const cli::Registrar registrar{
+    {"plan-batches",
+     "Split a global batch into micro-batches (padding, packing, offsets, DynaPipe's dynamic DP) "
+     "and predict the iteration time",
+     setup}};
+
+}  // namespace
