@@ -189,22 +189,26 @@ double DeviceProfile::gemm_flops_per_s(std::int64_t rows, int threads, model::Ph
   for (const auto& g : gemm)
     if (g.product == product && g.threads == use && busy_of(g) <= std::max(busy_cores, use))
       busy = std::max(busy, busy_of(g));
-  std::vector<const GemmPoint*> pts;
-  for (const auto& g : gemm)
-    if (g.product == product && g.threads == use && busy_of(g) == busy) pts.push_back(&g);
-  BRIGADE_CHECK(!pts.empty(), Errc::InvalidArgument, "profile '{}' has no '{}' product points",
-                name, model::to_string(product));
-  std::sort(pts.begin(), pts.end(), [](auto* a, auto* b) { return a->rows < b->rows; });
-  if (rows <= pts.front()->rows) return pts.front()->flops_per_s;
-  if (rows >= pts.back()->rows) return pts.back()->flops_per_s;
-  for (std::size_t i = 1; i < pts.size(); ++i) {
-    if (rows > pts[i]->rows) continue;
-    const double x0 = std::log(static_cast<double>(pts[i - 1]->rows));
-    const double x1 = std::log(static_cast<double>(pts[i]->rows));
-    const double t = x1 > x0 ? (std::log(static_cast<double>(rows)) - x0) / (x1 - x0) : 1.0;
-    return pts[i - 1]->flops_per_s + t * (pts[i]->flops_per_s - pts[i - 1]->flops_per_s);
+  // The measured row counts around `rows` (one pass, no allocation: planners call this for
+  // every layer of every candidate): lo the largest below, hi the smallest at or above.
+  const GemmPoint *lo = nullptr, *hi = nullptr;
+  for (const auto& g : gemm) {
+    if (g.product != product || g.threads != use || busy_of(g) != busy) continue;
+    if (g.rows < rows) {
+      if (lo == nullptr || g.rows > lo->rows) lo = &g;
+    } else if (hi == nullptr || g.rows < hi->rows) {
+      hi = &g;
+    }
   }
-  return pts.back()->flops_per_s;
+  BRIGADE_CHECK(lo != nullptr || hi != nullptr, Errc::InvalidArgument,
+                "profile '{}' has no '{}' product points", name, model::to_string(product));
+  if (hi == nullptr) return lo->flops_per_s;  // past the largest measured
+  if (lo == nullptr) return hi->flops_per_s;  // at or below the smallest measured
+  // Linear in log(rows) between the two.
+  const double x0 = std::log(static_cast<double>(lo->rows));
+  const double x1 = std::log(static_cast<double>(hi->rows));
+  const double t = (std::log(static_cast<double>(rows)) - x0) / (x1 - x0);
+  return lo->flops_per_s + t * (hi->flops_per_s - lo->flops_per_s);
 }
 
 double DeviceProfile::attention_seconds(std::int64_t tokens, int heads, int head_dim,
