@@ -46,6 +46,8 @@
 // Run: bench_kernels --benchmark_min_time=0.5
 // (on a CPU newer than the installed OpenBLAS knows, also set OPENBLAS_CORETYPE; main() warns.)
 #include "brigade/backend/cpu.hpp"
+#include "brigade/backend/cpu_backend.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 
@@ -130,7 +132,6 @@ struct LayerFixture {
   brigade::model::LlamaConfig cfg;
   Vec rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3;
   Vec x0, k_cache, v_cache;
-  std::vector<std::int32_t> pos;
   std::string error;        // non-empty when the reference check failed
   double sgemm_rate = 0.0;  // FLOP-weighted SGEMM rate of the three largest shapes, FLOP/s
 
@@ -238,6 +239,22 @@ std::vector<std::pair<std::int64_t, std::int64_t>> largest_shapes(
   return {{c.dim, c.hidden_dim}, {c.hidden_dim, c.dim}, {c.dim, c.dim}};
 }
 
+using Scratch = brigade::backend::DecoderBuffers<cpu::CpuBackend>;
+
+/// One decoder layer on CpuBackend over the fixture's kTokens-row prefill (its one sequence's
+/// KV cache: f.k_cache, f.v_cache, kTokens rows each).
+void run_layer(LayerFixture& f, Vec& x, Scratch& scratch) {
+  static const std::int64_t first_row[1] = {0};
+  static const int capacity[1] = {static_cast<int>(kTokens)};
+  const brigade::backend::SequenceSlice seq{0, 0, static_cast<std::int32_t>(kTokens)};
+  const brigade::backend::KvCacheView cache{f.k_cache.data(), f.v_cache.data(),
+                                            brigade::DType::F32, f.cfg.kv_dim(), first_row,
+                                            capacity};
+  cpu::CpuBackend b;
+  brigade::backend::decoder_layer_forward(b, f.cfg, f.view(), x.data(), kTokens, {&seq, 1}, cache,
+                                          scratch);
+}
+
 LayerFixture& fixture(int dim) {
   static std::map<int, std::unique_ptr<LayerFixture>> cache;
   auto& slot = cache[dim];
@@ -262,14 +279,11 @@ LayerFixture& fixture(int dim) {
   f.x0 = random_vec(rng, kTokens * d, 1.0f);
   f.k_cache.assign(sz(kTokens * kv), 0.0f);
   f.v_cache.assign(sz(kTokens * kv), 0.0f);
-  f.pos.resize(sz(kTokens));
-  for (std::int64_t t = 0; t < kTokens; ++t) f.pos[sz(t)] = static_cast<std::int32_t>(t);
 
   // Correctness guard on one untimed run.
   Vec x = f.x0;
-  cpu::DecoderScratch scratch;
-  const cpu::SequenceSlice seq{0, kTokens, 0, f.k_cache.data(), f.v_cache.data()};
-  cpu::decoder_layer_forward(f.cfg, f.view(), x.data(), kTokens, f.pos.data(), {&seq, 1}, scratch);
+  Scratch scratch;
+  run_layer(f, x, scratch);
   f.error = check_against_reference(f, x);
 
   // The comparison: plain SGEMM on the three largest shapes, FLOP-weighted.
@@ -291,13 +305,11 @@ void BM_DecoderLayerPrefill(benchmark::State& state) {
     return;
   }
   Vec x(f.x0.size()), first;
-  cpu::DecoderScratch scratch;
-  const cpu::SequenceSlice seq{0, kTokens, 0, f.k_cache.data(), f.v_cache.data()};
+  Scratch scratch;
   const double t0 = thread_seconds();
   for (auto _ : state) {
     std::copy(f.x0.begin(), f.x0.end(), x.begin());
-    cpu::decoder_layer_forward(f.cfg, f.view(), x.data(), kTokens, f.pos.data(), {&seq, 1},
-                               scratch);
+    run_layer(f, x, scratch);
     benchmark::DoNotOptimize(x.data());
     benchmark::ClobberMemory();
     if (first.empty()) first = x;

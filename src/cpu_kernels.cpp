@@ -439,104 +439,59 @@ std::string cpu_model_name() {
   return "unknown";
 }
 
-void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
-                           float* x, std::int64_t tokens, const std::int32_t* pos,
-                           std::span<const SequenceSlice> seqs, DecoderScratch& scratch) {
-  config.validate("decoder_layer_forward");
-  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument,
-                "decoder_layer_forward: tokens = {}; expected >= 0", tokens);
-  BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,
-                Errc::InvalidArgument,
-                "decoder_layer_forward: a DecoderWeights pointer is null; expected all 9 set");
-  BRIGADE_CHECK(tokens == 0 || (x != nullptr && pos != nullptr), Errc::InvalidArgument,
-                "decoder_layer_forward: x or pos is null with tokens = {}", tokens);
-  std::int64_t next = 0;
-  for (std::size_t i = 0; i < seqs.size(); ++i) {
-    const SequenceSlice& s = seqs[i];
-    BRIGADE_CHECK(s.offset == next, Errc::InvalidArgument,
-                  "decoder_layer_forward: sequence {} starts at row {}; expected row {} (slices "
-                  "must cover [0, tokens) contiguously, in order)",
-                  i, s.offset, next);
-    BRIGADE_CHECK(s.tokens >= 1, Errc::InvalidArgument,
-                  "decoder_layer_forward: sequence {} has tokens = {}; expected >= 1", i,
-                  s.tokens);
-    BRIGADE_CHECK(s.pos0 >= 0 && s.pos0 + s.tokens <= config.seq_len, Errc::InvalidArgument,
-                  "decoder_layer_forward: sequence {} spans positions [{}, {}); expected within "
-                  "[0, seq_len = {})",
-                  i, s.pos0, s.pos0 + s.tokens, config.seq_len);
-    BRIGADE_CHECK(s.k_cache != nullptr && s.v_cache != nullptr, Errc::InvalidArgument,
-                  "decoder_layer_forward: sequence {} has a null k_cache or v_cache", i);
-    next = s.offset + s.tokens;
-    BRIGADE_CHECK(next <= tokens, Errc::InvalidArgument,
-                  "decoder_layer_forward: sequence {} ends at row {}; expected <= tokens = {}", i,
-                  next, tokens);
-    for (std::int64_t t = 0; t < s.tokens; ++t) {
-      BRIGADE_CHECK(pos[s.offset + t] == s.pos0 + t, Errc::InvalidArgument,
-                    "decoder_layer_forward: pos[{}] = {}; expected {} (sequence {} has pos0 = {})",
-                    s.offset + t, pos[s.offset + t], s.pos0 + t, i, s.pos0);
-    }
-  }
-  BRIGADE_CHECK(next == tokens, Errc::InvalidArgument,
-                "decoder_layer_forward: the {} sequences cover rows [0, {}); expected [0, {})",
-                seqs.size(), next, tokens);
-  if (tokens == 0) return;
-
-  const std::int64_t dim = config.dim;
-  const std::int64_t kv_dim = config.kv_dim();
-  const std::int64_t hidden = config.hidden_dim;
-  const int hs = config.head_size();
-  float* xb = grow(scratch.xb, tokens * dim);
-  float* q = grow(scratch.q, tokens * dim);
-  float* k = grow(scratch.k, tokens * kv_dim);
-  float* v = grow(scratch.v, tokens * kv_dim);
-  float* hb = grow(scratch.hb, tokens * hidden);
-  float* hb2 = grow(scratch.hb2, tokens * hidden);
-
-  // Attention block: QKV projections as three GEMMs over every token of every sequence.
-  rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
-  matmul_wt(xb, w.wq, q, tokens, dim, dim);
-  matmul_wt(xb, w.wk, k, tokens, dim, kv_dim);
-  matmul_wt(xb, w.wv, v, tokens, dim, kv_dim);
-  rope(q, k, pos, tokens, config.n_heads, config.n_kv_heads, hs, config.rope_theta);
-  for (const SequenceSlice& s : seqs) {
-    std::copy(k + s.offset * kv_dim, k + (s.offset + s.tokens) * kv_dim,
-              s.k_cache + s.pos0 * kv_dim);
-    std::copy(v + s.offset * kv_dim, v + (s.offset + s.tokens) * kv_dim,
-              s.v_cache + s.pos0 * kv_dim);
+void attention(const backend::KvCacheView& cache, const float* q, const float* k, const float* v,
+               float* out, std::span<const backend::SequenceSlice> seqs, int n_heads,
+               int n_kv_heads, int head_size) {
+  check_heads("attention", n_heads, n_kv_heads, head_size);
+  const std::int64_t hs = head_size;
+  const std::int64_t dim = n_heads * hs;
+  const std::int64_t kv_dim = n_kv_heads * hs;
+  BRIGADE_CHECK(cache.dtype == DType::F32 && cache.kv_dim == kv_dim, Errc::InvalidArgument,
+                "attention: a {} KV cache of kv_dim {}; expected f32 with kv_dim {}",
+                to_string(cache.dtype), cache.kv_dim, kv_dim);
+  for (const auto& s : seqs)
+    BRIGADE_CHECK(s.tokens >= 1 && s.pos0 >= 0 && s.seq >= 0 &&
+                      static_cast<std::size_t>(s.seq) < cache.first_row.size(),
+                  Errc::InvalidArgument,
+                  "attention: sequence {} with pos0 = {}, tokens = {}; expected pos0 >= 0, "
+                  "tokens >= 1 and a sequence of the cache's {}",
+                  s.seq, s.pos0, s.tokens, cache.first_row.size());
+  auto* keys = static_cast<float*>(cache.keys);
+  auto* values = static_cast<float*>(cache.values);
+  const auto k_rows = [&](const backend::SequenceSlice& s) {
+    return keys + cache.first_row[static_cast<std::size_t>(s.seq)] * kv_dim;
+  };
+  const auto v_rows = [&](const backend::SequenceSlice& s) {
+    return values + cache.first_row[static_cast<std::size_t>(s.seq)] * kv_dim;
+  };
+  std::int64_t row = 0;
+  for (const auto& s : seqs) {
+    std::copy(k + row * kv_dim, k + (row + s.tokens) * kv_dim, k_rows(s) + s.pos0 * kv_dim);
+    std::copy(v + row * kv_dim, v + (row + s.tokens) * kv_dim, v_rows(s) + s.pos0 * kv_dim);
+    row += s.tokens;
   }
   // Several sequences (a decode micro-batch): parts over sequences, each sequence's attention
   // on one thread (its heads split only when it is alone), so the bits stay those of one thread.
   double attention_flops = 0.0;
-  for (const SequenceSlice& s : seqs)
+  for (const auto& s : seqs)
     attention_flops += 4.0 * double(s.tokens) * double(s.pos0 + s.tokens) * double(dim);
   const int seq_threads =
       seqs.size() > 1
           ? std::min(static_cast<int>(seqs.size()), intra_op_threads(attention_flops))
           : 1;
-  if (seq_threads > 1) {
-    parallel_parts(seq_threads, [&](int part) {
-      thread_local std::vector<float> scores;
-      std::int64_t s0 = 0, s1 = 0;
-      part_range(static_cast<std::int64_t>(seqs.size()), seq_threads, part, 1, s0, s1);
-      for (std::int64_t i = s0; i < s1; ++i) {
-        const SequenceSlice& s = seqs[static_cast<std::size_t>(i)];
-        attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
-                       s.pos0, config.n_heads, config.n_kv_heads, hs, scores);
-      }
-    });
-  } else {
-    for (const SequenceSlice& s : seqs)
-      attention_impl(q + s.offset * dim, s.k_cache, s.v_cache, xb + s.offset * dim, s.tokens,
-                     s.pos0, config.n_heads, config.n_kv_heads, hs, scratch.att);
-  }
-  matmul_wt_accumulate(xb, w.wo, x, tokens, dim, dim);
-
-  // FFN block: x += (silu(xb W1^T) * (xb W3^T)) W2^T.
-  rmsnorm(x, w.rms_ffn, xb, tokens, dim, config.norm_eps);
-  matmul_wt(xb, w.w1, hb, tokens, dim, hidden);
-  matmul_wt(xb, w.w3, hb2, tokens, dim, hidden);
-  swiglu(hb, hb2, tokens * hidden);
-  matmul_wt_accumulate(hb, w.w2, x, tokens, hidden, dim);
+  parallel_parts(seq_threads, [&](int part) {
+    thread_local std::vector<float> scores;
+    std::int64_t s0 = 0, s1 = 0;
+    part_range(static_cast<std::int64_t>(seqs.size()), seq_threads, part, 1, s0, s1);
+    std::int64_t r = 0;  // the first row of slice s0
+    for (std::int64_t i = 0; i < s0; ++i) r += seqs[static_cast<std::size_t>(i)].tokens;
+    for (std::int64_t i = s0; i < s1; ++i) {
+      const auto& s = seqs[static_cast<std::size_t>(i)];
+      attention_impl(q + r * dim, k_rows(s), v_rows(s), out + r * dim, s.tokens, s.pos0, n_heads,
+                     n_kv_heads, head_size, scores);
+      r += s.tokens;
+    }
+  });
 }
 
 }  // namespace v0

@@ -46,7 +46,7 @@ runtime::Microbatch SequenceBook::prefill(int g) {
   return mb;
 }
 
-runtime::Microbatch SequenceBook::advance(int id, std::span<const runtime::SeqEntry> seqs,
+runtime::Microbatch SequenceBook::advance(int id, std::span<const backend::SequenceSlice> seqs,
                                           std::span<const std::int32_t> sampled, double now_s) {
   BRIGADE_CHECK(sampled.size() == seqs.size(), Errc::Internal,
                 "generate: {} sampled tokens for micro-batch {} of {} sequences", sampled.size(),
@@ -216,7 +216,7 @@ using transport::MessageHeader;
 using transport::MessageKind;
 
 InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
-                                 std::span<runtime::InferenceStage* const> stages,
+                                 std::span<runtime::InferenceStageBase* const> stages,
                                  const detail::GenerationLayout& layout,
                                  detail::SequenceBook* book,
                                  std::chrono::steady_clock::time_point t0, bool weight_offload,
@@ -239,7 +239,7 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), 0);
 }
 
-runtime::InferenceStage& InferenceWorker::stage(int v) const {
+runtime::InferenceStageBase& InferenceWorker::stage(int v) const {
   auto* s = v >= 0 && v < static_cast<int>(stages_.size()) ? stages_[static_cast<std::size_t>(v)]
                                                              : nullptr;
   BRIGADE_CHECK(s != nullptr, Errc::InvalidArgument,
@@ -265,9 +265,9 @@ bool InferenceWorker::fill(std::vector<Action>& out) {
   return true;
 }
 
-void InferenceWorker::check_sequences(int m, std::span<const runtime::SeqEntry> seen, int peer) {
+void InferenceWorker::check_sequences(int m, std::span<const backend::SequenceSlice> seen, int peer) {
   const auto um = static_cast<std::size_t>(m);
-  auto fail = [&](const runtime::SeqEntry* expected, const runtime::SeqEntry* got) {
+  auto fail = [&](const backend::SequenceSlice* expected, const backend::SequenceSlice* got) {
     const std::string exp =
         expected ? fmt::format("sequence {} at position {}", expected->seq, expected->pos0)
                  : std::string("no further sequence");
@@ -305,8 +305,8 @@ void InferenceWorker::check_sequences(int m, std::span<const runtime::SeqEntry> 
       while (j < before.size() && before[j].seq != g.seq) ++j;
       if (j == before.size()) {
         // Name the first sequence that could still come.
-        const runtime::SeqEntry* next = nullptr;
-        runtime::SeqEntry e;
+        const backend::SequenceSlice* next = nullptr;
+        backend::SequenceSlice e;
         for (const auto& b : before) {
           bool used = false;
           for (const auto& s : seen) {
@@ -321,7 +321,7 @@ void InferenceWorker::check_sequences(int m, std::span<const runtime::SeqEntry> 
         }
         fail(next, &g);
       }
-      const runtime::SeqEntry want{before[j].seq, before[j].pos0 + before[j].tokens, 1};
+      const backend::SequenceSlice want{before[j].seq, before[j].pos0 + before[j].tokens, 1};
       if (g.pos0 != want.pos0 || g.tokens != 1) fail(&want, &g);
       ++j;
     }
@@ -415,8 +415,8 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
     const auto& before = prev_[m];
     const std::size_t n = t.size() / 3;
     for (std::size_t i = 0; i < std::max(n, before.size()); ++i) {
-      const runtime::SeqEntry* w = nullptr;
-      runtime::SeqEntry want, got;
+      const backend::SequenceSlice* w = nullptr;
+      backend::SequenceSlice want, got;
       if (i < before.size()) {
         want = {before[i].seq, before[i].pos0 + before[i].tokens, 1};
         w = &want;

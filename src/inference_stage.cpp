@@ -15,47 +15,10 @@ inline namespace v0 {
 
 using model::LayerKind;
 
-namespace {
-
-/// Stops the run when layer `l`'s output in `mb` holds a NaN or an infinity, naming the stage
-/// (its layer range), the micro-batch, the layer, the sequence and position of the bad row and
-/// the column. One read of the output per layer (its cost: docs/benchmarks.md).
-/// @throws brigade::Error{NonFinite}
-void check_layer_output(const Microbatch& mb, partition::StageRange range, int l,
-                        const model::LayerSpec& layer) {
-  check_finite(
-      mb.act.data(), mb.rows, mb.width,
-      [&] {
-        const std::string kind =
-            layer.kind == LayerKind::Decoder
-                ? fmt::format("decoder {}", layer.decoder_index)
-                : std::string(model::to_string(layer.kind));
-        return fmt::format("non-finite {}: stage of layers [{}, {}), micro-batch {}, output of "
-                           "layer {} ({})",
-                           layer.kind == LayerKind::LMHead ? "logits" : "activation", range.first,
-                           range.last, mb.id, l, kind);
-      },
-      [&](std::int64_t row) {
-        // Packed rows until the final norm; one row per sequence (its last position) after it.
-        const bool per_sequence = mb.rows == static_cast<std::int64_t>(mb.seqs.size()) &&
-                                  (layer.kind == LayerKind::FinalNorm || layer.kind == LayerKind::LMHead);
-        std::int64_t first = 0;
-        for (const auto& s : mb.seqs) {
-          const std::int64_t n = per_sequence ? 1 : s.tokens;
-          if (row < first + n)
-            return fmt::format("row {} (sequence {}, position {})", row, s.seq,
-                               per_sequence ? s.pos0 + s.tokens - 1 : s.pos0 + (row - first));
-          first += n;
-        }
-        return fmt::format("row {}", row);
-      });
-}
-
-}  // namespace
-
-InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
-                               std::span<const int> capacities,
-                               const model::SamplerConfig& sampler)
+InferenceStageBase::InferenceStageBase(const model::LlamaWeights& weights,
+                                       partition::StageRange range,
+                                       std::span<const int> capacities,
+                                       const model::SamplerConfig& sampler)
     : weights_(&weights),
       spec_(weights.config),
       range_(range),
@@ -72,11 +35,10 @@ InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::St
     cache_offsets_.push_back(cache_rows_total_);
     cache_rows_total_ += capacities_[i];
   }
-  first_decoder_ = -1;
   for (int l = range.first; l < range.last; ++l) {
     if (spec_.layer(l).kind != LayerKind::Decoder) continue;
     if (first_decoder_ < 0) first_decoder_ = spec_.layer(l).decoder_index;
-    kv_.emplace_back(static_cast<std::size_t>(2 * cache_rows_total_ * c.kv_dim()), 0.0f);
+    ++num_decoders_;
   }
   // The byte ranges of this stage's tensors, rounded out to whole pages and merged.
   const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
@@ -138,13 +100,7 @@ InferenceStage::InferenceStage(const model::LlamaWeights& weights, partition::St
   }
 }
 
-std::size_t InferenceStage::kv_cache_bytes() const noexcept {
-  std::size_t b = 0;
-  for (const auto& k : kv_) b += k.size() * sizeof(float);
-  return b;
-}
-
-bool InferenceStage::advise_weights(int advice, const char* name) {
+bool InferenceStageBase::advise_weights(int advice, const char* name) {
   if (!weights_->mapped) return false;
   for (const auto& [begin, bytes] : weight_pages_) {
     if (::madvise(reinterpret_cast<void*>(begin), bytes, advice) != 0) {
@@ -157,27 +113,27 @@ bool InferenceStage::advise_weights(int advice, const char* name) {
   return true;
 }
 
-bool InferenceStage::prefetch_weights() { return advise_weights(MADV_WILLNEED, "MADV_WILLNEED"); }
+bool InferenceStageBase::prefetch_weights() { return advise_weights(MADV_WILLNEED, "MADV_WILLNEED"); }
 
-bool InferenceStage::release_weights() { return advise_weights(MADV_DONTNEED, "MADV_DONTNEED"); }
+bool InferenceStageBase::release_weights() { return advise_weights(MADV_DONTNEED, "MADV_DONTNEED"); }
 
-float* InferenceStage::k_cache(int decoder, int seq) {
-  auto& buf = kv_[static_cast<std::size_t>(decoder - first_decoder_)];
-  return buf.data() + cache_offsets_[static_cast<std::size_t>(seq)] * weights_->config.kv_dim();
+backend::KvCacheView InferenceStageBase::kv_view(void* base, DType dtype) const {
+  const std::int64_t kv = weights_->config.kv_dim();
+  backend::KvCacheView v;
+  v.keys = base;
+  v.values = static_cast<std::byte*>(base) + dtype_bytes(dtype, cache_rows_total_ * kv);
+  v.dtype = dtype;
+  v.kv_dim = kv;
+  v.first_row = cache_offsets_;
+  v.capacity = capacities_;
+  return v;
 }
 
-float* InferenceStage::v_cache(int decoder, int seq) {
-  auto& buf = kv_[static_cast<std::size_t>(decoder - first_decoder_)];
-  return buf.data() + (cache_rows_total_ + cache_offsets_[static_cast<std::size_t>(seq)]) *
-                          weights_->config.kv_dim();
-}
-
-void InferenceStage::forward(Microbatch& mb) {
+void InferenceStageBase::check_entry(const Microbatch& mb) const {
   const auto& c = weights_->config;
   BRIGADE_CHECK(mb.next_layer == range_.first, Errc::InvalidArgument,
                 "InferenceStage [{}, {}): micro-batch {} enters at layer {}", range_.first,
                 range_.last, mb.id, mb.next_layer);
-  const auto n_seq = static_cast<std::int64_t>(mb.seqs.size());
   for (const auto& s : mb.seqs) {
     BRIGADE_CHECK(s.seq >= 0 && s.seq < static_cast<int>(capacities_.size()),
                   Errc::InvalidArgument, "InferenceStage: sequence id {} outside [0, {})", s.seq,
@@ -188,80 +144,52 @@ void InferenceStage::forward(Microbatch& mb) {
                   "InferenceStage: sequence {} positions [{}, {}) exceed its KV capacity {}", s.seq,
                   s.pos0, s.pos0 + s.tokens, capacities_[static_cast<std::size_t>(s.seq)]);
   }
+  if (!owns_embedding()) return;
   const std::int64_t tokens = mb.num_tokens();
-  std::vector<std::int32_t> pos;
-  std::vector<cpu::SequenceSlice> slices;
-
-  for (int l = range_.first; l < range_.last; ++l) {
-    const auto& layer = spec_.layer(l);
-    switch (layer.kind) {
-      case LayerKind::Embedding: {
-        BRIGADE_CHECK(static_cast<std::int64_t>(mb.token_ids.size()) == tokens,
-                      Errc::InvalidArgument,
-                      "InferenceStage: micro-batch {} has {} token ids for {} tokens", mb.id,
-                      mb.token_ids.size(), tokens);
-        for (auto id : mb.token_ids)
-          BRIGADE_CHECK(id >= 0 && id < c.vocab_size, Errc::InvalidArgument,
-                        "InferenceStage: token id {} outside the vocabulary [0, {})", id,
-                        c.vocab_size);
-        mb.rows = tokens;
-        mb.width = c.dim;
-        mb.act.resize(static_cast<std::size_t>(tokens * c.dim));
-        cpu::embedding(weights_->token_embedding, mb.token_ids.data(), mb.act.data(), tokens,
-                       c.dim);
-        break;
-      }
-      case LayerKind::Decoder: {
-        if (slices.empty()) {
-          std::int64_t off = 0;
-          for (const auto& s : mb.seqs) {
-            for (int t = 0; t < s.tokens; ++t) pos.push_back(s.pos0 + t);
-            slices.push_back({off, s.tokens, s.pos0, nullptr, nullptr});
-            off += s.tokens;
-          }
-        }
-        const int d = layer.decoder_index;
-        for (std::size_t i = 0; i < slices.size(); ++i) {
-          slices[i].k_cache = k_cache(d, mb.seqs[i].seq);
-          slices[i].v_cache = v_cache(d, mb.seqs[i].seq);
-        }
-        BRIGADE_CHECK(mb.rows == tokens && mb.width == c.dim, Errc::InvalidArgument,
-                      "InferenceStage: decoder {} got activations [{} x {}], expected [{} x {}]", d,
-                      mb.rows, mb.width, tokens, c.dim);
-        cpu::decoder_layer_forward(c, weights_->layers[static_cast<std::size_t>(d)],
-                                   mb.act.data(), tokens, pos.data(), slices, scratch_);
-        break;
-      }
-      case LayerKind::FinalNorm: {
-        // Only each sequence's last row feeds the LM head.
-        tmp_.resize(static_cast<std::size_t>(n_seq * c.dim));
-        std::int64_t row = 0;
-        for (std::int64_t i = 0; i < n_seq; ++i) {
-          row += mb.seqs[static_cast<std::size_t>(i)].tokens;
-          std::copy_n(mb.act.data() + (row - 1) * c.dim, c.dim, tmp_.data() + i * c.dim);
-        }
-        mb.act.resize(tmp_.size());
-        cpu::rmsnorm(tmp_.data(), weights_->rms_final, mb.act.data(), n_seq, c.dim, c.norm_eps);
-        mb.rows = n_seq;
-        break;
-      }
-      case LayerKind::LMHead: {
-        tmp_.resize(static_cast<std::size_t>(n_seq * c.vocab_size));
-        cpu::matmul_wt(mb.act.data(), weights_->wcls, tmp_.data(), n_seq, c.dim, c.vocab_size);
-        mb.act.swap(tmp_);
-        mb.width = c.vocab_size;
-        break;
-      }
-      case LayerKind::Sampler:
-        mb.next_layer = l;  // sample() runs it
-        return;
-    }
-    if (layer.kind != LayerKind::Sampler) check_layer_output(mb, range_, l, layer);
-  }
-  mb.next_layer = range_.last;
+  BRIGADE_CHECK(static_cast<std::int64_t>(mb.token_ids.size()) == tokens, Errc::InvalidArgument,
+                "InferenceStage: micro-batch {} has {} token ids for {} tokens", mb.id,
+                mb.token_ids.size(), tokens);
+  for (auto id : mb.token_ids)
+    BRIGADE_CHECK(id >= 0 && id < c.vocab_size, Errc::InvalidArgument,
+                  "InferenceStage: token id {} outside the vocabulary [0, {})", id, c.vocab_size);
 }
 
-void InferenceStage::sample(Microbatch& mb) {
+// Stops the run when layer `l`'s output in `mb` holds a NaN or an infinity, naming the stage
+// (its layer range), the micro-batch, the layer, the sequence and position of the bad row and
+// the column. One read of the output per layer (its cost: docs/benchmarks.md).
+// @throws brigade::Error{NonFinite}
+void InferenceStageBase::check_layer_output(const Microbatch& mb, int l) const {
+  const auto range = range_;
+  const model::LayerSpec& layer = spec_.layer(l);
+  check_finite(
+      mb.act.data(), mb.rows, mb.width,
+      [&] {
+        const std::string kind =
+            layer.kind == LayerKind::Decoder
+                ? fmt::format("decoder {}", layer.decoder_index)
+                : std::string(model::to_string(layer.kind));
+        return fmt::format("non-finite {}: stage of layers [{}, {}), micro-batch {}, output of "
+                           "layer {} ({})",
+                           layer.kind == LayerKind::LMHead ? "logits" : "activation", range.first,
+                           range.last, mb.id, l, kind);
+      },
+      [&](std::int64_t row) {
+        // Packed rows until the final norm; one row per sequence (its last position) after it.
+        const bool per_sequence = mb.rows == static_cast<std::int64_t>(mb.seqs.size()) &&
+                                  (layer.kind == LayerKind::FinalNorm || layer.kind == LayerKind::LMHead);
+        std::int64_t first = 0;
+        for (const auto& s : mb.seqs) {
+          const std::int64_t n = per_sequence ? 1 : s.tokens;
+          if (row < first + n)
+            return fmt::format("row {} (sequence {}, position {})", row, s.seq,
+                               per_sequence ? s.pos0 + s.tokens - 1 : s.pos0 + (row - first));
+          first += n;
+        }
+        return fmt::format("row {}", row);
+      });
+}
+
+void InferenceStageBase::sample(Microbatch& mb) {
   const auto& c = weights_->config;
   BRIGADE_CHECK(owns_sampler() && mb.next_layer == num_layers_ - 1, Errc::InvalidArgument,
                 "InferenceStage [{}, {}): sample() on micro-batch {} at layer {}, expected the "
@@ -282,6 +210,8 @@ void InferenceStage::sample(Microbatch& mb) {
   }
   mb.next_layer = range_.last;
 }
+
+template class InferenceStage<cpu::CpuBackend>;
 
 }  // namespace v0
 }  // namespace brigade::runtime

@@ -1,5 +1,5 @@
 // The memory model per rank (cost/memory.hpp) on stories260K: its closed forms against what
-// runtime::InferenceStage, runtime::TrainStage, engine::AdamW and the executor really allocate,
+// runtime::InferenceStage, runtime::TrainStage<>, engine::AdamW and the executor really allocate,
 // and the capacity refusals of the plan builders and of `brigade generate --profile`.
 #include <brigade/cost/memory.hpp>
 #include <brigade/engine/inference.hpp>
@@ -144,7 +144,7 @@ TEST_CASE("memory.training: weights, gradients, AdamW moments and activations pe
   const auto mem = cost::training_memory(spec, plan);
   REQUIRE(mem.size() == 2);
   for (int v = 0; v < 2; ++v) {
-    runtime::TrainStage stage(w, plan.partition().stage(v));
+    runtime::TrainStage<> stage(w, plan.partition().stage(v));
     double params = 0.0;
     for (const auto& p : stage.params()) params += static_cast<double>(p.size);
     const auto& b = mem[static_cast<std::size_t>(v)];

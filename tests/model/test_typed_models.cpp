@@ -34,7 +34,7 @@ std::vector<float> logits_trace(const model::LlamaWeights& w, const partition::P
                                 std::vector<int> prompt, int steps) {
   const model::ModelSpec spec(w.config);
   const int sampler_layer = spec.num_layers() - 1;
-  std::vector<runtime::InferenceStage> stages;
+  std::vector<runtime::InferenceStage<>> stages;
   for (auto r : p.stages()) {
     r.last = std::min(r.last, sampler_layer);  // stop before the sampler: keep the logits
     if (r.first < r.last)
@@ -159,7 +159,7 @@ TEST_CASE("typed_models.errors: Q8_0 needs whole blocks, conversions start from 
                        "convert_weights: w1 of layer 3 is i32, not a weight dtype (f32, f16, "
                        "bf16, q8_0)",
                        Error);
-  CHECK_THROWS_WITH_AS(runtime::TrainStage(f16, {0, 0, 3}),
+  CHECK_THROWS_WITH_AS(runtime::TrainStage<>(f16, {0, 0, 3}),
                        "TrainStage: needs float32 weights, but token_embedding is f16 (convert "
                        "the model with convert_weights(w, DType::F32) first)",
                        Error);

@@ -197,7 +197,7 @@ TEST_CASE("cost.training-stash: the per-token formula, and what a TrainStage hol
   // A real stage of layers [1, 3) (decoders 0 and 1) holds exactly that, plus its output (after
   // F, until released) and its input gradient (after BI, until released).
   const auto w = model::make_synthetic_weights(cfg, 7);
-  brigade::runtime::TrainStage stage(w, {0, 1, 3});
+  brigade::runtime::TrainStage<> stage(w, {0, 1, 3});
   brigade::data::PackedBatch b;
   for (int i = 0; i < 100; ++i) {
     b.inputs.push_back(i % cfg.vocab_size);

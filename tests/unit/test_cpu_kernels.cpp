@@ -2,6 +2,8 @@
 // against a whole-layer reference, against itself across prefill/decode splits, and across
 // packed batches.
 #include "brigade/backend/cpu.hpp"
+#include "brigade/backend/cpu_backend.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
@@ -23,6 +25,8 @@ namespace {
 using brigade::Errc;
 using brigade::Error;
 namespace cpu = brigade::cpu;
+namespace backend = brigade::backend;
+using brigade::DType;
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
 
@@ -524,26 +528,41 @@ Seq make_seq(const Layer& l, std::int64_t tokens, std::int64_t pos0, std::mt1993
   return s;
 }
 
-/// Runs decoder_layer_forward on sequences packed in order into one micro-batch.
-void run_packed(const Layer& l, std::vector<Seq*> seqs, cpu::DecoderScratch& scratch) {
-  std::int64_t total = 0;
-  for (Seq* s : seqs) total += s->tokens;
-  Vec x;
-  std::vector<std::int32_t> pos;
-  std::vector<cpu::SequenceSlice> slices;
-  for (Seq* s : seqs) {
-    slices.push_back({std::int64_t(x.size()) / l.cfg.dim, s->tokens, s->pos0, s->k_cache.data(),
-                      s->v_cache.data()});
+using Scratch = backend::DecoderBuffers<cpu::CpuBackend>;
+
+/// Runs backend::decoder_layer_forward on CpuBackend over sequences packed in order into one
+/// micro-batch: sequence i of `seqs` is slot i of one layer cache (capacity seq_len each), its
+/// cache rows copied in before and out after.
+void run_packed(const Layer& l, std::vector<Seq*> seqs, Scratch& scratch) {
+  const std::int64_t kv = l.cfg.kv_dim(), cap = l.cfg.seq_len;
+  const auto n = static_cast<std::int64_t>(seqs.size());
+  Vec x, cache(sz(2 * n * cap * kv));  // every slot's keys, then every slot's values
+  std::vector<std::int64_t> first;
+  std::vector<int> caps;
+  std::vector<backend::SequenceSlice> slices;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Seq* s = seqs[sz(i)];
+    std::copy(s->k_cache.begin(), s->k_cache.end(), cache.begin() + i * cap * kv);
+    std::copy(s->v_cache.begin(), s->v_cache.end(), cache.begin() + (n + i) * cap * kv);
+    first.push_back(i * cap);
+    caps.push_back(l.cfg.seq_len);
+    slices.push_back({std::int32_t(i), std::int32_t(s->pos0), std::int32_t(s->tokens)});
     x.insert(x.end(), s->x.begin(), s->x.end());
-    const auto p = positions(s->pos0, s->tokens);
-    pos.insert(pos.end(), p.begin(), p.end());
   }
-  cpu::decoder_layer_forward(l.cfg, l.view(), x.data(), total, pos.data(), slices, scratch);
+  const backend::KvCacheView view{cache.data(), cache.data() + n * cap * kv, DType::F32, kv,
+                                  first, caps};
+  cpu::CpuBackend b;
+  backend::decoder_layer_forward(b, l.cfg, l.view(), x.data(), backend::packed_rows(slices),
+                                 slices, view, scratch);
   std::size_t off = 0;
-  for (Seq* s : seqs) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    Seq* s = seqs[sz(i)];
     std::copy(x.begin() + std::ptrdiff_t(off), x.begin() + std::ptrdiff_t(off + s->x.size()),
               s->x.begin());
     off += s->x.size();
+    std::copy(cache.begin() + i * cap * kv, cache.begin() + (i + 1) * cap * kv, s->k_cache.begin());
+    std::copy(cache.begin() + (n + i) * cap * kv, cache.begin() + (n + i + 1) * cap * kv,
+              s->v_cache.begin());
   }
 }
 
@@ -570,7 +589,7 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: matches a double whole-layer refer
     RefSeq r{DVec(s.x.begin(), s.x.end()), DVec(s.k_cache.begin(), s.k_cache.end()),
              DVec(s.v_cache.begin(), s.v_cache.end()), c.tokens, c.pos0};
     ref_layer(l, r);
-    cpu::DecoderScratch scratch;
+    Scratch scratch;
     run_packed(l, {&s}, scratch);
     const std::int64_t kv = l.cfg.kv_dim(), ctx = c.pos0 + c.tokens;
     check_close(s.x, r.x);
@@ -587,7 +606,7 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: a 7-token prefill equals 7 one-tok
   std::mt19937 rng(7);
   Seq prefill = make_seq(l, 7, 0, rng);
   Seq decode = prefill;
-  cpu::DecoderScratch scratch;
+  Scratch scratch;
   run_packed(l, {&prefill}, scratch);
   const std::int64_t dim = l.cfg.dim, kv = l.cfg.kv_dim();
   for (std::int64_t t = 0; t < 7; ++t) {
@@ -620,7 +639,7 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: the same bits at 1, 2 and 3 intra-
     for (int threads : {1, 2, 3}) {
       cpu::set_blas_threads(threads);
       Seq s = start;
-      cpu::DecoderScratch scratch;
+      Scratch scratch;
       run_packed(l, {&s}, scratch);
       out.push_back(std::move(s));
     }
@@ -645,7 +664,7 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: the same bits at 1, 2 and 3 intra-
     std::vector<Seq> batch = start;
     std::vector<Seq*> ptrs;
     for (Seq& s : batch) ptrs.push_back(&s);
-    cpu::DecoderScratch scratch;
+    Scratch scratch;
     run_packed(l, ptrs, scratch);
     out.push_back(std::move(batch));
   }
@@ -663,7 +682,7 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: a packed batch of lengths 5,1,3 eq
   std::mt19937 rng(8);
   Seq a = make_seq(l, 5, 0, rng), b = make_seq(l, 1, 17, rng), c = make_seq(l, 3, 6, rng);
   Seq a1 = a, b1 = b, c1 = c;
-  cpu::DecoderScratch packed_scratch, alone_scratch;
+  Scratch packed_scratch, alone_scratch;
   run_packed(l, {&a, &b, &c}, packed_scratch);
   for (Seq* s : {&a1, &b1, &c1}) run_packed(l, {s}, alone_scratch);
   const std::int64_t kv = l.cfg.kv_dim();
@@ -679,13 +698,17 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: a packed batch of lengths 5,1,3 eq
 TEST_CASE("cpu_kernels.decoder_layer_forward: slices that do not cover the rows are refused") {
   const Layer l = make_layer(32, 64, 4, 2, 16, 5);
   const std::int64_t kv = l.cfg.kv_dim();
-  Vec x(6 * 32, 0.5f), kc(16 * sz(kv)), vc(16 * sz(kv));
-  std::vector<std::int32_t> pos{0, 1, 2, 0, 1, 2};
-  cpu::DecoderScratch scratch;
-  auto run = [&](std::vector<cpu::SequenceSlice> s, std::int64_t tokens = 6) {
-    cpu::decoder_layer_forward(l.cfg, l.view(), x.data(), tokens, pos.data(), s, scratch);
+  Vec x(6 * 32, 0.5f), cache(2 * 2 * 16 * sz(kv));  // two slots of 16 rows: keys, then values
+  const std::vector<std::int64_t> first{0, 16};
+  std::vector<int> caps{16, 16};
+  Scratch scratch;
+  cpu::CpuBackend b;
+  auto run = [&](std::vector<backend::SequenceSlice> s, std::int64_t tokens = 6) {
+    const backend::KvCacheView view{cache.data(), cache.data() + 32 * kv, DType::F32, kv, first,
+                                    caps};
+    backend::decoder_layer_forward(b, l.cfg, l.view(), x.data(), tokens, s, view, scratch);
   };
-  auto expect_invalid = [&](std::vector<cpu::SequenceSlice> s, std::int64_t tokens = 6) {
+  auto expect_invalid = [&](std::vector<backend::SequenceSlice> s, std::int64_t tokens = 6) {
     try {
       run(std::move(s), tokens);
       FAIL("expected brigade::Error");
@@ -694,22 +717,19 @@ TEST_CASE("cpu_kernels.decoder_layer_forward: slices that do not cover the rows 
       CHECK(std::string(e.what()).find("decoder_layer_forward: ") == 0);
     }
   };
-  SUBCASE("a gap between slices") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {4, 2, 0, kc.data(), vc.data()}}); }
-  SUBCASE("overlapping slices") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {2, 3, 0, kc.data(), vc.data()}}); }
-  SUBCASE("first slice not at row 0") { expect_invalid({{1, 5, 0, kc.data(), vc.data()}}); }
-  SUBCASE("slices stop short of tokens") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}}); }
-  SUBCASE("slices run past tokens") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {3, 4, 0, kc.data(), vc.data()}}); }
+  SUBCASE("slices stop short of tokens") { expect_invalid({{0, 0, 3}}); }
+  SUBCASE("slices run past tokens") { expect_invalid({{0, 0, 3}, {1, 0, 4}}); }
   SUBCASE("no slices for nonzero tokens") { expect_invalid({}); }
-  SUBCASE("an empty slice") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {3, 0, 0, kc.data(), vc.data()}, {3, 3, 0, kc.data(), vc.data()}}); }
-  SUBCASE("positions that disagree with pos0") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {3, 3, 1, kc.data(), vc.data()}}); }
-  SUBCASE("a null cache") { expect_invalid({{0, 3, 0, kc.data(), vc.data()}, {3, 3, 0, nullptr, vc.data()}}); }
-  SUBCASE("positions past seq_len") {
-    pos = {14, 15, 16, 0, 1, 2};
-    expect_invalid({{0, 3, 14, kc.data(), vc.data()}, {3, 3, 0, kc.data(), vc.data()}});
+  SUBCASE("an empty slice") { expect_invalid({{0, 0, 3}, {1, 0, 0}, {1, 0, 3}}); }
+  SUBCASE("a negative position") { expect_invalid({{0, -1, 3}, {1, 0, 3}}); }
+  SUBCASE("a sequence the cache does not hold") { expect_invalid({{0, 0, 3}, {2, 0, 3}}); }
+  SUBCASE("positions past seq_len") { expect_invalid({{0, 14, 3}, {1, 0, 3}}); }
+  SUBCASE("positions past the sequence's capacity") {
+    caps[0] = 2;
+    expect_invalid({{0, 0, 3}, {1, 0, 3}});
   }
   SUBCASE("the valid split runs, and zero tokens with no slices is a no-op") {
-    Vec k2(kc.size()), v2(vc.size());
-    CHECK_NOTHROW(run({{0, 3, 0, kc.data(), vc.data()}, {3, 3, 0, k2.data(), v2.data()}}));
+    CHECK_NOTHROW(run({{0, 0, 3}, {1, 0, 3}}));
     CHECK_NOTHROW(run({}, 0));
   }
 }

@@ -5,6 +5,8 @@
 // packing, and bad input.
 #include "brigade/backend/cpu.hpp"
 #include "brigade/backend/cpu_train.hpp"
+#include "brigade/backend/cpu_backend.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
@@ -29,6 +31,8 @@ namespace {
 using brigade::Errc;
 using brigade::Error;
 namespace cpu = brigade::cpu;
+namespace backend = brigade::backend;
+using brigade::DType;
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
 using Offsets = std::vector<std::int64_t>;
@@ -627,19 +631,24 @@ TEST_CASE("train.decoder.forward: equals the inference decoder_layer_forward on 
     cpu::decoder_train_forward(cfg, l.view(), x.data(), y.data(), n, cs.offsets, acts);
     CHECK(acts.phase == cpu::DecoderActivations::Phase::Forward);
 
-    std::vector<Vec> kc, vc;
-    std::vector<cpu::SequenceSlice> slices;
-    for (std::size_t s = 0; s + 1 < cs.offsets.size(); ++s) {
-      kc.emplace_back(sz(cfg.seq_len * kv), std::numeric_limits<float>::quiet_NaN());
-      vc.emplace_back(sz(cfg.seq_len * kv), std::numeric_limits<float>::quiet_NaN());
+    // One cache slot per sequence (seq_len rows each): every slot's keys, then its values.
+    const auto n_seq = static_cast<std::int64_t>(cs.offsets.size()) - 1;
+    Vec cache(sz(2 * n_seq * cfg.seq_len * kv), std::numeric_limits<float>::quiet_NaN());
+    std::vector<std::int64_t> first;
+    std::vector<int> caps;
+    std::vector<backend::SequenceSlice> slices;
+    for (std::int64_t s = 0; s < n_seq; ++s) {
+      first.push_back(s * cfg.seq_len);
+      caps.push_back(cfg.seq_len);
+      slices.push_back({std::int32_t(s), 0,
+                        std::int32_t(cs.offsets[sz(s) + 1] - cs.offsets[sz(s)])});
     }
-    for (std::size_t s = 0; s + 1 < cs.offsets.size(); ++s)
-      slices.push_back({cs.offsets[s], cs.offsets[s + 1] - cs.offsets[s], 0, kc[s].data(),
-                        vc[s].data()});
-    const auto pos = positions_of(cs.offsets);
+    const backend::KvCacheView view{cache.data(), cache.data() + n_seq * cfg.seq_len * kv,
+                                    DType::F32, kv, first, caps};
     Vec xi = x;
-    cpu::DecoderScratch scratch;
-    cpu::decoder_layer_forward(cfg, l.view(), xi.data(), n, pos.data(), slices, scratch);
+    backend::DecoderBuffers<cpu::CpuBackend> scratch;
+    cpu::CpuBackend b;
+    backend::decoder_layer_forward(b, cfg, l.view(), xi.data(), n, slices, view, scratch);
     check_close(y, xi, 1e-5);
 
     // In place (x_out == x_in) gives the same bits.

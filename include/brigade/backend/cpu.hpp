@@ -4,6 +4,7 @@
 // packed one after another (varlen, as cu_seqlens): no padding, no wasted compute.
 #pragma once
 
+#include "brigade/backend/backend.hpp"
 #include "brigade/model/weight_matrix.hpp"
 
 #include <cstdint>
@@ -143,46 +144,26 @@ GemmBackend gemm_backend();
 }  // namespace v0
 }  // namespace brigade::cpu
 
-namespace brigade::model {
-inline namespace v0 {
-struct LlamaConfig;
-struct DecoderWeights;
-}  // namespace v0
-}  // namespace brigade::model
-
 namespace brigade::cpu {
 inline namespace v0 {
 
-/// One sequence's rows in a packed micro-batch, with that sequence's KV cache for the layer.
-struct SequenceSlice {
-  std::int64_t offset = 0;  ///< first row of the sequence in the packed [tokens x dim] batch
-  std::int64_t tokens = 0;  ///< rows (new tokens) of this sequence
-  std::int64_t pos0 = 0;    ///< absolute position of its first new token
-  float* k_cache = nullptr; ///< [capacity x kv_dim] keys of this layer; rows pos0.. are written
-  float* v_cache = nullptr; ///< [capacity x kv_dim] values of this layer; likewise
-};
-
-/// Reusable work buffers of decoder_layer_forward, grown on demand (no allocation in steady
-/// state).
-struct DecoderScratch {
-  std::vector<float> xb, q, k, v, att, hb, hb2;
-};
-
-/// One Llama decoder layer over a packed micro-batch (prefill and decode alike), in place on the
-/// residual stream, as run.c's forward() for one layer:
-///   xb = rmsnorm(x, rms_att); q,k,v = xb Wq^T, xb Wk^T, xb Wv^T; RoPE(q, k, pos);
-///   K/V rows stored in each sequence's cache; att = causal GQA attention; x += att Wo^T;
-///   xb = rmsnorm(x, rms_ffn); x += (silu(xb W1^T) * (xb W3^T)) W2^T.
-/// The projections are GEMMs over all `tokens` rows at once.
-/// @param x      [tokens x dim] residual stream, updated in place
-/// @param pos    [tokens] absolute positions (sequence-major, matching `seqs`)
-/// @param seqs   the sequences, in row order, covering rows [0, tokens) exactly
-/// @throws brigade::Error{InvalidArgument} if the config is invalid, a weight pointer is null,
-///         the slices do not cover [0, tokens) contiguously in order (or one has tokens < 1 or a
-///         null cache), pos[offset + t] != pos0 + t, or pos0 + tokens exceeds config.seq_len
-void decoder_layer_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
-                           float* x, std::int64_t tokens, const std::int32_t* pos,
-                           std::span<const SequenceSlice> seqs, DecoderScratch& scratch);
+/// Causal grouped-query attention of a packed batch against its KV caches (the Backend
+/// concept's attention, brigade/backend/backend.hpp): stores k and v (this batch's rows, after
+/// RoPE) into rows pos0.. of each slice's sequence in `cache` (float32), then runs attention()
+/// for each slice. Several slices (a decode micro-batch) are split over the intra-op threads,
+/// each slice's attention on one thread (its heads split only when it is alone), so the bits do
+/// not depend on the thread count.
+/// @param q   [tokens x n_heads*head_size]
+/// @param k   [tokens x n_kv_heads*head_size]
+/// @param v   [tokens x n_kv_heads*head_size]
+/// @param out [tokens x n_heads*head_size]; must not alias q
+/// @param seqs the slices in row order (tokens = backend::packed_rows(seqs)); the caller checks
+///            that each fits its sequence's capacity
+/// @throws brigade::Error{InvalidArgument} for heads as in rope(), a cache that is not F32 or
+///         whose kv_dim is not n_kv_heads * head_size, or a slice with tokens < 1 or pos0 < 0
+void attention(const backend::KvCacheView& cache, const float* q, const float* k, const float* v,
+               float* out, std::span<const backend::SequenceSlice> seqs, int n_heads,
+               int n_kv_heads, int head_size);
 
 }  // namespace v0
 }  // namespace brigade::cpu

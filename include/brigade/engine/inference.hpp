@@ -23,6 +23,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace brigade::engine {
@@ -60,7 +61,7 @@ struct InferenceOptions {
   /// Weight offload (prima.cpp): every round, each rank PREFETCHes each of its virtual stages'
   /// weights one run ahead and RELEASEs them after (schedule::add_weight_offload on the round),
   /// so a rank holds at most two windows' weights at once. Executed with madvise on mapped
-  /// weights (runtime::InferenceStage::prefetch_weights); owned (synthetic) weights stay
+  /// weights (runtime::InferenceStageBase::prefetch_weights); owned (synthetic) weights stay
   /// resident and the ops are recorded as no-ops. Tokens do not change. The Plan's schedule
   /// stays the program without them; schedule::with_weight_offload(plan.schedule()) is the
   /// program that runs (what sim::simulate should be given to predict it).
@@ -122,7 +123,7 @@ class SequenceBook {
   runtime::Microbatch prefill(int g);
   /// Records the tokens sampled for the sequences `seqs` of micro-batch `id` at `now_s`; then
   /// returns the group's next decode micro-batch (empty seqs when the whole group is done).
-  runtime::Microbatch advance(int id, std::span<const runtime::SeqEntry> seqs,
+  runtime::Microbatch advance(int id, std::span<const backend::SequenceSlice> seqs,
                               std::span<const std::int32_t> sampled, double now_s);
   /// Results, in request order.
   std::vector<SequenceResult> results() const { return results_; }
@@ -139,7 +140,7 @@ class SequenceBook {
 struct GenerationLayout {
   int groups = 1;
   std::vector<int> capacities;                          ///< positions per sequence
-  std::vector<std::vector<runtime::SeqEntry>> prefill;  ///< per group: its round-0 sequences
+  std::vector<std::vector<backend::SequenceSlice>> prefill;  ///< per group: its round-0 sequences
   std::vector<std::int64_t> max_rows;                   ///< per group: prefill rows (>= 1)
   std::int64_t width = 1;  ///< widest activation between stages: max(dim, vocab) floats
   int max_rounds = 1;  ///< rounds of the longest group, its closing round included
@@ -224,7 +225,7 @@ class InferenceWorker {
   /// @param pipeline_dtype the activations' dtype between stages (InferenceOptions::pipeline_dtype)
   /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
   InferenceWorker(const schedule::Shape& shape, int rank,
-                  std::span<runtime::InferenceStage* const> stages,
+                  std::span<runtime::InferenceStageBase* const> stages,
                   const detail::GenerationLayout& layout, detail::SequenceBook* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
                   DType pipeline_dtype = DType::F32);
@@ -255,14 +256,14 @@ class InferenceWorker {
   void send(const schedule::Action& a, Outbox& out);
 
  private:
-  runtime::InferenceStage& stage(int v) const;
+  runtime::InferenceStageBase& stage(int v) const;
   /// Checks the sequences of micro-batch m's round message from `peer` against what this rank
   /// expects, and records them as the round's sequences.
-  void check_sequences(int m, std::span<const runtime::SeqEntry> seen, int peer);
+  void check_sequences(int m, std::span<const backend::SequenceSlice> seen, int peer);
 
   const schedule::Shape* shape_;
   int rank_;
-  std::span<runtime::InferenceStage* const> stages_;
+  std::span<runtime::InferenceStageBase* const> stages_;
   const detail::GenerationLayout* layout_;
   detail::SequenceBook* book_;
   std::chrono::steady_clock::time_point t0_;
@@ -273,32 +274,50 @@ class InferenceWorker {
   bool weight_offload_ = false;
   DType pipeline_dtype_ = DType::F32;
   std::vector<char> released_;  // per virtual stage: weights released, not prefetched since
-  std::vector<std::vector<runtime::SeqEntry>> prev_, cur_;  // sequences of the last/this round
+  std::vector<std::vector<backend::SequenceSlice>> prev_, cur_;  // sequences of the last/this round
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
   std::vector<std::int32_t> scratch_;
   std::vector<std::byte> wire_;  // activations converted to the pipeline dtype for a send
 };
 
+/// Makes the Backend of each inference stage (brigade/backend/backend.hpp): f(v) returns the
+/// backend of virtual stage v by value. The engines call it once per virtual stage, on the thread
+/// (or process) of the rank that holds the stage, before the run; the stage owns what it returns.
+/// A factory that shares state between its backends (a counter, a device pool) must make that
+/// state safe to use from several rank threads at once.
+template <class F>
+concept BackendFactory = std::copy_constructible<F> && requires(F& f, int v) {
+  { f(v) } -> backend::Backend;
+};
+
+/// The default BackendFactory: a cpu::CpuBackend for every stage.
+struct CpuBackends {
+  /// A CpuBackend (stateless).
+  cpu::CpuBackend operator()(int /*virtual_stage*/) const noexcept { return {}; }
+};
+
 /// Runs this rank's part of a pipelined generation over `transport`: builds the InferenceStages
-/// of the virtual stages `plan` places on `transport.rank()` and runs the executor over an
-/// InferenceWorker. Every rank calls it with the same arguments (`book` only on the rank of
-/// virtual stage 0, null elsewhere).
-/// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
-template <transport::Transport T>
+/// of the virtual stages `plan` places on `transport.rank()`, each on the backend
+/// `make_backend(v)` gives it, and runs the executor over an InferenceWorker. Every rank calls it
+/// with the same arguments (`book` only on the rank of virtual stage 0, null elsewhere).
+/// @throws brigade::Error from the stages, the backends or the transport (PeerTimeout,
+///         HeaderMismatch, Aborted)
+template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
 void run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
                         const detail::GenerationLayout& layout, detail::SequenceBook* book,
                         const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
-                        Timeline& timeline) {
+                        Timeline& timeline, MakeBackend make_backend = {}) {
+  using Stage = runtime::InferenceStage<std::invoke_result_t<MakeBackend&, int>>;
   const auto& shape = plan.shape();
   const int me = transport.rank();
-  std::vector<std::unique_ptr<runtime::InferenceStage>> owned;
-  std::vector<runtime::InferenceStage*> stages(static_cast<std::size_t>(shape.num_virtual_stages),
-                                               nullptr);
+  std::vector<std::unique_ptr<Stage>> owned;
+  std::vector<runtime::InferenceStageBase*> stages(
+      static_cast<std::size_t>(shape.num_virtual_stages), nullptr);
   for (int v = 0; v < shape.num_virtual_stages; ++v) {
     if (shape.rank_of(v) != me) continue;
-    owned.push_back(std::make_unique<runtime::InferenceStage>(
-        weights, plan.partition().stage(v), layout.capacities, options.sampler));
+    owned.push_back(std::make_unique<Stage>(weights, plan.partition().stage(v), layout.capacities,
+                                            options.sampler, make_backend(v)));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
@@ -320,13 +339,21 @@ detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
 
 /// Generates every request by `plan` with one thread per rank (run_ranks), rank r over
 /// `transports[r]`: the caller's Transport, e.g. a decorator (transport/decorators.hpp) over the
-/// InProcessTransport endpoints of one InProcessFabric. Otherwise as generate(weights, plan, ...).
+/// InProcessTransport endpoints of one InProcessFabric; virtual stage v's layers run on the
+/// Backend `make_backend(v)` (the caller's kernels: a type modelling backend::Backend; the
+/// default, CpuBackends, gives every stage a cpu::CpuBackend). Otherwise as
+/// generate(weights, plan, ...).
+/// @code
+///   // a user Backend (e.g. one wrapping cpu::CpuBackend) on every stage:
+///   auto report = engine::generate(std::span(transports), weights, plan, requests, options,
+///                                  [&](int) { return MyBackend{...}; });
+/// @endcode
 /// @throws brigade::Error{InvalidArgument} if transports.size() differs from the plan's ranks or
-///         transports[r].rank() != r; as generate(weights, plan, ...)
-template <transport::Transport T>
+///         transports[r].rank() != r; as generate(weights, plan, ...); the backends' errors
+template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
 InferenceReport generate(std::span<T> transports, const model::LlamaWeights& weights,
                          const plan::Plan& plan, std::span<const GenerationRequest> requests,
-                         const InferenceOptions& options = {}) {
+                         const InferenceOptions& options = {}, MakeBackend make_backend = {}) {
   const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
   const int P = plan.shape().num_ranks;
   BRIGADE_CHECK(transports.size() == static_cast<std::size_t>(P), Errc::InvalidArgument,
@@ -343,7 +370,7 @@ InferenceReport generate(std::span<T> transports, const model::LlamaWeights& wei
   run_ranks(transports, [&](T& tp) {
     const int r = tp.rank();
     run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
-                       timelines[static_cast<std::size_t>(r)]);
+                       timelines[static_cast<std::size_t>(r)], make_backend);
   });
 
   InferenceReport report;

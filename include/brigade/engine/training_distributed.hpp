@@ -140,7 +140,7 @@ class DistributedTrainer {
     for (int v = 0; v < N; ++v) {
       if (plan_.partition().stage(v).rank != rank()) continue;
       const auto i = static_cast<std::size_t>(v);
-      stages_[i] = std::make_unique<runtime::TrainStage>(init, plan_.partition().stage(v));
+      stages_[i] = std::make_unique<runtime::TrainStage<>>(init, plan_.partition().stage(v));
       optimizers_[i] = detail::make_stage_optimizer(*stages_[i], options.optimizer);
     }
   }
@@ -376,7 +376,7 @@ class DistributedTrainer {
   /// @return the saved data position
   /// @throws brigade::Error{BadFile} as TrainingEngine::load_optimizer_state
   std::int64_t load_optimizer_state(const std::filesystem::path& dir) {
-    std::vector<runtime::TrainStage*> stages;
+    std::vector<runtime::TrainStage<>*> stages;
     std::vector<AdamW*> optimizers;
     for (std::size_t v = 0; v < stages_.size(); ++v) {
       stages.push_back(stages_[v].get());
@@ -406,13 +406,13 @@ class DistributedTrainer {
       std::int64_t nbytes, transport::MessageKind kind = transport::MessageKind::Control) {
     return transport::MessageHeader::make(0, 0, brigade::DType::U8, {nbytes}, 0, kind);
   }
-  runtime::TrainStage& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
+  runtime::TrainStage<>& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
   AdamW& optimizer(int v) { return *optimizers_[static_cast<std::size_t>(v)]; }
   [[nodiscard]] bool tied_across_stages() const {
     return config_.shared_classifier && stages_.size() > 1;
   }
-  std::vector<runtime::TrainStage*> stage_ptrs() {
-    std::vector<runtime::TrainStage*> p;
+  std::vector<runtime::TrainStage<>*> stage_ptrs() {
+    std::vector<runtime::TrainStage<>*> p;
     for (auto& s : stages_) p.push_back(s.get());
     return p;
   }
@@ -579,7 +579,7 @@ class DistributedTrainer {
   TrainingOptions cfg_;
   FaultInjection fault_;
   plan::Plan plan_;
-  std::vector<std::unique_ptr<runtime::TrainStage>> stages_;  // by virtual stage; null elsewhere
+  std::vector<std::unique_ptr<runtime::TrainStage<>>> stages_;  // by virtual stage; null elsewhere
   std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
   std::int64_t steps_ = 0;
   bool skip_update_ = false;  // the last compute_gradients' DropDecision::skip_update

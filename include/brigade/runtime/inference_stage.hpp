@@ -1,7 +1,9 @@
 // InferenceStage: the runtime owner of one stage's layer range for serving (prefill and decode).
 #pragma once
 
-#include "brigade/backend/cpu.hpp"
+#include "brigade/backend/backend.hpp"
+#include "brigade/backend/cpu_backend.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/sampler.hpp"
 #include "brigade/model/weights.hpp"
@@ -17,13 +19,6 @@
 namespace brigade::runtime {
 inline namespace v0 {
 
-/// One sequence's part of a micro-batch.
-struct SeqEntry {
-  std::int32_t seq = 0;     ///< sequence id in [0, num_sequences)
-  std::int32_t pos0 = 0;    ///< absolute position of its first new token
-  std::int32_t tokens = 0;  ///< new tokens (the prompt length at prefill, 1 at decode)
-};
-
 /// A micro-batch as it moves down the pipeline: which sequences it holds, and its payload in the
 /// form the next layer expects.
 ///
@@ -34,7 +29,7 @@ struct SeqEntry {
 /// `sampled` holds one token per sequence.
 struct Microbatch {
   int id = 0;                          ///< micro-batch id
-  std::vector<SeqEntry> seqs;          ///< sequences in row order
+  std::vector<backend::SequenceSlice> seqs;  ///< sequences in row order
   int next_layer = 0;                  ///< ModelSpec layer this micro-batch enters next
   std::vector<std::int32_t> token_ids; ///< [rows] input ids (before the embedding)
   std::vector<float> act;              ///< [rows x width] row-major activations
@@ -56,35 +51,36 @@ struct Microbatch {
   }
 };
 
-/// Runs the ModelSpec layers [range.first, range.last) of a Llama model on micro-batches, holding
-/// the KV cache of every sequence for its decoder layers and, when it owns the sampler layer, one
-/// Sampler per sequence (sequence i seeded with config.seed + i, so a single sequence samples as
-/// llama2.c's run.c does with that seed).
-class InferenceStage {
+/// What the executor drives on every inference stage, whatever its Backend: the layer range, the
+/// KV-cache capacities and the samplers, the host-side checks, sampling, and the weight-offload
+/// advice over the host weights (type erasure at the edge: the engines hold stages of any Backend
+/// through this base; the layers' kernels run in InferenceStage<B>::forward, a template).
+///
+/// Holds the ModelSpec layers [range.first, range.last) of a Llama model, the KV cache of every
+/// sequence for its decoder layers and, when it owns the sampler layer, one Sampler per sequence
+/// (sequence i seeded with config.seed + i, so a single sequence samples as llama2.c's run.c does
+/// with that seed).
+class InferenceStageBase {
  public:
-  /// @param weights    the model (shared, read-only)
-  /// @param range      the layers this stage owns
-  /// @param capacities KV-cache rows to reserve per sequence (its maximum positions)
-  /// @param sampler    sampling settings (used only when the stage owns the sampler layer)
-  /// @throws brigade::Error{InvalidArgument} if the range is outside the model or a capacity
-  ///         exceeds the model's seq_len
-  InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
-                 std::span<const int> capacities, const model::SamplerConfig& sampler);
+  virtual ~InferenceStageBase() = default;
 
   /// Runs this stage's layers on `mb` in place, up to but not including the sampler layer:
   /// mb.next_layer must equal range().first; on return it equals range().last (or the sampler
-  /// layer's index when the stage owns it: sample() runs that layer) and the payload has the
-  /// form that layer expects.
+  /// layer's index when the stage owns it: sample() runs that layer) and the payload (host
+  /// memory) has the form that layer expects.
   /// @throws brigade::Error{InvalidArgument} if mb enters at another layer, a sequence id is out
-  ///         of range, or a position would exceed the sequence's KV capacity
+  ///         of range, a token id is outside the vocabulary, or a position would exceed the
+  ///         sequence's KV capacity
   /// @throws brigade::Error{NonFinite} when a layer's output (activations, or the LM head's
   ///         logits) holds NaN or infinity, naming the stage's layer range, the micro-batch, the
-  ///         layer, the sequence and position of the row and the column (every layer's output
-  ///         is scanned once: docs/benchmarks.md has the cost)
-  void forward(Microbatch& mb);
+  ///         layer, the sequence and position of the row and the column (on a host-memory
+  ///         backend every layer's output is scanned once: docs/benchmarks.md has the cost; on a
+  ///         device backend the stage's output, once it is downloaded, naming its last layer)
+  virtual void forward(Microbatch& mb) = 0;
 
   /// Runs the sampler layer on `mb` (after forward() on the stage that owns it): one token per
-  /// sequence from its logits ([n_seq x vocab]) into mb.sampled, with that sequence's Sampler.
+  /// sequence from its logits ([n_seq x vocab], host memory) into mb.sampled, with that
+  /// sequence's Sampler.
   /// @throws brigade::Error{InvalidArgument} if the stage does not own the sampler or `mb` is
   ///         not at the sampler layer with [n_seq x vocab] logits
   void sample(Microbatch& mb);
@@ -96,12 +92,12 @@ class InferenceStage {
   [[nodiscard]] bool owns_sampler() const noexcept { return range_.last == num_layers_; }
   /// Number of sequences the stage holds KV caches (and samplers) for.
   [[nodiscard]] int num_sequences() const noexcept { return static_cast<int>(capacities_.size()); }
-  /// Bytes held by this stage's KV cache.
-  [[nodiscard]] std::size_t kv_cache_bytes() const noexcept;
+  /// Bytes held by this stage's KV cache (in the backend's memory and kv_cache_dtype()).
+  [[nodiscard]] std::size_t kv_cache_bytes() const noexcept { return kv_bytes_; }
 
-  /// Bytes of this stage's weights as stored: every tensor of its layers (the embedding table,
-  /// each decoder's nine tensors, the final norm gain, the classifier; the sampler has none),
-  /// each matrix in its dtype (F16/BF16: 2 bytes per weight, Q8_0: 34 per 32).
+  /// Bytes of this stage's weights as stored on the host: every tensor of its layers (the
+  /// embedding table, each decoder's nine tensors, the final norm gain, the classifier; the
+  /// sampler has none), each matrix in its dtype (F16/BF16: 2 bytes per weight, Q8_0: 34 per 32).
   [[nodiscard]] std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
@@ -122,28 +118,234 @@ class InferenceStage {
   /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
   bool release_weights();
 
- private:
-  float* k_cache(int decoder, int seq);
-  float* v_cache(int decoder, int seq);
+ protected:
+  /// @param weights    the model (shared, read-only, host memory)
+  /// @param range      the layers this stage owns
+  /// @param capacities KV-cache rows to reserve per sequence (its maximum positions)
+  /// @param sampler    sampling settings (used only when the stage owns the sampler layer)
+  /// @throws brigade::Error{InvalidArgument} if the range is outside the model or a capacity
+  ///         exceeds the model's seq_len
+  InferenceStageBase(const model::LlamaWeights& weights, partition::StageRange range,
+                     std::span<const int> capacities, const model::SamplerConfig& sampler);
 
-  /// madvise(advice) over every page range of weight_pages_; false for owned weights.
-  bool advise_weights(int advice, const char* name);
+  /// Checks that `mb` enters at range().first with sequences this stage holds, within their
+  /// capacities; with the embedding, that its token ids are in the vocabulary.
+  /// @throws brigade::Error{InvalidArgument} as forward()
+  void check_entry(const Microbatch& mb) const;
+  InferenceStageBase(InferenceStageBase&&) noexcept = default;
+  InferenceStageBase& operator=(InferenceStageBase&&) noexcept = default;
+  /// Stops the run when layer `l`'s output in `mb` (host memory) holds a NaN or an infinity.
+  /// @throws brigade::Error{NonFinite} as forward()
+  void check_layer_output(const Microbatch& mb, int l) const;
+  /// The KV cache of one decoder layer at `base` (keys, then values; kv_cache_rows() rows each)
+  /// in elements of `dtype`.
+  [[nodiscard]] backend::KvCacheView kv_view(void* base, DType dtype) const;
+  /// Rows of one layer's keys (or values): the sum of the capacities.
+  [[nodiscard]] std::int64_t kv_cache_rows() const noexcept { return cache_rows_total_; }
 
   const model::LlamaWeights* weights_;
-  std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
-  std::size_t weight_bytes_ = 0;
   model::ModelSpec spec_;
   partition::StageRange range_;
   int num_layers_;
+  int first_decoder_ = -1;                       // first owned decoder index (-1: none)
+  int num_decoders_ = 0;                         // owned decoder layers
+  std::size_t kv_bytes_ = 0;                     // set by the derived stage
+
+ private:
+  /// madvise(advice) over every page range of weight_pages_; false for owned weights.
+  bool advise_weights(int advice, const char* name);
+
+  std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
+  std::size_t weight_bytes_ = 0;
   std::vector<int> capacities_;
-  std::vector<std::int64_t> cache_offsets_;      // per sequence, into one layer's cache
+  std::vector<std::int64_t> cache_offsets_;      // per sequence, its first row in a layer's cache
   std::int64_t cache_rows_total_ = 0;            // sum of capacities
-  std::vector<std::vector<float>> kv_;           // per owned decoder layer: K then V
-  int first_decoder_ = 0;                        // first owned decoder index
   std::vector<model::Sampler> samplers_;
-  cpu::DecoderScratch scratch_;
-  std::vector<float> tmp_;
 };
+
+/// An inference stage whose layers run on backend B (brigade/backend/backend.hpp): B's kernels,
+/// B's memory for the weights it uploads, the KV caches and the work buffers. With a host-memory
+/// backend (CpuBackend) the layers run in place on the micro-batch's vectors; with a device
+/// backend the stage uploads the micro-batch's payload before its layers and downloads the
+/// result after them (the payload between stages is host memory, what every Transport carries).
+///
+/// The header holds the definitions, so a user's Backend instantiates it:
+/// runtime::InferenceStage<MyBackend>; InferenceStage<cpu::CpuBackend> (the default) is compiled
+/// once, in the library.
+template <backend::Backend B = cpu::CpuBackend>
+class InferenceStage final : public InferenceStageBase {
+ public:
+  /// Uploads this stage's weights with backend.upload_weight and allocates its KV caches
+  /// (kv_cache_dtype(), capacities summed, for each owned decoder layer).
+  /// @param backend the backend the layers run on (the stage owns it)
+  /// @throws brigade::Error{InvalidArgument} as InferenceStageBase; the backend's errors (out of
+  ///         memory)
+  InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
+                 std::span<const int> capacities, const model::SamplerConfig& sampler,
+                 B backend = B{});
+
+  void forward(Microbatch& mb) override;
+
+  /// The backend the layers run on.
+  [[nodiscard]] B& backend() noexcept { return b_; }
+
+ private:
+  /// Floats at `n` in b_'s memory: the host vector `host` on a host backend, else `dev`
+  /// (grown, contents dropped, when smaller).
+  float* buffer(std::vector<float>& host, typename B::Buffer& dev, std::int64_t n);
+
+  B b_;
+  model::WeightMatrix embedding_, wcls_;         // in b_'s memory
+  const float* rms_final_ = nullptr;             // in b_'s memory
+  std::vector<model::DecoderWeights> layers_;    // per owned decoder, in b_'s memory
+  std::vector<typename B::Buffer> kv_;           // per owned decoder: K rows then V rows
+  backend::DecoderBuffers<B> scratch_;
+  std::vector<float> tmp_;                       // host backends: the final norm's and head's
+  typename B::Buffer x_dev_, tmp_dev_, ids_dev_; // device backends: activations, ids
+};
+
+template <backend::Backend B>
+InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
+                                  std::span<const int> capacities,
+                                  const model::SamplerConfig& sampler, B backend)
+    : InferenceStageBase(weights, range, capacities, sampler), b_(std::move(backend)) {
+  const auto& c = weights.config;
+  const std::int64_t dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, vocab = c.vocab_size;
+  const auto vec = [&](const float* p, std::int64_t n) {
+    return b_.upload_weight(model::WeightMatrix(p), 1, n).f32();
+  };
+  if (owns_embedding()) embedding_ = b_.upload_weight(weights.token_embedding, vocab, dim);
+  for (int i = 0; i < num_decoders_; ++i) {
+    const auto& h = weights.layers[static_cast<std::size_t>(first_decoder_ + i)];
+    model::DecoderWeights d;
+    d.rms_att = vec(h.rms_att, dim);
+    d.wq = b_.upload_weight(h.wq, dim, dim);
+    d.wk = b_.upload_weight(h.wk, kv, dim);
+    d.wv = b_.upload_weight(h.wv, kv, dim);
+    d.wo = b_.upload_weight(h.wo, dim, dim);
+    d.rms_ffn = vec(h.rms_ffn, dim);
+    d.w1 = b_.upload_weight(h.w1, hid, dim);
+    d.w2 = b_.upload_weight(h.w2, dim, hid);
+    d.w3 = b_.upload_weight(h.w3, hid, dim);
+    layers_.push_back(d);
+    const std::size_t bytes = 2 * dtype_bytes(b_.kv_cache_dtype(), kv_cache_rows() * kv);
+    kv_.push_back(b_.allocate(bytes));
+    kv_bytes_ += bytes;
+  }
+  const int tail = c.n_layers + 1;  // FinalNorm, then LMHead
+  if (range.first <= tail && range.last > tail) rms_final_ = vec(weights.rms_final, dim);
+  if (range.first <= tail + 1 && range.last > tail + 1)
+    wcls_ = b_.upload_weight(weights.wcls, vocab, dim);
+  b_.synchronize();
+}
+
+template <backend::Backend B>
+float* InferenceStage<B>::buffer(std::vector<float>& host, typename B::Buffer& dev,
+                                 std::int64_t n) {
+  if constexpr (B::host_memory) {
+    host.resize(static_cast<std::size_t>(n));
+    return host.data();
+  } else {
+    return static_cast<float*>(backend::DecoderBuffers<B>::grow(
+        b_, dev, static_cast<std::size_t>(n) * sizeof(float)));
+  }
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::forward(Microbatch& mb) {
+  using model::LayerKind;
+  const auto& c = weights_->config;
+  check_entry(mb);
+  const auto n_seq = static_cast<std::int64_t>(mb.seqs.size());
+  const std::int64_t tokens = mb.num_tokens();
+  // The activations in b_'s memory: mb.act itself on a host backend, else a device copy.
+  float* x = nullptr;
+  if (spec_.layer(range_.first).kind != LayerKind::Embedding) {
+    if constexpr (B::host_memory) {
+      x = mb.act.data();
+    } else {
+      x = buffer(tmp_, x_dev_, mb.rows * mb.width);
+      b_.upload(x, mb.act.data(), static_cast<std::size_t>(mb.rows * mb.width) * sizeof(float));
+    }
+  }
+  int last_run = -1;  // the last layer run (-1: only the sampler)
+  bool at_sampler = false;
+  for (int l = range_.first; l < range_.last && !at_sampler; ++l) {
+    const auto& layer = spec_.layer(l);
+    switch (layer.kind) {
+      case LayerKind::Embedding: {
+        mb.rows = tokens;
+        mb.width = c.dim;
+        const std::int32_t* ids = mb.token_ids.data();
+        if constexpr (B::host_memory) {
+          mb.act.resize(static_cast<std::size_t>(tokens * c.dim));
+          x = mb.act.data();
+        } else {
+          x = buffer(tmp_, x_dev_, tokens * c.dim);
+          const std::size_t bytes = mb.token_ids.size() * sizeof(std::int32_t);
+          auto* d_ids = static_cast<std::int32_t*>(
+              backend::DecoderBuffers<B>::grow(b_, ids_dev_, bytes));
+          b_.upload(d_ids, ids, bytes);
+          ids = d_ids;
+        }
+        b_.embedding(embedding_, ids, x, tokens, c.dim);
+        break;
+      }
+      case LayerKind::Decoder: {
+        const int d = layer.decoder_index;
+        BRIGADE_CHECK(mb.rows == tokens && mb.width == c.dim, Errc::InvalidArgument,
+                      "InferenceStage: decoder {} got activations [{} x {}], expected [{} x {}]",
+                      d, mb.rows, mb.width, tokens, c.dim);
+        const auto i = static_cast<std::size_t>(d - first_decoder_);
+        backend::decoder_layer_forward(b_, c, layers_[i], x, tokens, mb.seqs,
+                                       kv_view(kv_[i].data(), b_.kv_cache_dtype()), scratch_);
+        break;
+      }
+      case LayerKind::FinalNorm: {
+        // Only each sequence's last row feeds the LM head.
+        float* last = buffer(tmp_, tmp_dev_, n_seq * c.dim);
+        std::int64_t row = 0;
+        for (std::int64_t i = 0; i < n_seq; ++i) {
+          row += mb.seqs[static_cast<std::size_t>(i)].tokens;
+          b_.copy(last + i * c.dim, x + (row - 1) * c.dim,
+                  static_cast<std::size_t>(c.dim) * sizeof(float));
+        }
+        if constexpr (B::host_memory) {
+          mb.act.resize(static_cast<std::size_t>(n_seq * c.dim));
+          x = mb.act.data();
+        }
+        b_.rmsnorm(last, rms_final_, x, n_seq, c.dim, c.norm_eps);
+        mb.rows = n_seq;
+        break;
+      }
+      case LayerKind::LMHead: {
+        float* logits = buffer(tmp_, tmp_dev_, n_seq * c.vocab_size);
+        b_.matmul_wt(x, wcls_, logits, n_seq, c.dim, c.vocab_size, false);
+        if constexpr (B::host_memory) {
+          mb.act.swap(tmp_);
+        } else {
+          std::swap(x_dev_, tmp_dev_);
+        }
+        x = logits;
+        mb.width = c.vocab_size;
+        break;
+      }
+      case LayerKind::Sampler:
+        at_sampler = true;  // sample() runs it
+        continue;
+    }
+    last_run = l;
+    if constexpr (B::host_memory) check_layer_output(mb, l);
+  }
+  if constexpr (!B::host_memory) {
+    mb.act.resize(static_cast<std::size_t>(mb.rows * mb.width));
+    b_.download(mb.act.data(), x, mb.act.size() * sizeof(float));
+    if (last_run >= 0) check_layer_output(mb, last_run);
+  }
+  mb.next_layer = at_sampler ? num_layers_ - 1 : range_.last;
+}
+
+extern template class InferenceStage<cpu::CpuBackend>;
 
 }  // namespace v0
 }  // namespace brigade::runtime

@@ -2,13 +2,17 @@
 // their gradients, and each micro-batch's stashed activations between forward and backward.
 #pragma once
 
-#include "brigade/backend/cpu.hpp"
-#include "brigade/backend/cpu_train.hpp"
+#include "brigade/backend/backend.hpp"
+#include "brigade/backend/cpu_backend.hpp"
+#include "brigade/core/finite.hpp"
 #include "brigade/data/corpus.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -38,13 +42,22 @@ struct ParamRef {
 /// Per micro-batch it stashes what the backward needs: F fills it, BI turns it into what BW needs,
 /// BW releases it. With `keep_activations = false`, F keeps only the stage's input and RECOMPUTE
 /// rebuilds the rest before the backward (activation checkpointing at stage granularity).
+///
+/// The layers run on backend B (a backend::TrainingBackend: its embedding and its layer-level
+/// training passes); the parameters, their gradients and the stashes' outputs are host float32.
+/// The header holds the definitions, so a user's TrainingBackend instantiates it;
+/// TrainStage<cpu::CpuBackend> (the default, the one the training engines run) is compiled once,
+/// in the library. No device backend trains yet (docs/cuda.md: CudaBackend has no backward
+/// kernels).
+template <backend::TrainingBackend B = cpu::CpuBackend>
 class TrainStage {
  public:
   /// Copies the parameters of its layers out of `init` (the float32 master weights).
+  /// @param backend the backend the layers run on (the stage owns it)
   /// @throws brigade::Error{InvalidArgument} if the range splits the final norm, LM head and
   ///         loss across stages, or lies outside the model; if a matrix of `init` is not F32
   ///         (model::require_f32 names it: F16/BF16/Q8_0 models are for inference only)
-  TrainStage(const model::LlamaWeights& init, partition::StageRange range);
+  TrainStage(const model::LlamaWeights& init, partition::StageRange range, B backend = B{});
 
   /// Forward of micro-batch `mb`. Input: `batch.inputs` when the stage holds the embedding, else
   /// `x_in` ([rows x dim]). Output: [rows x dim] activations (output()), or, on the tail stage,
@@ -98,7 +111,7 @@ class TrainStage {
   /// Copies this stage's parameters into `out`, keyed by ParamRef::name.
   void export_to(std::map<std::string, std::vector<float>>& out) const;
   /// Bytes this stage holds for its micro-batches right now (all of them): the capacities of
-  /// their stashes (cpu::DecoderActivations, cpu::HeadActivations, the input kept for a
+  /// their stashes (B::DecoderActivations, B::HeadActivations, the input kept for a
   /// RECOMPUTE, the embedding's output gradient) and of the outputs and input gradients not yet
   /// released (release_output, release_grad_input). Not counted: parameters, gradients, kernel
   /// scratch. A running counter, updated by every call that changes a micro-batch: O(1).
@@ -114,8 +127,8 @@ class TrainStage {
     double denominator = 1.0;
     std::vector<float> input;                  // stashed input (non-embedding stages)
     std::vector<float> output;                 // forward output / head dx
-    std::vector<cpu::DecoderActivations> acts; // per owned decoder
-    cpu::HeadActivations head;
+    std::vector<typename B::DecoderActivations> acts;  // per owned decoder
+    typename B::HeadActivations head;
     std::vector<float> grad_in;                // gradient of the input
     std::vector<float> emb_dy;                 // gradient at the embedding output
     cpu::CrossEntropyLoss loss;
@@ -131,6 +144,7 @@ class TrainStage {
   /// backward_weight (accumulate) or skip_backward_weight (not): frees the stash after.
   void finish_backward_weight(int mb, bool accumulate);
 
+  B b_;
   model::LlamaConfig config_;
   partition::StageRange range_;
   int first_decoder_ = 0, num_decoders_ = 0;
@@ -139,11 +153,388 @@ class TrainStage {
   std::vector<std::vector<float>> decoder_params_;  // per decoder: 9 tensors flattened in order
   std::vector<model::DecoderWeights> decoders_;
   std::vector<float> d_embedding_, d_rms_final_, d_wcls_;
-  std::vector<cpu::DecoderGrads> d_decoders_;
-  cpu::DecoderTrainScratch scratch_;
+  std::vector<typename B::DecoderGrads> d_decoders_;
+  typename B::TrainScratch scratch_;
   std::map<int, Micro> micro_;
   std::size_t held_bytes_ = 0;  // sum of bytes_of() over micro_
 };
+
+namespace detail {
+
+inline constexpr std::array<const char*, 9> kDecoderNames = {"attention_norm", "wq", "wk", "wv", "wo",
+                                                      "ffn_norm", "w1", "w2", "w3"};
+
+inline std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
+  const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
+  return {d, d * d, kv * d, kv * d, d * d, d, h * d, d * h, h * d};
+}
+
+inline std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
+  return {w.rms_att,     w.wq.f32(), w.wk.f32(), w.wv.f32(), w.wo.f32(),
+          w.rms_ffn, w.w1.f32(), w.w2.f32(), w.w3.f32()};
+}
+
+/// Stops training when a stage's activation or gradient holds a NaN or an infinity, naming the
+/// stage (its layer range), the micro-batch, what was checked and the bad row (a token of the
+/// packed micro-batch) and column. One read of the buffer (its cost: docs/benchmarks.md).
+/// @throws brigade::Error{NonFinite}
+inline void check_stage_buffer(const std::vector<float>& x, std::int64_t rows, std::int64_t width,
+                        partition::StageRange range, int mb, std::string_view what) {
+  check_finite(
+      x.data(), rows, width,
+      [&] {
+        return fmt::format("non-finite value in training: stage of layers [{}, {}), micro-batch "
+                           "{}, {}",
+                           range.first, range.last, mb, what);
+      },
+      [](std::int64_t row) { return fmt::format("row {} (token {} of the micro-batch)", row, row); });
+}
+
+}  // namespace detail
+
+template <backend::TrainingBackend B>
+TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange range,
+                          B backend)
+    : b_(std::move(backend)), config_(init.config), range_(range) {
+  model::require_f32(init, "TrainStage");  // the master weights are float32
+  const model::ModelSpec spec(config_);
+  const int n = spec.num_layers();
+  BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= n,
+                Errc::InvalidArgument, "TrainStage: layers [{}, {}) outside the model's [0, {})",
+                range.first, range.last, n);
+  const int L = config_.n_layers;
+  const int tail_first = L + 1;  // FinalNorm
+  const bool any_tail = range.last > tail_first;
+  BRIGADE_CHECK(!any_tail || (range.first <= tail_first && range.last == n), Errc::InvalidArgument,
+                "TrainStage: layers [{}, {}) split the final norm, LM head and loss (layers "
+                "[{}, {})) across stages; training keeps them on one stage",
+                range.first, range.last, tail_first, n);
+  has_head_ = any_tail;
+  const auto d = static_cast<std::size_t>(config_.dim);
+  const auto vd = static_cast<std::size_t>(config_.vocab_size) * d;
+  if (has_embedding()) {
+    embedding_.assign(init.token_embedding.f32(), init.token_embedding.f32() + vd);
+    d_embedding_.assign(vd, 0.0f);
+  }
+  first_decoder_ = std::max(0, range.first - 1);
+  num_decoders_ = std::max(0, std::min(range.last, L + 1) - std::max(range.first, 1));
+  const auto sizes = detail::decoder_sizes(config_);
+  for (int i = 0; i < num_decoders_; ++i) {
+    const auto& src = init.layers[static_cast<std::size_t>(first_decoder_ + i)];
+    const auto ptrs = detail::decoder_ptrs(src);
+    std::vector<float> flat;  // exactly the nine tensors (no growth slack)
+    std::int64_t total = 0;
+    for (std::size_t t = 0; t < 9; ++t) total += sizes[t];
+    flat.reserve(static_cast<std::size_t>(total));
+    for (std::size_t t = 0; t < 9; ++t)
+      flat.insert(flat.end(), ptrs[t], ptrs[t] + sizes[t]);
+    decoder_params_.push_back(std::move(flat));
+  }
+  for (auto& flat : decoder_params_) {
+    model::DecoderWeights w;
+    const float* p = flat.data();
+    std::size_t t = 0;
+    auto next = [&] {  // the nine tensors in decoder_ptrs' order
+      const float* q = p;
+      p += sizes[t++];
+      return q;
+    };
+    w.rms_att = next();
+    w.wq = next();
+    w.wk = next();
+    w.wv = next();
+    w.wo = next();
+    w.rms_ffn = next();
+    w.w1 = next();
+    w.w2 = next();
+    w.w3 = next();
+    decoders_.push_back(w);
+    typename B::DecoderGrads g;
+    g.zero(config_);
+    d_decoders_.push_back(std::move(g));
+  }
+  if (has_head_) {
+    rms_final_.assign(init.rms_final, init.rms_final + d);
+    d_rms_final_.assign(d, 0.0f);
+    if (!(config_.shared_classifier && has_embedding())) {
+      wcls_.assign(init.wcls.f32(), init.wcls.f32() + vd);
+      d_wcls_.assign(vd, 0.0f);
+    }
+  }
+}
+
+template <backend::TrainingBackend B>
+typename TrainStage<B>::Micro& TrainStage<B>::micro(int mb, const char* what) {
+  auto it = micro_.find(mb);
+  BRIGADE_CHECK(it != micro_.end() && it->second.forwarded, Errc::InvalidUsage,
+                "TrainStage [{}, {}): {} of micro-batch {} before its forward", range_.first,
+                range_.last, what, mb);
+  return it->second;
+}
+
+template <backend::TrainingBackend B>
+const typename TrainStage<B>::Micro& TrainStage<B>::micro(int mb, const char* what) const {
+  return const_cast<TrainStage<B>*>(this)->micro(mb, what);
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
+  const auto& b = *m.batch;
+  const std::int64_t rows = b.rows();
+  const auto dim = static_cast<std::int64_t>(config_.dim);
+  m.output.resize(static_cast<std::size_t>(rows * dim));
+  if (has_embedding()) {
+    b_.embedding(model::WeightMatrix(embedding_.data()), b.inputs.data(), m.output.data(), rows, dim);
+  } else {
+    std::copy_n(x_in, rows * dim, m.output.data());
+  }
+  m.acts.resize(static_cast<std::size_t>(num_decoders_));
+  for (int i = 0; i < num_decoders_; ++i) {
+    b_.decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], m.output.data(),
+                               m.output.data(), rows, b.offsets,
+                               m.acts[static_cast<std::size_t>(i)], &scratch_);
+    const int d = first_decoder_ + i;
+    detail::check_stage_buffer(m.output, rows, dim, range_, mb,
+                       fmt::format("output of layer {} (decoder {})", d + 1, d));
+  }
+  if (has_head_) {
+    const float* wcls = wcls_.empty() ? embedding_.data() : wcls_.data();
+    // The tail runs its head backward-input right away: output() then holds the gradient of the
+    // head's input, and the loss is known after F, as on Megatron's last stage.
+    m.loss = b_.head_forward_backward_input(config_, rms_final_.data(), wcls, m.output.data(),
+                                              b.targets.data(), rows, m.output.data(), m.head,
+                                              m.denominator);
+    BRIGADE_CHECK(std::isfinite(m.loss.sum), Errc::NonFinite,
+                  "non-finite value in training: stage of layers [{}, {}), micro-batch {}, the "
+                  "loss is {} over {} tokens",
+                  range_.first, range_.last, mb, m.loss.sum, m.loss.count);
+  }
+  m.full = true;
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::forward(int mb, const data::PackedBatch& batch, const float* x_in,
+                         double grad_denominator, bool keep_activations) {
+  accounted(mb, [&] {
+    BRIGADE_CHECK(has_embedding() || x_in != nullptr, Errc::InvalidArgument,
+                  "TrainStage [{}, {}): forward of micro-batch {} without an input activation",
+                  range_.first, range_.last, mb);
+    BRIGADE_CHECK(batch.rows() >= 1 && batch.targets.size() == batch.inputs.size() &&
+                      batch.offsets.size() >= 2 && batch.offsets.back() == batch.rows(),
+                  Errc::InvalidArgument,
+                  "TrainStage: micro-batch {} is malformed ({} inputs, {} targets, offsets ending "
+                  "at {})",
+                  mb, batch.inputs.size(), batch.targets.size(),
+                  batch.offsets.empty() ? -1 : batch.offsets.back());
+    if (has_embedding())
+      for (std::size_t i = 0; i < batch.inputs.size(); ++i)
+        BRIGADE_CHECK(batch.inputs[i] >= 0 && batch.inputs[i] < config_.vocab_size,
+                      Errc::InvalidArgument,
+                      "TrainStage: micro-batch {} row {} has token id {}, outside the vocabulary "
+                      "[0, {})",
+                      mb, i, batch.inputs[i], config_.vocab_size);
+    BRIGADE_CHECK(grad_denominator > 0, Errc::InvalidArgument,
+                  "TrainStage: gradient denominator {} <= 0", grad_denominator);
+    Micro& m = micro_[mb];
+    m = Micro{};
+    m.batch = &batch;
+    m.denominator = grad_denominator;
+    m.forwarded = true;
+    if (!keep_activations && !has_embedding())
+      m.input.assign(x_in, x_in + batch.rows() * config_.dim);
+    run_forward(mb, m, x_in);
+    if (!keep_activations) {
+      for (auto& a : m.acts) a.clear();
+      m.head = {};
+      m.full = false;
+      if (has_head_) m.output = {};  // the head's gradient is rebuilt by the recompute
+    }
+  });
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::recompute(int mb) {
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "RECOMPUTE");
+    BRIGADE_CHECK(has_embedding() || !m.input.empty(), Errc::InvalidUsage,
+                  "TrainStage [{}, {}): RECOMPUTE of micro-batch {} without a stashed input",
+                  range_.first, range_.last, mb);
+    std::vector<float> out = m.output;  // a non-tail output may already be released
+    run_forward(mb, m, has_embedding() ? nullptr : m.input.data());
+    if (!has_head_) m.output = std::move(out);
+    m.input.clear();
+    m.input.shrink_to_fit();
+  });
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::backward_input(int mb, const float* dy) {
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "BI");
+    BRIGADE_CHECK(m.full, Errc::InvalidUsage,
+                  "TrainStage [{}, {}): BI of micro-batch {} whose activations were dropped and "
+                  "not recomputed",
+                  range_.first, range_.last, mb);
+    BRIGADE_CHECK(has_head_ || dy != nullptr, Errc::InvalidArgument,
+                  "TrainStage [{}, {}): BI of micro-batch {} without an output gradient",
+                  range_.first, range_.last, mb);
+    const std::int64_t rows = m.batch->rows();
+    std::vector<float> g;
+    if (has_head_) {
+      g = std::move(m.output);
+    } else {
+      g.assign(dy, dy + rows * config_.dim);
+    }
+    m.output = {};
+    for (int i = num_decoders_ - 1; i >= 0; --i)
+      b_.decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
+                                  m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
+                                  &scratch_);
+    detail::check_stage_buffer(g, rows, config_.dim, range_, mb, "gradient of the stage's input");
+    (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
+    m.bi_done = true;
+  });
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::backward_weight(int mb) { finish_backward_weight(mb, true); }
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::skip_backward_weight(int mb) { finish_backward_weight(mb, false); }
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::finish_backward_weight(int mb, bool accumulate) {
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "BW");
+    BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
+                  "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
+                  range_.last, mb);
+    for (int i = 0; accumulate && i < num_decoders_; ++i)
+      b_.decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
+                                   d_decoders_[static_cast<std::size_t>(i)]);
+    if (accumulate && has_head_) {
+      float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
+      b_.head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
+    }
+    if (accumulate && has_embedding())
+      b_.embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
+                              m.batch->rows(), config_.dim, config_.vocab_size);
+    const auto loss = m.loss;
+    const auto* batch = m.batch;
+    auto grad_in = std::move(m.grad_in);
+    m = Micro{};
+    m.loss = loss;
+    m.batch = batch;
+    m.grad_in = std::move(grad_in);
+    m.forwarded = true;  // keeps loss() and grad_input() readable until zero_grad()
+  });
+}
+
+template <backend::TrainingBackend B>
+std::span<const float> TrainStage<B>::output(int mb) const { return micro(mb, "output").output; }
+template <backend::TrainingBackend B>
+std::span<const float> TrainStage<B>::grad_input(int mb) const { return micro(mb, "grad_input").grad_in; }
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::release_output(int mb) {
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "release_output");
+    if (!has_head_) {
+      m.output.clear();
+      m.output.shrink_to_fit();
+    }
+  });
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::release_grad_input(int mb) {
+  accounted(mb, [&] {
+    Micro& m = micro(mb, "release_grad_input");
+    m.grad_in.clear();
+    m.grad_in.shrink_to_fit();
+  });
+}
+
+template <backend::TrainingBackend B>
+cpu::CrossEntropyLoss TrainStage<B>::loss(int mb) const { return micro(mb, "loss").loss; }
+
+template <backend::TrainingBackend B>
+cpu::CrossEntropyLoss TrainStage<B>::total_loss() const {
+  cpu::CrossEntropyLoss t;
+  for (const auto& [mb, m] : micro_) {
+    t.sum += m.loss.sum;
+    t.count += m.loss.count;
+  }
+  return t;
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::zero_grad() {
+  clear_microbatches();
+  std::fill(d_embedding_.begin(), d_embedding_.end(), 0.0f);
+  std::fill(d_rms_final_.begin(), d_rms_final_.end(), 0.0f);
+  std::fill(d_wcls_.begin(), d_wcls_.end(), 0.0f);
+  for (auto& g : d_decoders_) g.zero(config_);
+}
+
+template <backend::TrainingBackend B>
+std::vector<ParamRef> TrainStage<B>::params() {
+  std::vector<ParamRef> out;
+  const auto vd = static_cast<std::int64_t>(config_.vocab_size) * config_.dim;
+  if (has_embedding())
+    out.push_back({"tok_embeddings", embedding_.data(), d_embedding_.data(), vd, true});
+  const auto sizes = detail::decoder_sizes(config_);
+  for (int i = 0; i < num_decoders_; ++i) {
+    float* p = decoder_params_[static_cast<std::size_t>(i)].data();
+    auto grads = d_decoders_[static_cast<std::size_t>(i)].tensors();
+    for (std::size_t t = 0; t < 9; ++t) {
+      out.push_back({fmt::format("layers.{}.{}", first_decoder_ + i, detail::kDecoderNames[t]), p,
+                     grads[t]->data(), sizes[t], t != 0 && t != 5});
+      p += sizes[t];
+    }
+  }
+  if (has_head_) {
+    out.push_back({"norm", rms_final_.data(), d_rms_final_.data(), config_.dim, false});
+    if (!wcls_.empty())
+      out.push_back({config_.shared_classifier ? "tok_embeddings" : "output", wcls_.data(),
+                     d_wcls_.data(), vd, true});
+  }
+  return out;
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::export_to(std::map<std::string, std::vector<float>>& out) const {
+  for (auto& p : const_cast<TrainStage<B>*>(this)->params())
+    out[p.name].assign(p.value, p.value + p.size);
+}
+
+template <backend::TrainingBackend B>
+std::size_t TrainStage<B>::bytes_of(const Micro& m) noexcept {
+  std::size_t b = (m.input.capacity() + m.output.capacity() + m.grad_in.capacity() +
+                   m.emb_dy.capacity()) *
+                  sizeof(float);
+  b += m.head.bytes();
+  for (const auto& a : m.acts) b += a.bytes();
+  return b;
+}
+
+template <backend::TrainingBackend B>
+template <class F>
+void TrainStage<B>::accounted(int mb, F&& f) {
+  auto bytes_now = [&] {
+    const auto it = micro_.find(mb);
+    return it == micro_.end() ? std::size_t{0} : bytes_of(it->second);
+  };
+  struct Update {
+    TrainStage<B>* self;
+    decltype(bytes_now)& now;
+    std::size_t before;
+    ~Update() { self->held_bytes_ = self->held_bytes_ - before + now(); }
+  } update{this, bytes_now, bytes_now()};
+  f();
+}
+
+extern template class TrainStage<cpu::CpuBackend>;
 
 }  // namespace v0
 }  // namespace brigade::runtime

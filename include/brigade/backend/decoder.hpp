@@ -1,0 +1,135 @@
+// The Llama decoder layer's forward pass written once over the Backend concept: every backend
+// (CpuBackend, a user's, a device's) runs the same sequence of kernels, so a backend that only
+// provides the kernels gets the whole layer.
+#pragma once
+
+#include "brigade/backend/backend.hpp"
+#include "brigade/core/error.hpp"
+#include "brigade/model/config.hpp"
+#include "brigade/model/weights.hpp"
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace brigade::backend {
+inline namespace v0 {
+
+/// Reusable work memory of decoder_layer_forward on backend B, grown on demand (no allocation
+/// in steady state): float32 buffers of the normalised input, q, k, v, and the FFN's two hidden
+/// activations; the positions of the batch's rows (built on the host, uploaded).
+template <Backend B>
+struct DecoderBuffers {
+  typename B::Buffer xb, q, k, v, hb, hb2, pos;
+  std::vector<std::int32_t> pos_host;
+
+  /// `buf` holding at least `bytes` bytes (reallocated, contents dropped, when smaller).
+  static void* grow(B& b, typename B::Buffer& buf, std::size_t bytes) {
+    if (buf.size() < bytes) buf = b.allocate(bytes);
+    return buf.data();
+  }
+};
+
+/// Checks a packed batch's slices for a decoder layer of `config`: each slice has tokens >= 1 and
+/// positions [pos0, pos0 + tokens) within [0, seq_len); the slices cover `tokens` rows.
+/// @throws brigade::Error{InvalidArgument} naming `who`, the slice and what was expected
+inline void check_slices(const char* who, const model::LlamaConfig& config, std::int64_t tokens,
+                         std::span<const SequenceSlice> seqs) {
+  std::int64_t rows = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const SequenceSlice& s = seqs[i];
+    BRIGADE_CHECK(s.tokens >= 1, Errc::InvalidArgument,
+                  "{}: sequence {} (slice {}) has tokens = {}; expected >= 1", who, s.seq, i,
+                  s.tokens);
+    BRIGADE_CHECK(s.pos0 >= 0 && std::int64_t{s.pos0} + s.tokens <= config.seq_len,
+                  Errc::InvalidArgument,
+                  "{}: sequence {} (slice {}) spans positions [{}, {}); expected within "
+                  "[0, seq_len = {})",
+                  who, s.seq, i, s.pos0, std::int64_t{s.pos0} + s.tokens, config.seq_len);
+    rows += s.tokens;
+  }
+  BRIGADE_CHECK(rows == tokens, Errc::InvalidArgument,
+                "{}: the {} sequences cover {} rows; expected tokens = {}", who, seqs.size(), rows,
+                tokens);
+}
+
+/// One Llama decoder layer over a packed micro-batch (prefill and decode alike), in place on the
+/// residual stream, as run.c's forward() for one layer, on backend `b`:
+///   xb = rmsnorm(x, rms_att); q, k, v = xb Wq^T, xb Wk^T, xb Wv^T; RoPE(q, k, positions);
+///   attention (k, v stored in each sequence's cache rows pos0..; causal GQA over the cache);
+///   x += att Wo^T; xb = rmsnorm(x, rms_ffn); x += (silu(xb W1^T) * (xb W3^T)) W2^T.
+/// The projections are GEMMs over all `tokens` rows at once: 7 matmul_wt calls per layer.
+/// @param w      the layer's weights in b's memory (each matrix from b.upload_weight)
+/// @param x      [tokens x dim] float32 residual stream in b's memory, updated in place
+/// @param seqs   the slices in row order, covering `tokens` rows (host memory)
+/// @param cache  this layer's KV cache (rows pos0 + tokens of each sequence must fit its capacity)
+/// @throws brigade::Error{InvalidArgument} if the config is invalid, a weight is null, a slice
+///         has tokens < 1, positions beyond seq_len or its sequence's capacity, or the slices do
+///         not cover `tokens` rows; a kernel's error
+template <Backend B>
+void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::DecoderWeights& w,
+                           float* x, std::int64_t tokens, std::span<const SequenceSlice> seqs,
+                           const KvCacheView& cache, DecoderBuffers<B>& buf) {
+  config.validate("decoder_layer_forward");
+  BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument,
+                "decoder_layer_forward: tokens = {}; expected >= 0", tokens);
+  BRIGADE_CHECK(w.rms_att && w.wq && w.wk && w.wv && w.wo && w.rms_ffn && w.w1 && w.w2 && w.w3,
+                Errc::InvalidArgument,
+                "decoder_layer_forward: a DecoderWeights pointer is null; expected all 9 set");
+  BRIGADE_CHECK(tokens == 0 || x != nullptr, Errc::InvalidArgument,
+                "decoder_layer_forward: x is null with tokens = {}", tokens);
+  check_slices("decoder_layer_forward", config, tokens, seqs);
+  for (const SequenceSlice& s : seqs) {
+    const auto seq = static_cast<std::size_t>(s.seq);
+    BRIGADE_CHECK(s.seq >= 0 && seq < cache.first_row.size() && seq < cache.capacity.size() &&
+                      cache.keys != nullptr && cache.values != nullptr,
+                  Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} has no KV cache (the cache holds {} "
+                  "sequences)",
+                  s.seq, cache.first_row.size());
+    BRIGADE_CHECK(std::int64_t{s.pos0} + s.tokens <= cache.capacity[seq], Errc::InvalidArgument,
+                  "decoder_layer_forward: sequence {} positions [{}, {}) exceed its KV capacity {}",
+                  s.seq, s.pos0, std::int64_t{s.pos0} + s.tokens, cache.capacity[seq]);
+  }
+  if (tokens == 0) return;
+
+  const std::int64_t dim = config.dim;
+  const std::int64_t kv_dim = config.kv_dim();
+  const std::int64_t hidden = config.hidden_dim;
+  const int hs = config.head_size();
+  const auto f32 = [&](typename B::Buffer& m, std::int64_t n) {
+    return static_cast<float*>(
+        DecoderBuffers<B>::grow(b, m, static_cast<std::size_t>(n) * sizeof(float)));
+  };
+  float* xb = f32(buf.xb, tokens * dim);
+  float* q = f32(buf.q, tokens * dim);
+  float* k = f32(buf.k, tokens * kv_dim);
+  float* v = f32(buf.v, tokens * kv_dim);
+  float* hb = f32(buf.hb, tokens * hidden);
+  float* hb2 = f32(buf.hb2, tokens * hidden);
+  buf.pos_host.clear();
+  for (const SequenceSlice& s : seqs)
+    for (std::int32_t t = 0; t < s.tokens; ++t) buf.pos_host.push_back(s.pos0 + t);
+  const std::size_t pos_bytes = buf.pos_host.size() * sizeof(std::int32_t);
+  auto* pos = static_cast<std::int32_t*>(DecoderBuffers<B>::grow(b, buf.pos, pos_bytes));
+  b.upload(pos, buf.pos_host.data(), pos_bytes);
+
+  // Attention block: the QKV projections as three GEMMs over every row of every sequence.
+  b.rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
+  b.matmul_wt(xb, w.wq, q, tokens, dim, dim, false);
+  b.matmul_wt(xb, w.wk, k, tokens, dim, kv_dim, false);
+  b.matmul_wt(xb, w.wv, v, tokens, dim, kv_dim, false);
+  b.rope(q, k, pos, tokens, config.n_heads, config.n_kv_heads, hs, config.rope_theta);
+  b.attention(cache, q, k, v, xb, seqs, config.n_heads, config.n_kv_heads, hs);
+  b.matmul_wt(xb, w.wo, x, tokens, dim, dim, true);
+
+  // FFN block: x += (silu(xb W1^T) * (xb W3^T)) W2^T.
+  b.rmsnorm(x, w.rms_ffn, xb, tokens, dim, config.norm_eps);
+  b.matmul_wt(xb, w.w1, hb, tokens, dim, hidden, false);
+  b.matmul_wt(xb, w.w3, hb2, tokens, dim, hidden, false);
+  b.swiglu(hb, hb2, tokens * hidden);
+  b.matmul_wt(hb, w.w2, x, tokens, hidden, dim, true);
+}
+
+}  // namespace v0
+}  // namespace brigade::backend
