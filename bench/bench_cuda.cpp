@@ -153,10 +153,14 @@ void BM_LayerPrefillBf16(benchmark::State& state) {
   DeviceBuffer x = gpu().allocate(static_cast<std::size_t>(tokens * c.dim) * 4);
   DeviceBuffer x0 = gpu().allocate(x.size());
   gpu().fill_random(x0.data(), DType::F32, tokens * c.dim, 3, 1.0f);
-  const brigade::cuda::SequenceSlice slice{0, tokens, 0, k.data(), v.data()};
+  const brigade::backend::SequenceSlice slice{0, 0, static_cast<std::int32_t>(tokens)};
+  const std::int64_t first[1] = {0};
+  const int capacity[1] = {static_cast<int>(tokens)};
+  const brigade::backend::KvCacheView cache{k.data(), v.data(), DType::BF16, kv_dim, first,
+                                            capacity};
   const double s = timed_loop(state, [&] {
     gpu().copy(x.data(), x0.data(), x.size());  // same input every run (2048 x 4096 x 4 bytes)
-    gpu().decoder_layer_forward(c, w, x.as<float>(), tokens, {&slice, 1});
+    gpu().decoder_layer_forward(c, w, x.as<float>(), tokens, {&slice, 1}, cache);
   });
   if (!finite_sample(x.as<float>(), tokens * c.dim)) state.SkipWithError("non-finite layer output");
   const double tflops = layer_flops(c, static_cast<double>(tokens), 0.0) / s * 1e-12;
@@ -183,15 +187,23 @@ void BM_LayerDecodeBf16(benchmark::State& state) {
   DeviceBuffer x = gpu().allocate(static_cast<std::size_t>(seqs * c.dim) * 4);
   DeviceBuffer x0 = gpu().allocate(x.size());
   gpu().fill_random(x0.data(), DType::F32, seqs * c.dim, 5, 1.0f);
-  std::vector<brigade::cuda::SequenceSlice> slices;
+  // Sequence i's (context + 1) rows at row i (context + 1) of the keys (the first half of kv)
+  // and of the values (the second half).
+  std::vector<brigade::backend::SequenceSlice> slices;
+  std::vector<std::int64_t> first;
+  std::vector<int> capacity;
+  for (std::int64_t i = 0; i < seqs; ++i) {
+    slices.push_back({static_cast<std::int32_t>(i), static_cast<std::int32_t>(context), 1});
+    first.push_back(i * (context + 1));
+    capacity.push_back(static_cast<int>(context + 1));
+  }
   auto* base = static_cast<char*>(kv.data());
-  const std::size_t per = static_cast<std::size_t>((context + 1) * kv_dim) * 2;
-  for (std::int64_t i = 0; i < seqs; ++i)
-    slices.push_back({i, 1, context, base + static_cast<std::size_t>(2 * i) * per,
-                      base + static_cast<std::size_t>(2 * i + 1) * per});
+  const brigade::backend::KvCacheView cache{
+      base, base + static_cast<std::size_t>(seqs * (context + 1) * kv_dim) * 2, DType::BF16,
+      kv_dim, first, capacity};
   const double s = timed_loop(state, [&] {
     gpu().copy(x.data(), x0.data(), x.size());
-    gpu().decoder_layer_forward(c, w, x.as<float>(), seqs, slices);
+    gpu().decoder_layer_forward(c, w, x.as<float>(), seqs, slices, cache);
   });
   if (!finite_sample(x.as<float>(), seqs * c.dim)) state.SkipWithError("non-finite layer output");
   const double weight_bytes = 2.0 * (static_cast<double>(c.dim) * (c.dim + 2.0 * kv_dim) +

@@ -56,33 +56,58 @@ void check_heads(const char* what, int n_heads, int n_kv_heads, int head_size) {
                 "{}: head_size = {}; expected a positive even number", what, head_size);
 }
 
-/// The slices must cover rows [0, tokens) contiguously, in order, each with >= 1 token, caches
-/// set, positions >= 0 (and within max_pos when max_pos > 0).
-void check_slices(const char* what, std::int64_t tokens, std::span<const SequenceSlice> seqs,
+/// The slices must each have >= 1 token and positions >= 0 (within max_pos when max_pos > 0)
+/// and cover `tokens` rows; each slice's sequence must be in `cache` (whose dtype must be
+/// `dtype` and kv_dim `kv_dim`) with pos0 + tokens within its capacity.
+void check_slices(const char* what, std::int64_t tokens, std::span<const backend::SequenceSlice> seqs,
+                  const backend::KvCacheView& cache, DType dtype, std::int64_t kv_dim,
                   std::int64_t max_pos) {
   BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument, "{}: tokens = {}; expected >= 0", what, tokens);
-  std::int64_t next = 0;
+  BRIGADE_CHECK(cache.dtype == dtype && cache.kv_dim == kv_dim && cache.keys != nullptr &&
+                    cache.values != nullptr,
+                Errc::InvalidArgument,
+                "{}: a {} KV cache of kv_dim {}; expected {} with kv_dim {} and keys and values set",
+                what, to_string(cache.dtype), cache.kv_dim, to_string(dtype), kv_dim);
+  std::int64_t rows = 0;
   for (std::size_t i = 0; i < seqs.size(); ++i) {
-    const SequenceSlice& s = seqs[i];
-    BRIGADE_CHECK(s.offset == next, Errc::InvalidArgument,
-                  "{}: sequence {} starts at row {}; expected row {} (slices must cover [0, "
-                  "tokens) contiguously, in order)",
-                  what, i, s.offset, next);
+    const backend::SequenceSlice& s = seqs[i];
     BRIGADE_CHECK(s.tokens >= 1, Errc::InvalidArgument,
-                  "{}: sequence {} has tokens = {}; expected >= 1", what, i, s.tokens);
-    BRIGADE_CHECK(s.pos0 >= 0 && (max_pos <= 0 || s.pos0 + s.tokens <= max_pos),
+                  "{}: sequence {} (slice {}) has tokens = {}; expected >= 1", what, s.seq, i,
+                  s.tokens);
+    BRIGADE_CHECK(s.pos0 >= 0 && (max_pos <= 0 || std::int64_t{s.pos0} + s.tokens <= max_pos),
                   Errc::InvalidArgument,
-                  "{}: sequence {} spans positions [{}, {}); expected within [0, seq_len = {})",
-                  what, i, s.pos0, s.pos0 + s.tokens, max_pos);
-    BRIGADE_CHECK(s.k_cache != nullptr && s.v_cache != nullptr, Errc::InvalidArgument,
-                  "{}: sequence {} has a null k_cache or v_cache", what, i);
-    next = s.offset + s.tokens;
-    BRIGADE_CHECK(next <= tokens, Errc::InvalidArgument,
-                  "{}: sequence {} ends at row {}; expected <= tokens = {}", what, i, next, tokens);
+                  "{}: sequence {} (slice {}) spans positions [{}, {}); expected within [0, "
+                  "seq_len = {})",
+                  what, s.seq, i, s.pos0, std::int64_t{s.pos0} + s.tokens, max_pos);
+    const auto seq = static_cast<std::size_t>(s.seq);
+    BRIGADE_CHECK(s.seq >= 0 && seq < cache.first_row.size() && seq < cache.capacity.size(),
+                  Errc::InvalidArgument,
+                  "{}: sequence {} has no KV cache (the cache holds {} sequences)", what, s.seq,
+                  cache.first_row.size());
+    BRIGADE_CHECK(std::int64_t{s.pos0} + s.tokens <= cache.capacity[seq], Errc::InvalidArgument,
+                  "{}: sequence {} positions [{}, {}) exceed its KV capacity {}", what, s.seq,
+                  s.pos0, std::int64_t{s.pos0} + s.tokens, cache.capacity[seq]);
+    rows += s.tokens;
   }
-  BRIGADE_CHECK(next == tokens, Errc::InvalidArgument,
-                "{}: the {} sequences cover rows [0, {}); expected [0, {})", what, seqs.size(),
-                next, tokens);
+  BRIGADE_CHECK(rows == tokens, Errc::InvalidArgument,
+                "{}: the {} sequences cover {} rows; expected tokens = {}", what, seqs.size(), rows,
+                tokens);
+}
+
+/// The kernels' form of checked slices: each slice's first row in the packed batch and its
+/// sequence's cache rows as device addresses (SeqDesc is kernels.cuh's device-side POD).
+void resolve(std::span<const backend::SequenceSlice> seqs, const backend::KvCacheView& cache,
+             std::vector<SeqDesc>& out) {
+  out.clear();
+  const std::size_t row_bytes = dtype_bytes(cache.dtype, cache.kv_dim);
+  std::int64_t offset = 0;
+  for (const auto& s : seqs) {
+    const auto first = static_cast<std::size_t>(cache.first_row[static_cast<std::size_t>(s.seq)]);
+    out.push_back(SeqDesc{offset, s.tokens, s.pos0,
+                          static_cast<std::byte*>(cache.keys) + first * row_bytes,
+                          static_cast<std::byte*>(cache.values) + first * row_bytes});
+    offset += s.tokens;
+  }
 }
 
 void check_int(const char* what, std::int64_t v) {
@@ -257,6 +282,9 @@ struct CudaBackend::Impl {
   float freq_theta = 0.0f;
   std::vector<std::byte> staging;
   std::vector<float> freq_host;
+  std::vector<SeqDesc> resolved;  // the slices of the current call (resolve())
+  std::vector<DeviceBuffer> weights;  // upload_weight's copies
+  std::vector<float> dequantized;     // upload_weight's host staging for typed matrices
 
   explicit Impl(Options o) : opt(o) {}
   ~Impl() {
@@ -282,7 +310,7 @@ struct CudaBackend::Impl {
     const std::int32_t* tok_seq;
     const std::int32_t* pos;
   };
-  Meta upload_meta(std::int64_t tokens, std::span<const SequenceSlice> slices) {
+  Meta upload_meta(std::int64_t tokens, std::span<const SeqDesc> slices) {
     const std::size_t n_seq = slices.size();
     const std::size_t seq_bytes = n_seq * sizeof(SeqDesc);
     const std::size_t ints = usize(tokens) * sizeof(std::int32_t);
@@ -292,8 +320,8 @@ struct CudaBackend::Impl {
     auto* tok_seq = reinterpret_cast<std::int32_t*>(staging.data() + seq_bytes);
     auto* pos = reinterpret_cast<std::int32_t*>(staging.data() + seq_bytes + ints);
     for (std::size_t i = 0; i < n_seq; ++i) {
-      const SequenceSlice& sl = slices[i];
-      descs[i] = SeqDesc{sl.offset, sl.tokens, sl.pos0, sl.k_cache, sl.v_cache};
+      const SeqDesc& sl = slices[i];
+      descs[i] = sl;
       for (std::int64_t t = 0; t < sl.tokens; ++t) {
         tok_seq[sl.offset + t] = static_cast<std::int32_t>(i);
         pos[sl.offset + t] = static_cast<std::int32_t>(sl.pos0 + t);
@@ -356,7 +384,7 @@ struct CudaBackend::Impl {
 
   /// Attention of the GEMM path for one sequence: blocks of query rows, S = Q K^T (batched over
   /// KV heads, one call per member of a query group), causal softmax, O = P V.
-  void attention_gemm(DType dtype, const void* q, void* out, const SequenceSlice& sl, int n_heads,
+  void attention_gemm(DType dtype, const void* q, void* out, const SeqDesc& sl, int n_heads,
                       int n_kv_heads, int head_size) {
     const std::int64_t dim = static_cast<std::int64_t>(n_heads) * head_size;
     const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * head_size;
@@ -392,10 +420,10 @@ struct CudaBackend::Impl {
   }
 
   /// Attention over packed sequences: Direct for runs of short sequences, Gemm for long ones.
-  void attention(DType dtype, const void* q, void* out, std::span<const SequenceSlice> seqs,
+  void attention(DType dtype, const void* q, void* out, std::span<const SeqDesc> seqs,
                  const Meta& m, int n_heads, int n_kv_heads, int head_size, AttentionPath path) {
     if (path == AttentionPath::Auto) path = opt.attention;
-    auto use_gemm = [&](const SequenceSlice& sl) {
+    auto use_gemm = [&](const SeqDesc& sl) {
       if (path == AttentionPath::Gemm) return true;
       if (path == AttentionPath::Direct) return false;
       return sl.tokens >= opt.gemm_attention_min_tokens;
@@ -542,15 +570,19 @@ void CudaBackend::rope(float* q, float* k, const std::int32_t* pos, std::int64_t
                                          freq, tokens, n_heads, n_kv_heads, head_size, impl_->s()));
 }
 
-void CudaBackend::attention(DType dtype, const void* q, void* out, std::int64_t tokens,
-                            std::span<const SequenceSlice> seqs, int n_heads, int n_kv_heads,
+void CudaBackend::attention(DType dtype, const void* q, void* out,
+                            std::span<const backend::SequenceSlice> seqs,
+                            const backend::KvCacheView& cache, int n_heads, int n_kv_heads,
                             int head_size, AttentionPath path) {
   check_heads("CudaBackend::attention", n_heads, n_kv_heads, head_size);
-  check_slices("CudaBackend::attention", tokens, seqs, 0);
+  const std::int64_t tokens = backend::packed_rows(seqs);
+  check_slices("CudaBackend::attention", tokens, seqs, cache, dtype,
+               static_cast<std::int64_t>(n_kv_heads) * head_size, 0);
   if (tokens == 0) return;
   DeviceGuard g(impl_->opt.device);
-  const Impl::Meta m = impl_->upload_meta(tokens, seqs);
-  impl_->attention(dtype, q, out, seqs, m, n_heads, n_kv_heads, head_size, path);
+  resolve(seqs, cache, impl_->resolved);
+  const Impl::Meta m = impl_->upload_meta(tokens, impl_->resolved);
+  impl_->attention(dtype, q, out, impl_->resolved, m, n_heads, n_kv_heads, head_size, path);
 }
 
 void CudaBackend::swiglu(const float* gate, const float* up, void* out, DType out_dtype,
@@ -678,11 +710,76 @@ DeviceDecoderWeights CudaBackend::upload_decoder_weights(const model::LlamaConfi
   return d;
 }
 
+// --- the Backend concept ------------------------------------------------------------------------
+
+model::WeightMatrix CudaBackend::upload_weight(model::WeightMatrix w, std::int64_t rows,
+                                               std::int64_t cols) {
+  BRIGADE_CHECK(rows >= 0 && cols >= 0 && w.data != nullptr, Errc::InvalidArgument,
+                "CudaBackend::upload_weight: [{} x {}] at {}; expected sizes >= 0 and data",
+                rows, cols, w.data);
+  const float* host = nullptr;
+  if (w.dtype == DType::F32) {
+    host = w.f32();
+  } else {
+    impl_->dequantized.resize(usize(rows * cols));
+    model::dequantize_rows(w, cols, 0, rows, impl_->dequantized.data());
+    host = impl_->dequantized.data();
+  }
+  DeviceBuffer b = allocate(std::max<std::size_t>(usize(rows * cols) * sizeof(float), 256));
+  upload(b.data(), host, usize(rows * cols) * sizeof(float));
+  const model::WeightMatrix out(b.as<float>());
+  impl_->weights.push_back(std::move(b));
+  return out;
+}
+
+void CudaBackend::embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
+                            std::int64_t tokens, std::int64_t dim) {
+  embedding(table.f32(), ids, out, tokens, dim);
+}
+
+void CudaBackend::rmsnorm(const float* x, const float* w, float* out, std::int64_t tokens,
+                          std::int64_t dim, float eps) {
+  rmsnorm(x, w, static_cast<void*>(out), DType::F32, tokens, dim, eps);
+}
+
+void CudaBackend::matmul_wt(const float* x, model::WeightMatrix w, float* out,
+                            std::int64_t tokens, std::int64_t in, std::int64_t out_dim,
+                            bool accumulate) {
+  matmul_wt(x, w.f32(), DType::F32, out, DType::F32, tokens, in, out_dim, accumulate);
+}
+
+void CudaBackend::attention(const backend::KvCacheView& cache, const float* q, const float* k,
+                            const float* v, float* out,
+                            std::span<const backend::SequenceSlice> seqs, int n_heads,
+                            int n_kv_heads, int head_size) {
+  check_heads("CudaBackend::attention", n_heads, n_kv_heads, head_size);
+  const std::int64_t kv_dim = static_cast<std::int64_t>(n_kv_heads) * head_size;
+  check_slices("CudaBackend::attention", backend::packed_rows(seqs), seqs, cache, DType::F32,
+               kv_dim, 0);
+  // This batch's keys and values into each slice's cache rows pos0.. (contiguous on both sides).
+  resolve(seqs, cache, impl_->resolved);
+  const std::size_t row_bytes = usize(kv_dim) * sizeof(float);
+  for (const SeqDesc& d : impl_->resolved) {
+    copy(static_cast<std::byte*>(d.k_cache) + usize(d.pos0) * row_bytes,
+         k + d.offset * kv_dim, usize(d.tokens) * row_bytes);
+    copy(static_cast<std::byte*>(d.v_cache) + usize(d.pos0) * row_bytes,
+         v + d.offset * kv_dim, usize(d.tokens) * row_bytes);
+  }
+  attention(DType::F32, q, out, seqs, cache, n_heads, n_kv_heads, head_size);
+}
+
+void CudaBackend::swiglu(float* gate, const float* up, std::int64_t n) {
+  swiglu(gate, up, static_cast<void*>(gate), DType::F32, n);
+}
+
 void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
                                         const DeviceDecoderWeights& w, float* x,
-                                        std::int64_t tokens, std::span<const SequenceSlice> seqs) {
+                                        std::int64_t tokens,
+                                        std::span<const backend::SequenceSlice> seqs,
+                                        const backend::KvCacheView& cache) {
   config.validate("CudaBackend::decoder_layer_forward");
-  check_slices("CudaBackend::decoder_layer_forward", tokens, seqs, config.seq_len);
+  check_slices("CudaBackend::decoder_layer_forward", tokens, seqs, cache, w.dtype, config.kv_dim(),
+               config.seq_len);
   BRIGADE_CHECK(!w.wqkv.empty() && !w.wo.empty() && !w.w13.empty() && !w.w2.empty() &&
                     !w.rms_att.empty() && !w.rms_ffn.empty(),
                 Errc::InvalidArgument,
@@ -698,7 +795,8 @@ void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
   const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
   const std::int64_t qkv_n = dim + 2 * kv_dim;
   const int hs = config.head_size();
-  const Impl::Meta meta = m.upload_meta(tokens, seqs);
+  resolve(seqs, cache, m.resolved);
+  const Impl::Meta meta = m.upload_meta(tokens, m.resolved);
   void* xb = m.grow(m.xb_buf, usize(tokens * dim) * es);
   auto* qkv = static_cast<float*>(m.grow(m.qkv_buf, usize(tokens * qkv_n) * sizeof(float)));
   void* q = m.grow(m.q_buf, usize(tokens * dim) * es);
@@ -716,7 +814,8 @@ void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
                                          config.n_heads, config.n_kv_heads, hs, m.s()));
   BRIGADE_CUDA_CHECK(detail::launch_qkv_scatter(qkv, qkv_n, tokens, dim, kv_dim, meta.tok_seq,
                                                 meta.seqs, q, code(dt), m.s()));
-  m.attention(dt, q, att, seqs, meta, config.n_heads, config.n_kv_heads, hs, AttentionPath::Auto);
+  m.attention(dt, q, att, m.resolved, meta, config.n_heads, config.n_kv_heads, hs,
+              AttentionPath::Auto);
   m.gemm(detail::plan_linear(tokens, dim, dim), w.wo.data(), att, dt, x, DType::F32, 1.0f, 1.0f);
 
   // FFN block.

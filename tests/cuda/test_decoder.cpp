@@ -1,11 +1,13 @@
-// Differential tests of CudaBackend::decoder_layer_forward against cpu::decoder_layer_forward on
+// Differential tests of CudaBackend::decoder_layer_forward against the decoder layer on CpuBackend on
 // a packed micro-batch (a prefill, a decode and a chunked prefill with pre-filled caches), in
 // float32 and bfloat16, through each attention path.
 #include "support.hpp"
 
-#include <brigade/backend/cpu.hpp>
+#include <brigade/backend/cpu_backend.hpp>
+#include <brigade/backend/decoder.hpp>
 #include <brigade/model/weights.hpp>
 
+#include <algorithm>
 #include <cstdint>
 
 using namespace brigade;
@@ -33,27 +35,39 @@ void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DT
   for (const auto& s : seqs) tokens += s.tokens;
   const auto x0 = random_floats(tokens * dim, 5);
 
-  // CPU reference: caches pre-filled with random rows below pos0 (earlier steps' keys/values).
+  // CPU reference: caches pre-filled with random rows below pos0 (earlier steps' keys/values),
+  // sequence i in slot i of one layer cache (keys of every slot, then values).
   std::vector<std::vector<float>> kc, vc;
-  std::vector<cpu::SequenceSlice> cslices;
-  std::vector<std::int32_t> pos;
-  std::int64_t off = 0;
+  std::vector<backend::SequenceSlice> cslices;
+  std::vector<std::int64_t> first;
+  std::vector<int> caps;
+  std::int64_t cache_rows = 0;
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     kc.push_back(random_floats(seqs[i].capacity * kv_dim, 300 + static_cast<unsigned>(i)));
     vc.push_back(random_floats(seqs[i].capacity * kv_dim, 400 + static_cast<unsigned>(i)));
-    for (std::int64_t t = 0; t < seqs[i].tokens; ++t)
-      pos.push_back(static_cast<std::int32_t>(seqs[i].pos0 + t));
-    off += seqs[i].tokens;
+    cslices.push_back({static_cast<std::int32_t>(i), static_cast<std::int32_t>(seqs[i].pos0),
+                       static_cast<std::int32_t>(seqs[i].tokens)});
+    first.push_back(cache_rows);
+    caps.push_back(static_cast<int>(seqs[i].capacity));
+    cache_rows += seqs[i].capacity;
   }
   auto kc0 = kc, vc0 = vc;  // the GPU starts from the same caches
-  off = 0;
+  std::vector<float> cache(static_cast<std::size_t>(2 * cache_rows * kv_dim));
   for (std::size_t i = 0; i < seqs.size(); ++i) {
-    cslices.push_back({off, seqs[i].tokens, seqs[i].pos0, kc[i].data(), vc[i].data()});
-    off += seqs[i].tokens;
+    std::copy(kc[i].begin(), kc[i].end(), cache.begin() + first[i] * kv_dim);
+    std::copy(vc[i].begin(), vc[i].end(), cache.begin() + (cache_rows + first[i]) * kv_dim);
   }
+  const backend::KvCacheView view{cache.data(), cache.data() + cache_rows * kv_dim, DType::F32, kv_dim,
+                                  first, caps};
   std::vector<float> x_ref = x0;
-  cpu::DecoderScratch scratch;
-  cpu::decoder_layer_forward(cfg, lw, x_ref.data(), tokens, pos.data(), cslices, scratch);
+  backend::DecoderBuffers<cpu::CpuBackend> scratch;
+  cpu::CpuBackend cpu_backend;
+  backend::decoder_layer_forward(cpu_backend, cfg, lw, x_ref.data(), tokens, cslices, view,
+                                 scratch);
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    std::copy_n(cache.begin() + first[i] * kv_dim, kc[i].size(), kc[i].begin());
+    std::copy_n(cache.begin() + (cache_rows + first[i]) * kv_dim, vc[i].size(), vc[i].begin());
+  }
 
   CudaBackend::Options opt;
   opt.attention = path;
@@ -61,16 +75,16 @@ void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DT
   CudaBackend gpu(opt);
   const auto dw = gpu.upload_decoder_weights(cfg, lw, dt);
   auto gx = make_input(gpu, x0, DType::F32);
-  std::vector<Guarded> gk, gv;
-  std::vector<cuda::SequenceSlice> slices;
-  off = 0;
+  // The same slots on the GPU: every slot's keys in one buffer, values in another, in dt.
+  std::vector<float> k_all, v_all;
   for (std::size_t i = 0; i < seqs.size(); ++i) {
-    gk.push_back(make_input(gpu, kc0[i], dt));
-    gv.push_back(make_input(gpu, vc0[i], dt));
-    slices.push_back({off, seqs[i].tokens, seqs[i].pos0, gk.back().data(), gv.back().data()});
-    off += seqs[i].tokens;
+    k_all.insert(k_all.end(), kc0[i].begin(), kc0[i].end());
+    v_all.insert(v_all.end(), vc0[i].begin(), vc0[i].end());
   }
-  gpu.decoder_layer_forward(cfg, dw, gx.as<float>(), tokens, slices);
+  auto gk = make_input(gpu, k_all, dt);
+  auto gv = make_input(gpu, v_all, dt);
+  const backend::KvCacheView gcache{gk.data(), gv.data(), dt, kv_dim, first, caps};
+  gpu.decoder_layer_forward(cfg, dw, gx.as<float>(), tokens, cslices, gcache);
   const auto x_gpu = gx.floats(DType::F32);
   gx.check_guards("x");
 
@@ -81,18 +95,19 @@ void check_layer(const model::LlamaConfig& cfg, const std::vector<Seq>& seqs, DT
     d_gpu[i] = x_gpu[i] - x0[i];
   }
   check_close("decoder delta x", d_gpu, d_ref, tolerance(dt, f32_tol));
+  const auto k_gpu = gk.floats(dt);
+  const auto v_gpu = gv.floats(dt);
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     CAPTURE(i);
-    const auto k_gpu = gk[i].floats(dt);
-    const auto v_gpu = gv[i].floats(dt);
     const auto rows = static_cast<std::size_t>((seqs[i].pos0 + seqs[i].tokens) * kv_dim);
-    check_close("k cache", std::span<const float>(k_gpu).first(rows),
+    const auto at = static_cast<std::size_t>(first[i] * kv_dim);
+    check_close("k cache", std::span<const float>(k_gpu).subspan(at, rows),
                 std::span<const float>(kc[i]).first(rows), tolerance(dt, f32_tol));
-    check_close("v cache", std::span<const float>(v_gpu).first(rows),
+    check_close("v cache", std::span<const float>(v_gpu).subspan(at, rows),
                 std::span<const float>(vc[i]).first(rows), tolerance(dt, f32_tol));
-    gk[i].check_guards("k cache");
-    gv[i].check_guards("v cache");
   }
+  gk.check_guards("k cache");
+  gv.check_guards("v cache");
 }
 
 model::LlamaConfig small_config() {
@@ -138,20 +153,30 @@ TEST_SUITE("decoder") {
     const auto weights = model::make_synthetic_weights(cfg, 1);
     CudaBackend gpu;
     const auto dw = gpu.upload_decoder_weights(cfg, weights.layers[0], DType::F32);
-    Guarded x(gpu, 4 * 64, 4), cache(gpu, 256 * 32, 4);
-    auto expect_invalid = [&](std::vector<cuda::SequenceSlice> s, std::int64_t tokens) {
+    Guarded x(gpu, 4 * 64, 4), keys(gpu, 256 * 32, 4), values(gpu, 256 * 32, 4);
+    const std::vector<std::int64_t> first{0, 128};
+    const std::vector<int> caps{128, 128};
+    const backend::KvCacheView cache{keys.data(), values.data(), DType::F32, cfg.kv_dim(), first,
+                                     caps};
+    auto expect_invalid = [&](std::vector<backend::SequenceSlice> s, std::int64_t tokens,
+                              backend::KvCacheView c) {
       try {
-        gpu.decoder_layer_forward(cfg, dw, x.as<float>(), tokens, s);
+        gpu.decoder_layer_forward(cfg, dw, x.as<float>(), tokens, s, c);
         FAIL("expected brigade::Error{InvalidArgument}");
       } catch (const brigade::Error& e) {
         CHECK(e.code() == brigade::Errc::InvalidArgument);
       }
     };
-    expect_invalid({{0, 3, 0, cache.data(), cache.data()}}, 4);    // does not cover
-    expect_invalid({{0, 4, 126, cache.data(), cache.data()}}, 4);  // beyond seq_len
-    expect_invalid({{0, 4, 0, nullptr, cache.data()}}, 4);         // null cache
-    expect_invalid({{0, 0, 0, cache.data(), cache.data()}, {0, 4, 0, cache.data(), cache.data()}},
-                   4);
+    expect_invalid({{0, 0, 3}}, 4, cache);                 // does not cover
+    expect_invalid({{0, 126, 4}}, 4, cache);               // beyond seq_len
+    expect_invalid({{2, 0, 4}}, 4, cache);                 // a sequence the cache does not hold
+    expect_invalid({{0, 0, 0}, {1, 0, 4}}, 4, cache);      // an empty slice
+    backend::KvCacheView wrong = cache;
+    wrong.dtype = DType::BF16;                             // not the weights' dtype
+    expect_invalid({{0, 0, 4}}, 4, wrong);
+    backend::KvCacheView null_keys = cache;
+    null_keys.keys = nullptr;                              // no cache memory
+    expect_invalid({{0, 0, 4}}, 4, null_keys);
   }
 
 }  // TEST_SUITE

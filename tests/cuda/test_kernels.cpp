@@ -140,37 +140,48 @@ TEST_SUITE("kernels") {
           CAPTURE(static_cast<int>(path));
           CAPTURE(b == &blocked);
           auto gq = make_input(*b, q, dt);
-          std::vector<Guarded> gk, gv;
-          std::vector<cuda::SequenceSlice> slices;
-          off = 0;
+          // Sequence i in slot i of one cache: every slot's keys in one buffer, values in another.
+          std::vector<float> k_all, v_all;
+          std::vector<std::int64_t> first;
+          std::vector<int> caps;
+          std::vector<backend::SequenceSlice> slices;
           for (std::size_t i = 0; i < seqs.size(); ++i) {
-            gk.push_back(make_input(*b, kc[i], dt));
-            gv.push_back(make_input(*b, vc[i], dt));
-            slices.push_back(
-                {off, seqs[i].tokens, seqs[i].pos0, gk.back().data(), gv.back().data()});
-            off += seqs[i].tokens;
+            first.push_back(static_cast<std::int64_t>(k_all.size()) / kv_dim);
+            caps.push_back(static_cast<int>(seqs[i].capacity));
+            k_all.insert(k_all.end(), kc[i].begin(), kc[i].end());
+            v_all.insert(v_all.end(), vc[i].begin(), vc[i].end());
+            slices.push_back({static_cast<std::int32_t>(i), static_cast<std::int32_t>(seqs[i].pos0),
+                              static_cast<std::int32_t>(seqs[i].tokens)});
           }
+          auto gk = make_input(*b, k_all, dt);
+          auto gv = make_input(*b, v_all, dt);
+          const backend::KvCacheView cache{gk.data(), gv.data(), dt, kv_dim, first, caps};
           Guarded out(*b, ref.size(), brigade::dtype_block_bytes(dt));
-          b->attention(dt, gq.data(), out.data(), tokens, slices, n_heads, n_kv, hs, path);
+          b->attention(dt, gq.data(), out.data(), slices, cache, n_heads, n_kv, hs, path);
           check_close("attention", out.floats(dt), ref, tolerance(dt, 2e-5));
           out.check_guards("attention out");
-          for (auto& g : gk) g.check_guards("k cache");
+          gk.check_guards("k cache");
         }
       }
     }
   }
 
-  TEST_CASE("cuda.attention: slices that do not cover the rows are refused") {
+  TEST_CASE("cuda.attention: slices the cache does not hold are refused") {
     Guarded dummy(gpu(), 16, 4);
-    std::vector<cuda::SequenceSlice> gap = {{0, 2, 0, dummy.data(), dummy.data()},
-                                            {3, 1, 0, dummy.data(), dummy.data()}};
-    CHECK_THROWS_AS(gpu().attention(DType::F32, dummy.data(), dummy.data(), 4, gap, 2, 1, 2),
-                    brigade::Error);
-    try {
-      gpu().attention(DType::F32, dummy.data(), dummy.data(), 4, gap, 2, 1, 2);
-    } catch (const brigade::Error& e) {
-      CHECK(e.code() == brigade::Errc::InvalidArgument);
-    }
+    const std::vector<std::int64_t> first{0};
+    const std::vector<int> caps{4};
+    const backend::KvCacheView cache{dummy.data(), dummy.data(), DType::F32, 2, first, caps};
+    auto expect_invalid = [&](std::vector<backend::SequenceSlice> s) {
+      try {
+        gpu().attention(DType::F32, dummy.data(), dummy.data(), s, cache, 2, 1, 2);
+        FAIL("expected brigade::Error");
+      } catch (const brigade::Error& e) {
+        CHECK(e.code() == brigade::Errc::InvalidArgument);
+      }
+    };
+    expect_invalid({{1, 0, 2}});          // sequence 1: the cache holds one
+    expect_invalid({{0, 3, 2}});          // positions [3, 5) past its capacity 4
+    expect_invalid({{0, 0, 0}});          // an empty slice
   }
 
   TEST_CASE("cuda.swiglu: f32 in place and bf16 out vs cpu::swiglu") {

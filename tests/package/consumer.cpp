@@ -1,10 +1,14 @@
 // A user of the installed package, as an outside engine would link it: its own Transport
 // decorator (bytes per message kind), its own partition policy and its own schedule generator,
-// registered by name next to the built-in ones; stories260K generated through them must give the
-// reference tokens, and a training step under the user's generator the built-in GPipe's loss.
+// registered by name next to the built-in ones, and its own Backend (CpuBackend's kernels with
+// every GEMM counted); stories260K generated through all four must give the reference tokens
+// with exactly the GEMMs the model needs, and a training step under the user's generator the
+// built-in GPipe's loss.
 //   consumer MODEL_DIR STEPS PROMPT_TOKENS EXPECTED_IDS
 // EXPECTED_IDS: "1,403,..." the token at every position of run.c's greedy story (the prompt's
 // PROMPT_TOKENS first), from models/reference/stories260K_greedy.json.
+#include <brigade/backend/backend.hpp>
+#include <brigade/backend/cpu_backend.hpp>
 #include <brigade/brigade.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/engine/training.hpp>
@@ -14,6 +18,7 @@
 #include <brigade/transport/in_process.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -36,6 +41,22 @@ class KindBytes : public transport::ForwardingTransport<Inner> {
   }
   std::array<long long, transport::kNumMessageKinds> bytes{};
 };
+
+/// The user's Backend: CpuBackend's kernels, each matmul_wt (one GEMM: a projection or the
+/// classifier) counted in a counter the stages share (they run on several rank threads).
+class CountingBackend : public cpu::CpuBackend {
+ public:
+  explicit CountingBackend(std::atomic<long long>* gemms) : gemms_(gemms) {}
+  void matmul_wt(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
+                 std::int64_t in, std::int64_t out_dim, bool accumulate) const {
+    gemms_->fetch_add(1, std::memory_order_relaxed);
+    cpu::CpuBackend::matmul_wt(x, w, out, tokens, in, out_dim, accumulate);
+  }
+
+ private:
+  std::atomic<long long>* gemms_;
+};
+static_assert(backend::Backend<CountingBackend>);
 
 /// The user's partition policy: every stage but the last takes two layers; the last the rest.
 partition::Partition two_each(const model::ModelSpec& spec, const partition::PolicyRequest& req) {
@@ -102,8 +123,22 @@ int main(int argc, char** argv) {
     std::vector<KindBytes<transport::InProcessTransport>> counted;
     for (auto& e : endpoints) counted.emplace_back(e);
     const auto plan = engine::inference_plan(weights.config, part, requests, 1);
-    const auto report = engine::generate(std::span(counted), weights, plan, requests, opt);
-    if (report.sequences.at(0).tokens != expected) return fail("tokens differ from the reference");
+    std::atomic<long long> gemms{0};
+    const auto report = engine::generate(std::span(counted), weights, plan, requests, opt,
+                                         [&](int) { return CountingBackend(&gemms); });
+    const auto& seq = report.sequences.at(0);
+    if (seq.tokens != expected) return fail("tokens differ from the reference");
+    // One forward per sampled token (the prompt's prefill, then one per decode step), each
+    // through every layer: 7 GEMMs per decoder layer (wq, wk, wv, wo, w1, w3, w2) and the
+    // classifier's.
+    const long long forwards =
+        static_cast<long long>(expected.size()) - prompt_tokens + (seq.stopped_on_bos ? 1 : 0);
+    const long long per_forward = 7LL * weights.config.n_layers + 1;
+    if (seq.generated != forwards || gemms.load() != forwards * per_forward) {
+      std::fprintf(stderr, "consumer: %lld GEMMs for %d sampled tokens; expected %lld x %lld\n",
+                   gemms.load(), seq.generated, forwards, per_forward);
+      return 1;
+    }
     const auto act = static_cast<std::size_t>(transport::MessageKind::Activation);
     if (counted[0].bytes[act] == 0 || counted[1].bytes[act] == 0 || counted[2].bytes[act] != 0)
       return fail("activation bytes not counted on ranks 0 and 1 only");
@@ -132,8 +167,9 @@ int main(int argc, char** argv) {
       loss[i] = eng.compute_gradients(batches).loss;
     }
     if (!(loss[0] > 0) || loss[0] != loss[1]) return fail("training losses differ");
-    std::printf("brigade ok %s: %zu tokens, activation bytes %lld and %lld, loss %.6f\n",
-                BRIGADE_VERSION_STRING, report.sequences[0].tokens.size(),
+    std::printf("brigade ok %s: %zu tokens, %lld GEMMs on the user's backend, activation bytes "
+                "%lld and %lld, loss %.6f\n",
+                BRIGADE_VERSION_STRING, report.sequences[0].tokens.size(), gemms.load(),
                 counted[0].bytes[act], counted[1].bytes[act], loss[0]);
   } catch (const Error& e) {
     std::fprintf(stderr, "consumer: brigade::Error: %s\n", e.what());

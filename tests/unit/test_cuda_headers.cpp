@@ -52,7 +52,9 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST_CASE("cuda.headers: names and values usable without CUDA") {
-  const cuda::SequenceSlice s{0, 4, 2, nullptr, nullptr};
+  static_assert(backend::Backend<cuda::CudaBackend>);
+  static_assert(!cuda::CudaBackend::host_memory);
+  const backend::SequenceSlice s{0, 2, 4};
   CHECK(s.tokens == 4);
   const cuda::CudaBackend::Options o;
   CHECK(o.device == 0);

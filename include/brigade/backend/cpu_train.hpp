@@ -322,7 +322,7 @@ struct DecoderActivations {
 };
 
 /// Training forward of one Llama decoder layer over a packed micro-batch, as
-/// cpu::decoder_layer_forward (run.c's layer) with every sequence starting at position 0 and no
+/// backend::decoder_layer_forward (run.c's layer) with every sequence starting at position 0 and no
 /// KV cache: x_out = x_mid + (silu(xb_ffn W1^T) * (xb_ffn W3^T)) W2^T with
 /// x_mid = x_in + attention(RoPE(xb_att Wq^T), RoPE(xb_att Wk^T), xb_att Wv^T) Wo^T,
 /// xb_* the RMSNorms. Fills `acts` (phase Forward) with what the backward needs.

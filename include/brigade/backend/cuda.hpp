@@ -17,11 +17,14 @@
 // tensor cores with float32 accumulation and float32 outputs, while norms, RoPE, softmax and the
 // residual stream stay float32 (~1e-2 relative to the CPU backend).
 //
-// Forward only: the backward kernels come with the training issue.
+// Forward only: no backward kernels, so runtime::TrainStage<CudaBackend> does not exist
+// (docs/cuda.md). Inference runs under the engines: CudaBackend models backend::Backend.
 #pragma once
 
+#include "brigade/backend/backend.hpp"
 #include "brigade/core/dtype.hpp"
 #include "brigade/model/config.hpp"
+#include "brigade/model/weight_matrix.hpp"
 #include "brigade/model/weights.hpp"
 
 #include <cstddef>
@@ -153,17 +156,6 @@ class Event {
   CUevent_st* event_ = nullptr;
 };
 
-/// One sequence's rows in a packed micro-batch, with its KV cache for the layer (device memory).
-/// The device analogue of brigade::cpu::SequenceSlice.
-struct SequenceSlice {
-  std::int64_t offset = 0;  ///< first row of the sequence in the packed [tokens x dim] batch
-  std::int64_t tokens = 0;  ///< rows (new tokens) of this sequence
-  std::int64_t pos0 = 0;    ///< absolute position of its first new token
-  void* k_cache = nullptr;  ///< [capacity x kv_dim] keys, in the layer's dtype; rows pos0.. are
-                            ///< written by decoder_layer_forward
-  void* v_cache = nullptr;  ///< [capacity x kv_dim] values, likewise
-};
-
 /// One decoder layer's weights on the device, packed for fewer, larger GEMMs.
 struct DeviceDecoderWeights {
   DType dtype = DType::F32;  ///< dtype of the matrices (the norms' gains are always float32)
@@ -282,18 +274,20 @@ class CudaBackend {
             int n_kv_heads, int head_size, float theta);
 
   /// Causal grouped-query attention of packed sequences against their KV caches, as
-  /// cpu::attention for each sequence: query row t of sequence s sits at position s.pos0 + t and
-  /// attends to cache rows 0..s.pos0 + t (which must already hold that sequence's keys and
-  /// values); scores q.k / sqrt(head_size), softmax with the maximum subtracted.
-  /// @param dtype dtype of q, the caches and out
-  /// @param q     [tokens x n_heads*head_size]
+  /// cpu::attention for each sequence: query row t of slice s sits at position s.pos0 + t and
+  /// attends to its sequence's cache rows 0..s.pos0 + t (which must already hold that sequence's
+  /// keys and values); scores q.k / sqrt(head_size), softmax with the maximum subtracted.
+  /// @param dtype dtype of q, the caches (cache.dtype) and out
+  /// @param q     [tokens x n_heads*head_size], tokens = backend::packed_rows(seqs)
   /// @param out   [tokens x n_heads*head_size]; must not alias q
-  /// @param seqs  the sequences, covering rows [0, tokens) contiguously in order, with caches
+  /// @param seqs  the slices in row order (host memory)
+  /// @param cache the layer's KV cache (device memory; first_row and capacity on the host)
   /// @param path  the algorithm (Auto: as Options)
-  /// @throws brigade::Error{InvalidArgument} for bad head counts (as cpu::attention) or slices
-  ///         that do not cover [0, tokens)
-  void attention(DType dtype, const void* q, void* out, std::int64_t tokens,
-                 std::span<const SequenceSlice> seqs, int n_heads, int n_kv_heads, int head_size,
+  /// @throws brigade::Error{InvalidArgument} for bad head counts (as cpu::attention), a slice
+  ///         with tokens < 1, a negative position, a sequence the cache does not hold or whose
+  ///         capacity it exceeds, or a cache of another dtype or kv_dim
+  void attention(DType dtype, const void* q, void* out, std::span<const backend::SequenceSlice> seqs,
+                 const backend::KvCacheView& cache, int n_heads, int n_kv_heads, int head_size,
                  AttentionPath path = AttentionPath::Auto);
 
   /// SwiGLU, as cpu::swiglu: out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
@@ -338,6 +332,51 @@ class CudaBackend {
   void sample(float* logits, std::int64_t rows, std::int64_t vocab, float temperature, float top_p,
               std::span<const float> coins, std::int32_t* out);
 
+  // --- the Backend concept (brigade/backend/backend.hpp): float32 under the engines ------------
+  //
+  // With these members CudaBackend models backend::Backend, so runtime::InferenceStage<
+  // CudaBackend> runs a stage's layers on the GPU under the executor and every engine
+  // (engine::generate with a factory returning CudaBackends). That mode computes in float32
+  // throughout (weights dequantized to float32 on upload, float32 KV caches, cuBLAS without
+  // TF32): the token-exact mode. bfloat16 stays with the direct members above
+  // (upload_decoder_weights and decoder_layer_forward in BF16). CudaBackend has no backward
+  // kernels, so it is not a backend::TrainingBackend (docs/cuda.md).
+
+  /// The backend's memory: device memory on its device.
+  using Buffer = DeviceBuffer;
+  /// Kernels read device memory: stages upload a micro-batch before their layers and download
+  /// it after.
+  static constexpr bool host_memory = false;
+
+  /// The host matrix w ([rows x cols] in w.dtype: F32, F16, BF16 or Q8_0; dequantized exactly to
+  /// float32 on the host first when typed) as a float32 copy on the device, owned by this backend
+  /// until it is destroyed.
+  /// @throws brigade::Error{InvalidArgument} for negative sizes or an unreadable dtype (as
+  ///         model::dequantize_rows); Error{Cuda} when out of memory
+  [[nodiscard]] model::WeightMatrix upload_weight(model::WeightMatrix w, std::int64_t rows,
+                                                  std::int64_t cols);
+  /// F32: the KV caches of the concept's mode hold float32.
+  [[nodiscard]] DType kv_cache_dtype() const noexcept { return DType::F32; }
+  /// embedding() over a float32 table from upload_weight.
+  /// @throws brigade::Error{InvalidArgument} if the table is not F32
+  void embedding(model::WeightMatrix table, const std::int32_t* ids, float* out,
+                 std::int64_t tokens, std::int64_t dim);
+  /// rmsnorm() with a float32 output.
+  void rmsnorm(const float* x, const float* w, float* out, std::int64_t tokens, std::int64_t dim,
+               float eps);
+  /// matmul_wt() over float32 x, w (from upload_weight) and out.
+  /// @throws brigade::Error{InvalidArgument} if w is not F32, or as matmul_wt()
+  void matmul_wt(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
+                 std::int64_t in, std::int64_t out_dim, bool accumulate);
+  /// The concept's attention: copies the batch's k and v rows ([tokens x kv_dim] float32, after
+  /// RoPE) into rows pos0.. of each slice's sequence in `cache` (F32), then attention() in F32.
+  /// @throws brigade::Error{InvalidArgument} as attention()
+  void attention(const backend::KvCacheView& cache, const float* q, const float* k,
+                 const float* v, float* out, std::span<const backend::SequenceSlice> seqs,
+                 int n_heads, int n_kv_heads, int head_size);
+  /// swiglu() in place on gate (float32).
+  void swiglu(float* gate, const float* up, std::int64_t n);
+
   // --- the decoder layer -----------------------------------------------------------------------
 
   /// Uploads one decoder layer's weights (llama2.c layout, float32 on the host), converting the
@@ -349,72 +388,30 @@ class CudaBackend {
                                                             DType dtype);
 
   /// One Llama decoder layer over a packed micro-batch, in place on the residual stream: the
-  /// device version of cpu::decoder_layer_forward (same math and order: RMSNorm, QKV GEMM,
+  /// device version of backend::decoder_layer_forward (same math and order: RMSNorm, QKV GEMM,
   /// RoPE, K/V rows stored in each sequence's cache, causal GQA attention, x += att Wo^T,
-  /// RMSNorm, W1|W3 GEMM, SwiGLU, x += h W2^T). Positions are pos0 + t of each slice. In BF16 the
-  /// GEMM operands, the caches and the attention output are bfloat16; x stays float32.
+  /// RMSNorm, W1|W3 GEMM, SwiGLU, x += h W2^T), with wq|wk|wv and w1|w3 packed into one GEMM
+  /// each. In BF16 the GEMM operands, the caches and the attention output are bfloat16; x stays
+  /// float32.
   /// @param x      [tokens x dim] float32 residual stream, updated in place
-  /// @param seqs   the sequences in row order covering rows [0, tokens); caches in w.dtype with
-  ///               at least pos0 + tokens rows
+  /// @param seqs   the slices in row order covering `tokens` rows (host memory)
+  /// @param cache  the layer's KV cache in w.dtype (rows pos0 + tokens of each slice's sequence
+  ///               must fit its capacity)
   /// @throws brigade::Error{InvalidArgument} if the config is invalid, the slices do not cover
-  ///         [0, tokens) contiguously in order, a slice has tokens < 1 or a null cache, or
-  ///         pos0 + tokens exceeds config.seq_len (as the CPU version)
+  ///         `tokens` rows, a slice has tokens < 1, positions beyond seq_len or its capacity, a
+  ///         sequence the cache does not hold, or the cache's dtype is not w.dtype (as the CPU
+  ///         version)
   void decoder_layer_forward(const model::LlamaConfig& config, const DeviceDecoderWeights& w,
-                             float* x, std::int64_t tokens, std::span<const SequenceSlice> seqs);
+                             float* x, std::int64_t tokens,
+                             std::span<const backend::SequenceSlice> seqs,
+                             const backend::KvCacheView& cache);
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-/// A whole Llama model on one GPU for generation: weights, a KV cache per sequence, and the
-/// forward pass embedding -> decoder layers -> final norm -> classifier. The single-GPU runner the
-/// device checks use for stories260K; pipelined serving composes CudaBackend calls per stage.
-class CudaLlama {
- public:
-  /// Uploads `weights` (converted to `dtype`) and reserves `capacities[i]` KV rows for
-  /// sequence i.
-  /// @throws brigade::Error{InvalidArgument} if a capacity is outside [1, seq_len];
-  ///         Error{Cuda} when out of memory
-  CudaLlama(CudaBackend& backend, const model::LlamaWeights& weights, DType dtype,
-            std::span<const int> capacities);
-  ~CudaLlama();
-  CudaLlama(CudaLlama&&) noexcept;
-  CudaLlama& operator=(CudaLlama&&) noexcept;
-  CudaLlama(const CudaLlama&) = delete;
-  CudaLlama& operator=(const CudaLlama&) = delete;
-
-  /// One sequence's part of a forward step.
-  struct Step {
-    int seq = 0;     ///< sequence id in [0, capacities.size())
-    int pos0 = 0;    ///< position of its first new token
-    int tokens = 0;  ///< new tokens
-  };
-
-  /// Runs the model on a packed micro-batch and returns the logits of each sequence's last row,
-  /// [steps.size() x vocab] row-major on the host.
-  /// @param ids [sum of tokens] token ids, sequence after sequence
-  /// @throws brigade::Error{InvalidArgument} for an id outside the vocabulary, a sequence id out
-  ///         of range, or positions beyond the sequence's capacity
-  std::vector<float> forward(std::span<const Step> steps, std::span<const int> ids);
-
-  /// As forward(), then argmax on the GPU: the greedy next token of each sequence.
-  std::vector<int> forward_greedy(std::span<const Step> steps, std::span<const int> ids);
-
-  /// run.c's greedy generation for sequence `seq`: the prompt is prefilled in one step, then one
-  /// token per step; `steps` counts positions including the prompt, and generation stops after
-  /// sampling BOS (id 1). Returns the token at every position (prompt, then generated, without a
-  /// terminating BOS), as the reference file's all_ids.
-  /// @throws brigade::Error{InvalidArgument} if the prompt is empty or steps exceeds the capacity
-  std::vector<int> generate_greedy(std::span<const int> prompt, int steps, int seq = 0);
-
-  /// The model's configuration.
-  [[nodiscard]] const model::LlamaConfig& config() const noexcept;
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
+static_assert(backend::Backend<CudaBackend>);
 
 }  // namespace v0
 }  // namespace brigade::cuda
