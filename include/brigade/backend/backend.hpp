@@ -76,9 +76,10 @@ struct KvCacheView {
 };
 
 /// The kernels of a Llama decoder stage's forward pass (inference), over memory the backend
-/// owns. Models: cpu::CpuBackend (Eigen, OpenBLAS and brigade's small-M kernels, host memory), a
-/// user's type (the installed-package test wraps CpuBackend to count GEMMs). What each member
-/// does, with shapes, for `b` a B:
+/// owns. Models: cpu::CpuBackend (Eigen, OpenBLAS and brigade's small-M kernels, host memory),
+/// cuda::CudaBackend (cuBLAS and brigade's CUDA kernels, device memory, float32), a user's type
+/// (the installed-package test wraps CpuBackend to count GEMMs). What each member does, with
+/// shapes, for `b` a B:
 ///
 /// - `B::Buffer`: owning, movable memory of the backend; `data()` is its first byte (aligned for
 ///   float32 and int32), `size()` its bytes.

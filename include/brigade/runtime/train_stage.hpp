@@ -17,6 +17,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace brigade::runtime {
@@ -159,16 +160,22 @@ class TrainStage {
   std::size_t held_bytes_ = 0;  // sum of bytes_of() over micro_
 };
 
+// ---- definitions (here so that a user's TrainingBackend instantiates TrainStage) ------------
+
 namespace detail {
 
-inline constexpr std::array<const char*, 9> kDecoderNames = {"attention_norm", "wq", "wk", "wv", "wo",
-                                                      "ffn_norm", "w1", "w2", "w3"};
+/// The nine tensors of a decoder layer, in DecoderWeights order, as ParamRef names them.
+inline constexpr std::array<const char*, 9> kDecoderNames = {
+    "attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3"};
 
+/// Elements of each of the nine tensors (kDecoderNames' order).
 inline std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
   const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
   return {d, d * d, kv * d, kv * d, d * d, d, h * d, d * h, h * d};
 }
 
+/// The nine float32 tensors of `w` (kDecoderNames' order).
+/// @throws brigade::Error{InvalidArgument} if a matrix is not F32
 inline std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
   return {w.rms_att,     w.wq.f32(), w.wk.f32(), w.wv.f32(), w.wo.f32(),
           w.rms_ffn, w.w1.f32(), w.w2.f32(), w.w3.f32()};
@@ -178,8 +185,9 @@ inline std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) 
 /// stage (its layer range), the micro-batch, what was checked and the bad row (a token of the
 /// packed micro-batch) and column. One read of the buffer (its cost: docs/benchmarks.md).
 /// @throws brigade::Error{NonFinite}
-inline void check_stage_buffer(const std::vector<float>& x, std::int64_t rows, std::int64_t width,
-                        partition::StageRange range, int mb, std::string_view what) {
+inline void check_stage_buffer(const std::vector<float>& x, std::int64_t rows,
+                               std::int64_t width, partition::StageRange range, int mb,
+                               std::string_view what) {
   check_finite(
       x.data(), rows, width,
       [&] {
