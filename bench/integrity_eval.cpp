@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -185,7 +186,9 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
     }
     if (!a.flagged) mon.learn();
     if (!std::isfinite(a.threshold) && std::isfinite(a.score)) continue;  // warm-up
-    (faulty ? r.faulty : r.clean).push_back(a.score);
+    // The ROC's score: the deciding statistic's score over its threshold (scaling every
+    // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated point).
+    (faulty ? r.faulty : r.clean).push_back(a.score / a.threshold);
     (faulty ? r.faulty_flagged : r.clean_flagged) += a.flagged ? 1 : 0;
   }
   return r;
@@ -535,11 +538,15 @@ int diagnose(int steps, bool big) {
     transport::SentinelMonitor mon(cfg);
     std::map<std::string, int> flags;
     std::vector<double> scores;
+    std::array<std::vector<double>, transport::SentinelMonitor::kGroups> top;
     for (std::size_t i = 0; i < s.messages.size(); ++i) {
       const auto a = mon.assess(s.messages[i], s.rows[i]);
       if (!a.flagged) mon.learn();
       if (!std::isfinite(a.threshold)) continue;
-      scores.push_back(a.score);
+      for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g) {
+        top[static_cast<std::size_t>(g)].push_back(mon.scores()[static_cast<std::size_t>(g)]);
+      }
+      scores.push_back(a.score / a.threshold);
       if (a.flagged) {
         ++flags[a.statistic];
         if (std::getenv("BRIGADE_EVAL_VERBOSE")) fmt::print("  clean flag at {}: {} {}\n", i, a.statistic, a.reason);
@@ -547,10 +554,20 @@ int diagnose(int steps, bool big) {
     }
     std::sort(scores.begin(), scores.end());
     auto q = [&](double p) { return scores[static_cast<std::size_t>(p * (scores.size() - 1))]; };
-    fmt::print("{}: {} scored, threshold now {:.2f}; scores p50 {:.2f} p90 {:.2f} p99 {:.2f} max "
+    std::string thresholds;
+    for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g)
+      thresholds += fmt::format(" {} {:.2f}", transport::SentinelMonitor::kNames[g], mon.threshold(g));
+    fmt::print("{}: {} scored, thresholds now{}; scores p50 {:.2f} p90 {:.2f} p99 {:.2f} max "
                "{:.2f}; clean flags:",
-               s.name, scores.size(), mon.threshold(), q(0.5), q(0.9), q(0.99), scores.back());
+               s.name, scores.size(), thresholds, q(0.5), q(0.9), q(0.99), scores.back());
     for (const auto& [k, n] : flags) fmt::print(" {} {}", k, n);
+    fmt::print("\n  clean scores per statistic (p99 / p99.9 / max):");
+    for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g) {
+      auto& v = top[static_cast<std::size_t>(g)];
+      std::sort(v.begin(), v.end());
+      fmt::print(" {} {:.2f}/{:.2f}/{:.2f}", transport::SentinelMonitor::kNames[g],
+                 v[v.size() * 99 / 100], v[v.size() * 999 / 1000], v.back());
+    }
     fmt::print("\n");
     for (FaultKind k : kKinds) {
       transport::FaultSpec spec;

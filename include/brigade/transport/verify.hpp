@@ -156,6 +156,9 @@ struct Assessment {
 /// every n/16 new scores. Not thread-safe.
 class SentinelMonitor {
  public:
+  /// Statistics scored (the size of kNames); each has its own calibrated threshold.
+  static constexpr int kGroups = 6;
+
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
   explicit SentinelMonitor(const SentinelConfig& config = {}) : config_(config) {
     validate(config_);
@@ -176,7 +179,7 @@ class SentinelMonitor {
                   "SentinelMonitor: a message [{}, {}] in a stream of width {}", rows, cols, cols_);
     assessed_ = false;
     Assessment a;
-    a.threshold = threshold();
+    a.threshold = threshold(0);
     if (!statistics(x.data(), rows)) {  // non-finite values
       a.score = std::numeric_limits<double>::infinity();
       a.flagged = true;
@@ -185,22 +188,34 @@ class SentinelMonitor {
       return a;
     }
     assessed_ = true;
-    last_score_ = 0;
-    int worst = 0;
+    score_.fill(0);
     if (learned_ >= 2) {
-      for (int g = 0; g < kGroups; ++g) {
-        const auto [b, e] = group(g);
-        const double z2 = squared_z(b, e);
-        const auto n = static_cast<double>(e - b);
-        // A vector: the Wilson-Hilferty normal equivalent of sum z^2 ~ chi-square(n).
-        const double s = e - b == 1 ? std::sqrt(z2)
-                                    : (std::cbrt(z2 / n) - (1 - 2 / (9 * n))) / std::sqrt(2 / (9 * n));
-        score_[static_cast<std::size_t>(g)] = s;
-        if (s > score_[static_cast<std::size_t>(worst)]) worst = g;
+      for (int g = 0; g < kScalars; ++g) {
+        const auto d = static_cast<std::size_t>(g);
+        const double diff = cur_[d] - mean_[d];
+        // alignment is one-sided: faults (sign flips, noise) only pull rows off the direction.
+        score_[d] = g == kAlignment && (diff > 0 || !directed_)
+                        ? 0.0
+                        : std::fabs(diff) * std::sqrt(weight_[d]);
       }
-      last_score_ = score_[static_cast<std::size_t>(worst)];
+      score_[kScalars] = channel_var_score();
     }
-    a.score = last_score_;
+    // The deciding statistic: the one furthest over (or closest to) its own threshold; during
+    // warm-up (every threshold +inf) the largest score.
+    int worst = 0;
+    double worst_ratio = -1;
+    for (int g = 0; g < kGroups; ++g) {
+      const double t = threshold(g);
+      const double s = score_[static_cast<std::size_t>(g)];
+      const double ratio = std::isinf(t) ? 0.0 : s / t;
+      if (ratio > worst_ratio ||
+          (ratio == worst_ratio && s > score_[static_cast<std::size_t>(worst)])) {
+        worst = g;
+        worst_ratio = ratio;
+      }
+    }
+    a.score = score_[static_cast<std::size_t>(worst)];
+    a.threshold = threshold(worst);
     a.statistic = kNames[worst];
     a.flagged = a.score > a.threshold;
     if (a.flagged) a.reason = reason(worst);
@@ -215,7 +230,7 @@ class SentinelMonitor {
     BRIGADE_CHECK(assessed_, Errc::InvalidUsage,
                   "SentinelMonitor::learn: no finite message assessed since the last learn");
     assessed_ = false;
-    if (learned_ >= std::max<std::int64_t>(2, (config_.warmup + 1) / 2)) add_score(last_score_);
+    if (learned_ >= std::max<std::int64_t>(2, (config_.warmup + 1) / 2)) add_scores();
     ++learned_;
     const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(learned_));
     for (std::size_t d = 0; d < cur_.size(); ++d) {
@@ -241,14 +256,24 @@ class SentinelMonitor {
     return a;
   }
 
-  /// The threshold in force for the next message (+inf during warm-up).
-  [[nodiscard]] double threshold() {
+  /// The threshold in force for the next message on statistic `g` (an index into kNames):
+  /// config.threshold when fixed, else that statistic's calibrated one; +inf during warm-up.
+  /// @throws brigade::Error{InvalidArgument} for g outside [0, kGroups)
+  [[nodiscard]] double threshold(int g) {
+    BRIGADE_CHECK(g >= 0 && g < kGroups, Errc::InvalidArgument,
+                  "SentinelMonitor::threshold: statistic {} outside [0, {})", g, kGroups);
     if (learned_ < config_.warmup) return kInf;
     if (config_.threshold > 0) return config_.threshold;
     if (reservoir_size_ < kMinScores) return kInf;
-    if (since_fit_ > 0 && since_fit_ >= std::max<std::int64_t>(1, reservoir_size_ / 16)) fit();
-    return fitted_;
+    if (since_fit_ > 0 && since_fit_ >= std::max<std::int64_t>(1, reservoir_size_ / 16)) {
+      since_fit_ = 0;
+      for (int k = 0; k < kGroups; ++k) fit(k);
+    }
+    return fitted_[static_cast<std::size_t>(g)];
   }
+  /// Each statistic's score (in the order of kNames) of the message assessed last; zeros before
+  /// the monitor learned two messages or after a non-finite payload.
+  [[nodiscard]] const std::array<double, kGroups>& scores() const noexcept { return score_; }
   /// Messages learned.
   [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
   /// The stream's width (0 before the first message).
@@ -257,7 +282,7 @@ class SentinelMonitor {
   [[nodiscard]] const SentinelConfig& config() const noexcept { return config_; }
   /// Names of the statistics, in the order of their scores.
   static constexpr const char* kNames[] = {"log-rms",   "mean",       "peak-ratio",
-                                           "coherence", "row-spread", "channel-var"};
+                                           "alignment", "row-spread", "channel-var"};
   /// Scores are kept for calibration in a reservoir of this many.
   static constexpr std::int64_t kReservoir = 1024;
   /// Scores the calibrated threshold needs before it gives verdicts.
@@ -265,13 +290,17 @@ class SentinelMonitor {
   /// Warm-up statistics kept for the robust start (the last this many of the warm-up).
   static constexpr std::size_t kWarmRows = 64;
   /// The cap on the calibrated threshold over the body's exponential bound (class docstring).
-  static constexpr double kBodyMargin = 2.0;
-  /// The calibrated threshold is never below this.
-  static constexpr double kMinThreshold = 6.0;
+  static constexpr double kBodyMargin = 1.0;
+  /// A calibrated threshold is never below these (per statistic, in the order of kNames): 4
+  /// for alignment, a mean over the rows of their cosines whose clean scores have a near-normal
+  /// tail; 6 for the others, whose rare clean excursions (one unusual micro-batch of text, one
+  /// token's large gradient) a reservoir of scores cannot place (docs/integrity.md).
+  static constexpr std::array<double, kGroups> kMinThreshold = {6, 6, 6, 4, 6, 6};
 
  private:
-  static constexpr int kScalars = 5;  // log-rms, mean, peak-ratio, coherence, row-spread
-  static constexpr int kGroups = kScalars + 1;  // and channel-var (the channel means: not scored)
+  static constexpr int kScalars = 5;    // log-rms, mean, peak-ratio, alignment, row-spread
+  static constexpr int kAlignment = 3;  // its index (one-sided)
+  static_assert(kGroups == kScalars + 1);  // and channel-var (the channel means: not scored)
   static constexpr double kInf = std::numeric_limits<double>::infinity();
   static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed payload's finite statistic
 
@@ -334,20 +363,17 @@ class SentinelMonitor {
     std::vector<double>().swap(warm_);
   }
 
-  // sum of z_d^2 over [b, e), four partial sums (no serial dependency).
-  [[nodiscard]] double squared_z(std::size_t b, std::size_t e) const {
-    double acc[4] = {0, 0, 0, 0};
-    std::size_t d = b;
-    for (; d + 4 <= e; d += 4)
-      for (std::size_t i = 0; i < 4; ++i) {
-        const double diff = cur_[d + i] - mean_[d + i];
-        acc[i] += diff * diff * weight_[d + i];
-      }
-    for (; d < e; ++d) {
-      const double diff = cur_[d] - mean_[d];
-      acc[0] += diff * diff * weight_[d];
-    }
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  // channel-var: the median over the channels of |z_d|, / 0.6745 (the median of |N(0, 1)|), so
+  // about 1 when the channels deviate as learned. The median, not sum z^2: the channels of real
+  // traffic are correlated and heavy-tailed (docs/integrity.md, "The statistics").
+  [[nodiscard]] double channel_var_score() {
+    const auto [b, e] = group(kScalars);
+    absz_.resize(e - b);
+    for (std::size_t d = b; d < e; ++d)
+      absz_[d - b] = std::fabs(cur_[d] - mean_[d]) * std::sqrt(weight_[d]);
+    auto mid = absz_.begin() + static_cast<std::ptrdiff_t>(absz_.size() / 2);
+    std::nth_element(absz_.begin(), mid, absz_.end());
+    return *mid / 0.6744897501960817;
   }
 
   void init(std::int64_t cols) {
@@ -361,8 +387,9 @@ class SentinelMonitor {
     sum_.assign(c, 0);
     sq_.assign(c, 0);
     warm_.assign(std::min<std::size_t>(static_cast<std::size_t>(config_.warmup), kWarmRows) * dims, 0);
-    reservoir_.assign(kReservoir, 0);
+    reservoir_.assign(static_cast<std::size_t>(kGroups * kReservoir), 0);
     sorted_.assign(kReservoir, 0);
+    fitted_.fill(kInf);
   }
 
   // The statistics of x into cur_; false (and nonfinite_reason_ set) for non-finite values.
@@ -441,39 +468,56 @@ class SentinelMonitor {
     std::fill(sq_.begin(), sq_.end(), 0.0);
     double* __restrict cs = sum_.data();
     double* __restrict cq = sq_.data();
+    const double* ema = mean_.data() + kScalars;  // the channel means learned so far
+    const double* ema_var = ema + uc;              // and the channel log variances
+    double ema2 = 0, spread = 0;
+    for (std::size_t j = 0; j < uc; ++j) {
+      ema2 += ema[j] * ema[j];
+      spread += std::exp(ema_var[j]);
+    }
     std::int64_t kept = 0;
+    double cos_sum = 0;  // over the typical rows: cos(x_r, ema)
     for (std::size_t r = 0; r < ur; ++r) {
       if (row_ss_[r] > cut) continue;
       ++kept;
       const float* a = x + r * uc;
-      for (std::size_t j = 0; j < uc; ++j) {
+      double dot[4] = {0, 0, 0, 0};
+      std::size_t j = 0;
+      for (; j + 4 <= uc; j += 4)
+        for (std::size_t i = 0; i < 4; ++i) {
+          const double y = a[j + i];
+          cs[j + i] += y;
+          cq[j + i] += y * y;
+          dot[i] += y * ema[j + i];
+        }
+      for (; j < uc; ++j) {
         const double y = a[j];
         cs[j] += y;
         cq[j] += y * y;
+        dot[0] += y * ema[j];
       }
+      const double norms = std::sqrt(row_ss_[r] * ema2);
+      if (norms > 0) cos_sum += ((dot[0] + dot[1]) + (dot[2] + dot[3])) / norms;
     }
     const double inv_rows = 1.0 / static_cast<double>(std::max<std::int64_t>(kept, 1));
     double* mean = cur_.data() + kScalars;
     double* var = mean + uc;
-    const double* ema = mean_.data() + kScalars;  // the channel means learned so far
-    const double* ema_var = ema + uc;              // and the channel log variances
-    double dot = 0, norm2 = 0, spread = 0;
     for (std::size_t j = 0; j < uc; ++j) {
       mean[j] = cs[j] * inv_rows;
       // log variance: nearly symmetric where the variance itself is skewed (chi-square).
       var[j] = rows == 1 ? 0.0
                          : std::log(std::max(cq[j] * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
-      dot += mean[j] * ema[j];
-      norm2 += ema[j] * ema[j];
-      spread += std::exp(ema_var[j]);
     }
-    // Coherence: the channel means along the learned ones (1 when they agree; noise and sign
-    // flips pull every row away from the common direction). The denominator adds the squared
-    // norm the sampling of `kept` rows alone gives the channel means (sum of variances / kept),
-    // so a stream without a common direction (gradients: means near 0) scores near 0, not a
-    // ratio of two small numbers.
-    const double floor = learned_ > 0 && rows > 1 ? spread * inv_rows : 0.0;
-    cur_[3] = norm2 + floor > 0 ? dot / (norm2 + floor) : 0.0;
+    // Alignment: the typical rows' mean cosine with the learned channel means (0 before any
+    // message was learned). A sign flip of a share p of the elements scales each row's
+    // projection on that direction by 1 - 2p and keeps its norm; noise adds norm and no
+    // projection; so both pull it down (SENTINEL compares each message with the EMA of the
+    // edge's tensors; this is that comparison as a direction).
+    cur_[kAlignment] = cos_sum * inv_rows;
+    // Scored only where the learned direction stands out of the sampling noise of one
+    // message's channel means (squared norm above sum of channel variances / rows): gradients,
+    // whose channel means are near 0, have no direction to be aligned with.
+    directed_ = learned_ > 0 && kept > 1 && ema2 > spread * inv_rows;
     return true;
   }
 
@@ -494,14 +538,16 @@ class SentinelMonitor {
       }
     }
     return fmt::format(
-        "{} deviates over its {} values (score {:.3g}: sum of z^2 {:.4g}); the largest at "
-        "index {}: {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
-        kNames[g], e - b, s, z2, worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]),
-        zmax);
+        "{} deviates over its {} values (score {:.3g}: median |z| {:.3g}, rms z {:.3g}); the "
+        "largest at index {}: {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
+        kNames[g], e - b, s, s * 0.6744897501960817, std::sqrt(z2 / static_cast<double>(e - b)),
+        worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]), zmax);
   }
 
-  void add_score(double s) {
-    reservoir_[static_cast<std::size_t>(next_)] = s;
+  void add_scores() {
+    for (std::size_t g = 0; g < static_cast<std::size_t>(kGroups); ++g)
+      reservoir_[g * static_cast<std::size_t>(kReservoir) + static_cast<std::size_t>(next_)] =
+          score_[g];
     next_ = (next_ + 1) % kReservoir;
     reservoir_size_ = std::min(reservoir_size_ + 1, kReservoir);
     ++since_fit_;
@@ -509,10 +555,10 @@ class SentinelMonitor {
 
   // SPOT's peaks-over-threshold fit of the reservoir, capped by the body's exponential bound
   // (class docstring).
-  void fit() {
-    since_fit_ = 0;
+  void fit(int g) {
     const auto n = static_cast<std::size_t>(reservoir_size_);
-    std::copy_n(reservoir_.begin(), n, sorted_.begin());
+    std::copy_n(reservoir_.begin() + static_cast<std::ptrdiff_t>(g) * kReservoir, n,
+                sorted_.begin());
     const std::size_t k = std::min(
         n / 4, std::max<std::size_t>(5, static_cast<std::size_t>(std::lround(0.05 * static_cast<double>(n)))));
     // Partial sort: the median, the upper quartile and the initial threshold t = the value
@@ -522,7 +568,7 @@ class SentinelMonitor {
     std::nth_element(at(0), at(i50), at(n));
     std::nth_element(at(i50 + 1), at(i75), at(n));
     std::nth_element(at(i75 + 1), at(it), at(n));
-    const double q = config_.target_fpr;
+    const double q = config_.target_fpr / kGroups;  // Bonferroni over the statistics
     const double t = sorted_[it];
     double m1 = 0, m2 = 0;
     for (std::size_t i = it + 1; i < n; ++i) {
@@ -539,7 +585,9 @@ class SentinelMonitor {
     const double spot = xi > 1e-6 ? t + sigma / xi * (std::pow(r, -xi) - 1) : t - sigma * std::log(r);
     const double q50 = sorted_[i50], q75 = sorted_[i75];
     const double body = q50 + (q75 - q50) / std::log(2.0) * std::log(0.5 / q);
-    fitted_ = std::max(std::min(spot, kBodyMargin * body), kMinThreshold);
+    fitted_[static_cast<std::size_t>(g)] =
+        std::max(std::min(spot, kBodyMargin * body), kMinThreshold[static_cast<std::size_t>(g)]);
+
   }
 
   SentinelConfig config_;
@@ -549,12 +597,14 @@ class SentinelMonitor {
   std::vector<double> row_ss_, median_ss_;         // per-row sums of squares, and a copy
   std::vector<double> warm_;  // the last warm-up statistics, [min(warmup, kWarmRows), dims]
   std::array<double, kGroups> score_{};
-  double last_score_ = 0;
+  bool directed_ = false;  // the learned channel means give alignment a direction (statistics())
   bool assessed_ = false;
   std::string nonfinite_reason_;
-  std::vector<double> reservoir_, sorted_;
+  std::vector<double> absz_;  // channel-var: |z| per channel (scratch)
+  std::vector<double> reservoir_;  // [kGroups, kReservoir]: each statistic's accepted scores
+  std::vector<double> sorted_;     // one statistic's, partially sorted by fit()
   std::int64_t next_ = 0, reservoir_size_ = 0, since_fit_ = 0;
-  double fitted_ = kInf;
+  std::array<double, kGroups> fitted_{};  // each statistic's calibrated threshold
 };
 
 /// Whether the ids of a Token payload lie in [0, limit): the empty string when they do, else
