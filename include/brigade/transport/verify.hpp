@@ -104,29 +104,24 @@ struct Assessment {
 ///
 /// Statistics of x [rows, cols] (two passes over x, O(rows * cols); no allocation after the first
 /// message of a row count): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio":
-/// one exploded element); the channel means along the learned ones, sum_j m_j mu_j / (sum_j
-/// mu_j^2 + sum_j v_j / n) ("coherence": noise and sign flips pull every row off the common
-/// direction; v_j the learned channel variances, n the typical rows, the sampling floor); the
-/// standard deviation of log row RMS over the rows ("row-spread"); over the typical rows (norm at
-/// most 3x the median row's: the few much larger rows, such as a residual stream's first token of
-/// each packed sequence, are left out so that the statistics do not swing with how many
-/// sequences a micro-batch packs) the per-channel variance as its logarithm ("channel-var", cols
-/// values; the log makes the skewed sample variance nearly symmetric; 0 for one row); the count
-/// of non-finite values. The per-channel means over the typical rows are learned too (their EMA
-/// is the common direction coherence measures against) but not scored on their own: on real
-/// training traffic they move with the text of each micro-batch, many channels together, and
-/// scored (with a random projection of them) they caused most false alarms (docs/benchmarks.md,
-/// "Integrity checks").
+/// one exploded element); the mean over the typical rows of cos(x_r, mu), mu the learned channel
+/// means ("alignment": a sign flip of a share p of the elements scales each row's projection on
+/// mu by 1 - 2p and keeps its norm; scored one-sided, only a fall, and only where |mu|^2 exceeds
+/// the sampling noise of one message's channel means, sum of channel variances / rows: not on
+/// gradients); the standard deviation of log row RMS over the rows ("row-spread"); over the
+/// typical rows (norm at most 3x the median row's) the per-channel variance as its logarithm
+/// ("channel-var", cols values; 0 for one row); the count of non-finite values. The per-channel
+/// means are learned (they are mu) but not scored on their own.
 ///
 /// Score: each statistic value s_d is compared with its EMA mean mu_d and variance var_d:
-/// z_d = |s_d - mu_d| / sqrt(var_d + f_d^2), f_d = 1e-3 (|mu_d| + g), g = 0 for the scalars and
-/// mean |mu| + sqrt(mean var) over the vector for a vector statistic (a floor so that a constant
-/// statistic does not divide by zero). A scalar's score is z; a vector statistic of n values scores the
-/// Wilson-Hilferty normal equivalent of q = sum z_d^2, ((q/n)^(1/3) - (1 - 2/(9n))) /
-/// sqrt(2/(9n)) (Wilson and Hilferty, PNAS 1931: about N(0, 1) when q ~ chi-square(n), large when
-/// many channels move together), so that statistics of 1 and of 4096 values have comparable
-/// null distributions. The message's score is the largest; a non-finite value makes it +inf
-/// and the message is flagged at once, even during warm-up.
+/// z_d = |s_d - mu_d| / sqrt(var_d + f_d^2), f_d = 1e-3 (|mu_d| + g) (g = 0 for the scalars,
+/// mean |mu| + sqrt(mean var) over the vector for channel-var: a floor so that a constant
+/// statistic does not divide by zero). A scalar scores z; channel-var scores the median of z_d
+/// over the channels / 0.6745 (about 1 when the channels deviate as learned): the channels of
+/// real traffic are correlated and heavy-tailed, so sum z_d^2 is far from chi-square (on
+/// stories260K it flagged 1.1% of clean activations), where a median moves only when most
+/// channels do (noise, scaling). A non-finite value makes the score +inf and the message is
+/// flagged at once, even during warm-up.
 ///
 /// Warm-up: the first `warmup` messages are learned without verdicts (non-finite values aside);
 /// at its end the EMAs restart from the median and 1.4826 x the median absolute deviation of the
@@ -138,22 +133,21 @@ struct Assessment {
 /// drag the statistics), so a sudden lasting change of a stream keeps being flagged (with Log or
 /// Drop, until the stream returns to what the monitor learned).
 ///
-/// Threshold: config.threshold when > 0; else calibrated from the scores of accepted messages as
-/// SPOT does (Siffer et al., KDD 2017, sec. 3-4): a reservoir of the last 1024 scores; the
-/// initial threshold t is the reservoir's 95% quantile (its top k = max(5, 5%) scores are the
-/// peaks); the excesses over t are fitted by a generalized Pareto distribution (method of
-/// moments, shape xi clamped to [0, 0.45]: an exponential or heavier tail, never a bounded one)
-/// and the threshold is its (1 - target_fpr) quantile t + sigma/xi ((q n / k)^-xi - 1) (t -
+/// Thresholds: config.threshold for every statistic when > 0; else one per statistic,
+/// calibrated from that statistic's scores of accepted messages as SPOT does (Siffer et al.,
+/// KDD 2017, sec. 3-4) at q = target_fpr / kGroups (Bonferroni: the union over the statistics
+/// stays within target_fpr): a reservoir of the last 1024 scores; the initial threshold t is
+/// its 95% quantile (the top k = max(5, 5%) scores are the peaks); the excesses over t are
+/// fitted by a generalized Pareto distribution (method of moments, shape xi clamped to [0,
+/// 0.45]) and the threshold is its (1 - q) quantile t + sigma/xi ((q n / k)^-xi - 1) (t -
 /// sigma ln(q n / k) for xi = 0). SPOT assumes anomalies are rare; a sender corrupting 10% of
-/// its messages from the start would fill the peaks and lift the threshold over its own faults.
-/// So the threshold is capped by kBodyMargin = 2 times a bound from the reservoir's body, which a
-/// minority of high scores hardly moves: an exponential tail through the median q50 and the
-/// upper quartile q75, q50 + (q75 - q50) / ln 2 * ln(0.5 / target_fpr) (the margin because the
-/// clean scores of real traffic have a heavier tail than exponential; at 1x, 4% of clean
-/// stories260K activations were flagged, at 2x 1%, with every fault of the measured kinds at
-/// 100% of the norm still flagged at a 10% rate); and floored at 6 (a z of 4-5 on one scalar is
-/// common in a short decode stream, whose few scores cannot place the tail). It is refitted after
-/// every n/16 new scores. Not thread-safe.
+/// its messages from the start would fill the peaks and lift the threshold over its own faults,
+/// so it is capped by kBodyMargin times a bound from the reservoir's body, which a minority of
+/// high scores hardly moves: an exponential tail through the median q50 and the upper quartile
+/// q75, q50 + (q75 - q50) / ln 2 * ln(0.5 / q); and floored at kMinThreshold (6; 4 for
+/// alignment). The message is flagged when a statistic exceeds its threshold; the Assessment
+/// names the statistic with the largest score / threshold. Refitted after every n/16 new
+/// scores. Not thread-safe.
 class SentinelMonitor {
  public:
   /// Statistics scored (the size of kNames); each has its own calibrated threshold.
