@@ -44,6 +44,28 @@ inline float reduce_lanes_vec(const float* lanes) {
 // register each, and MR + NR loads per MR x NR FMAs; the first pass brings the chunk's W rows
 // into L1, the others find them there. One x row (sm_gemv) takes all 16 lanes at once.
 
+/// Walks k over [k_begin, k_end) in steps of 16 lanes, calling step(k, load_w) where
+/// load_w(j, kk) is the packet of W row j (`rb` bytes after row j - 1) at element kk. k_begin is
+/// a multiple of 16 (of 32 for Q8_0) plus a packet offset, and k_end - k_begin a multiple of 16
+/// (of 32 for Q8_0): a Q8_0 block's two steps read its scale once.
+template <class Isa, DType WT, int NR, class Step>
+inline __attribute__((always_inline)) void sm_walk(const std::byte* w, std::int64_t rb,
+                                                   std::int64_t k_begin, std::int64_t k_end,
+                                                   Step&& step) {
+  if constexpr (WT == DType::Q8_0) {
+    for (std::int64_t k = k_begin; k < k_end; k += 2 * kSmallMLanes) {
+      typename Isa::Packet d[NR];
+      for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
+      auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
+      step(k, q8);
+      step(k + kSmallMLanes, q8);
+    }
+  } else {
+    for (std::int64_t k = k_begin; k < k_end; k += kSmallMLanes)
+      step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
+  }
+}
+
 /// Floats of x's rows per k-chunk of sm_rows: the chunk of an x block and of the NR W rows stays
 /// in L1 between the packet passes and across the x blocks, so x comes from L2 once per block of
 /// W rows and W from memory once. 256 keeps the chunks of 64 x rows (64 KiB) in L2 and the
@@ -79,18 +101,7 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
         for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
       }
     };
-    if constexpr (WT == DType::Q8_0) {
-      for (std::int64_t k = k0 + p * kW; k < k1; k += 2 * kSmallMLanes) {
-        P d[NR];
-        for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
-        auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
-        step(k, q8);
-        step(k + kSmallMLanes, q8);
-      }
-    } else {
-      for (std::int64_t k = k0 + p * kW; k < k1; k += kSmallMLanes)
-        step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
-    }
+    sm_walk<Isa, WT, NR>(w, rb, k0 + p * kW, k1, step);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j)
         Isa::store(acc_lanes + (i * NR + j) * kSmallMLanes + p * kW, acc[i][j]);
@@ -164,18 +175,7 @@ inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::by
       for (int j = 0; j < NR; ++j) acc[j][p] = Isa::fma(xv, load_w(j, k + p * kW), acc[j][p]);
     }
   };
-  if constexpr (WT == DType::Q8_0) {
-    for (std::int64_t k = 0; k < k_vec; k += 2 * kSmallMLanes) {
-      P d[NR];
-      for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
-      auto q8 = [&](int j, std::int64_t kk) { return Isa::q8_load(w + j * rb, kk, d[j]); };
-      step(k, q8);
-      step(k + kSmallMLanes, q8);
-    }
-  } else {
-    for (std::int64_t k = 0; k < k_vec; k += kSmallMLanes)
-      step(k, [&](int j, std::int64_t kk) { return Isa::template load_w<WT>(w + j * rb, kk); });
-  }
+  sm_walk<Isa, WT, NR>(w, rb, 0, k_vec, step);
   alignas(64) float lanes[kSmallMLanes];
   for (int j = 0; j < NR; ++j) {
     for (int p = 0; p < kPk; ++p) Isa::store(lanes + p * kW, acc[j][p]);
