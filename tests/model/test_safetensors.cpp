@@ -115,6 +115,17 @@ std::pair<json, std::vector<Entry>> hf_stories260K(const model::LlamaWeights& w)
 
 bool same(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * 4) == 0; }
 
+/// run.c's greedy case 1 of the reference ("Once upon a time", 64 positions): its prompt and
+/// the whole token sequence (prompt, then the generated ids).
+std::pair<std::vector<int>, std::vector<int>> run_c_greedy_case() {
+  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
+  const auto ref = json::parse(in)["cases"][1];
+  const auto prompt = ref["prompt_ids"].get<std::vector<int>>();
+  std::vector<int> expected = prompt;
+  for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
+  return {prompt, expected};
+}
+
 /// The entries with every F32 tensor rounded to "BF16" or "F16" (to nearest even).
 std::vector<Entry> to_16bit(std::vector<Entry> entries, const std::string& dtype) {
   for (Entry& e : entries) {
@@ -188,13 +199,10 @@ TEST_CASE("safetensors.stories260K: the HF layout loads back to llama2.c's weigh
   CHECK(model::model_file_format(dir / "model.safetensors") == model::ModelFileFormat::Safetensors);
   CHECK(model::load_model_weights(dir / "model.safetensors").config.n_layers == 5);
   // run.c's greedy tokens ("Once upon a time", 64 steps) at 1 and 3 stages.
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  const auto ref = json::parse(in)["cases"][1];
-  std::vector<int> expected = ref["prompt_ids"].get<std::vector<int>>();
-  for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
+  const auto [prompt, expected] = run_c_greedy_case();
   const model::LlamaWeights g = model::load_safetensors_llama(dir / "sharded");
   for (int stages : {1, 3}) {
-    const std::vector<engine::GenerationRequest> req{{ref["prompt_ids"].get<std::vector<int>>(), 64}};
+    const std::vector<engine::GenerationRequest> req{{prompt, 64}};
     engine::InferenceOptions opt;
     opt.sampler.temperature = 0.0f;
     const auto rep = engine::generate(g, partition::uniform(model::ModelSpec(g.config), stages), req, opt);
@@ -207,9 +215,7 @@ TEST_CASE("safetensors.stories260K in BF16 and F16: matrices bound in their dtyp
   const model::LlamaWeights b = model::load_llama2c_checkpoint(kData / "stories260K.bin");
   const auto [cfg, entries] = hf_stories260K(b);
   test::TempDir dir("brigade-st16");
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  const auto ref = json::parse(in)["cases"][1];
-  const auto prompt = ref["prompt_ids"].get<std::vector<int>>();
+  const auto [prompt, expected] = run_c_greedy_case();
   for (DType dt : {DType::BF16, DType::F16}) {
     const std::string name(dt == DType::BF16 ? "BF16" : "F16");
     CAPTURE(name);
@@ -254,8 +260,6 @@ TEST_CASE("safetensors.stories260K in BF16 and F16: matrices bound in their dtyp
                            .sequences.at(0).tokens);
     }
     CHECK(tokens[0] == tokens[1]);
-    std::vector<int> expected = prompt;
-    for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
     CHECK(tokens[0] == expected);
   }
 }
