@@ -269,13 +269,13 @@ TEST_CASE("schedule.generators.errors: bad parameters give one clear reason") {
   CHECK(contains(error_of("1f1b", {100000, 100000}), "too large"));
   CHECK(contains(error_of("pipedream", {2, 2}),
                  "unknown schedule 'pipedream', expected one of: gpipe, 1f1b, interleaved-1f1b, "
-                 "zb-h1, zb-v, dualpipe-v, inference"));
+                 "zb-h1, zb-v, dualpipe-v, adaptive, inference"));
 }
 
 TEST_CASE("schedule.registry: names map to the generators") {
   // The built-in generators come first, in order (a test may have registered more after them).
-  const std::vector<std::string_view> builtin{"gpipe", "1f1b",       "interleaved-1f1b", "zb-h1",
-                                              "zb-v",  "dualpipe-v", "inference"};
+  const std::vector<std::string_view> builtin{
+      "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v", "adaptive", "inference"};
   REQUIRE(sch::generators().size() >= builtin.size());
   for (std::size_t i = 0; i < builtin.size(); ++i) CHECK(sch::generators()[i].name == builtin[i]);
   CHECK((sch::find_generator("1f1b").make == &sch::one_f_one_b));

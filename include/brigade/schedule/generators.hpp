@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -20,6 +21,13 @@ struct Params {
   int microbatches = 1;    ///< M: micro-batches (training) or sequence groups (inference), >= 1
   int virtual_stages = 1;  ///< V: virtual stages (model chunks) per rank, >= 1
   int decode_steps = 3;    ///< inference only: decode rounds after the prefill round (>= 0)
+  /// adaptive only: bytes of activations micro-batch m keeps on a rank from its F to its B
+  /// (the rank that holds the most, e.g. batching::MicroBatchCost::activation_bytes), [M] or
+  /// empty (then every micro-batch counts 1 byte), each finite and >= 0.
+  std::vector<double> microbatch_bytes = {};
+  /// adaptive only: bytes of micro-batch activations one rank may hold at once (> 0); infinity:
+  /// no limit.
+  double memory_limit_bytes = std::numeric_limits<double>::infinity();
 };
 
 namespace detail {

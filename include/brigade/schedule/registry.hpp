@@ -4,6 +4,7 @@
 
 #include "brigade/core/error.hpp"
 #include "brigade/core/registry.hpp"
+#include "brigade/schedule/adaptive.hpp"
 #include "brigade/schedule/generators.hpp"
 
 #include <span>
@@ -50,6 +51,10 @@ inline Registry<GeneratorInfo>& generator_table() {
            "DualPipeV: DeepSeek-V3's DualPipe cut in half, overlapped F & B pairs "
            "(deepseek-ai/DualPipe)",
            &dualpipe_v, true, 2},
+          {"adaptive",
+           "DynaPipe's memory-aware adaptive order for unequal micro-batches (Jiang et al. 2024, "
+           "section 5)",
+           &adaptive, false},
           {"inference",
            "prefill + decode rounds of M sequence groups; the sampled token returns to stage 0",
            &inference, true},
@@ -60,7 +65,7 @@ inline Registry<GeneratorInfo>& generator_table() {
 }  // namespace detail
 
 /// Every generator: the built-in ones in the order docs/schedules.md presents them (gpipe, 1f1b,
-/// interleaved-1f1b, zb-h1, zb-v, dualpipe-v, inference), then those added by
+/// interleaved-1f1b, zb-h1, zb-v, dualpipe-v, adaptive, inference), then those added by
 /// register_generator() in registration order.
 inline std::span<const GeneratorInfo> generators() noexcept {
   return detail::generator_table().entries();

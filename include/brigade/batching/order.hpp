@@ -1,0 +1,193 @@
+// DynaPipe's micro-batch ordering (Jiang et al. 2024, "DynaPipe", EuroSys '24, §5): the order
+// in which unequal micro-batches enter the adaptive schedule, chosen by simulating candidates.
+#pragma once
+
+#include "brigade/core/error.hpp"
+#include "brigade/cost/cost_model.hpp"
+#include "brigade/schedule/adaptive.hpp"
+#include "brigade/schedule/lower.hpp"
+#include "brigade/sim/simulator.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <numeric>
+#include <span>
+#include <vector>
+
+namespace brigade::batching {
+inline namespace v0 {
+
+/// A cost model of per-micro-batch costs, the same on every stage: micro-batch m's forward
+/// takes forward_fraction x seconds[m], its backward the rest, it keeps bytes[m] from F to B,
+/// messages are free. What order_adaptive scores candidate orders with; a cost::CostModel.
+class MicroBatchTableCost {
+ public:
+  /// @param seconds per micro-batch: F + B seconds on one stage (the slowest), >= 0
+  /// @param bytes   per micro-batch: activation bytes a stage keeps from F to B, >= 0
+  /// @param forward_fraction the forward's share of seconds, in (0, 1)
+  /// @throws brigade::Error{InvalidArgument} for spans of different sizes, a negative or
+  ///         non-finite entry, or a fraction outside (0, 1)
+  MicroBatchTableCost(std::span<const double> seconds, std::span<const double> bytes,
+                      double forward_fraction)
+      : seconds_(seconds.begin(), seconds.end()), bytes_(bytes.begin(), bytes.end()),
+        fraction_(forward_fraction) {
+    BRIGADE_CHECK(seconds.size() == bytes.size(), Errc::InvalidArgument,
+                  "MicroBatchTableCost: {} times and {} byte counts", seconds.size(), bytes.size());
+    BRIGADE_CHECK(forward_fraction > 0.0 && forward_fraction < 1.0, Errc::InvalidArgument,
+                  "MicroBatchTableCost: forward fraction {}, expected in (0, 1)", forward_fraction);
+    for (std::size_t m = 0; m < seconds.size(); ++m)
+      BRIGADE_CHECK(seconds[m] >= 0.0 && std::isfinite(seconds[m]) && bytes[m] >= 0.0 &&
+                        std::isfinite(bytes[m]),
+                    Errc::InvalidArgument,
+                    "MicroBatchTableCost: micro-batch {}: {} s, {} bytes, expected finite and "
+                    ">= 0",
+                    m, seconds[m], bytes[m]);
+  }
+  [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept {
+    const double s = seconds_[static_cast<std::size_t>(a.microbatch)];
+    if (a.op == schedule::Op::F || a.op == schedule::Op::Recompute) return fraction_ * s;
+    if (a.op == schedule::Op::B) return (1.0 - fraction_) * s;
+    if (a.op == schedule::Op::BI || a.op == schedule::Op::BW) return (1.0 - fraction_) * s / 2;
+    return 0.0;
+  }
+  [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
+    return a.op == schedule::Op::F || a.op == schedule::Op::BI || a.op == schedule::Op::Recompute
+               ? bytes_[static_cast<std::size_t>(a.microbatch)]
+               : 0.0;
+  }
+  [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
+
+ private:
+  std::vector<double> seconds_, bytes_;
+  double fraction_;
+};
+
+/// The order order_adaptive chose and the schedule it runs.
+struct AdaptiveOrder {
+  /// order[k] = the caller's micro-batch that runs as micro-batch k (enters rank 0 k-th).
+  std::vector<int> order;
+  /// schedule::adaptive over the micro-batches in `order` (compute-only; lower() it).
+  schedule::Schedule schedule;
+  double makespan_seconds = 0.0;  ///< simulated iteration time of `schedule` (MicroBatchTableCost)
+  double input_order_makespan_seconds = 0.0;  ///< the same for the input order
+  int orders_tried = 0;                       ///< candidate orders simulated
+};
+
+/// DynaPipe's micro-batch ordering (Jiang et al. 2024, §5; execution_planner.optimize_schedule
+/// in awslabs/optimizing-multitask-training-through-dynamic-pipelines): the micro-batches are
+/// grouped by cost into k clusters (k-means; k = `clusters`, or 4 for up to 20 micro-batches
+/// and 3 above, as DynaPipe does), every one of the k! orders of the clusters is tried (within
+/// a cluster the input order; DynaPipe shuffles it at random), and the input order too; with
+/// at most k micro-batches every permutation is tried. Each candidate is run through
+/// schedule::adaptive under the memory limit and simulated (MicroBatchTableCost, free links);
+/// the fastest wins, the earliest tried on ties (the input order first).
+/// Our clustering is one-dimensional, on the stage seconds (DynaPipe clusters the forward and
+/// backward times of the first and last stage, which our slowest-stage cost folds into one).
+///
+/// @param seconds  [M] F + B seconds of each micro-batch on the slowest stage (MicroBatchCost)
+/// @param bytes    [M] activation bytes each keeps on a stage (MicroBatchCost)
+/// @param ranks    pipeline ranks P, >= 1
+/// @param memory_limit_bytes activation bytes a rank may hold at once (> 0; infinity: none)
+/// @param clusters k, 0 for DynaPipe's default, else 1..5 (5! = 120 orders)
+/// @param forward_fraction the forward's share of a micro-batch's seconds (backward = 2 x
+///        forward for a transformer layer: 1/3)
+/// @throws brigade::Error{InvalidArgument} for no micro-batches, spans of different sizes, a bad
+///         entry or parameter, or a micro-batch over the limit (schedule::adaptive's error)
+inline AdaptiveOrder order_adaptive(std::span<const double> seconds, std::span<const double> bytes,
+                                    int ranks, double memory_limit_bytes, int clusters = 0,
+                                    double forward_fraction = 1.0 / 3.0) {
+  BRIGADE_CHECK(!seconds.empty(), Errc::InvalidArgument, "order_adaptive: no micro-batches");
+  BRIGADE_CHECK(clusters >= 0 && clusters <= 5, Errc::InvalidArgument,
+                "order_adaptive: {} clusters, expected 0 (DynaPipe's default) to 5", clusters);
+  const MicroBatchTableCost check(seconds, bytes, forward_fraction);  // validates the entries
+  (void)check;
+  const int M = static_cast<int>(seconds.size());
+  const int k = clusters > 0 ? clusters : (M > 20 ? 3 : 4);
+
+  std::vector<std::vector<int>> candidates;
+  std::vector<int> identity(static_cast<std::size_t>(M));
+  std::iota(identity.begin(), identity.end(), 0);
+  candidates.push_back(identity);
+  if (M <= k) {
+    std::vector<int> perm = identity;
+    while (std::next_permutation(perm.begin(), perm.end())) candidates.push_back(perm);
+  } else {
+    // 1-D k-means (Lloyd), centres started at the k quantiles of the sorted times.
+    std::vector<double> sorted(seconds.begin(), seconds.end());
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<double> centre(static_cast<std::size_t>(k));
+    for (int c = 0; c < k; ++c)
+      centre[static_cast<std::size_t>(c)] =
+          sorted[static_cast<std::size_t>((2 * c + 1) * M / (2 * k))];
+    std::vector<int> label(static_cast<std::size_t>(M), -1);
+    for (int iter = 0; iter < 100; ++iter) {
+      bool moved = false;
+      for (int m = 0; m < M; ++m) {
+        int best = 0;
+        for (int c = 1; c < k; ++c)
+          if (std::abs(seconds[static_cast<std::size_t>(m)] - centre[static_cast<std::size_t>(c)]) <
+              std::abs(seconds[static_cast<std::size_t>(m)] - centre[static_cast<std::size_t>(best)]))
+            best = c;
+        moved |= label[static_cast<std::size_t>(m)] != best;
+        label[static_cast<std::size_t>(m)] = best;
+      }
+      if (!moved) break;
+      for (int c = 0; c < k; ++c) {
+        double sum = 0.0;
+        int n = 0;
+        for (int m = 0; m < M; ++m)
+          if (label[static_cast<std::size_t>(m)] == c) {
+            sum += seconds[static_cast<std::size_t>(m)];
+            ++n;
+          }
+        if (n > 0) centre[static_cast<std::size_t>(c)] = sum / n;
+      }
+    }
+    std::vector<std::vector<int>> groups;
+    for (int c = 0; c < k; ++c) {
+      std::vector<int> g;
+      for (int m = 0; m < M; ++m)
+        if (label[static_cast<std::size_t>(m)] == c) g.push_back(m);
+      if (!g.empty()) groups.push_back(std::move(g));
+    }
+    std::vector<int> perm(groups.size());
+    std::iota(perm.begin(), perm.end(), 0);
+    do {
+      std::vector<int> order;
+      for (const int g : perm)
+        order.insert(order.end(), groups[static_cast<std::size_t>(g)].begin(),
+                     groups[static_cast<std::size_t>(g)].end());
+      if (order != identity) candidates.push_back(std::move(order));
+    } while (std::next_permutation(perm.begin(), perm.end()));
+  }
+
+  AdaptiveOrder best;
+  for (const auto& order : candidates) {
+    schedule::Params p{ranks, M};
+    p.memory_limit_bytes = memory_limit_bytes;
+    std::vector<double> s(static_cast<std::size_t>(M));
+    p.microbatch_bytes.resize(static_cast<std::size_t>(M));
+    for (int j = 0; j < M; ++j) {
+      const auto from = static_cast<std::size_t>(order[static_cast<std::size_t>(j)]);
+      s[static_cast<std::size_t>(j)] = seconds[from];
+      p.microbatch_bytes[static_cast<std::size_t>(j)] = bytes[from];
+    }
+    auto compute = schedule::adaptive(p);
+    const MicroBatchTableCost cost(s, p.microbatch_bytes, forward_fraction);
+    sim::SimOptions opt;
+    opt.record_timeline = false;
+    const double makespan = sim::simulate(schedule::lower(compute), cost, opt).makespan;
+    if (best.orders_tried++ == 0) best.input_order_makespan_seconds = makespan;
+    if (best.order.empty() || makespan < best.makespan_seconds) {
+      best.order = order;
+      best.schedule = std::move(compute);
+      best.makespan_seconds = makespan;
+    }
+  }
+  return best;
+}
+
+}  // namespace v0
+}  // namespace brigade::batching
