@@ -157,6 +157,32 @@ std::pair<Corpus, Corpus> split_held_out(const Corpus& corpus, int every) {
   return {std::move(train), std::move(held)};
 }
 
+void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows) {
+  BRIGADE_CHECK(rows >= 1 && rows < static_cast<std::int64_t>(sample.tokens.size()),
+                Errc::InvalidArgument,
+                "append_sequence: {} rows of a sample of {} tokens, expected 1 to tokens - 1", rows,
+                sample.tokens.size());
+  if (batch.offsets.empty()) batch.offsets.push_back(0);
+  for (std::int64_t t = 0; t < rows; ++t) {
+    batch.inputs.push_back(sample.tokens[static_cast<std::size_t>(t)]);
+    batch.targets.push_back(sample.tokens[static_cast<std::size_t>(t) + 1]);
+  }
+  batch.offsets.push_back(batch.rows());
+  batch.tasks.push_back(sample.task);
+}
+
+PackedBatch pack_offsets(std::span<const Sample> samples, const batching::MicroBatch& mb) {
+  PackedBatch b;
+  for (const auto i : mb.samples) {
+    BRIGADE_CHECK(i >= 0 && i < static_cast<std::int64_t>(samples.size()), Errc::InvalidArgument,
+                  "pack_offsets: the micro-batch names sample {}, there are {}", i,
+                  samples.size());
+    const Sample& s = samples[static_cast<std::size_t>(i)];
+    append_sequence(b, s, static_cast<std::int64_t>(s.tokens.size()) - 1);
+  }
+  return b;
+}
+
 Packer::Packer(std::span<const Sample> samples, int token_budget, std::uint64_t seed)
     : samples_(samples), budget_(token_budget), seed_(seed) {
   BRIGADE_CHECK(!samples.empty(), Errc::InvalidArgument, "Packer: no samples");
@@ -202,17 +228,8 @@ PackedBatch Packer::next() {
   }
   const auto mb = batching::OffsetsBatcher{budget_}.plan(window).front();
   PackedBatch b;
-  b.offsets.push_back(0);
-  for (const auto k : mb.samples) {
-    const Sample& s = *picked[static_cast<std::size_t>(k)];
-    const auto r = window[static_cast<std::size_t>(k)].tokens;
-    for (std::int64_t t = 0; t < r; ++t) {
-      b.inputs.push_back(s.tokens[static_cast<std::size_t>(t)]);
-      b.targets.push_back(s.tokens[static_cast<std::size_t>(t) + 1]);
-    }
-    b.offsets.push_back(b.rows());
-    b.tasks.push_back(s.task);
-  }
+  for (const auto k : mb.samples)
+    append_sequence(b, *picked[static_cast<std::size_t>(k)], window[static_cast<std::size_t>(k)].tokens);
   position_ += static_cast<std::int64_t>(mb.samples.size());
   return b;
 }

@@ -1,5 +1,7 @@
 // Pipeline training on stories260K: gradients independent of the split and the schedule,
 // learning on the fortunes corpus, exact resume from a checkpoint.
+#include <brigade/batching/dynamic.hpp>
+#include <brigade/batching/order.hpp>
 #include <brigade/data/corpus.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/engine/training_distributed.hpp>
@@ -19,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 using namespace brigade;
 namespace fs = std::filesystem;
@@ -688,4 +691,64 @@ TEST_CASE("training.microbatch-work: rows, packed sequences and mean causal cont
   const std::vector<data::PackedBatch> empty{data::PackedBatch{}};
   CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)engine::microbatch_work(empty); })
             .find("micro-batch 0 has 0 rows") != std::string::npos);
+}
+
+// issue 15: DynaPipe's dynamic micro-batches (the DP's length-sorted ranges, unequal sizes) in
+// the order order_adaptive picks, run by the adaptive schedule under a memory limit, give the
+// gradients of one big batch of the same samples.
+TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive schedule give "
+          "one big batch's gradients to 1e-5 on 1-4 stages") {
+  // Samples of 10 to ~90 tokens: the story sentences and runs of 2-6 of them.
+  const auto base = story_samples();
+  std::vector<data::Sample> samples = base;
+  for (std::size_t i = 0; i < base.size(); ++i) {
+    data::Sample s = base[i];
+    for (std::size_t k = 1; k <= 1 + i % 5; ++k) {
+      const auto& next = base[(i + k) % base.size()].tokens;
+      s.tokens.insert(s.tokens.end(), next.begin() + 1, next.end());  // without its BOS
+    }
+    samples.push_back(std::move(s));
+  }
+  std::vector<batching::SampleLength> lengths;
+  std::int64_t longest = 0;
+  for (const auto& s : samples) {
+    lengths.push_back({static_cast<std::int64_t>(s.tokens.size()) - 1, s.task,
+                       static_cast<std::int64_t>(lengths.size())});
+    longest = std::max(longest, lengths.back().tokens);
+  }
+  engine::TrainingConfig ref_cfg;
+  ref_cfg.schedule = "gpipe";
+  engine::TrainingEngine ref(stories(), ref_cfg);
+  batching::MicroBatch all;
+  for (std::size_t i = 0; i < samples.size(); ++i) all.samples.push_back(static_cast<std::int64_t>(i));
+  const std::vector<data::PackedBatch> one{data::pack_offsets(samples, all)};
+  const auto ref_step = ref.compute_gradients(one);
+  const auto ref_grads = ref.gradients();
+
+  const model::ModelSpec spec(stories().config);
+  for (int P = 1; P <= 4; ++P) {
+    CAPTURE(P);
+    const auto partition = partition::uniform(spec, P);
+    const auto cost = batching::stage_cost(spec, partition, model::roofline_layer_seconds());
+    // A memory limit of two of the longest samples: several micro-batches of unequal size.
+    const double limit =
+        cost.activation_bytes(batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
+    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
+    REQUIRE(dyn.microbatches.size() >= 3);
+    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, 2 * limit);
+    std::vector<data::PackedBatch> batches;
+    std::vector<batching::MicroBatch> in_order;
+    for (const int m : ordered.order) {
+      batches.push_back(data::pack_offsets(samples, dyn.microbatches[static_cast<std::size_t>(m)]));
+      in_order.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+    }
+    std::set<std::int64_t> rows;
+    for (const auto& b : batches) rows.insert(b.rows());
+    CHECK(rows.size() >= 2);  // unequal micro-batches
+    const plan::Plan p(partition, ordered.schedule, batching::work_of(in_order));
+    engine::TrainingEngine eng(stories(), p);
+    const auto step = eng.compute_gradients(batches);
+    CHECK(step.tokens == ref_step.tokens);
+    check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
+  }
 }

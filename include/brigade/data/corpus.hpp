@@ -2,6 +2,7 @@
 // tokenized, and packed into micro-batches of a fixed token budget.
 #pragma once
 
+#include "brigade/batching/batcher.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/tokenizer.hpp"
 
@@ -82,6 +83,18 @@ struct PackedBatch {
     return static_cast<int>(offsets.size()) - 1;
   }
 };
+
+/// Appends the first `rows` rows of `sample` to `batch` as one sequence: inputs
+/// tokens[0 .. rows-1], targets tokens[1 .. rows], a new offset and the sample's task.
+/// @throws brigade::Error{InvalidArgument} if rows < 1 or rows >= the sample's tokens
+void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows);
+
+/// The PackedBatch of a micro-batch packed by offsets (batching::OffsetsBatcher or
+/// batching::DynamicBatcher over SampleLength{tokens - 1} of `samples`): mb.samples index
+/// `samples`, each sample's n tokens give its n - 1 rows, one sequence per sample, in mb's order.
+/// @throws brigade::Error{InvalidArgument} if an index is outside `samples` or a sample has
+///         fewer than 2 tokens
+PackedBatch pack_offsets(std::span<const Sample> samples, const batching::MicroBatch& mb);
 
 /// The training stream of micro-batches packed by offsets: samples in stream order (shuffled
 /// per epoch), grouped by batching::OffsetsBatcher{token_budget} (a sample that does not fit
