@@ -2,9 +2,11 @@
 // batcher of the batching joint; prints the micro-batches, each one's predicted seconds per
 // stage and activation bytes, and the pipeline's predicted iteration time.
 #include "cli.hpp"
+#include "model_config.hpp"
 
 #include <brigade/batching/batcher.hpp>
 #include <brigade/batching/dynamic.hpp>
+#include <brigade/batching/order.hpp>
 #include <brigade/core/error.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/data/corpus.hpp>
@@ -12,9 +14,13 @@
 #include <brigade/model/config.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/schedule/generators.hpp>
+#include <brigade/schedule/lower.hpp>
+#include <brigade/sim/simulator.hpp>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <memory>
 #include <string>
@@ -28,7 +34,7 @@ struct Options {
   std::string lengths, corpus, tokenizer, profile, model = "1.1B", batching = "dynamic";
   int vocab_size = 512, stages = 4, samples_per_microbatch = 8, row_tokens = 0;
   std::int64_t token_budget = 0;
-  double memory_limit = 0.0;
+  double memory_limit = 0.0, rank_memory = 0.0;
 };
 
 /// One length per line (blank lines skipped); errors name the file and the line.
@@ -65,7 +71,7 @@ std::vector<batching::SampleLength> read_lengths(const std::string& path) {
 }
 
 int run(const Options& o) {
-  const model::ModelSpec spec(model::named_config(o.model));
+  const model::ModelSpec spec(cli::load_model_config(o.model));
   const int row = o.row_tokens > 0 ? o.row_tokens : spec.config().seq_len;
   const std::int64_t budget = o.token_budget > 0 ? o.token_budget : 4 * std::int64_t{row};
   std::vector<batching::SampleLength> samples;
@@ -129,6 +135,29 @@ int run(const Options& o) {
   fmt::print("predicted iteration {:.6g} s ((S - 1) x slowest + sum over micro-batches)\n",
              batching::predicted_iteration_seconds(seconds, o.stages));
   fmt::print("peak activation {:.6g} bytes (one micro-batch on the worst stage)\n", peak);
+  // The schedule: DynaPipe's adaptive order under a rank's memory limit, simulated beside 1F1B
+  // on the same micro-batches (MicroBatchTableCost: each micro-batch's stage seconds and bytes).
+  std::vector<double> bytes;
+  for (const auto& mb : mbs) bytes.push_back(cost.activation_bytes(mb.work));
+  const double rank_limit =
+      o.rank_memory > 0.0 ? o.rank_memory
+                          : std::max(o.stages * limit, *std::max_element(bytes.begin(), bytes.end()));
+  const auto adaptive = batching::order_adaptive(seconds, bytes, o.stages, rank_limit);
+  std::string order;
+  for (const int m : adaptive.order) order += fmt::format("{}{}", order.empty() ? "" : " ", m);
+  fmt::print("schedule by DynaPipe's ordering (section 5), at most {:.4g} bytes of activations "
+             "per rank: {} in the order {}; simulated iteration {:.6g} s ({} orders tried; the "
+             "adaptive schedule in the input order {:.6g} s)\n",
+             rank_limit, adaptive.generator, order, adaptive.makespan_seconds,
+             adaptive.orders_tried, adaptive.input_order_makespan_seconds);
+  const batching::MicroBatchTableCost table(seconds, bytes, 1.0 / 3.0);
+  sim::SimOptions sopt;
+  sopt.record_timeline = false;
+  const auto ofob = sim::simulate(
+      schedule::lower(schedule::one_f_one_b({o.stages, static_cast<int>(mbs.size())})), table, sopt);
+  fmt::print("1f1b on the same micro-batches: simulated iteration {:.6g} s, peak {:.4g} bytes of "
+             "activations on rank 0\n",
+             ofob.makespan, ofob.peak_memory_bytes.front());
   return 0;
 }
 
@@ -148,7 +177,7 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--batching", o->batching, "padding, packing (Megatron/T5 rows), offsets, dynamic")
       ->check(CLI::IsMember({"padding", "packing", "offsets", "dynamic"}))
       ->capture_default_str();
-  sub.add_option("--model", o->model, "A named model size (the cost model's shapes)")
+  sub.add_option("--model", o->model, "A named model size or a JSON file of LlamaConfig fields (the cost model's shapes)")
       ->capture_default_str();
   sub.add_option("--stages", o->stages, "Pipeline stages S (uniform split)")
       ->check(cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))
@@ -166,6 +195,10 @@ std::function<int()> setup(CLI::App& sub) {
       ->capture_default_str();
   sub.add_option("--memory-limit", o->memory_limit,
                  "Dynamic: activation bytes one micro-batch may take on a stage")
+      ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  sub.add_option("--rank-memory", o->rank_memory,
+                 "The adaptive schedule: activation bytes one rank may hold at once (default: "
+                 "stages x the micro-batch memory limit, or the largest micro-batch's bytes if more)")
       ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
   return [o, lengths, corpus] {
     BRIGADE_CHECK(lengths->count() + corpus->count() > 0, Errc::InvalidArgument,

@@ -1,6 +1,7 @@
 // `brigade simulate`: generate (or read) a schedule, lower and validate it, simulate it over a
 // cost model, and print / write makespan, bubble ratio, utilization and peak memory.
 #include "cli.hpp"
+#include "model_config.hpp"
 
 #include <brigade/core/error.hpp>
 #include <brigade/cost/cost_model.hpp>
@@ -82,42 +83,6 @@ std::vector<double> parse_unit_costs(const std::string& text) {
   return out;
 }
 
-/// A named size (brigade::model::named_config) or a JSON file with LlamaConfig's fields.
-brigade::model::LlamaConfig load_model(const std::string& what) {
-  namespace fs = std::filesystem;
-  const bool is_file = what.find('/') != std::string::npos || fs::path(what).extension() == ".json";
-  if (!is_file) return brigade::model::named_config(what);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(
-        brigade::io::read_input_file(what, "model config", brigade::io::kMaxPromptFileBytes));
-  } catch (const nlohmann::json::exception& e) {
-    brigade::detail::fail(Errc::BadFile, "{}: not a JSON model config ({})", what,
-                          brigade::detail::excerpt(e.what(), 160));
-  }
-  BRIGADE_CHECK(j.is_object(), Errc::BadFile, "{}: expected a JSON object of config fields", what);
-  brigade::model::LlamaConfig c;
-  auto field = [&](const char* name, int& out, bool required) {
-    if (!j.contains(name)) {
-      BRIGADE_CHECK(!required, Errc::BadFile, "{}: field '{}' is missing", what, name);
-      return;
-    }
-    BRIGADE_CHECK(j[name].is_number_integer(), Errc::BadFile,
-                  "{}: field '{}' = {}, expected an integer", what, name, j[name].dump());
-    out = j[name].get<int>();
-  };
-  field("dim", c.dim, true);
-  field("hidden_dim", c.hidden_dim, true);
-  field("n_layers", c.n_layers, true);
-  field("n_heads", c.n_heads, true);
-  c.n_kv_heads = c.n_heads;
-  field("n_kv_heads", c.n_kv_heads, false);
-  field("vocab_size", c.vocab_size, true);
-  field("seq_len", c.seq_len, true);
-  c.validate(what);
-  return c;
-}
-
 int run(const Options& o) {
   // 1. The schedule: generated, or read from a file (lowered there if it is compute-only).
   sch::Schedule compute, lowered;
@@ -158,7 +123,7 @@ int run(const Options& o) {
   sim_opt.validate = false;  // done above
   const bool use_model = !o.model.empty();
   if (use_model) {
-    const brigade::model::ModelSpec spec(load_model(o.model));
+    const brigade::model::ModelSpec spec(brigade::cli::load_model_config(o.model));
     brigade::cost::RooflineOptions ro;
     ro.rates = {o.flops, o.mem_bandwidth};
     std::optional<brigade::cost::DeviceProfile> profile;

@@ -158,8 +158,8 @@ TEST_CASE("schedule.adaptive: bad parameters are named errors") {
   CHECK(error_of({2, 3, 2}).find("adaptive: virtual stages per rank = 2") != std::string::npos);
 }
 
-TEST_CASE("batching.order_adaptive: the best of every permutation for few micro-batches, the "
-          "best cluster order for many") {
+TEST_CASE("batching.order_adaptive: the best of every permutation (adaptive, or 1F1B where it "
+          "fits) for few micro-batches, the best cluster order for many") {
   using brigade::batching::order_adaptive;
   // Four micro-batches, k = 4: every one of the 24 orders is tried; the choice equals brute force.
   const std::vector<double> seconds{4, 1, 3, 1}, bytes{4, 1, 3, 1};
@@ -177,6 +177,9 @@ TEST_CASE("batching.order_adaptive: the best of every permutation for few micro-
     p.microbatch_bytes = b;
     p.memory_limit_bytes = 6.0;
     brute = std::min(brute, makespan(sch::adaptive(p), s, b));
+    std::vector<double> peaks;
+    const double ofob = makespan(sch::one_f_one_b(p), s, b, &peaks);
+    if (*std::max_element(peaks.begin(), peaks.end()) <= 6.0) brute = std::min(brute, ofob);
   } while (std::next_permutation(perm.begin(), perm.end()));
   CHECK(best.makespan_seconds == doctest::Approx(brute).epsilon(1e-12));
   CHECK(best.makespan_seconds <= best.input_order_makespan_seconds);
@@ -198,6 +201,13 @@ TEST_CASE("batching.order_adaptive: the best of every permutation for few micro-
   const auto clustered = order_adaptive(many_s, many_b, 4, 16.0);
   CHECK(clustered.orders_tried == 7);
   CHECK(clustered.makespan_seconds < clustered.input_order_makespan_seconds);
+  CHECK(clustered.generator == "adaptive");
+  // Equal micro-batches with room for 1F1B: 1F1B's order wins (the cycle order runs more
+  // forwards ahead on the middle ranks), (M + P - 1)(F + B) = 11 s for P = 4, M = 8, 1 s each.
+  const std::vector<double> equal(8, 1.0);
+  const auto same = order_adaptive(equal, equal, 4, 4.0);
+  CHECK(same.generator == "1f1b");
+  CHECK(same.makespan_seconds == doctest::Approx(11.0).epsilon(1e-12));
   // The chosen order runs the clusters one after another.
   int changes = 0;
   for (std::size_t j = 1; j < clustered.order.size(); ++j)

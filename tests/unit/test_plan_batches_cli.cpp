@@ -1,6 +1,7 @@
 // `brigade plan-batches` end to end: the micro-batches and the predicted iteration time it
 // prints, and its one-line refusals of bad lengths files.
 #include <brigade/batching/dynamic.hpp>
+#include <brigade/batching/order.hpp>
 #include <brigade/model/config.hpp>
 #include <brigade/partition/partition.hpp>
 
@@ -65,6 +66,12 @@ TEST_CASE("plan-batches.cli: the four batchers on a lengths file") {
   double peak = 0.0;
   for (const double b : plan.activation_bytes) peak = std::max(peak, b);
   CHECK(has(dyn.out, fmt::format("peak activation {:.6g} bytes", peak)));
+  // The schedule lines: order_adaptive and 1F1B simulated over the same micro-batches, under a
+  // rank limit of stages x the micro-batch limit (the default).
+  const auto ordered = batching::order_adaptive(plan.seconds, plan.activation_bytes, 2, 2 * limit);
+  CHECK(has(dyn.out, fmt::format("simulated iteration {:.6g} s ({} orders tried",
+                                 ordered.makespan_seconds, ordered.orders_tried)));
+  CHECK(has(dyn.out, "1f1b on the same micro-batches: simulated iteration"));
 }
 
 TEST_CASE("plan-batches.cli: a corpus is tokenized, each sample counting its tokens - 1 rows") {

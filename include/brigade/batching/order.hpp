@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <numeric>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace brigade::batching {
@@ -68,10 +69,12 @@ class MicroBatchTableCost {
 struct AdaptiveOrder {
   /// order[k] = the caller's micro-batch that runs as micro-batch k (enters rank 0 k-th).
   std::vector<int> order;
-  /// schedule::adaptive over the micro-batches in `order` (compute-only; lower() it).
+  /// The chosen schedule over the micro-batches in `order` (compute-only; lower() it).
   schedule::Schedule schedule;
+  /// Its generator: "adaptive", or "1f1b" where 1F1B's order fits the limit and is faster.
+  std::string_view generator = "adaptive";
   double makespan_seconds = 0.0;  ///< simulated iteration time of `schedule` (MicroBatchTableCost)
-  double input_order_makespan_seconds = 0.0;  ///< the same for the input order
+  double input_order_makespan_seconds = 0.0;  ///< the adaptive schedule's in the input order
   int orders_tried = 0;                       ///< candidate orders simulated
 };
 
@@ -82,7 +85,11 @@ struct AdaptiveOrder {
 /// a cluster the input order; DynaPipe shuffles it at random), and the input order too; with
 /// at most k micro-batches every permutation is tried. Each candidate is run through
 /// schedule::adaptive under the memory limit and simulated (MicroBatchTableCost, free links);
-/// the fastest wins, the earliest tried on ties (the input order first).
+/// 1F1B on the same order is a candidate too wherever its simulated peak fits the limit
+/// (DynaPipe's planner likewise tries each schedule method its placement allows, 1F1B among
+/// them: with micro-batches of nearly one size the cycle order runs more forwards ahead on the
+/// middle ranks than 1F1B and delays their first backward). The fastest wins, the earliest
+/// tried on ties (the input order first, adaptive before 1F1B).
 /// Our clustering is one-dimensional, on the stage seconds (DynaPipe clusters the forward and
 /// backward times of the first and last stage, which our slowest-stage cost folds into one).
 ///
@@ -174,17 +181,25 @@ inline AdaptiveOrder order_adaptive(std::span<const double> seconds, std::span<c
       s[static_cast<std::size_t>(j)] = seconds[from];
       p.microbatch_bytes[static_cast<std::size_t>(j)] = bytes[from];
     }
-    auto compute = schedule::adaptive(p);
     const MicroBatchTableCost cost(s, p.microbatch_bytes, forward_fraction);
     sim::SimOptions opt;
     opt.record_timeline = false;
-    const double makespan = sim::simulate(schedule::lower(compute), cost, opt).makespan;
-    if (best.orders_tried++ == 0) best.input_order_makespan_seconds = makespan;
-    if (best.order.empty() || makespan < best.makespan_seconds) {
-      best.order = order;
-      best.schedule = std::move(compute);
-      best.makespan_seconds = makespan;
-    }
+    auto consider = [&](schedule::Schedule compute, std::string_view generator) {
+      const auto r = sim::simulate(schedule::lower(compute), cost, opt);
+      if (generator != "adaptive" &&
+          *std::max_element(r.peak_memory_bytes.begin(), r.peak_memory_bytes.end()) >
+              memory_limit_bytes)
+        return;
+      if (best.order.empty() || r.makespan < best.makespan_seconds) {
+        best.order = order;
+        best.schedule = std::move(compute);
+        best.generator = generator;
+        best.makespan_seconds = r.makespan;
+      }
+    };
+    consider(schedule::adaptive(p), "adaptive");
+    if (best.orders_tried++ == 0) best.input_order_makespan_seconds = best.makespan_seconds;
+    consider(schedule::one_f_one_b(p), "1f1b");
   }
   return best;
 }
