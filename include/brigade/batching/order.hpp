@@ -186,9 +186,10 @@ inline AdaptiveOrder order_adaptive(std::span<const double> seconds, std::span<c
     opt.record_timeline = false;
     auto consider = [&](schedule::Schedule compute, std::string_view generator) {
       const auto r = sim::simulate(schedule::lower(compute), cost, opt);
+      // 1F1B must fit (to rounding: P equal micro-batches at a limit of P of them do).
       if (generator != "adaptive" &&
           *std::max_element(r.peak_memory_bytes.begin(), r.peak_memory_bytes.end()) >
-              memory_limit_bytes)
+              memory_limit_bytes * (1.0 + 1e-9))
         return;
       if (best.order.empty() || r.makespan < best.makespan_seconds) {
         best.order = order;
