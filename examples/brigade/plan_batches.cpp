@@ -17,6 +17,7 @@
 #include <brigade/schedule/generators.hpp>
 #include <brigade/schedule/lower.hpp>
 #include <brigade/sim/simulator.hpp>
+#include <brigade/sim/svg.hpp>
 
 #include <fmt/format.h>
 
@@ -31,7 +32,7 @@ namespace {
 using namespace brigade;
 
 struct Options {
-  std::string lengths, corpus, tokenizer, profile, model = "1.1B", batching = "dynamic";
+  std::string lengths, corpus, tokenizer, profile, model = "1.1B", batching = "dynamic", svg;
   int vocab_size = 512, stages = 4, samples_per_microbatch = 8, row_tokens = 0;
   std::int64_t token_budget = 0;
   double memory_limit = 0.0, rank_memory = 0.0;
@@ -151,6 +152,23 @@ int run(const Options& o) {
              rank_limit, adaptive.generator, order, adaptive.makespan_seconds,
              adaptive.orders_tried, adaptive.input_order_makespan_seconds);
   const batching::MicroBatchTableCost table(seconds, bytes, 1.0 / 3.0);
+  std::vector<double> ordered_s, ordered_b;
+  for (const int m : adaptive.order) {
+    ordered_s.push_back(seconds[static_cast<std::size_t>(m)]);
+    ordered_b.push_back(bytes[static_cast<std::size_t>(m)]);
+  }
+  const auto chosen = sim::simulate(schedule::lower(adaptive.schedule),
+                                    batching::MicroBatchTableCost(ordered_s, ordered_b, 1.0 / 3.0));
+  std::string peaks;
+  for (const double b : chosen.peak_memory_bytes)
+    peaks += fmt::format("{}{:.4g}", peaks.empty() ? "" : " ", b);
+  fmt::print("peak activation bytes per rank under that schedule: {}\n", peaks);
+  if (!o.svg.empty()) {
+    sim::SvgOptions so;
+    so.title = fmt::format("plan-batches {}: {} on {} stages, {} micro-batches, {:.4g} s",
+                           o.batching, adaptive.generator, o.stages, mbs.size(), chosen.makespan);
+    sim::write_svg(o.svg, chosen.timeline, so);
+  }
   sim::SimOptions sopt;
   sopt.record_timeline = false;
   const auto ofob = sim::simulate(
@@ -196,6 +214,7 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--memory-limit", o->memory_limit,
                  "Dynamic: activation bytes one micro-batch may take on a stage")
       ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  sub.add_option("--svg", o->svg, "Write the chosen schedule's simulated timeline as SVG");
   sub.add_option("--rank-memory", o->rank_memory,
                  "The adaptive schedule: activation bytes one rank may hold at once (default: "
                  "stages x the micro-batch memory limit, or the largest micro-batch's bytes if more)")

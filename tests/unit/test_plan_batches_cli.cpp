@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 using namespace brigade;
@@ -72,6 +73,16 @@ TEST_CASE("plan-batches.cli: the four batchers on a lengths file") {
   CHECK(has(dyn.out, fmt::format("simulated iteration {:.6g} s ({} orders tried",
                                  ordered.makespan_seconds, ordered.orders_tried)));
   CHECK(has(dyn.out, "1f1b on the same micro-batches: simulated iteration"));
+  CHECK(has(dyn.out, "peak activation bytes per rank under that schedule: "));
+  const auto svg = write_file("dyn.svg", "");
+  fs::remove(svg);
+  const auto with_svg = test::run_cli(base + " --svg " + svg.string());
+  CHECK(with_svg.rc == 0);
+  REQUIRE(fs::exists(svg));
+  std::ifstream in(svg);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(has(text, "<svg"));
+  CHECK(has(text, "plan-batches dynamic"));
 }
 
 TEST_CASE("plan-batches.cli: a corpus is tokenized, each sample counting its tokens - 1 rows") {
