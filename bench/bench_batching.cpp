@@ -10,10 +10,14 @@
 //   BM_Dynamic/1073741824  every distinct micro-batch time a candidate bound (the exact DP)
 //   BM_Offsets   OffsetsBatcher with an 8,192-token budget (the comparison in the same run)
 //   BM_Packing   PackingBatcher, rows of 2,048 tokens, 4 rows per micro-batch
+//   BM_Order     order_adaptive over BM_Dynamic/256's micro-batches (DynaPipe's ordering: every
+//                cluster order simulated under the adaptive schedule and 1F1B; rank limit 4 x
+//                the micro-batch limit); with BM_Dynamic, the whole plan of one global batch
 // Counters: samples, micro-batches, and (dynamic) the predicted iteration seconds and the
 // bounds its DP ran. Target (issue 15): BM_Dynamic under 50 ms.
 #include <brigade/batching/batcher.hpp>
 #include <brigade/batching/dynamic.hpp>
+#include <brigade/batching/order.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/partition/partition.hpp>
 
@@ -93,10 +97,24 @@ void BM_Packing(benchmark::State& state) {
   state.counters["microbatches"] = static_cast<double>(mbs.size());
 }
 
+void BM_Order(benchmark::State& state) {
+  const auto& s = setup();
+  const auto plan = batching::DynamicBatcher(s.cost, 4, s.limit).solve(s.samples);
+  batching::AdaptiveOrder order;
+  for (auto _ : state) {
+    order = batching::order_adaptive(plan.seconds, plan.activation_bytes, 4, 4 * s.limit);
+    benchmark::DoNotOptimize(order);
+  }
+  state.counters["microbatches"] = static_cast<double>(plan.microbatches.size());
+  state.counters["orders"] = order.orders_tried;
+  state.counters["iteration_s"] = order.makespan_seconds;
+}
+
 }  // namespace
 
 BENCHMARK(BM_Dynamic)->Arg(256)->Arg(1 << 30)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Offsets)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Packing)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Order)->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) { return brigade::bench::run_benchmarks(argc, argv); }
