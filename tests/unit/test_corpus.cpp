@@ -50,6 +50,27 @@ TEST_CASE("corpus.packer: micro-batches hold whole samples within the budget, by
   CHECK_THROWS_WITH_AS(q.next(), doctest::Contains("sample 1 of the stream has 1 tokens"), Error);
 }
 
+TEST_CASE("corpus.pack_offsets: a batcher's micro-batch as rows by offsets, in its order") {
+  const std::vector<data::Sample> s{{0, {1, 10, 11, 12}}, {1, {1, 20}}, {2, {1, 30, 31}}};
+  batching::MicroBatch mb;
+  mb.samples = {2, 0};
+  const auto b = data::pack_offsets(s, mb);
+  CHECK(b.inputs == std::vector<std::int32_t>{1, 30, 1, 10, 11});
+  CHECK(b.targets == std::vector<std::int32_t>{30, 31, 10, 11, 12});
+  CHECK(b.offsets == std::vector<std::int64_t>{0, 2, 5});
+  CHECK(b.tasks == std::vector<std::int32_t>{2, 0});
+  mb.samples = {0, 3};
+  CHECK_THROWS_WITH_AS((void)data::pack_offsets(s, mb),
+                       doctest::Contains("the micro-batch names sample 3, there are 3"), Error);
+  const std::vector<data::Sample> one_token{{0, {1}}};
+  mb.samples = {0};
+  CHECK_THROWS_WITH_AS((void)data::pack_offsets(one_token, mb),
+                       doctest::Contains("0 rows of a sample of 1 tokens"), Error);
+  data::PackedBatch out;
+  CHECK_THROWS_WITH_AS(data::append_sequence(out, s[0], 4),
+                       doctest::Contains("4 rows of a sample of 4 tokens"), Error);
+}
+
 TEST_CASE("corpus.packer: a seed shuffles each epoch reproducibly") {
   std::vector<data::Sample> s;
   for (int i = 0; i < 50; ++i) s.push_back({0, {1, 100 + i}});
