@@ -97,13 +97,6 @@ int run_tp_pp(const Options& o) {
   const cost::DeviceProfile profile = gpu_profile(o.gpu);
   const plan::ServingWorkload w{o.input_len, o.output_len};
   const double elem = plan::detail::profile_element_bytes(profile);
-  fmt::print("plan: {} ({:.1f} B parameters, {:.1f} GB of {} weights) on {} x {} ({:.1f} GB, "
-             "link {}); input {} tokens, output {} tokens\n",
-             o.model, static_cast<double>(config.num_parameters()) / 1e9,
-             static_cast<double>(config.num_parameters()) * elem / 1e9, profile.dtype, o.gpus,
-             profile.name, profile.memory_capacity_bytes / 1e9, o.link, o.input_len,
-             o.output_len);
-
   std::vector<plan::TpPpPlan> plans;
   if (o.tp > 0 || o.pp > 0) {
     // One grid: the flags given, the other degree from the GPU count.
@@ -134,6 +127,13 @@ int run_tp_pp(const Options& o) {
                   o.model, o.gpus, profile.name, least->describe(), least->memory.total() / 1e9,
                   least->memory.weight_bytes / 1e9, profile.memory_capacity_bytes / 1e9);
   }
+  fmt::print("plan: {} ({:.1f} B parameters, {:.1f} GB of {} weights) on {} x {} ({:.1f} GB, "
+             "link {}); input {} tokens, output {} tokens\n",
+             o.model, static_cast<double>(config.num_parameters()) / 1e9,
+             static_cast<double>(config.num_parameters()) * elem / 1e9, profile.dtype, o.gpus,
+             profile.name, profile.memory_capacity_bytes / 1e9, o.link, o.input_len,
+             o.output_len);
+
   const auto front = plan::pareto_front(plans);
   const bool slo = std::isfinite(o.slo_ttft) || std::isfinite(o.slo_tpot);
   const auto pick = plan::pick_for_slo(plans, o.slo_ttft, o.slo_tpot);
