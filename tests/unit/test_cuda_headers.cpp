@@ -7,6 +7,7 @@
 #include <brigade/backend/cuda.hpp>
 #include <brigade/config.hpp>
 #include <brigade/transport/nccl.hpp>
+#include <brigade/transport/nccl_collectives.hpp>
 
 #include "../../cuda/gemm_plan.hpp"
 
@@ -25,6 +26,7 @@
 using namespace brigade;
 
 static_assert(transport::Transport<transport::NcclTransport>);
+static_assert(transport::Collectives<transport::NcclCollectives>);
 static_assert(!std::is_copy_constructible_v<cuda::DeviceBuffer>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceBuffer>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::CudaBackend>);
