@@ -65,6 +65,7 @@ nlohmann::json plan_json(const plan::TpPpPlan& p) {
           {"pp", p.grid.pp},
           {"batch", p.batch},
           {"microbatches", p.microbatches},
+          {"prefill_microbatches", p.prefill_microbatches},
           {"ttft_s", p.ttft_s},
           {"tpot_s", p.tpot_s},
           {"latency_s", p.latency_s},
