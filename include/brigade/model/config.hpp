@@ -61,12 +61,9 @@ struct LlamaConfig {
   }
 };
 
-/// The llama2.c model family by name: "260K" (stories260K's shape, vocab 512), "15M", "42M",
-/// "110M" (the TinyStories models, vocab 32000), "1.1B" (TinyLlama-1.1B: dim 2048, 22 layers,
-/// 32 query and 4 KV heads, FFN 5632, vocab 32000), and the Llama 3.1 shapes for planning
-/// (Meta 2024, "The Llama 3 Herd of Models", Table 3; untied embeddings, RoPE base 500000,
-/// context 131072, 8 KV heads, vocab 128256): "llama-3.1-70b" (dim 8192, 80 layers, 64 heads,
-/// FFN 28672) and "llama-3.1-405b" (dim 16384, 126 layers, 128 heads, FFN 53248).
+/// By name: "260K" (stories260K's shape, vocab 512), "15M", "42M", "110M" (TinyStories, vocab
+/// 32000), "1.1B" (TinyLlama-1.1B), and "llama-3.1-70b" and "llama-3.1-405b" (Meta 2024, "The
+/// Llama 3 Herd of Models", Table 3: untied embeddings, 8 KV heads, vocab 128256).
 /// @throws brigade::Error{InvalidArgument} for an unknown name, listing the known ones
 LlamaConfig named_config(std::string_view name);
 
