@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libeigen3-dev libfmt-dev doctest-dev libbenchmark-dev
       libopenblas-dev libcli11-dev nlohmann-json3-dev fortunes
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin coinor-libcbc-dev)
 pkgs+=("$@")
 missing=()
 for p in "${pkgs[@]}"; do

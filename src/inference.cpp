@@ -220,7 +220,7 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  const detail::GenerationLayout& layout,
                                  detail::SequenceBook* book,
                                  std::chrono::steady_clock::time_point t0, bool weight_offload,
-                                 DType pipeline_dtype)
+                                 DType pipeline_dtype, bool background_prefetch)
     : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
       weight_offload_(weight_offload), pipeline_dtype_(pipeline_dtype) {
   BRIGADE_CHECK(is_float_dtype(pipeline_dtype), Errc::InvalidArgument,
@@ -237,7 +237,21 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   slot_.resize(M);
   tokens_.resize(M);
   released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), 0);
+  bool mapped = false;
+  for (const auto* s : stages_) {
+    if (s == nullptr) continue;
+    mapped = mapped || s->mapped();
+    peak_resident_ += static_cast<double>(s->weight_bytes());
+  }
+  offload_mapped_ = weight_offload && mapped;
+  if (offload_mapped_) peak_resident_ = 0;
+  if (offload_mapped_ && background_prefetch)
+    prefetcher_ = std::make_unique<runtime::WeightPrefetcher>();
 }
+
+InferenceWorker::~InferenceWorker() = default;
+
+double InferenceWorker::peak_resident_weight_bytes() const { return peak_resident_; }
 
 runtime::InferenceStageBase& InferenceWorker::stage(int v) const {
   auto* s = v >= 0 && v < static_cast<int>(stages_.size()) ? stages_[static_cast<std::size_t>(v)]
@@ -338,9 +352,16 @@ Work InferenceWorker::compute(const Action& a) {
   if (a.op == Op::Prefetch || a.op == Op::Release) {
     auto& st = stage(a.virtual_stage);
     const bool prefetch = a.op == Op::Prefetch;
-    const bool advised = prefetch ? st.prefetch_weights() : st.release_weights();
     released_[v] = prefetch ? 0 : 1;
-    return {true, 0, advised ? std::string_view("madvise") : std::string_view("owned: resident")};
+    if (!offload_mapped_) return {true, 0, std::string_view("owned: resident")};
+    if (!prefetch) {
+      if (prefetcher_) prefetcher_->settle(&st);
+      st.release_weights();
+      return {true, 0, std::string_view("madvise+fadvise")};
+    }
+    if (!prefetcher_) return {true, 0, std::string_view("demand paging")};
+    prefetcher_->submit(&st);
+    return {true, 0, std::string_view("background")};
   }
   BRIGADE_CHECK(v < released_.size() && !released_[v], Errc::InvalidArgument,
                 "executor: rank {}: {} runs on virtual stage {} after its RELEASE without a "
@@ -363,6 +384,12 @@ Work InferenceWorker::compute(const Action& a) {
     }
     if (closed_[m]) return {false, 0, {}};
     stage(a.virtual_stage).forward(mb);
+    if (offload_mapped_) {  // the window just run and whatever of the next one is loaded
+      pages_.clear();
+      for (const auto* s : stages_)
+        if (s != nullptr) pages_.insert(pages_.end(), s->weight_pages().begin(), s->weight_pages().end());
+      peak_resident_ = std::max(peak_resident_, static_cast<double>(runtime::resident_bytes(pages_)));
+    }
     return {true, mb.num_tokens(), label};
   }
   if (a.op == Op::Sample) {

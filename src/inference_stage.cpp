@@ -2,7 +2,9 @@
 #include "brigade/runtime/inference_stage.hpp"
 
 #include "brigade/core/finite.hpp"
+#include "mapped_file.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -113,9 +115,66 @@ bool InferenceStageBase::advise_weights(int advice, const char* name) {
   return true;
 }
 
-bool InferenceStageBase::prefetch_weights() { return advise_weights(MADV_WILLNEED, "MADV_WILLNEED"); }
+bool InferenceStageBase::prefetch_weights() {
+  if (!advise_weights(MADV_WILLNEED, "MADV_WILLNEED")) return false;
+  // One read per page: each page is resident in this process when this returns.
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  unsigned sum = 0;
+  for (const auto& [begin, bytes] : weight_pages_)
+    for (std::size_t off = 0; off < bytes; off += page)
+      sum += *reinterpret_cast<const volatile unsigned char*>(begin + off);
+  touched_ = sum;
+  return true;
+}
 
-bool InferenceStageBase::release_weights() { return advise_weights(MADV_DONTNEED, "MADV_DONTNEED"); }
+bool InferenceStageBase::release_weights() {
+  if (!advise_weights(MADV_DONTNEED, "MADV_DONTNEED")) return false;
+  const int fd = ::brigade::detail::MappedFiles::instance().fd(weights_->storage.get());
+  if (fd < 0) return true;  // not one of OpenFile::map's mappings: the process's pages are dropped
+  const auto base = reinterpret_cast<std::uintptr_t>(weights_->storage.get());
+  for (const auto& [begin, bytes] : weight_pages_) {
+    const int rc = ::posix_fadvise(fd, static_cast<off_t>(begin - base),
+                                   static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
+    if (rc != 0)
+      ::brigade::detail::fail(Errc::Internal,
+                              "InferenceStage [{}, {}): posix_fadvise(POSIX_FADV_DONTNEED) over {} "
+                              "bytes failed: {}",
+                              range_.first, range_.last, bytes, std::strerror(rc));
+  }
+  return true;
+}
+
+std::size_t InferenceStageBase::resident_weight_bytes() const {
+  if (!weights_->mapped) return weight_bytes_;
+  return resident_bytes(weight_pages_);
+}
+
+std::size_t resident_bytes(std::span<const std::pair<std::uintptr_t, std::size_t>> ranges) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  // Merged, so a page two ranges share is counted once.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> merged(ranges.begin(), ranges.end());
+  std::sort(merged.begin(), merged.end());
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;  // [first page, end)
+  for (const auto& [b, n] : merged) {
+    const std::uintptr_t lo = b / page * page, hi = (b + n + page - 1) / page * page;
+    if (!spans.empty() && lo <= spans.back().second)
+      spans.back().second = std::max(spans.back().second, hi);
+    else
+      spans.emplace_back(lo, hi);
+  }
+  std::size_t resident = 0;
+  std::vector<unsigned char> in;
+  for (const auto& [lo, hi] : spans) {
+    in.assign((hi - lo) / page, 0);
+    if (::mincore(reinterpret_cast<void*>(lo), hi - lo, in.data()) != 0) {
+      const int err = errno;
+      ::brigade::detail::fail(Errc::Internal, "resident_bytes: mincore over {} bytes at {:#x} failed: {}",
+                              hi - lo, lo, std::strerror(err));
+    }
+    for (const unsigned char c : in) resident += (c & 1u) ? page : 0;
+  }
+  return resident;
+}
 
 backend::KvCacheView InferenceStageBase::kv_view(void* base, DType dtype) const {
   const std::int64_t kv = weights_->config.kv_dim();

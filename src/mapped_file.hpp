@@ -15,13 +15,44 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <utility>
 
 namespace brigade::detail {
+
+/// The descriptors of the files behind the live mappings OpenFile::map made, by mapping
+/// address (the weight offload's posix_fadvise needs the file, the weights only hold the
+/// mapping). Entries come and go with the mappings.
+class MappedFiles {
+ public:
+  static MappedFiles& instance() {
+    static MappedFiles m;
+    return m;
+  }
+  void add(const void* base, int fd) {
+    std::lock_guard lock(mu_);
+    fds_[base] = fd;
+  }
+  void remove(const void* base) {
+    std::lock_guard lock(mu_);
+    fds_.erase(base);
+  }
+  /// The descriptor of the file mapped at `base` (open while the mapping lives), or -1.
+  int fd(const void* base) const {
+    std::lock_guard lock(mu_);
+    const auto it = fds_.find(base);
+    return it == fds_.end() ? -1 : it->second;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<const void*, int> fds_;
+};
 
 /// A read-only mapping of a whole regular file; `mapping` unmaps and closes it when the last
 /// copy goes.
@@ -63,9 +94,11 @@ class OpenFile {
     MappedFile m;
     m.size = size_;
     m.mapping = std::shared_ptr<const void>(addr, [length, fd = fd_](const void* p) {
+      MappedFiles::instance().remove(p);
       ::munmap(const_cast<void*>(p), length);
       ::close(fd);
     });
+    MappedFiles::instance().add(addr, fd_);
     fd_ = -1;
     m.bytes = static_cast<const std::byte*>(addr);
     return m;

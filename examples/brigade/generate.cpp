@@ -14,6 +14,8 @@
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
 #include <brigade/partition/policies.hpp>
+#include <brigade/partition/halda.hpp>
+#include <brigade/partition/ring.hpp>
 #include <brigade/cost/memory.hpp>
 #include <brigade/cost/profile.hpp>
 #include <brigade/cost/profiled.hpp>
@@ -48,10 +50,15 @@ struct GenerateArgs {
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
   bool offload = false;  // --offload: PREFETCH/RELEASE every window each round
+  std::vector<int> windows;  // --windows: ring window sizes in decoder layers (prima.cpp's w_m)
+  double ram_budget = 0;     // --ram-budget: bytes of weights each rank may hold resident; 0: none
+  bool no_prefetch = false;  // --no-prefetch: offload by demand paging (release only)
+  std::string halda;         // --halda: devices file; Halda picks the ranks' windows and k
   std::string pipeline_dtype = "f32";  // --pipeline-dtype
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
+  CLI::Option* ring_option = nullptr;        // to tell an explicit --ring from the default
   // The choices --plan auto makes: given explicitly they conflict with it.
   std::vector<CLI::Option*> planned_options;
 };
@@ -197,7 +204,37 @@ int run(const GenerateArgs& a) {
                  plans[i].tokens_per_s, plans[i].describe(wl.sequences));
     planned = plans.front();
   }
-  const int stages_used = planned ? planned->stages : num_stages;
+  // --halda: prima.cpp's Halda over the devices file picks k and the windows w_m; the devices
+  // it keeps are the ranks (one each), in the file's order.
+  std::optional<partition::HaldaResult> halda;
+  std::vector<int> halda_windows;
+  if (!a.halda.empty()) {
+    BRIGADE_CHECK(!planned && a.windows.empty() && a.ring_option->count() == 0 &&
+                      a.stages_option->count() == 0,
+                  Errc::InvalidArgument,
+                  "--halda chooses the ranks, k and the windows; drop --stages, --ring, --windows "
+                  "and --plan auto");
+    const auto devices = partition::load_halda_devices(a.halda);
+    const double bits = 8.0 * static_cast<double>(model::weight_bytes(weights)) /
+                        static_cast<double>(weights.config.num_parameters());
+    halda = partition::halda(
+        devices, partition::HaldaModel::of(weights.config, bits, weights.config.seq_len));
+    for (const int i : halda->kept()) halda_windows.push_back(halda->windows[static_cast<std::size_t>(i)]);
+    BRIGADE_CHECK(!under_mpi || static_cast<int>(halda_windows.size()) == num_stages,
+                  Errc::InvalidArgument,
+                  "--halda keeps {} of the {} devices of {}; mpirun started {} processes (start {})",
+                  halda_windows.size(), devices.size(), a.halda, num_stages, halda_windows.size());
+    if (launch.rank() == 0) {
+      for (std::size_t i = 0; i < devices.size(); ++i)
+        fmt::print(stderr, "halda: {}: window {} layers, {} GPU layers (case M{}){}\n",
+                   devices[i].name, halda->windows[i], halda->gpu_layers[i], halda->cases[i],
+                   halda->windows[i] == 0 ? " removed" : "");
+      fmt::print(stderr, "halda: k = {}, predicted TPOT on those devices {:.1f} ms (GPU layers "
+                 "run on this machine's CPU)\n", halda->k, halda->tpot_seconds * 1e3);
+    }
+  }
+  const int stages_used = planned ? planned->stages
+                                  : halda ? static_cast<int>(halda_windows.size()) : num_stages;
   BRIGADE_CHECK(stages_used >= 1 && stages_used <= weights.config.n_layers + 4, Errc::InvalidArgument,
                 "--stages {} outside [1, {}] for a model of {} layers", stages_used,
                 weights.config.n_layers + 4, spec.num_layers());
@@ -207,22 +244,32 @@ int run(const GenerateArgs& a) {
       (under_mpi ? 1 : stages_used) * threads_used,
       under_mpi ? fmt::format("--threads {}", threads_used)
                 : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
-  // Ring windows: each rank holds --ring layer ranges (prima.cpp's pipelined ring).
-  BRIGADE_CHECK(!planned || a.ring == 1, Errc::InvalidArgument,
-                "--plan auto picks one layer range per stage; give --stages with --ring {}",
-                a.ring);
-  const int windows = stages_used * a.ring;
-  BRIGADE_CHECK(windows <= weights.config.n_layers + 4, Errc::InvalidArgument,
-                "--stages {} x --ring {} = {} windows, more than the model's {} layers",
-                stages_used, a.ring, windows, spec.num_layers());
+  // Ring windows (prima.cpp): k = --ring rounds of one window per rank over the decoder
+  // layers, --windows sizes them; without either, one stage per rank from the policy.
+  BRIGADE_CHECK(!planned || (a.ring == 1 && a.windows.empty()), Errc::InvalidArgument,
+                "--plan auto picks one layer range per stage; give --stages with --ring/--windows");
+  const bool ring_mode = a.ring > 1 || !a.windows.empty() || halda.has_value();
+  const std::vector<int>& window_list = halda ? halda_windows : a.windows;
+  // --windows without --ring: k from the list (M x k entries, or M entries repeated L / sum times).
+  int ring_rounds = halda ? halda->k : a.ring;
+  if (!a.windows.empty() && a.ring_option->count() == 0) {
+    const auto n = static_cast<int>(a.windows.size());
+    const int sum = std::accumulate(a.windows.begin(), a.windows.end(), 0);
+    ring_rounds = n == stages_used ? std::max(1, sum > 0 ? weights.config.n_layers / sum : 1)
+                                   : std::max(1, n / stages_used);
+  }
   const partition::Partition part = [&] {
-    if (planned) return partition::ring(planned->partition(spec.num_layers()), stages_used);
-    // The policy by name (partition::policies()), window w on rank w mod stages; "balanced"
-    // balances the decode step that dominates generation: one token per sequence of a
-    // micro-batch, attending to half the run's positions on average.
+    if (planned) return planned->partition(spec.num_layers());
+    if (ring_mode)
+      return partition::ring_partition(
+          spec, stages_used,
+          partition::ring_window_sizes(weights.config.n_layers, stages_used, ring_rounds, window_list));
+    // The policy by name (partition::policies()); "balanced" balances the decode step that
+    // dominates generation: one token per sequence of a micro-batch, attending to half the
+    // run's positions on average.
     partition::PolicyRequest req;
-    for (int w = 0; w < windows; ++w) req.placement.push_back(w % stages_used);
     req.num_ranks = stages_used;
+    for (int s = 0; s < stages_used; ++s) req.placement.push_back(s);
     const int groups = a.microbatches > 0 ? a.microbatches
                                           : std::min<int>(static_cast<int>(requests.size()), num_stages);
     req.work.sequences = std::max<std::int64_t>(1, static_cast<std::int64_t>(requests.size()) / groups);
@@ -233,6 +280,13 @@ int run(const GenerateArgs& a) {
                                                    std::max(a.threads, stages_used * a.threads));
     return partition::make_partition(spec, a.partition, req);
   }();
+  const int rounds = part.num_stages() / part.num_ranks();
+  const std::vector<std::size_t> layer_bytes_held = model::layer_weight_bytes(weights);
+  const std::vector<double> layer_bytes(layer_bytes_held.begin(), layer_bytes_held.end());
+  // The weights each rank keeps resident must fit its RAM budget (--ram-budget), before anything runs.
+  if (a.ram_budget > 0)
+    partition::check_ring_budget(part, layer_bytes, a.offload && weights.mapped,
+                                 std::span(&a.ram_budget, 1), "--ram-budget");
 
   engine::InferenceOptions opt;
   opt.microbatches = planned ? planned->microbatches : a.microbatches;
@@ -240,25 +294,37 @@ int run(const GenerateArgs& a) {
   opt.blas_threads = planned ? planned->threads : a.threads;
   opt.timeout_s = a.timeout;
   opt.weight_offload = a.offload;
+  opt.background_prefetch = !a.no_prefetch;
+  BRIGADE_CHECK(!a.no_prefetch || a.offload, Errc::InvalidArgument,
+                "--no-prefetch changes how --offload loads windows; give --offload too");
   opt.pipeline_dtype = *parse_dtype(a.pipeline_dtype);
   // With a profile, the plan must fit the device: the weights, then the memory of the ranks
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
   if (profile) {
     // The bytes the weights take as held: without --weights-dtype a GGUF file's F16 or Q8_0
-    // matrices stay in their dtype.
-    const std::vector<std::size_t> layer_bytes = model::layer_weight_bytes(weights);
+    // matrices stay in their dtype. With weight offload of a mapped file a rank holds only the
+    // windows it runs (two at a time): the profile must hold those, not the whole model.
+    const bool offloaded = a.offload && weights.mapped;
     const double held = static_cast<double>(model::weight_bytes(weights));
-    cost::check_holds_weights(*profile, held, "as loaded");
-    const auto mem = engine::inference_memory(
+    if (offloaded)
+      partition::check_ring_budget(part, layer_bytes, true,
+                                   std::span(&profile->memory_capacity_bytes, 1),
+                                   fmt::format("profile {}", profile->name));
+    else
+      cost::check_holds_weights(*profile, held, "as loaded");
+    auto mem = engine::inference_memory(
         weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
-        requests, std::vector<double>(layer_bytes.begin(), layer_bytes.end()));
+        requests, layer_bytes);
+    const auto resident = partition::resident_weight_bytes(part, layer_bytes, offloaded);
+    if (offloaded)
+      for (std::size_t r = 0; r < mem.size(); ++r) mem[r].weights = resident[r];
     if (under_mpi)
       cost::check_capacity(mem, std::span<const cost::DeviceProfile>(&*profile, 1),
                            "brigade generate");
     else
       cost::check_one_process(mem, *profile, "brigade generate",
-                              held);
+                              offloaded ? std::accumulate(resident.begin(), resident.end(), 0.0) : held);
   }
   // Every rank's transport under the integrity decorators (they only forward without --verify
   // and --inject): received activations and returning tokens are what the monitors check.
@@ -323,13 +389,14 @@ int run(const GenerateArgs& a) {
   const int S = part.num_stages();
   fmt::print(stderr, "model: {} ({} layers, dim {}), {} stage(s), partition {}: {}\n", model_name,
              weights.config.n_layers, weights.config.dim, S,
-             profile ? fmt::format("{} (profile {}, {})", a.partition, profile->name,
-                                   resolved.origin)
-                     : fmt::format("{} (profile {})", a.partition, resolved.origin),
+             ring_mode ? fmt::format("ring, k = {}{}", rounds, halda ? " (Halda)" : "")
+             : profile ? fmt::format("{} (profile {}, {})", a.partition, profile->name,
+                                     resolved.origin)
+                       : fmt::format("{} (profile {})", a.partition, resolved.origin),
              part.to_string());
   if (under_mpi)
     fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used,
-               a.ring > 1 ? fmt::format("{} ring windows", a.ring) : std::string("one stage"));
+               rounds > 1 ? fmt::format("{} ring windows", rounds) : std::string("one stage"));
   fmt::print(stderr,
              "sequences: {}, prompt tokens: {}, generated tokens: {}, wall: {:.3f} s\n"
              "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
@@ -344,7 +411,7 @@ int run(const GenerateArgs& a) {
   for (int s = 0; s < S; ++s) {
     const auto& r = part.stage(s);
     const double busy = report.wall_s > 0 ? report.timeline.busy(r.rank) / report.wall_s : 0.0;
-    if (a.ring > 1)
+    if (rounds > 1)
       fmt::print(stderr, "window {}: layers [{}, {}) on rank {}, rank busy {:.1f}%\n", s, r.first,
                  r.last, r.rank, busy * 100);
     else
@@ -352,6 +419,16 @@ int run(const GenerateArgs& a) {
                  busy * 100);
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
                       {"busy_fraction", busy}, {"rank_sent_bytes", report.timeline.bytes(r.rank, true)}});
+  }
+  nlohmann::json resident = nlohmann::json::array();
+  for (std::size_t r = 0; r < report.resident_weight_bytes.size(); ++r) {
+    const double b = report.resident_weight_bytes[r];
+    resident.push_back(b);
+    if (a.offload || a.ram_budget > 0)
+      fmt::print(stderr, "rank {}: at most {:.1f} MB of weights resident{}{}\n", r, b / 1e6,
+                 a.offload && weights.mapped ? " (mincore)" : "",
+                 a.ram_budget > 0 ? fmt::format(", RAM budget {:.1f} MB", a.ram_budget / 1e6)
+                                  : std::string());
   }
   if (a.integrity.active()) {
     fmt::print(stderr, "{}", verdicts);
@@ -371,8 +448,8 @@ int run(const GenerateArgs& a) {
                       {"tpot_s", s.tpot_s()}, {"tokens", s.tokens}});
     nlohmann::json m = {{"model", model_name},
                         {"stages", stages_used},
-                        {"ring", a.ring},
-                        {"partition", a.partition},
+                        {"ring", rounds},
+                        {"partition", ring_mode ? std::string("ring") : a.partition},
                         {"microbatches", opt.microbatches > 0
                                              ? std::min<int>(opt.microbatches, static_cast<int>(requests.size()))
                                              : std::min<int>(static_cast<int>(requests.size()), stages_used)},
@@ -385,6 +462,11 @@ int run(const GenerateArgs& a) {
                         {"ttft_s_mean", ttft},
                         {"tpot_s_mean", tpot},
                         {"stage_stats", stages},
+                        {"offload", a.offload},
+                        {"prefetch", a.offload ? (a.no_prefetch ? "demand paging" : "background")
+                                               : "none"},
+                        {"ram_budget_bytes", a.ram_budget},
+                        {"resident_weight_bytes", resident},
                         {"sequences", seqs}};
     if (a.integrity.active()) {
       m["checked"] = counts.checked;
@@ -441,16 +523,38 @@ std::function<int()> setup(CLI::App& sub) {
                                     "pipeline stages (one thread each; under mpirun: one process "
                                     "each, default the number of processes)")
       ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))->capture_default_str();
-  sub.add_option("--ring", a->ring,
-                 "ring windows per stage: each of the --stages ranks holds this many "
-                 "non-contiguous layer ranges, and the token walks the ring of "
-                 "ranks this many times per position (prima.cpp)")
+  a->ring_option = sub.add_option("--ring", a->ring,
+                 "ring rounds k (prima.cpp's pipelined ring): the decoder layers are split into k "
+                 "rounds of one window per rank (window j on rank j mod --stages), and the token "
+                 "walks the ring of ranks k times per position; k must divide the decoder layers "
+                 "unless --windows sizes the windows")
       ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
       ->capture_default_str();
+  sub.add_option("--windows", a->windows,
+                 "ring window sizes in decoder layers, comma-separated: one per rank (prima.cpp's "
+                 "w_m, the same every round; k = layers / sum) or one per window of every round "
+                 "(--stages x k entries); they must cover the decoder layers exactly")
+      ->delimiter(',')
+      ->check(brigade::cli::number_in<int>(1, 1 << 20, "a whole number of layers from 1"));
   sub.add_flag("--offload", a->offload,
                "weight offload (prima.cpp): each rank prefetches a window's weights one run "
                "ahead (madvise WILLNEED on the mapped checkpoint) and releases them after its "
-               "run (madvise DONTNEED), every round; synthetic weights stay resident");
+               "run (madvise and posix_fadvise DONTNEED), every round; synthetic weights stay "
+               "resident");
+  sub.add_option("--halda", a->halda,
+                 "prima.cpp's Halda: a devices file (brigade.halda_devices/1, docs/ring.md); it "
+                 "picks k and each device's window, drops devices that slow the ring, and the "
+                 "devices kept become the ranks (under mpirun: one process each)");
+  sub.add_flag("--no-prefetch", a->no_prefetch,
+               "with --offload: do not load the next window in the background; each forward "
+               "reads its pages by page faults (demand paging) and they are still released "
+               "after it (the baseline of prima.cpp's comparison)");
+  sub.add_option("--ram-budget", a->ram_budget,
+                 "bytes of weights each rank may hold resident (with --offload: the two windows "
+                 "it holds at a time); a split that needs more is refused before anything runs; "
+                 "0 = no budget")
+      ->check(brigade::cli::number_in<double>(0, 1e18, "a number of bytes from 0 (no budget)"))
+      ->capture_default_str();
   std::vector<std::string> policies;
   for (const auto& p : brigade::partition::policies()) policies.emplace_back(p.name);
   auto* partition_option = sub.add_option("--partition", a->partition,

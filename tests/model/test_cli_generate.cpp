@@ -101,19 +101,70 @@ TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same
         std::string::npos);
 }
 
-TEST_CASE("cli.generate: --ring 2 puts two layer windows on each of 2 ranks and still prints "
-          "run.c's text" * doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ranks and still "
+          "print run.c's text; k not dividing the layers, windows not covering them, a RAM "
+          "budget or a profile too small are named before anything runs" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
   const std::string one = ref["cases"][1]["stdout"];
-  auto r = run_cli("generate " + model_flags() +
-                   " --temperature 0 --stages 2 --ring 2 --steps 64 --prompt \"Once upon a time\"");
+  const std::string story = " --temperature 0 --steps 64 --prompt \"Once upon a time\"";
+  // 2 ranks x 2 rounds, every window given (stories260K has 5 decoder layers).
+  auto r = run_cli("generate " + model_flags() + " --stages 2 --ring 2 --windows 2,1,1,1" + story);
   REQUIRE(r.rc == 0);
   CHECK(r.out == one);
-  CHECK(r.err.find("window 2: layers [") != std::string::npos);
-  CHECK(r.err.find(") on rank 0, rank busy") != std::string::npos);
-  auto bad = run_cli("generate " + model_flags() + " --stages 3 --ring 4");
+  CHECK(r.err.find("window 2: layers [4, 5) on rank 0, rank busy") != std::string::npos);
+  // 1 rank, k = 5 (even: one layer per window), with offload and a RAM budget it fits.
+  const auto tag = std::to_string(::getpid());
+  const auto metrics = (std::filesystem::temp_directory_path() / ("ring-" + tag + ".json")).string();
+  auto five = run_cli("generate " + model_flags() + " --stages 1 --ring 5 --offload --ram-budget 600000 --metrics " +
+                      metrics + story);
+  REQUIRE(five.rc == 0);
+  CHECK(five.out == one);
+  CHECK(five.err.find("window 4: layers [5, 9) on rank 0") != std::string::npos);
+  CHECK(five.err.find("rank 0: at most ") != std::string::npos);
+  {
+    std::ifstream in(metrics);
+    const auto j = nlohmann::json::parse(in);
+    CHECK(j["ring"] == 5);
+    CHECK(j["offload"] == true);
+    CHECK(j["prefetch"] == "background");
+    REQUIRE(j["resident_weight_bytes"].size() == 1);
+    CHECK(j["resident_weight_bytes"][0].get<double>() > 0);
+  }
+  std::filesystem::remove(metrics);
+  auto bad = run_cli("generate " + model_flags() + " --stages 2 --ring 2");
   CHECK(bad.rc != 0);
-  CHECK(bad.err.find("--stages 3 x --ring 4 = 12 windows, more than the model's 9 layers") !=
+  CHECK(bad.err.find("k = 2 rounds does not divide the model's 5 decoder layers") !=
+        std::string::npos);
+  auto cover = run_cli("generate " + model_flags() + " --stages 2 --windows 2,2");
+  CHECK(cover.rc != 0);
+  CHECK(cover.err.find("the window list 2,2 covers 4 decoder layers (1 round(s)), the model has 5") !=
+        std::string::npos);
+  auto budget = run_cli("generate " + model_flags() + " --stages 1 --ring 5 --offload --ram-budget 100000");
+  CHECK(budget.rc != 0);
+  CHECK(budget.err.find("--ram-budget: rank 0 holds") != std::string::npos);
+  CHECK(budget.out.empty());
+  // A profile whose memory cannot hold the two windows a rank keeps under offload.
+  nlohmann::json prof;
+  {
+    std::ifstream in(std::filesystem::path(BRIGADE_PROFILE_DIR) / "nvidia_h100_sxm.json");
+    prof = nlohmann::json::parse(in);
+  }
+  prof["name"] = "tiny";
+  prof["memory_capacity_bytes"] = 100000;
+  const auto pfile = (std::filesystem::temp_directory_path() / ("tiny-" + tag + ".json")).string();
+  std::ofstream(pfile) << prof.dump();
+  auto small = run_cli("generate " + model_flags() + " --stages 1 --ring 5 --offload --profile " + pfile);
+  CHECK(small.rc != 0);
+  CHECK(small.err.find("profile tiny: rank 0 holds") != std::string::npos);
+  auto whole = run_cli("generate " + model_flags() + " --stages 1 --profile " + pfile);
+  CHECK(whole.rc != 0);
+  CHECK(whole.err.find("profile tiny: memory_capacity_bytes = 100000 is smaller than the model's weights") !=
+        std::string::npos);
+  std::filesystem::remove(pfile);
+  auto np = run_cli("generate " + model_flags() + " --stages 1 --no-prefetch");
+  CHECK(np.rc != 0);
+  CHECK(np.err.find("--no-prefetch changes how --offload loads windows; give --offload too") !=
         std::string::npos);
 }
 

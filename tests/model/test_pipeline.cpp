@@ -243,7 +243,8 @@ TEST_CASE("pipeline.ring: the 42M synthetic model with 2 ranks x 4 windows and 4
 }
 
 TEST_CASE("pipeline.offload: a ring that RELEASEs and PREFETCHes every window each round "
-          "(madvise on the mapped stories260K) equals run.c, with PREFETCH on the Timeline") {
+          "(background loads and madvise/fadvise on the mapped stories260K) equals run.c, with "
+          "PREFETCH on the Timeline") {
   const auto& R = ref();
   REQUIRE(R.weights.mapped);
   const model::ModelSpec spec(R.weights.config);
@@ -263,7 +264,7 @@ TEST_CASE("pipeline.offload: a ring that RELEASEs and PREFETCHes every window ea
     std::map<std::tuple<int, int, int>, std::pair<const Interval*, const Interval*>> io;
     for (const auto& iv : rep.timeline.intervals()) {
       if (iv.op != Op::Prefetch && iv.op != Op::Release) continue;
-      CHECK(iv.label == "madvise");
+      CHECK(iv.label == (iv.op == Op::Prefetch ? "background" : "madvise+fadvise"));
       auto& slot = io[{iv.rank, iv.virtual_stage, iv.chunk}];
       auto& which = iv.op == Op::Prefetch ? slot.first : slot.second;
       CHECK(which == nullptr);

@@ -83,7 +83,7 @@ require_in("${_err}" "--stages ${_wrong} but mpirun started ${NP} processes" "no
 #    ring of processes twice per position; still run.c's text (stories260K has 5 decoder
 #    layers: 2 processes x 2 windows).
 if(NP EQUAL 2)
-run_cli(--temperature 0 --partition uniform --ring 2 --steps 64 --prompt "Once upon a time")
+run_cli(--temperature 0 --ring 2 --windows 2,1,1,1 --steps 64 --prompt "Once upon a time")
 if(NOT _rc EQUAL 0)
   fail("--ring 2: exit code ${_rc}")
 endif()

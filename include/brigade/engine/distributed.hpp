@@ -161,13 +161,16 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
     }
     const auto t0 = std::chrono::steady_clock::now();
     report.origin = t0;
-    run_inference_rank(tp, weights, plan, layout, me == root ? &book : nullptr, options, t0,
-                       report.timeline);
+    const double resident = run_inference_rank(tp, weights, plan, layout,
+                                               me == root ? &book : nullptr, options, t0,
+                                               report.timeline);
+    report.resident_weight_bytes.assign(static_cast<std::size_t>(P), 0.0);
+    report.resident_weight_bytes[static_cast<std::size_t>(me)] = resident;
     double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     // Gather the Timeline to the rank of stage 0.
     if (me != root) {
-      const std::string text = detail::encode_rank_result(report.timeline, end_s);
+      const std::string text = detail::encode_rank_result(report.timeline, end_s, resident);
       const std::uint64_t size = text.size();
       auto rs = tp.isend(root, detail::kTagGatherSize, bytes_header(0, 8),
                          std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
@@ -190,7 +193,9 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
                          bytes_header(0, static_cast<std::int64_t>(size)),
                          std::as_writable_bytes(std::span<char>(text.data(), text.size())));
       tp.wait(rt, deadline());
-      end_s = std::max(end_s, detail::decode_rank_result(text, from, report.timeline));
+      end_s = std::max(end_s, detail::decode_rank_result(
+                                  text, from, report.timeline,
+                                  &report.resident_weight_bytes[static_cast<std::size_t>(from)]));
     }
     report.wall_s = end_s;
   } catch (const std::exception& e) {

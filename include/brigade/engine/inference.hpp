@@ -13,6 +13,7 @@
 #include "brigade/partition/partition.hpp"
 #include "brigade/plan/plan.hpp"
 #include "brigade/runtime/inference_stage.hpp"
+#include "brigade/runtime/offload.hpp"
 #include "brigade/schedule/offload.hpp"
 #include "brigade/schedule/rounds.hpp"
 #include "brigade/transport/transport.hpp"
@@ -66,6 +67,12 @@ struct InferenceOptions {
   /// stays the program without them; schedule::with_weight_offload(plan.schedule()) is the
   /// program that runs (what sim::simulate should be given to predict it).
   bool weight_offload = false;
+  /// With weight_offload on mapped weights: PREFETCH hands the window to the rank's background
+  /// loader (runtime::WeightPrefetcher: madvise WILLNEED and one read per page on a thread of
+  /// its own, while the rank computes the current window or waits for its peers). False: a
+  /// PREFETCH does nothing and the forward reads its pages by page faults (demand paging, still
+  /// released after each run: the baseline prima.cpp compares against).
+  bool background_prefetch = true;
   /// Element type of the activations sent between stages (Megatron-LM's `pipeline_dtype`): F32
   /// (exact: tokens identical at any split), or F16 / BF16, which halve the bytes on every link
   /// (each stage's input is rounded to nearest even once, so logits move by about the dtype's
@@ -84,6 +91,10 @@ struct InferenceReport {
   /// events measured beside the engine (VerifyingTransport's verdicts) on the timeline.
   std::chrono::steady_clock::time_point origin{};
   double wall_s = 0.0;                    ///< seconds from start to the last stage's end
+  /// Per rank, the most bytes of its weights found resident at once (bytes): with weight
+  /// offload on mapped weights, mincore(2) over its windows' pages after each forward (the
+  /// window just run and the next one being loaded); otherwise its stages' weight bytes.
+  std::vector<double> resident_weight_bytes;
   std::int64_t prompt_tokens = 0;         ///< prompt tokens prefilled
   std::int64_t generated_tokens = 0;      ///< tokens sampled
   /// generated_tokens / wall_s.
@@ -223,12 +234,21 @@ class InferenceWorker {
   /// @param weight_offload emit each round with schedule::add_weight_offload (PREFETCH and
   ///        RELEASE around every window's run; InferenceOptions::weight_offload)
   /// @param pipeline_dtype the activations' dtype between stages (InferenceOptions::pipeline_dtype)
+  /// @param background_prefetch PREFETCH loads on the rank's WeightPrefetcher thread
+  ///        (InferenceOptions::background_prefetch); false: PREFETCH does nothing
   /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStageBase* const> stages,
                   const detail::GenerationLayout& layout, detail::SequenceBook* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
-                  DType pipeline_dtype = DType::F32);
+                  DType pipeline_dtype = DType::F32, bool background_prefetch = true);
+  ~InferenceWorker();
+  InferenceWorker(const InferenceWorker&) = delete;
+  InferenceWorker& operator=(const InferenceWorker&) = delete;
+  /// The most bytes of this rank's weights seen resident at once (InferenceReport::
+  /// resident_weight_bytes): sampled with mincore after each forward under weight offload of
+  /// mapped weights, else the stages' weight bytes.
+  [[nodiscard]] double peak_resident_weight_bytes() const;
 
   /// ProgramSource: appends the next round's lowered actions (append_inference_round) over the
   /// micro-batches still running, with add_weight_offload when weight offload is on; false once
@@ -237,8 +257,10 @@ class InferenceWorker {
   /// F: virtual stage 0 builds the round's micro-batch from the SequenceBook (prefill or the
   /// sampled tokens; an empty one closes the group), every stage runs its layers; SAMPLE: one
   /// token per sequence. A closed micro-batch computes nothing (Work::ran false).
-  /// PREFETCH / RELEASE: the stage's prefetch_weights() / release_weights() (madvise on mapped
-  /// weights, label "madvise"; a recorded no-op on owned weights, label "owned: resident").
+  /// PREFETCH: on mapped weights the stage goes to the rank's WeightPrefetcher (label
+  /// "background"; "demand paging" without background_prefetch, where nothing is done);
+  /// RELEASE: settles that load, then the stage's release_weights() (label "madvise+fadvise").
+  /// Owned weights: recorded no-ops (label "owned: resident").
   /// @throws brigade::Error{InvalidArgument} for another op, or a compute on a virtual stage
   ///         whose weights were released and not prefetched since; the stage's errors
   Work compute(const schedule::Action& a);
@@ -273,6 +295,10 @@ class InferenceWorker {
   std::vector<char> known_;   // per micro-batch: cur_ holds the current round's sequences
   bool weight_offload_ = false;
   DType pipeline_dtype_ = DType::F32;
+  std::unique_ptr<runtime::WeightPrefetcher> prefetcher_;  // with offload of mapped weights
+  double peak_resident_ = 0;  // the most weight bytes seen resident at once (mincore)
+  bool offload_mapped_ = false;  // weight offload over mapped weights: the ops really advise
+  std::vector<std::pair<std::uintptr_t, std::size_t>> pages_;  // this rank's weight pages
   std::vector<char> released_;  // per virtual stage: weights released, not prefetched since
   std::vector<std::vector<backend::SequenceSlice>> prev_, cur_;  // sequences of the last/this round
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
@@ -301,10 +327,11 @@ struct CpuBackends {
 /// of the virtual stages `plan` places on `transport.rank()`, each on the backend
 /// `make_backend(v)` gives it, and runs the executor over an InferenceWorker. Every rank calls it
 /// with the same arguments (`book` only on the rank of virtual stage 0, null elsewhere).
+/// @return the rank's peak resident weight bytes (InferenceWorker::peak_resident_weight_bytes)
 /// @throws brigade::Error from the stages, the backends or the transport (PeerTimeout,
 ///         HeaderMismatch, Aborted)
 template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
-void run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
+double run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
                         const detail::GenerationLayout& layout, detail::SequenceBook* book,
                         const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
                         Timeline& timeline, MakeBackend make_backend = {}) {
@@ -321,9 +348,10 @@ void run_inference_rank(T& transport, const model::LlamaWeights& weights, const 
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
-                         options.pipeline_dtype);
+                         options.pipeline_dtype, options.background_prefetch);
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
+  return worker.peak_resident_weight_bytes();
 }
 
 /// Checks that `plan` is the inference plan of `requests` for a model of `config` (what
@@ -366,14 +394,17 @@ InferenceReport generate(std::span<T> transports, const model::LlamaWeights& wei
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, plan.shape().num_microbatches);
   std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
+  std::vector<double> resident(static_cast<std::size_t>(P), 0.0);
   const auto t0 = std::chrono::steady_clock::now();
   run_ranks(transports, [&](T& tp) {
     const int r = tp.rank();
-    run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
-                       timelines[static_cast<std::size_t>(r)], make_backend);
+    resident[static_cast<std::size_t>(r)] =
+        run_inference_rank(tp, weights, plan, layout, r == root ? &book : nullptr, options, t0,
+                           timelines[static_cast<std::size_t>(r)], make_backend);
   });
 
   InferenceReport report;
+  report.resident_weight_bytes = std::move(resident);
   report.timeline = Timeline(P);
   report.origin = t0;
   for (const auto& tl : timelines) report.timeline.merge(tl);

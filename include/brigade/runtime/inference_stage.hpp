@@ -101,22 +101,36 @@ class InferenceStageBase {
   [[nodiscard]] std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
-  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors,
-  /// which starts reading them into the page cache asynchronously and returns; the next
-  /// forward takes whatever has not arrived by page faults. Owned weights are always resident:
+  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors
+  /// (the kernel starts reading them), then one read per page, so every page is resident in
+  /// this process when it returns. It blocks for the disk: runtime::WeightPrefetcher runs it on
+  /// a thread of its own while the rank computes or waits. Owned weights are always resident:
   /// nothing is done.
-  /// @return true when the kernel was advised, false for owned weights
+  /// @return true when the pages were loaded, false for owned weights
   /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
   bool prefetch_weights();
   /// RELEASE: when the weights are mapped, madvise(MADV_DONTNEED) over the pages of this
-  /// stage's tensors: the process drops them (its resident set shrinks) and the next use reads
-  /// them back from the page cache or the file, so results do not change. The ranges are
-  /// rounded out to whole pages, so a neighbouring tensor sharing a page is dropped too (and
-  /// read back the same way). Owned weights: nothing is done (dropping anonymous pages would
-  /// zero them).
+  /// stage's tensors (the process drops them: its resident set shrinks), then
+  /// posix_fadvise(POSIX_FADV_DONTNEED) over the same file range (the page cache lets go of the
+  /// pages no other mapping holds, so the memory is really free; prima.cpp's release). The next
+  /// use reads them back from the file, so results do not change. The ranges are rounded out to
+  /// whole pages, so a neighbouring tensor sharing a page is dropped too (and read back the same
+  /// way). Owned weights: nothing is done (dropping anonymous pages would zero them).
   /// @return true when the kernel was advised, false for owned weights
-  /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
+  /// @throws brigade::Error{Internal} naming the range and errno if madvise or posix_fadvise fails
   bool release_weights();
+  /// Bytes of this stage's weight pages resident in memory now: mincore(2) over its page
+  /// ranges (whole pages, so up to a page more per range than weight_bytes() at the ends) for
+  /// mapped weights; weight_bytes() for owned ones.
+  /// @throws brigade::Error{Internal} naming the range and errno if mincore fails
+  [[nodiscard]] std::size_t resident_weight_bytes() const;
+  /// The page-aligned (address, bytes) ranges of this stage's tensors, sorted and merged.
+  [[nodiscard]] std::span<const std::pair<std::uintptr_t, std::size_t>> weight_pages() const noexcept {
+    return weight_pages_;
+  }
+  /// True when the weights are mapped from a file (LlamaWeights::mapped): PREFETCH and RELEASE
+  /// really load and drop pages.
+  [[nodiscard]] bool mapped() const noexcept { return weights_->mapped; }
 
  protected:
   /// @param weights    the model (shared, read-only, host memory)
@@ -157,11 +171,18 @@ class InferenceStageBase {
 
   std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
   std::size_t weight_bytes_ = 0;
+  unsigned touched_ = 0;  // what prefetch_weights' page reads summed (kept so they are not elided)
   std::vector<int> capacities_;
   std::vector<std::int64_t> cache_offsets_;      // per sequence, its first row in a layer's cache
   std::int64_t cache_rows_total_ = 0;            // sum of capacities
   std::vector<model::Sampler> samplers_;
 };
+
+/// Bytes of the pages under `ranges` (address, bytes; any order, may overlap) resident in memory
+/// now: mincore(2) over their union rounded out to whole pages, each page counted once.
+/// @throws brigade::Error{Internal} naming the range and errno if mincore fails (an address
+///         that is not mapped)
+std::size_t resident_bytes(std::span<const std::pair<std::uintptr_t, std::size_t>> ranges);
 
 /// An inference stage whose layers run on backend B (brigade/backend/backend.hpp): B's kernels,
 /// B's memory for the weights it uploads, the KV caches and the work buffers. With a host-memory
