@@ -244,7 +244,15 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
     peak_resident_ += static_cast<double>(s->weight_bytes());
   }
   offload_mapped_ = weight_offload && mapped;
-  if (offload_mapped_) peak_resident_ = 0;
+  if (offload_mapped_) {
+    peak_resident_ = 0;
+    // What loading touched goes: this rank then holds only the windows it loads.
+    for (const auto* s : stages_)
+      if (s != nullptr) {
+        runtime::release_model_pages(s->weights());
+        break;
+      }
+  }
   if (offload_mapped_ && background_prefetch)
     prefetcher_ = std::make_unique<runtime::WeightPrefetcher>();
 }

@@ -144,6 +144,25 @@ bool InferenceStageBase::release_weights() {
   return true;
 }
 
+bool release_model_pages(const model::LlamaWeights& weights) {
+  if (!weights.mapped) return false;
+  const void* base = weights.storage.get();
+  const auto& files = ::brigade::detail::MappedFiles::instance();
+  const std::size_t bytes = files.bytes(base);
+  const int fd = files.fd(base);
+  if (bytes == 0 || fd < 0) return false;
+  if (::madvise(const_cast<void*>(base), bytes, MADV_DONTNEED) != 0) {
+    const int err = errno;
+    ::brigade::detail::fail(Errc::Internal, "release_model_pages: madvise(MADV_DONTNEED) over {} bytes failed: {}",
+                            bytes, std::strerror(err));
+  }
+  const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  if (rc != 0)
+    ::brigade::detail::fail(Errc::Internal, "release_model_pages: posix_fadvise(POSIX_FADV_DONTNEED) failed: {}",
+                            std::strerror(rc));
+  return true;
+}
+
 std::size_t InferenceStageBase::resident_weight_bytes() const {
   if (!weights_->mapped) return weight_bytes_;
   return resident_bytes(weight_pages_);

@@ -34,9 +34,9 @@ class MappedFiles {
     static MappedFiles m;
     return m;
   }
-  void add(const void* base, int fd) {
+  void add(const void* base, int fd, std::size_t bytes) {
     std::lock_guard lock(mu_);
-    fds_[base] = fd;
+    fds_[base] = {fd, bytes};
   }
   void remove(const void* base) {
     std::lock_guard lock(mu_);
@@ -46,12 +46,18 @@ class MappedFiles {
   int fd(const void* base) const {
     std::lock_guard lock(mu_);
     const auto it = fds_.find(base);
-    return it == fds_.end() ? -1 : it->second;
+    return it == fds_.end() ? -1 : it->second.first;
+  }
+  /// The length of the mapping at `base` in bytes, or 0.
+  std::size_t bytes(const void* base) const {
+    std::lock_guard lock(mu_);
+    const auto it = fds_.find(base);
+    return it == fds_.end() ? 0 : it->second.second;
   }
 
  private:
   mutable std::mutex mu_;
-  std::map<const void*, int> fds_;
+  std::map<const void*, std::pair<int, std::size_t>> fds_;
 };
 
 /// A read-only mapping of a whole regular file; `mapping` unmaps and closes it when the last
@@ -98,7 +104,7 @@ class OpenFile {
       ::munmap(const_cast<void*>(p), length);
       ::close(fd);
     });
-    MappedFiles::instance().add(addr, fd_);
+    MappedFiles::instance().add(addr, fd_, length);
     fd_ = -1;
     m.bytes = static_cast<const std::byte*>(addr);
     return m;

@@ -128,6 +128,8 @@ class InferenceStageBase {
   [[nodiscard]] std::span<const std::pair<std::uintptr_t, std::size_t>> weight_pages() const noexcept {
     return weight_pages_;
   }
+  /// The model this stage's layers come from.
+  [[nodiscard]] const model::LlamaWeights& weights() const noexcept { return *weights_; }
   /// True when the weights are mapped from a file (LlamaWeights::mapped): PREFETCH and RELEASE
   /// really load and drop pages.
   [[nodiscard]] bool mapped() const noexcept { return weights_->mapped; }
@@ -177,6 +179,16 @@ class InferenceStageBase {
   std::int64_t cache_rows_total_ = 0;            // sum of capacities
   std::vector<model::Sampler> samplers_;
 };
+
+/// Drops every page of a mapped model from this process (madvise MADV_DONTNEED over the whole
+/// mapping) and from the page cache (posix_fadvise POSIX_FADV_DONTNEED over the file): what
+/// loading touched (the loaders scan every weight for NaN) is let go, so under weight offload a
+/// rank then holds only the windows it loads. The InferenceWorker calls it when weight offload
+/// starts on mapped weights.
+/// @return true when the pages were dropped, false for owned weights or a mapping not made by
+///         the loaders
+/// @throws brigade::Error{Internal} naming errno if madvise or posix_fadvise fails
+bool release_model_pages(const model::LlamaWeights& weights);
 
 /// Bytes of the pages under `ranges` (address, bytes; any order, may overlap) resident in memory
 /// now: mincore(2) over their union rounded out to whole pages, each page counted once.
