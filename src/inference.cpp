@@ -5,6 +5,9 @@
 #include "brigade/backend/cpu.hpp"
 #include "brigade/engine/threads.hpp"
 #include "brigade/transport/in_process.hpp"
+#include "mapped_file.hpp"
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
@@ -215,6 +218,18 @@ using transport::kAny;
 using transport::MessageHeader;
 using transport::MessageKind;
 
+namespace {
+
+/// madvise(advice) over the whole mapping of mapped weights (best effort: the access pattern
+/// hint only).
+void advise_mapping(const model::LlamaWeights& w, int advice) {
+  const void* base = w.storage.get();
+  const std::size_t bytes = ::brigade::detail::MappedFiles::instance().bytes(base);
+  if (bytes > 0) (void)::madvise(const_cast<void*>(base), bytes, advice);
+}
+
+}  // namespace
+
 InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  std::span<runtime::InferenceStageBase* const> stages,
                                  const detail::GenerationLayout& layout,
@@ -253,11 +268,27 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
         break;
       }
   }
-  if (offload_mapped_ && background_prefetch)
+  if (offload_mapped_ && background_prefetch) {
     prefetcher_ = std::make_unique<runtime::WeightPrefetcher>();
+    // The prefetcher loads exactly the next window: the kernel's read-around on page faults
+    // (read_ahead_kb, often megabytes) would pull in other windows' pages as well.
+    for (const auto* s : stages_)
+      if (s != nullptr) {
+        advise_mapping(s->weights(), MADV_RANDOM);
+        break;
+      }
+  }
 }
 
-InferenceWorker::~InferenceWorker() = default;
+InferenceWorker::~InferenceWorker() {
+  if (!prefetcher_) return;
+  prefetcher_.reset();  // no load in flight past this point
+  for (const auto* s : stages_)
+    if (s != nullptr) {
+      advise_mapping(s->weights(), MADV_NORMAL);
+      break;
+    }
+}
 
 double InferenceWorker::peak_resident_weight_bytes() const { return peak_resident_; }
 

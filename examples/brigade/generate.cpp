@@ -283,10 +283,11 @@ int run(const GenerateArgs& a) {
   const int rounds = part.num_stages() / part.num_ranks();
   const std::vector<std::size_t> layer_bytes_held = model::layer_weight_bytes(weights);
   const std::vector<double> layer_bytes(layer_bytes_held.begin(), layer_bytes_held.end());
+  const double tied = weights.config.shared_classifier ? layer_bytes.front() : 0.0;
   // The weights each rank keeps resident must fit its RAM budget (--ram-budget), before anything runs.
   if (a.ram_budget > 0)
     partition::check_ring_budget(part, layer_bytes, a.offload && weights.mapped,
-                                 std::span(&a.ram_budget, 1), "--ram-budget");
+                                 std::span(&a.ram_budget, 1), "--ram-budget", tied);
 
   engine::InferenceOptions opt;
   opt.microbatches = planned ? planned->microbatches : a.microbatches;
@@ -310,13 +311,13 @@ int run(const GenerateArgs& a) {
     if (offloaded)
       partition::check_ring_budget(part, layer_bytes, true,
                                    std::span(&profile->memory_capacity_bytes, 1),
-                                   fmt::format("profile {}", profile->name));
+                                   fmt::format("profile {}", profile->name), tied);
     else
       cost::check_holds_weights(*profile, held, "as loaded");
     auto mem = engine::inference_memory(
         weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
         requests, layer_bytes);
-    const auto resident = partition::resident_weight_bytes(part, layer_bytes, offloaded);
+    const auto resident = partition::resident_weight_bytes(part, layer_bytes, offloaded, tied);
     if (offloaded)
       for (std::size_t r = 0; r < mem.size(); ++r) mem[r].weights = resident[r];
     if (under_mpi)

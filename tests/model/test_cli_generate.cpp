@@ -116,7 +116,7 @@ TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ran
   // 1 rank, k = 5 (even: one layer per window), with offload and a RAM budget it fits.
   const auto tag = std::to_string(::getpid());
   const auto metrics = (std::filesystem::temp_directory_path() / ("ring-" + tag + ".json")).string();
-  auto five = run_cli("generate " + model_flags() + " --stages 1 --ring 5 --offload --ram-budget 600000 --metrics " +
+  auto five = run_cli("generate " + model_flags() + " --stages 1 --ring 5 --offload --ram-budget 700000 --metrics " +
                       metrics + story);
   REQUIRE(five.rc == 0);
   CHECK(five.out == one);

@@ -123,11 +123,14 @@ inline Partition ring_partition(const model::ModelSpec& spec, int ranks,
 /// after) the largest sum of two windows it runs one after the other (cyclically: the last
 /// window of a position is followed by the first of the next), or its one window.
 /// @param layer_bytes the weight bytes of each ModelSpec layer (model::layer_weight_bytes)
+/// @param tied_embedding_bytes with a shared classifier, the embedding table's bytes: the
+///        window holding the LM head reads those pages too (layer_bytes counts them once, at
+///        the embedding); 0 otherwise
 /// @return one value per rank, in bytes
 /// @throws brigade::Error{InvalidArgument} if layer_bytes does not have one entry per layer
 inline std::vector<double> resident_weight_bytes(const Partition& part,
                                                  std::span<const double> layer_bytes,
-                                                 bool offload) {
+                                                 bool offload, double tied_embedding_bytes = 0) {
   BRIGADE_CHECK(static_cast<int>(layer_bytes.size()) == part.num_layers(), Errc::InvalidArgument,
                 "resident_weight_bytes: {} layer sizes for {} layers", layer_bytes.size(),
                 part.num_layers());
@@ -135,6 +138,8 @@ inline std::vector<double> resident_weight_bytes(const Partition& part,
   for (const auto& s : part.stages()) {
     double b = 0;
     for (int l = s.first; l < s.last; ++l) b += layer_bytes[static_cast<std::size_t>(l)];
+    // The LM head (the layer before the sampler) reading the tied embedding, in another window.
+    if (s.last == part.num_layers() && s.first > 0) b += tied_embedding_bytes;
     windows[static_cast<std::size_t>(s.rank)].push_back(b);
   }
   std::vector<double> out;
@@ -150,17 +155,19 @@ inline std::vector<double> resident_weight_bytes(const Partition& part,
   return out;
 }
 
-/// Refuses a ring whose resident weights (resident_weight_bytes) exceed a rank's RAM budget.
+/// Refuses a ring whose resident weights (resident_weight_bytes, with `tied_embedding_bytes`)
+/// exceed a rank's RAM budget.
 /// @param budgets one budget in bytes for every rank, or one per rank
 /// @param who     the caller, for the message
 /// @throws brigade::Error{InvalidArgument} "<who>: rank R holds B bytes of weights resident
 ///         (windows ..., offload on|off), over its RAM budget of C bytes" for the first such rank
 inline void check_ring_budget(const Partition& part, std::span<const double> layer_bytes,
-                              bool offload, std::span<const double> budgets, std::string_view who) {
+                              bool offload, std::span<const double> budgets, std::string_view who,
+                              double tied_embedding_bytes = 0) {
   BRIGADE_CHECK(budgets.size() == 1 || static_cast<int>(budgets.size()) == part.num_ranks(),
                 Errc::InvalidArgument, "{}: {} RAM budgets for {} ranks, expected 1 or {}", who,
                 budgets.size(), part.num_ranks(), part.num_ranks());
-  const auto held = resident_weight_bytes(part, layer_bytes, offload);
+  const auto held = resident_weight_bytes(part, layer_bytes, offload, tied_embedding_bytes);
   for (int r = 0; r < part.num_ranks(); ++r) {
     const double cap = budgets.size() == 1 ? budgets[0] : budgets[static_cast<std::size_t>(r)];
     if (held[static_cast<std::size_t>(r)] <= cap) continue;
