@@ -102,7 +102,7 @@ TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same
 }
 
 TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ranks and still "
-          "print run.c's text; k not dividing the layers, windows not covering them, a RAM "
+          "print run.c's text. K not dividing the layers, windows not covering them, a RAM "
           "budget or a profile too small are named before anything runs" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();

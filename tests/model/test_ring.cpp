@@ -201,8 +201,8 @@ TEST_CASE("ring.offload: resident weights measured with mincore stay within two 
   }
 }
 
-TEST_CASE("ring.offload: WeightPrefetcher loads a released stage's pages in the background; "
-          "settle waits for it; RELEASE leaves none resident") {
+TEST_CASE("ring.offload: WeightPrefetcher loads a released stage's pages in the background: "
+          "settle waits for it and RELEASE leaves none resident") {
   const test::TempDir dir("brigade-prefetch");
   const auto w = model::load_llama2c_checkpoint(private_copy(kModels / "stories260K.bin", dir));
   const model::ModelSpec spec(w.config);
@@ -296,7 +296,7 @@ TEST_CASE("ring.errors: k not dividing the layers, a window list that does not c
         }).find("use weight offload (--offload)") != std::string::npos);
 }
 
-TEST_CASE("ring.halda: brigade generate --halda runs Halda's windows and prints run.c's text; "
+TEST_CASE("ring.halda: brigade generate --halda runs Halda's windows and prints run.c's text and "
           "brigade plan --halda prints the assignment beside the even split" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const test::TempDir dir("brigade-halda");

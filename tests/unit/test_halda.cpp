@@ -169,7 +169,7 @@ TEST_CASE("halda: on seeded small clusters, each integer program's CBC optimum i
   CHECK(instances >= 12);
 }
 
-TEST_CASE("halda: a device that only slows the ring is removed; without removal it keeps a "
+TEST_CASE("halda: a device that only slows the ring is removed: without removal it keeps a "
           "window and the predicted TPOT is higher") {
   HaldaModel m;
   m.layers = 8;
