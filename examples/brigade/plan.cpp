@@ -2,10 +2,11 @@
 // throughput (plan/tp_planner.hpp); prints the Pareto front, each grid's extremes and the pick
 // for the SLA, and writes the front as SVG and every plan as JSON.
 //
-// Other planning modes (Halda's, issue 18) plug in beside run_tp_pp(): an option of their own
-// added in setup() and a branch in the function setup() returns.
+// Its other mode, `--halda DEVICES.json` (plan_halda.hpp, issue 18), assigns prima.cpp's ring
+// windows and GPU layers to home devices instead.
 #include "cli.hpp"
 #include "model_config.hpp"
+#include "plan_halda.hpp"
 
 #include <brigade/core/error.hpp>
 #include <brigade/cost/profile.hpp>
@@ -230,14 +231,24 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--batch", o->batch, "only this batch (with --tp and/or --pp)")
       ->check(cli::number_in<int>(1, 65536, "a whole number from 1 to 65536"));
   sub.add_option("--svg", o->svg, "write the plot of every plan and the front to this SVG file");
-  sub.add_option("--json", o->json, "write every plan, the front and the pick to this JSON file");
-  return [o] { return run_tp_pp(*o); };
+  sub.add_option("--json", o->json,
+                 "write every plan, the front and the pick (with --halda: the assignment and the "
+                 "comparison) to this JSON file");
+  auto halda = std::make_shared<cli::HaldaPlanArgs>();
+  cli::add_halda_plan_options(sub, *halda);
+  return [o, halda] {
+    if (halda->devices.empty()) return run_tp_pp(*o);
+    halda->model = o->model;
+    halda->json = o->json;
+    return cli::run_halda_plan(*halda);
+  };
 }
 
 const cli::Registrar registrar{
     {"plan",
      "TP x PP x batch for serving a model on a node of GPUs: the latency-throughput Pareto front "
-     "and the pick for a TTFT/TPOT SLA (exit 1 when no plan meets it)",
+     "and the pick for a TTFT/TPOT SLA (exit 1 when no plan meets it); with --halda, prima.cpp's "
+     "ring windows and GPU layers on home devices",
      setup}};
 
 }  // namespace

@@ -121,27 +121,4 @@ int run_halda_plan(const HaldaPlanArgs& a) {
   return 0;
 }
 
-namespace {
-
-// The `plan` subcommand with its Halda mode (the TP x PP planner of issue 19 adds its own mode
-// beside it).
-std::function<int()> setup(CLI::App& sub) {
-  auto a = std::make_shared<HaldaPlanArgs>();
-  sub.add_option("--model", a->model, "the model: a named size (260K ... 1.1B) or a model file");
-  sub.add_option("--json", a->json, "write the assignment and the comparison to this JSON file");
-  add_halda_plan_options(sub, *a);
-  return [a] {
-    BRIGADE_CHECK(!a->devices.empty(), Errc::InvalidArgument,
-                  "plan: give --halda DEVICES.json (prima.cpp's Halda over home devices)");
-    return run_halda_plan(*a);
-  };
-}
-
-const Registrar registrar{
-    {"plan", "Plan a split of a model: --halda assigns ring windows and GPU layers to home devices "
-             "(prima.cpp's Halda)",
-     setup}};
-
-}  // namespace
-
 }  // namespace brigade::cli

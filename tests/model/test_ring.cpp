@@ -334,6 +334,13 @@ TEST_CASE("ring.halda: brigade generate --halda runs Halda's windows and prints 
   CHECK(layers == 22);
   CHECK(j["halda"]["tpot_s"].get<double>() > 0);
   CHECK(j["halda"]["tpot_s"].get<double>() <= j["even_split"]["tpot_s"].get<double>() * (1 + 1e-12));
+  // The named Llama-3.1 shapes of the TP x PP planner (same subcommand) work here too: 80 layers.
+  const auto big = test::run_cli("plan --halda " + (fs::path(BRIGADE_PROFILE_DIR) / "prima_home_cluster.json").string() +
+                                 " --model llama-3.1-70b --json " + json.string());
+  REQUIRE(big.rc == 0);
+  std::ifstream in70(json);
+  const auto j70 = nlohmann::json::parse(in70);
+  CHECK(j70["layers"].get<int>() == 80);
   const auto bad = test::run_cli("plan --halda " + file.string() + "x --model 1.1B");
   CHECK(bad.rc != 0);
   CHECK(bad.err.find("cannot read the devices file") != std::string::npos);
