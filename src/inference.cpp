@@ -233,7 +233,7 @@ void advise_mapping(const model::LlamaWeights& w, int advice) {
 InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  std::span<runtime::InferenceStageBase* const> stages,
                                  const detail::GenerationLayout& layout,
-                                 detail::SequenceBook* book,
+                                 detail::MicrobatchSource* book,
                                  std::chrono::steady_clock::time_point t0, bool weight_offload,
                                  DType pipeline_dtype, bool background_prefetch)
     : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
@@ -247,6 +247,7 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   live_.assign(M, 1);
   closed_.assign(M, 0);
   known_.assign(M, 0);
+  idle_.assign(M, 0);
   prev_.resize(M);
   cur_.resize(M);
   slot_.resize(M);
@@ -308,6 +309,7 @@ bool InferenceWorker::fill(std::vector<Action>& out) {
     if (round_ >= 0) prev_[m].swap(cur_[m]);
     cur_[m].clear();
     known_[m] = 0;
+    idle_[m] = 0;
     any = any || live_[m];
   }
   ++round_;
@@ -342,7 +344,20 @@ void InferenceWorker::check_sequences(int m, std::span<const backend::SequenceSl
     }
     return;
   }
-  if (round_ == 0) {
+  if (layout_->dynamic) {
+    // Serving: a sequence at position 0 is new (its first prompt chunk); any other continues
+    // where its last round left it. Sequences leave (finished) or skip rounds freely.
+    for (const auto& g : seen) {
+      const auto id = static_cast<std::size_t>(g.seq);
+      const std::int32_t expect = g.seq >= 0 && id < next_pos_.size() ? next_pos_[id] : -1;
+      if (g.seq < 0 || g.tokens < 1 || (g.pos0 != 0 && g.pos0 != expect)) {
+        const backend::SequenceSlice want{g.seq, expect < 0 ? 0 : expect, g.tokens};
+        fail(&want, &g);
+      }
+      if (id >= next_pos_.size()) next_pos_.resize(id + 1, -1);
+      next_pos_[id] = g.pos0 + g.tokens;
+    }
+  } else if (round_ == 0) {
     const auto& want = layout_->prefill[um];
     for (std::size_t i = 0; i < std::max(want.size(), seen.size()); ++i) {
       const auto* w = i < want.size() ? &want[i] : nullptr;
@@ -386,7 +401,14 @@ void InferenceWorker::check_sequences(int m, std::span<const backend::SequenceSl
 Work InferenceWorker::compute(const Action& a) {
   const auto m = static_cast<std::size_t>(a.microbatch);
   auto& mb = slot_[m];
-  const std::string_view label = a.chunk == 0 ? "prefill" : "decode";
+  // A round that feeds a prompt (a sequence at position 0, or a chunk of several tokens) is a
+  // prefill; one token per sequence is a decode.
+  auto label = [&] {
+    const bool feeds_prompt = std::any_of(mb.seqs.begin(), mb.seqs.end(), [](const auto& s) {
+      return s.pos0 == 0 || s.tokens > 1;
+    });
+    return std::string_view((a.chunk == 0 || feeds_prompt) ? "prefill" : "decode");
+  };
   const auto v = static_cast<std::size_t>(a.virtual_stage);
   if (a.op == Op::Prefetch || a.op == Op::Release) {
     auto& st = stage(a.virtual_stage);
@@ -408,20 +430,28 @@ Work InferenceWorker::compute(const Action& a) {
                 rank_, schedule::to_string(a), a.virtual_stage);
   if (a.op == Op::F) {
     if (a.virtual_stage == 0) {
-      if (a.chunk == 0) {
-        mb = book_->prefill(a.microbatch);
-      } else {
+      scratch_.clear();
+      if (a.chunk > 0) {
         const auto& t = tokens_[m];
-        scratch_.clear();
         for (std::size_t i = 2; i < t.size(); i += 3) scratch_.push_back(t[i]);
-        const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-        mb = book_->advance(a.microbatch, prev_[m], scratch_, now);
       }
+      const double now =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+      mb = runtime::Microbatch{};
+      const bool open =
+          book_->next(detail::RoundInput{a.microbatch, a.chunk,
+                                         a.chunk > 0 ? std::span<const backend::SequenceSlice>(
+                                                           prev_[m])
+                                                     : std::span<const backend::SequenceSlice>(),
+                                         scratch_, now},
+                      mb);
+      mb.id = a.microbatch;
       cur_[m] = mb.seqs;
       known_[m] = 1;
-      if (mb.seqs.empty()) closed_[m] = 1;
+      if (!open) closed_[m] = 1;
+      else if (mb.seqs.empty()) idle_[m] = 1;
     }
-    if (closed_[m]) return {false, 0, {}};
+    if (closed_[m] || idle_[m]) return {false, 0, {}};
     stage(a.virtual_stage).forward(mb);
     if (offload_mapped_) {  // the window just run and whatever of the next one is loaded
       pages_.clear();
@@ -429,10 +459,13 @@ Work InferenceWorker::compute(const Action& a) {
         if (s != nullptr) pages_.insert(pages_.end(), s->weight_pages().begin(), s->weight_pages().end());
       peak_resident_ = std::max(peak_resident_, static_cast<double>(runtime::resident_bytes(pages_)));
     }
-    return {true, mb.num_tokens(), label};
+    return {true, mb.num_tokens(), label()};
   }
   if (a.op == Op::Sample) {
-    if (closed_[m]) return {false, 0, {}};
+    if (closed_[m] || idle_[m]) {
+      tokens_[m].clear();
+      return {false, 0, {}};
+    }
     stage(a.virtual_stage).sample(mb);
     if (shape_->rank_of(0) == rank_) {
       // The next round's virtual stage 0 is here: the tokens need no message.
@@ -441,7 +474,7 @@ Work InferenceWorker::compute(const Action& a) {
       for (std::size_t i = 0; i < mb.seqs.size(); ++i)
         t.insert(t.end(), {mb.seqs[i].seq, mb.seqs[i].pos0 + mb.seqs[i].tokens, mb.sampled[i]});
     }
-    return {true, static_cast<std::int64_t>(mb.seqs.size()), label};
+    return {true, static_cast<std::int64_t>(mb.seqs.size()), label()};
   }
   BRIGADE_CHECK(false, Errc::InvalidArgument, "executor: rank {}: inference cannot run {}", rank_,
                 schedule::to_string(a));
@@ -450,7 +483,8 @@ Work InferenceWorker::compute(const Action& a) {
 
 void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& out) {
   const auto m = static_cast<std::size_t>(a.microbatch);
-  const auto seqs = static_cast<std::int64_t>(layout_->prefill[m].size());
+  const auto seqs = layout_->dynamic ? static_cast<std::int64_t>(layout_->max_seqs)
+                                     : static_cast<std::int64_t>(layout_->prefill[m].size());
   if (a.virtual_stage == 0) {
     out.push_back({detail::kTagToken,
                    MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}, a.chunk,
@@ -459,9 +493,9 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
     return;
   }
   out.push_back({detail::kTagDescriptor,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32, {kAny, 3},
-                                     a.chunk),
-                 static_cast<std::size_t>(3 * (seqs + 1)) * 4});
+                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32,
+                                     {kAny, detail::kDescriptorColumns}, a.chunk),
+                 static_cast<std::size_t>(detail::kDescriptorColumns * (seqs + 1)) * 4});
   out.push_back({detail::kTagActivation,
                  MessageHeader::make(a.microbatch, a.virtual_stage, pipeline_dtype_, {kAny, kAny},
                                      a.chunk, MessageKind::Activation),
@@ -504,15 +538,26 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
     return;
   }
   const auto d = ints(msgs[0]);
-  const std::size_t n_seq = d.size() / 3 - 1;
+  constexpr std::size_t C = detail::kDescriptorColumns;
+  const std::size_t n_seq = d.size() / C - 1;
   auto& mb = slot_[m];
   mb = runtime::Microbatch{};
   mb.id = a.microbatch;
-  for (std::size_t i = 0; i < n_seq; ++i)
-    mb.seqs.push_back({d[3 * (i + 1)], d[3 * (i + 1) + 1], d[3 * (i + 1) + 2]});
+  bool placed = false, partial = false;
+  for (std::size_t i = 0; i < n_seq; ++i) {
+    const auto* row = d.data() + C * (i + 1);
+    mb.seqs.push_back({row[0], row[1], row[2]});
+    placed = placed || row[4] != 0;
+    partial = partial || row[5] == 0;
+  }
+  for (std::size_t i = 0; i < n_seq && (placed || partial); ++i) {
+    const auto* row = d.data() + C * (i + 1);
+    if (placed) mb.placement.push_back({row[3], row[4]});
+    if (partial) mb.emit.push_back(static_cast<std::uint8_t>(row[5] != 0));
+  }
   check_sequences(a.microbatch, mb.seqs, peer);
   if (n_seq == 0) {
-    closed_[m] = 1;
+    (d[3] == detail::kIdle ? idle_ : closed_)[m] = 1;
     return;
   }
   mb.rows = d[0];
@@ -534,8 +579,16 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
   const auto& mb = slot_[m];
   const int last = shape_->num_virtual_stages - 1;
   if (a.virtual_stage == last) {
-    // The sampled tokens return to virtual stage 0; a closed micro-batch has none.
+    // The sampled tokens return to virtual stage 0; a closed micro-batch has none, an idle one
+    // sends an empty message.
     if (closed_[m]) return;
+    if (idle_[m]) {
+      out.add(detail::kTagToken,
+              MessageHeader::make(a.microbatch, 0, DType::I32, {0, 3}, a.chunk + 1,
+                                  MessageKind::Token),
+              {});
+      return;
+    }
     scratch_.clear();
     for (std::size_t i = 0; i < mb.seqs.size(); ++i)
       scratch_.insert(scratch_.end(), {mb.seqs[i].seq, mb.seqs[i].pos0 + mb.seqs[i].tokens,
@@ -549,17 +602,25 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
   }
   const int to = a.virtual_stage + 1;
   scratch_.clear();
-  const bool closed = closed_[m] != 0;
+  const bool closed = closed_[m] != 0 || idle_[m] != 0;
   if (closed) {
-    scratch_.insert(scratch_.end(), {0, 0, mb.next_layer});
+    scratch_.insert(scratch_.end(),
+                    {0, 0, mb.next_layer, idle_[m] ? detail::kIdle : 0, 0, 0});
   } else {
     scratch_.insert(scratch_.end(), {static_cast<std::int32_t>(mb.rows),
-                                     static_cast<std::int32_t>(mb.width), mb.next_layer});
-    for (const auto& s : mb.seqs) scratch_.insert(scratch_.end(), {s.seq, s.pos0, s.tokens});
+                                     static_cast<std::int32_t>(mb.width), mb.next_layer, 0, 0, 0});
+    for (std::size_t i = 0; i < mb.seqs.size(); ++i) {
+      const auto& s = mb.seqs[i];
+      const runtime::KvPlacement p = mb.placement.empty() ? runtime::KvPlacement{} : mb.placement[i];
+      const std::int32_t emit = mb.emit.empty() ? 1 : mb.emit[i];
+      scratch_.insert(scratch_.end(), {s.seq, s.pos0, s.tokens, p.first_row, p.capacity, emit});
+    }
   }
   out.add(detail::kTagDescriptor,
           MessageHeader::make(a.microbatch, to, DType::I32,
-                              {static_cast<std::int64_t>(scratch_.size() / 3), 3}, a.chunk),
+                              {static_cast<std::int64_t>(scratch_.size() / detail::kDescriptorColumns),
+                               detail::kDescriptorColumns},
+                              a.chunk),
           transport::as_bytes(std::span<const std::int32_t>(scratch_)));
   const std::int64_t rows = closed ? 0 : mb.rows, width = closed ? 0 : mb.width;
   transport::ConstBytes payload;

@@ -20,7 +20,8 @@ using model::LayerKind;
 InferenceStageBase::InferenceStageBase(const model::LlamaWeights& weights,
                                        partition::StageRange range,
                                        std::span<const int> capacities,
-                                       const model::SamplerConfig& sampler)
+                                       const model::SamplerConfig& sampler,
+                                       std::int64_t pool_rows)
     : weights_(&weights),
       spec_(weights.config),
       range_(range),
@@ -37,6 +38,10 @@ InferenceStageBase::InferenceStageBase(const model::LlamaWeights& weights,
     cache_offsets_.push_back(cache_rows_total_);
     cache_rows_total_ += capacities_[i];
   }
+  BRIGADE_CHECK(pool_rows >= 0, Errc::InvalidArgument, "InferenceStage: pool_rows = {}, expected >= 0",
+                pool_rows);
+  cache_rows_total_ = std::max(cache_rows_total_, pool_rows);
+  sampler_config_ = sampler;
   for (int l = range.first; l < range.last; ++l) {
     if (spec_.layer(l).kind != LayerKind::Decoder) continue;
     if (first_decoder_ < 0) first_decoder_ = spec_.layer(l).decoder_index;
@@ -207,6 +212,42 @@ backend::KvCacheView InferenceStageBase::kv_view(void* base, DType dtype) const 
   return v;
 }
 
+void InferenceStageBase::place_sequences(const Microbatch& mb) {
+  if (mb.placement.empty()) return;
+  const auto& c = weights_->config;
+  BRIGADE_CHECK(mb.placement.size() == mb.seqs.size(), Errc::InvalidArgument,
+                "InferenceStage: micro-batch {} has {} KV placements for {} sequences", mb.id,
+                mb.placement.size(), mb.seqs.size());
+  for (std::size_t i = 0; i < mb.seqs.size(); ++i) {
+    const auto& s = mb.seqs[i];
+    const auto& p = mb.placement[i];
+    BRIGADE_CHECK(s.seq >= 0 && p.first_row >= 0 && p.capacity >= 1 && p.capacity <= c.seq_len &&
+                      p.first_row + static_cast<std::int64_t>(p.capacity) <= cache_rows_total_,
+                  Errc::InvalidArgument,
+                  "InferenceStage: sequence {} placed at KV rows [{}, {}), outside the pool of {} "
+                  "rows (or over seq_len {})",
+                  s.seq, p.first_row, static_cast<std::int64_t>(p.first_row) + p.capacity,
+                  cache_rows_total_, c.seq_len);
+    const auto id = static_cast<std::size_t>(s.seq);
+    if (id >= capacities_.size()) {
+      capacities_.resize(id + 1, 0);
+      cache_offsets_.resize(id + 1, 0);
+    }
+    capacities_[id] = p.capacity;
+    cache_offsets_[id] = p.first_row;
+    if (owns_sampler() && (s.pos0 == 0 || id >= samplers_.size())) {
+      while (samplers_.size() <= id) {
+        model::SamplerConfig sc = sampler_config_;
+        sc.seed = sampler_config_.seed + samplers_.size();
+        samplers_.emplace_back(c.vocab_size, sc);
+      }
+      model::SamplerConfig sc = sampler_config_;
+      sc.seed = sampler_config_.seed + id;
+      samplers_[id] = model::Sampler(c.vocab_size, sc);
+    }
+  }
+}
+
 void InferenceStageBase::check_entry(const Microbatch& mb) const {
   const auto& c = weights_->config;
   BRIGADE_CHECK(mb.next_layer == range_.first, Errc::InvalidArgument,
@@ -279,7 +320,14 @@ void InferenceStageBase::sample(Microbatch& mb) {
                 mb.width, n_seq, c.vocab_size);
   // The logits were checked as the LM head's output, on whichever stage holds it.
   mb.sampled.resize(static_cast<std::size_t>(n_seq));
+  BRIGADE_CHECK(mb.emit.empty() || mb.emit.size() == mb.seqs.size(), Errc::InvalidArgument,
+                "InferenceStage: micro-batch {} has {} emit flags for {} sequences", mb.id,
+                mb.emit.size(), mb.seqs.size());
   for (std::int64_t i = 0; i < n_seq; ++i) {
+    if (!mb.emit.empty() && mb.emit[static_cast<std::size_t>(i)] == 0) {
+      mb.sampled[static_cast<std::size_t>(i)] = -1;
+      continue;
+    }
     std::span<float> logits(mb.act.data() + i * c.vocab_size,
                             static_cast<std::size_t>(c.vocab_size));
     mb.sampled[static_cast<std::size_t>(i)] =

@@ -119,17 +119,52 @@ inline int group_of(int i, int n, int groups) {
 namespace detail {
 
 /// Message tags of the inference protocol.
-inline constexpr int kTagDescriptor = 1;  // I32 [n_seq + 1, 3]: (rows, width, next_layer), then
-                                          // (seq, pos0, tokens) per sequence; n_seq = 0 closes
-                                          // the micro-batch
+inline constexpr int kTagDescriptor = 1;  // I32 [n_seq + 1, kDescriptorColumns]: (rows, width,
+                                          // next_layer, state, 0, 0), then per sequence (seq,
+                                          // pos0, tokens, kv first row, kv capacity, emit);
+                                          // n_seq = 0 closes the micro-batch (state 0) or
+                                          // passes an idle round (state kIdle); kv capacity 0
+                                          // leaves the stage's placement as it is
 inline constexpr int kTagActivation = 2;  // F32 [rows, width] (rows = 0 with a closing descriptor)
 inline constexpr int kTagToken = 3;       // I32 [n_seq, 3]: (seq, position, token) per sequence,
-                                          // last virtual stage -> virtual stage 0
+                                          // last virtual stage -> virtual stage 0 (token -1: a
+                                          // prompt chunk that samples nothing)
+inline constexpr int kDescriptorColumns = 6;
+inline constexpr int kIdle = 1;  // descriptor state: nothing to run this round, more to come
 
-/// Stage 0's book of sequences: builds prefill and decode micro-batches and records tokens.
-class SequenceBook {
+/// What virtual stage 0 is told at the start of a micro-batch's round: the sequences of its
+/// previous round and the token each sampled (-1: none, a prompt chunk), and the time.
+struct RoundInput {
+  int microbatch = 0;
+  int round = 0;
+  std::span<const backend::SequenceSlice> previous;  ///< the micro-batch's last round
+  std::span<const std::int32_t> sampled;             ///< one per previous sequence
+  double now_s = 0.0;  ///< seconds since the run's origin
+};
+
+/// The owner of the sequences on virtual stage 0: it records what the last round sampled and
+/// builds each micro-batch's next round. engine::generate's SequenceBook (fixed groups, the
+/// whole prompt at round 0) and serve's ServingBook (requests arriving over time, continuous
+/// batching, chunked prefill, a KV block pool) are the two.
+class MicrobatchSource {
+ public:
+  virtual ~MicrobatchSource() = default;
+  /// Fills `out` (its id, seqs, token_ids, and optionally placement and emit) with micro-batch
+  /// in.microbatch's round in.round. Returns false to close the micro-batch for good; true with
+  /// no sequences for an idle round (the micro-batch travels empty and stays live).
+  virtual bool next(const RoundInput& in, runtime::Microbatch& out) = 0;
+};
+
+/// Stage 0's book of sequences for engine::generate: builds prefill and decode micro-batches
+/// and records tokens (round 0: prefill(); later rounds: advance(); empty closes the group).
+class SequenceBook final : public MicrobatchSource {
  public:
   SequenceBook(std::span<const GenerationRequest> requests, int seq_len, int groups);
+  bool next(const RoundInput& in, runtime::Microbatch& out) override {
+    out = in.round == 0 ? prefill(in.microbatch)
+                        : advance(in.microbatch, in.previous, in.sampled, in.now_s);
+    return !out.seqs.empty();
+  }
   /// The prefill micro-batch of group g (empty seqs when nothing in it needs a forward).
   runtime::Microbatch prefill(int g);
   /// Records the tokens sampled for the sequences `seqs` of micro-batch `id` at `now_s`; then
@@ -155,6 +190,12 @@ struct GenerationLayout {
   std::vector<std::int64_t> max_rows;                   ///< per group: prefill rows (>= 1)
   std::int64_t width = 1;  ///< widest activation between stages: max(dim, vocab) floats
   int max_rounds = 1;  ///< rounds of the longest group, its closing round included
+  /// Serving (serve::serve): sequences join and leave the micro-batches between rounds, a
+  /// prompt may be fed in chunks, and KV placements travel with the descriptors. The metadata
+  /// check then is: a sequence at position 0 is new, any other continues where it stopped.
+  bool dynamic = false;
+  int max_seqs = 0;               ///< dynamic: most sequences in one micro-batch's round
+  std::int64_t kv_pool_rows = 0;  ///< dynamic: KV rows of every stage's pool
 };
 
 /// The layout of `requests` split into `groups` contiguous groups (group_of) for a model of
@@ -239,7 +280,7 @@ class InferenceWorker {
   /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStageBase* const> stages,
-                  const detail::GenerationLayout& layout, detail::SequenceBook* book,
+                  const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
                   DType pipeline_dtype = DType::F32, bool background_prefetch = true);
   ~InferenceWorker();
@@ -287,12 +328,14 @@ class InferenceWorker {
   int rank_;
   std::span<runtime::InferenceStageBase* const> stages_;
   const detail::GenerationLayout* layout_;
-  detail::SequenceBook* book_;
+  detail::MicrobatchSource* book_;
   std::chrono::steady_clock::time_point t0_;
   int round_ = -1;
   std::vector<char> live_;    // per micro-batch: runs in the current round
   std::vector<char> closed_;  // per micro-batch: closed in the current round
   std::vector<char> known_;   // per micro-batch: cur_ holds the current round's sequences
+  std::vector<char> idle_;    // per micro-batch: nothing to run in the current round
+  std::vector<std::int32_t> next_pos_;  // dynamic layouts: per sequence id, its next position
   bool weight_offload_ = false;
   DType pipeline_dtype_ = DType::F32;
   std::unique_ptr<runtime::WeightPrefetcher> prefetcher_;  // with offload of mapped weights
@@ -324,27 +367,30 @@ struct CpuBackends {
 };
 
 /// Runs this rank's part of a pipelined generation over `transport`: builds the InferenceStages
-/// of the virtual stages `plan` places on `transport.rank()`, each on the backend
-/// `make_backend(v)` gives it, and runs the executor over an InferenceWorker. Every rank calls it
-/// with the same arguments (`book` only on the rank of virtual stage 0, null elsewhere).
+/// of the virtual stages `shape` places on `transport.rank()` (layers from `partition`, KV
+/// capacities from `layout`, a pool of layout.kv_pool_rows rows), each on the backend
+/// `make_backend(v)` gives it, and runs the executor over an InferenceWorker whose stage-0
+/// micro-batches come from `book`. Every rank calls it with the same arguments (`book` only on
+/// the rank of virtual stage 0, null elsewhere).
 /// @return the rank's peak resident weight bytes (InferenceWorker::peak_resident_weight_bytes)
 /// @throws brigade::Error from the stages, the backends or the transport (PeerTimeout,
 ///         HeaderMismatch, Aborted)
 template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
-double run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
-                        const detail::GenerationLayout& layout, detail::SequenceBook* book,
+double run_inference_rank(T& transport, const model::LlamaWeights& weights,
+                          const schedule::Shape& shape, const partition::Partition& partition,
+                          const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                         const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
                         Timeline& timeline, MakeBackend make_backend = {}) {
   using Stage = runtime::InferenceStage<std::invoke_result_t<MakeBackend&, int>>;
-  const auto& shape = plan.shape();
   const int me = transport.rank();
   std::vector<std::unique_ptr<Stage>> owned;
   std::vector<runtime::InferenceStageBase*> stages(
       static_cast<std::size_t>(shape.num_virtual_stages), nullptr);
   for (int v = 0; v < shape.num_virtual_stages; ++v) {
     if (shape.rank_of(v) != me) continue;
-    owned.push_back(std::make_unique<Stage>(weights, plan.partition().stage(v), layout.capacities,
-                                            options.sampler, make_backend(v)));
+    owned.push_back(std::make_unique<Stage>(weights, partition.stage(v), layout.capacities,
+                                            options.sampler, make_backend(v),
+                                            layout.kv_pool_rows));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
@@ -352,6 +398,17 @@ double run_inference_rank(T& transport, const model::LlamaWeights& weights, cons
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
   return worker.peak_resident_weight_bytes();
+}
+
+/// run_inference_rank over `plan`'s shape and partition.
+/// @return the rank's peak resident weight bytes
+template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
+double run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
+                          const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
+                          const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
+                          Timeline& timeline, MakeBackend make_backend = {}) {
+  return run_inference_rank(transport, weights, plan.shape(), plan.partition(), layout, book, options,
+                     t0, timeline, std::move(make_backend));
 }
 
 /// Checks that `plan` is the inference plan of `requests` for a model of `config` (what

@@ -19,6 +19,14 @@
 namespace brigade::runtime {
 inline namespace v0 {
 
+/// Where one sequence's KV cache lives in a stage's pool: rows [first_row, first_row + capacity)
+/// of each owned decoder layer's keys (and values). Positions 0 .. capacity - 1.
+struct KvPlacement {
+  std::int32_t first_row = 0;  ///< first row of the sequence in the pool
+  std::int32_t capacity = 0;   ///< rows (positions) reserved for it
+  friend constexpr bool operator==(const KvPlacement&, const KvPlacement&) = default;
+};
+
 /// A micro-batch as it moves down the pipeline: which sequences it holds, and its payload in the
 /// form the next layer expects.
 ///
@@ -35,7 +43,17 @@ struct Microbatch {
   std::vector<float> act;              ///< [rows x width] row-major activations
   std::int64_t rows = 0;               ///< rows of `act`
   std::int64_t width = 0;              ///< columns of `act`
-  std::vector<std::int32_t> sampled;   ///< [n_seq] sampled tokens (after the sampler)
+  std::vector<std::int32_t> sampled;   ///< [n_seq] sampled tokens (after the sampler); -1 for
+                                       ///< a sequence whose `emit` is 0
+  /// Per sequence (empty: none changes): where its KV cache lives in every stage's pool, set by
+  /// the owner of the sequences (serve::KvBlockManager) and applied by each stage before its
+  /// layers (InferenceStageBase::place_sequences). A serving engine moves sequences in and out
+  /// of the pool between rounds this way; engine::generate places them once, at construction.
+  std::vector<KvPlacement> placement;
+  /// Per sequence (empty: every sequence): 1 when the sampler draws its next token this round,
+  /// 0 for a chunk of a prompt that is not its last (chunked prefill: the sampler is not run,
+  /// so a seeded sampler's draws do not depend on the chunking).
+  std::vector<std::uint8_t> emit;
 
   /// True when some sequence starts at position 0 (a prompt's prefill).
   [[nodiscard]] bool is_prefill() const noexcept {
@@ -80,7 +98,7 @@ class InferenceStageBase {
 
   /// Runs the sampler layer on `mb` (after forward() on the stage that owns it): one token per
   /// sequence from its logits ([n_seq x vocab], host memory) into mb.sampled, with that
-  /// sequence's Sampler.
+  /// sequence's Sampler; -1 for a sequence whose mb.emit entry is 0 (its sampler is not drawn).
   /// @throws brigade::Error{InvalidArgument} if the stage does not own the sampler or `mb` is
   ///         not at the sampler layer with [n_seq x vocab] logits
   void sample(Microbatch& mb);
@@ -90,6 +108,15 @@ class InferenceStageBase {
   [[nodiscard]] bool owns_embedding() const noexcept { return range_.first == 0; }
   /// True when the stage holds the last layer (sampler).
   [[nodiscard]] bool owns_sampler() const noexcept { return range_.last == num_layers_; }
+  /// Applies mb.placement: sequence mb.seqs[i] gets the pool rows mb.placement[i] (the id space
+  /// grows as needed; a placement at position 0 also gives the sequence a fresh Sampler seeded
+  /// sampler.seed + seq, as at construction). forward() calls it before its layers.
+  /// @throws brigade::Error{InvalidArgument} if placement is neither empty nor one per sequence,
+  ///         or a placement lies outside the pool (kv_cache_rows()) or exceeds seq_len
+  void place_sequences(const Microbatch& mb);
+  /// Rows of each owned decoder layer's KV pool: the sum of the constructor's capacities, or its
+  /// pool_rows when larger.
+  [[nodiscard]] std::int64_t kv_pool_rows() const noexcept { return cache_rows_total_; }
   /// Number of sequences the stage holds KV caches (and samplers) for.
   [[nodiscard]] int num_sequences() const noexcept { return static_cast<int>(capacities_.size()); }
   /// Bytes held by this stage's KV cache (in the backend's memory and kv_cache_dtype()).
@@ -139,10 +166,13 @@ class InferenceStageBase {
   /// @param range      the layers this stage owns
   /// @param capacities KV-cache rows to reserve per sequence (its maximum positions)
   /// @param sampler    sampling settings (used only when the stage owns the sampler layer)
+  /// @param pool_rows  KV rows per layer to reserve at least (a serving pool, filled by
+  ///                   place_sequences); the capacities are placed from row 0 on
   /// @throws brigade::Error{InvalidArgument} if the range is outside the model or a capacity
-  ///         exceeds the model's seq_len
+  ///         exceeds the model's seq_len, or pool_rows < 0
   InferenceStageBase(const model::LlamaWeights& weights, partition::StageRange range,
-                     std::span<const int> capacities, const model::SamplerConfig& sampler);
+                     std::span<const int> capacities, const model::SamplerConfig& sampler,
+                     std::int64_t pool_rows = 0);
 
   /// Checks that `mb` enters at range().first with sequences this stage holds, within their
   /// capacities; with the embedding, that its token ids are in the vocabulary.
@@ -178,6 +208,7 @@ class InferenceStageBase {
   std::vector<std::int64_t> cache_offsets_;      // per sequence, its first row in a layer's cache
   std::int64_t cache_rows_total_ = 0;            // sum of capacities
   std::vector<model::Sampler> samplers_;
+  model::SamplerConfig sampler_config_;
 };
 
 /// Drops every page of a mapped model from this process (madvise MADV_DONTNEED over the whole
@@ -209,13 +240,15 @@ template <backend::Backend B = cpu::CpuBackend>
 class InferenceStage final : public InferenceStageBase {
  public:
   /// Uploads this stage's weights with backend.upload_weight and allocates its KV caches
-  /// (kv_cache_dtype(), capacities summed, for each owned decoder layer).
+  /// (kv_cache_dtype(), capacities summed or pool_rows when larger, for each owned decoder
+  /// layer).
   /// @param backend the backend the layers run on (the stage owns it)
+  /// @param pool_rows KV rows per layer to reserve at least (InferenceStageBase)
   /// @throws brigade::Error{InvalidArgument} as InferenceStageBase; the backend's errors (out of
   ///         memory)
   InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                  std::span<const int> capacities, const model::SamplerConfig& sampler,
-                 B backend = B{});
+                 B backend = B{}, std::int64_t pool_rows = 0);
 
   void forward(Microbatch& mb) override;
 
@@ -240,8 +273,10 @@ class InferenceStage final : public InferenceStageBase {
 template <backend::Backend B>
 InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                                   std::span<const int> capacities,
-                                  const model::SamplerConfig& sampler, B backend)
-    : InferenceStageBase(weights, range, capacities, sampler), b_(std::move(backend)) {
+                                  const model::SamplerConfig& sampler, B backend,
+                                  std::int64_t pool_rows)
+    : InferenceStageBase(weights, range, capacities, sampler, pool_rows),
+      b_(std::move(backend)) {
   const auto& c = weights.config;
   const std::int64_t dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, vocab = c.vocab_size;
   const auto vec = [&](const float* p, std::int64_t n) {
@@ -288,6 +323,7 @@ template <backend::Backend B>
 void InferenceStage<B>::forward(Microbatch& mb) {
   using model::LayerKind;
   const auto& c = weights_->config;
+  place_sequences(mb);
   check_entry(mb);
   const auto n_seq = static_cast<std::int64_t>(mb.seqs.size());
   const std::int64_t tokens = mb.num_tokens();

@@ -1,0 +1,254 @@
+// `brigade serve`: replays a serving trace (Azure or Mooncake) against a pipelined model with
+// the serving engine (serve::serve), once per split policy on the same arrivals, and reports
+// mean/p50/p99 of end-to-end latency, TTFT and TPOT, and throughput.
+#include "cli.hpp"
+
+#include <brigade/backend/cpu.hpp>
+#include <brigade/cost/profiled.hpp>
+#include <brigade/io/trace.hpp>
+#include <brigade/model/model_file.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/partition/policies.hpp>
+#include <brigade/serve/serving.hpp>
+#include <brigade/serve/trace.hpp>
+
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+namespace brigade {
+namespace {
+
+struct ServeArgs {
+  std::string trace, model, tokenizer, synthetic = "42M", metrics, timeline;
+  std::string rebalance = "even";  // even, static, or a comma list of them
+  std::string profile = "auto";
+  int stages = 2, max_requests = 0, threads = 1;
+  double rate_scale = 1.0, length_scale = 1.0, timeout = 120.0;
+  float temperature = 0.0f, top_p = 0.9f;
+  std::uint64_t seed = 42, model_seed = 1234, trace_seed = 1;
+  bool ignore_eos = true;
+  serve::ServeOptions serve;
+};
+
+nlohmann::json summary_json(const serve::LatencySummary& s) {
+  return {{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
+}
+
+// The path of run `policy`'s Timeline: `path` itself for one policy, else the policy's name
+// before the extension (trace.json -> trace.static.json).
+std::filesystem::path timeline_path(const std::string& path, const std::string& policy,
+                                    bool several) {
+  if (!several) return path;
+  std::filesystem::path p(path);
+  return p.parent_path() / (p.stem().string() + "." + policy + p.extension().string());
+}
+
+int run_serve(ServeArgs& a) {
+  std::vector<std::string> policies;
+  {
+    std::stringstream ss(a.rebalance);
+    for (std::string p; std::getline(ss, p, ',');) {
+      BRIGADE_CHECK(p == "even" || p == "static", Errc::InvalidArgument,
+                    "--rebalance {}: expected even or static (or a comma list of them; dynamic "
+                    "rebalancing is not built yet)",
+                    detail::excerpt(p));
+      if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
+    }
+    BRIGADE_CHECK(!policies.empty(), Errc::InvalidArgument, "--rebalance: no policy given");
+  }
+  const auto trace = serve::read_trace(a.trace);
+  model::LlamaWeights weights =
+      a.model.empty()
+          ? model::make_synthetic_weights(model::named_config(a.synthetic), a.model_seed)
+          : model::load_model_weights(a.model);
+  if (!a.tokenizer.empty())  // the trace's prompts are ids; the file is checked against the model
+    (void)model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
+  const model::ModelSpec spec(weights.config);
+  BRIGADE_CHECK(a.stages >= 1 && a.stages <= spec.num_layers(), Errc::InvalidArgument,
+                "--stages {} outside [1, {}] for a model of {} layers", a.stages,
+                spec.num_layers(), spec.num_layers());
+  cli::check_threads_startable(a.stages * a.threads,
+                               fmt::format("--stages {} x --threads {}", a.stages, a.threads));
+  serve::TraceReplay replay;
+  replay.rate_scale = a.rate_scale;
+  replay.length_scale = a.length_scale;
+  replay.max_requests = a.max_requests;
+  replay.seed = a.trace_seed;
+  const auto requests = serve::trace_requests(trace, weights.config, replay);
+
+  a.serve.ignore_eos = a.ignore_eos;
+  a.serve.inference.sampler = {a.temperature, a.top_p, a.seed};
+  a.serve.inference.blas_threads = a.threads;
+  a.serve.inference.timeout_s = a.timeout;
+  const std::string model_name = a.model.empty() ? "synthetic " + a.synthetic : a.model;
+  double prompt_sum = 0, output_sum = 0;
+  for (const auto& r : requests) {
+    prompt_sum += static_cast<double>(r.prompt.size());
+    output_sum += r.max_new_tokens;
+  }
+  const double n = static_cast<double>(requests.size());
+  fmt::print(stderr,
+             "serve: {} requests of {} (rate x{}, lengths x{}; mean prompt {:.0f}, mean output "
+             "{:.0f} tokens, last arrival {:.1f} s) on {}, {} stages\n",
+             requests.size(), a.trace, a.rate_scale, a.length_scale, prompt_sum / n,
+             output_sum / n, requests.back().arrival_s, model_name, a.stages);
+
+  nlohmann::json runs = nlohmann::json::array();
+  double even_mean = 0.0;
+  for (const auto& policy : policies) {
+    partition::Partition part = partition::uniform(spec, a.stages);
+    if (policy == "static") {
+      // Balanced once, for a full micro-batch of decodes at the trace's mean context, priced by
+      // this machine's calibrated layer times (the LM head and sampler on the tail included).
+      const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+      const auto resolved = cli::resolve_profile(a.profile, cores, false, cpu::cpu_model_name());
+      partition::PolicyRequest req;
+      for (int v = 0; v < a.stages; ++v) req.placement.push_back(v);
+      req.num_ranks = a.stages;
+      req.work.sequences = a.serve.max_seqs;
+      req.work.tokens = a.serve.max_seqs;
+      req.work.context = std::max(1.0, (prompt_sum + output_sum / 2) / n);
+      if (resolved.profile)
+        req.layer_seconds = cost::ProfiledLayerTimes(*resolved.profile, a.threads,
+                                                     std::max(a.threads, a.stages * a.threads));
+      part = partition::make_partition(spec, "balanced", req);
+    }
+    std::vector<int> layers;
+    for (const auto& st : part.stages()) layers.push_back(st.last - st.first);
+    const auto rep = serve::serve(weights, part, requests, a.serve);
+    const auto e2e = rep.e2e(), ttft = rep.ttft(), tpot = rep.tpot();
+    if (policy == "even") even_mean = e2e.mean;
+    fmt::print(stderr,
+               "serve: {:<6} layers per stage {}: e2e mean {:.3f} s p50 {:.3f} p99 {:.3f}; TTFT "
+               "mean {:.3f} s p99 {:.3f}; TPOT mean {:.4f} s p99 {:.4f}; {:.1f} tokens/s; {} "
+               "rounds, KV peak {}/{} blocks, queue peak {}\n",
+               policy, layers, e2e.mean, e2e.p50, e2e.p99, ttft.mean, ttft.p99, tpot.mean,
+               tpot.p99, rep.tokens_per_s(), rep.rounds, rep.peak_kv_blocks, rep.kv_blocks,
+               rep.peak_queue);
+    nlohmann::json run = {{"rebalance", policy},
+                          {"layers_per_stage", layers},
+                          {"e2e_s", summary_json(e2e)},
+                          {"ttft_s", summary_json(ttft)},
+                          {"tpot_s", summary_json(tpot)},
+                          {"throughput_tokens_per_s", rep.tokens_per_s()},
+                          {"generated_tokens", rep.generated_tokens},
+                          {"wall_s", rep.wall_s},
+                          {"rounds", rep.rounds},
+                          {"kv_blocks", rep.kv_blocks},
+                          {"kv_block_size", rep.kv_block_size},
+                          {"peak_kv_blocks", rep.peak_kv_blocks},
+                          {"peak_queue", rep.peak_queue},
+                          {"moves", nlohmann::json::array()}};
+    if (policy != "even" && even_mean > 0)
+      run["e2e_mean_improvement_vs_even"] = 1.0 - e2e.mean / even_mean;
+    if (!a.timeline.empty()) {
+      const auto path = timeline_path(a.timeline, policy, policies.size() > 1);
+      io::write_chrome_trace(path, rep.timeline);
+      fmt::print(stderr, "timeline: {}\n", path.string());
+    }
+    runs.push_back(std::move(run));
+  }
+  if (!a.metrics.empty()) {
+    const nlohmann::json m = {{"trace", a.trace},
+                              {"model", model_name},
+                              {"requests", requests.size()},
+                              {"stages", a.stages},
+                              {"rate_scale", a.rate_scale},
+                              {"length_scale", a.length_scale},
+                              {"microbatches", a.serve.microbatches > 0 ? a.serve.microbatches
+                                                                        : a.stages},
+                              {"runs", runs}};
+    io::write_file_atomic(a.metrics, m.dump(1) + "\n");
+    fmt::print(stderr, "metrics: {}\n", a.metrics);
+  }
+  return 0;
+}
+
+std::function<int()> setup(CLI::App& sub) {
+  auto a = std::make_shared<ServeArgs>();
+  sub.add_option("--trace", a->trace,
+                 "serving trace: Azure LLM inference CSV or Mooncake JSONL (docs/serving.md)")
+      ->required();
+  sub.add_option("--model", a->model, "model file (llama2.c, GGUF or safetensors); without it, "
+                                      "a synthetic model");
+  sub.add_option("--tokenizer", a->tokenizer,
+                 "llama2.c tokenizer, checked against the model (the trace's prompts are ids)");
+  sub.add_option("--synthetic", a->synthetic,
+                 "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
+      ->capture_default_str();
+  sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights");
+  sub.add_option("--stages", a->stages, "pipeline stages (one thread each)")
+      ->check(cli::number_in(1, 4096, "a whole number from 1 to 4096"))
+      ->capture_default_str();
+  sub.add_option("--rebalance", a->rebalance,
+                 "layer split: even (uniform decoders), static (balanced once on the calibrated "
+                 "cost model, tail's LM head and sampler included), or a comma list, each run on "
+                 "the same arrivals")
+      ->capture_default_str();
+  sub.add_option("--rate-scale", a->rate_scale,
+                 "divide the trace's arrival times by this (2 = twice its request rate)")
+      ->check(cli::number_in(0.0, 1e9, "a number above 0", true))
+      ->capture_default_str();
+  sub.add_option("--length-scale", a->length_scale,
+                 "multiply prompt and output lengths by this (the traces' contexts exceed small "
+                 "models'); a request still longer than the context is an error")
+      ->check(cli::number_in(0.0, 1e6, "a number above 0", true))
+      ->capture_default_str();
+  sub.add_option("--max-requests", a->max_requests, "replay the first N requests (0: all)")
+      ->check(cli::number_in(0, 100000000, "a whole number from 0"))
+      ->capture_default_str();
+  sub.add_option("--trace-seed", a->trace_seed, "seed of the prompts' token ids");
+  sub.add_option("--metrics", a->metrics, "write mean/p50/p99 of e2e, TTFT, TPOT as JSON");
+  sub.add_option("--timeline", a->timeline,
+                 "write each run's Timeline as a Chrome trace (FILE.<policy>.json with several)");
+  sub.add_option("--microbatches", a->serve.microbatches,
+                 "micro-batches in flight (0: one per stage)")
+      ->check(cli::number_in(0, 4096, "a whole number from 0 to 4096"));
+  sub.add_option("--max-batch-tokens", a->serve.max_batch_tokens,
+                 "tokens one micro-batch feeds per round")
+      ->check(cli::number_in(1, 1 << 20, "a whole number from 1"))
+      ->capture_default_str();
+  sub.add_option("--max-seqs", a->serve.max_seqs, "sequences per micro-batch")
+      ->check(cli::number_in(1, 1 << 16, "a whole number from 1"))
+      ->capture_default_str();
+  sub.add_option("--prefill-chunk", a->serve.prefill_chunk,
+                 "prompt tokens of one sequence per round (chunked prefill)")
+      ->check(cli::number_in(1, 1 << 20, "a whole number from 1"))
+      ->capture_default_str();
+  sub.add_option("--kv-block-size", a->serve.kv_block_size, "KV positions per block")
+      ->check(cli::number_in(1, 1 << 16, "a whole number from 1"))
+      ->capture_default_str();
+  sub.add_option("--kv-blocks", a->serve.kv_blocks,
+                 "blocks in the KV pool; requests queue when it is full (0: microbatches x "
+                 "max-seqs of the longest request)")
+      ->check(cli::number_in(0, 1 << 30, "a whole number from 0"));
+  sub.add_flag("!--stop-on-bos", a->ignore_eos,
+               "end a request when it samples BOS (default: run the trace's output length)");
+  sub.add_option("--temperature", a->temperature, "sampling temperature (0 = greedy)")
+      ->check(cli::number_in(0.0f, 100.0f, "a number from 0 to 100"))
+      ->capture_default_str();
+  sub.add_option("--top-p", a->top_p, "top-p (nucleus) sampling")
+      ->check(cli::number_in(0.0f, 1.0f, "a number above 0 and at most 1", true))
+      ->capture_default_str();
+  sub.add_option("--seed", a->seed, "sampler seed (request i uses seed + i)");
+  sub.add_option("--threads", a->threads, "intra-op threads per stage")
+      ->check(cli::threads_range())
+      ->capture_default_str();
+  sub.add_option("--timeout", a->timeout, "seconds a stage waits on a peer before failing")
+      ->check(cli::number_in(0.0, 1e6, "a number above 0", true));
+  cli::add_profile_option(sub, a->profile);
+  return [a] { return run_serve(*a); };
+}
+
+const cli::Registrar reg{{"serve",
+                          "replay a serving trace: requests arriving over time, continuous "
+                          "batching, chunked prefill, a KV block pool; latency percentiles",
+                          setup}};
+
+}  // namespace
+}  // namespace brigade

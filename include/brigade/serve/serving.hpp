@@ -1,0 +1,122 @@
+// The serving engine: requests arrive over time and are generated on the pipelined inference
+// executor with continuous batching, chunked prefill and a block KV-cache pool.
+#pragma once
+
+#include "brigade/core/timeline.hpp"
+#include "brigade/engine/inference.hpp"
+#include "brigade/model/weights.hpp"
+#include "brigade/partition/partition.hpp"
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace brigade::serve {
+inline namespace v0 {
+
+/// One request of a serving run.
+struct ServeRequest {
+  double arrival_s = 0.0;   ///< seconds after the run's start at which it arrives (>= 0)
+  std::vector<int> prompt;  ///< prompt token ids, BOS first
+  /// Tokens to sample at most (>= 1); the request ends earlier on a sampled BOS unless
+  /// ServeOptions::ignore_eos. Its KV cache holds prompt + max_new_tokens - 1 positions (the
+  /// last sampled token is not fed), which must fit the model's seq_len.
+  int max_new_tokens = 1;
+};
+
+/// Settings of a serving run (the scheduler's knobs follow Orca's iteration-level scheduling
+/// and Sarathi-Serve's chunked prefill; the KV pool is vLLM's block manager, kv_blocks.hpp).
+struct ServeOptions {
+  /// Micro-batches in flight (each a set of sequences that changes between rounds);
+  /// 0 = one per pipeline rank.
+  int microbatches = 0;
+  /// Tokens one micro-batch feeds in one round at most (tokens): one per decoding sequence
+  /// first, then prompt chunks. Must be >= max_seqs.
+  int max_batch_tokens = 256;
+  /// Sequences one micro-batch holds at most.
+  int max_seqs = 16;
+  /// Prompt tokens of one sequence fed in one round at most (chunked prefill: a long prompt
+  /// is spread over rounds so that the decodes beside it keep running).
+  int prefill_chunk = 64;
+  /// KV positions per block.
+  int kv_block_size = 16;
+  /// Blocks in the KV pool (every stage holds kv_blocks x kv_block_size rows per decoder
+  /// layer); a request is admitted only when its blocks are free, else it queues.
+  /// 0 = microbatches x max_seqs sequences of the longest request.
+  int kv_blocks = 0;
+  /// Keep sampling after a BOS (trace replay: every request runs its max_new_tokens).
+  bool ignore_eos = false;
+  /// Sampler, intra-op threads, peer timeout (the longest gap between arrivals is added, as
+  /// the first stage waits for arrivals), executor windows, pipeline dtype. `microbatches` and
+  /// `weight_offload` of it are not used.
+  engine::InferenceOptions inference;
+};
+
+/// What happened to one request (times in seconds from the run's start).
+struct RequestMetrics {
+  double arrival_s = 0.0;      ///< when it arrived
+  double admitted_s = 0.0;     ///< when its KV blocks were allocated and its prefill began
+  double first_token_s = 0.0;  ///< when its first sampled token reached the first stage
+  double done_s = 0.0;         ///< when its last sampled token reached the first stage
+  int prompt_tokens = 0;
+  int generated = 0;           ///< tokens sampled (a terminating BOS included)
+  bool stopped_on_bos = false;
+  std::vector<int> tokens;     ///< prompt, then generated ids (a terminating BOS not included)
+  /// Time to first token: first_token_s - arrival_s.
+  [[nodiscard]] double ttft_s() const noexcept { return first_token_s - arrival_s; }
+  /// End-to-end latency: done_s - arrival_s.
+  [[nodiscard]] double e2e_s() const noexcept { return done_s - arrival_s; }
+  /// Time per output token after the first (0 with fewer than 2 tokens).
+  [[nodiscard]] double tpot_s() const noexcept {
+    return generated > 1 ? (done_s - first_token_s) / (generated - 1) : 0.0;
+  }
+  /// Seconds queued before admission.
+  [[nodiscard]] double queue_s() const noexcept { return admitted_s - arrival_s; }
+};
+
+/// Mean, median and 99th percentile of a sample (seconds); percentiles by linear
+/// interpolation between order statistics (numpy's default).
+struct LatencySummary {
+  double mean = 0.0, p50 = 0.0, p99 = 0.0;
+};
+
+/// The summary of `values` (all 0 when empty).
+LatencySummary summarize(std::vector<double> values);
+
+/// The outcome of a serving run.
+struct ServeReport {
+  std::vector<RequestMetrics> requests;  ///< in request order
+  Timeline timeline{1};                  ///< measured intervals, one row per rank
+  double wall_s = 0.0;                   ///< seconds from start to the last stage's end
+  std::int64_t generated_tokens = 0;     ///< tokens sampled over all requests
+  int rounds = 0;                        ///< rounds the first stage ran
+  int kv_blocks = 0;                     ///< blocks of the pool
+  int kv_block_size = 0;                 ///< positions per block
+  int peak_kv_blocks = 0;                ///< most blocks in use at once
+  int peak_queue = 0;                    ///< most requests arrived and waiting for KV blocks
+  LatencySummary e2e() const;   ///< over requests, e2e_s
+  LatencySummary ttft() const;  ///< over requests, ttft_s
+  LatencySummary tpot() const;  ///< over requests with >= 2 generated tokens, tpot_s
+  /// generated_tokens / wall_s (tokens per second).
+  [[nodiscard]] double tokens_per_s() const noexcept {
+    return wall_s > 0 ? static_cast<double>(generated_tokens) / wall_s : 0.0;
+  }
+};
+
+/// Serves `requests` on the model split by `partition` (one thread per rank over an
+/// InProcessTransport) with the one inference executor (engine::run_inference_rank): the first
+/// stage's ServingBook admits requests as they arrive (FIFO) while their KV blocks are free,
+/// and each round builds every micro-batch from its live sequences (one decode token each, then
+/// prompt chunks of at most prefill_chunk tokens within max_batch_tokens) and the admitted
+/// ones; a finished request frees its blocks at once. With nothing to run and a request still
+/// to arrive, the first stage waits for it. Greedy tokens are those of engine::generate (and
+/// run.c) whatever the arrival times, chunking and split.
+/// @throws brigade::Error{InvalidArgument} for no requests, an empty prompt, max_new_tokens <
+///         1, a negative or non-finite arrival, a request whose prompt + max_new_tokens - 1
+///         positions exceed seq_len ("request i ... longer than the model's context") or the
+///         KV pool, options out of range, a partition of another model; the stages' errors
+ServeReport serve(const model::LlamaWeights& weights, const partition::Partition& partition,
+                  std::span<const ServeRequest> requests, const ServeOptions& options = {});
+
+}  // namespace v0
+}  // namespace brigade::serve

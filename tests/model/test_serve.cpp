@@ -1,0 +1,377 @@
+// The serving engine (serve::serve): requests arriving over time on the pipelined executor,
+// continuous batching, chunked prefill, the KV block pool; trace reading; `brigade serve`.
+#include <doctest/doctest.h>
+
+#include "test_util.hpp"
+
+#include <brigade/engine/inference.hpp>
+#include <brigade/model/tokenizer.hpp>
+#include <brigade/model/weights.hpp>
+#include <brigade/partition/partition.hpp>
+#include <brigade/serve/kv_blocks.hpp>
+#include <brigade/serve/serving.hpp>
+#include <brigade/serve/trace.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+using namespace brigade;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kModels = BRIGADE_MODEL_DIR;  // the committed models/
+const fs::path kShared = BRIGADE_DATA_DIR;   // traces
+
+struct Ref {
+  model::LlamaWeights weights = model::load_llama2c_checkpoint(kModels / "stories260K.bin");
+  std::vector<int> once_prompt, once_all, empty_all;  // run.c's ids at every position
+  Ref() {
+    std::ifstream in(kModels / "reference" / "stories260K_greedy.json");
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& c : j.at("cases")) {
+      std::vector<int> ids = c.at("prompt_ids").get<std::vector<int>>();
+      const auto prompt = ids;
+      for (int t : c.at("generated_ids").get<std::vector<int>>())
+        if (t != model::Tokenizer::kBos) ids.push_back(t);
+      if (c.at("name") == "once_upon_64") {
+        once_prompt = prompt;
+        once_all = ids;
+      } else {
+        empty_all = ids;
+      }
+    }
+  }
+};
+
+const Ref& ref() {
+  static const Ref r;
+  return r;
+}
+
+/// Requests over run.c's two cases with fewer steps too (greedy: a shorter run is a prefix),
+/// and the tokens run.c gives each: prompt, then steps - prompt + 1 generated ids.
+struct Workload {
+  std::vector<serve::ServeRequest> requests;
+  std::vector<std::vector<int>> expected;
+};
+
+Workload reference_workload(const std::vector<double>& arrivals) {
+  const int once_steps[] = {64, 30, 12};
+  const int empty_steps[] = {256, 90, 40};
+  Workload w;
+  for (std::size_t i = 0; i < arrivals.size(); ++i) {
+    const bool once = i % 2 == 0;
+    const int steps = once ? once_steps[(i / 2) % 3] : empty_steps[(i / 2) % 3];
+    serve::ServeRequest r;
+    r.arrival_s = arrivals[i];
+    r.prompt = once ? ref().once_prompt : std::vector<int>{model::Tokenizer::kBos};
+    r.max_new_tokens = steps - static_cast<int>(r.prompt.size()) + 1;
+    const auto& all = once ? ref().once_all : ref().empty_all;
+    w.expected.emplace_back(all.begin(), all.begin() + steps + 1);
+    w.requests.push_back(std::move(r));
+  }
+  return w;
+}
+
+void check_tokens(const Workload& w, const serve::ServeReport& rep) {
+  REQUIRE(rep.requests.size() == w.requests.size());
+  for (std::size_t i = 0; i < w.requests.size(); ++i) {
+    INFO("request " << i);
+    const auto& m = rep.requests[i];
+    CHECK(m.tokens == w.expected[i]);
+    CHECK(m.generated == w.requests[i].max_new_tokens);
+    CHECK(m.first_token_s >= m.arrival_s);
+    CHECK(m.admitted_s >= m.arrival_s);
+    CHECK(m.done_s >= m.first_token_s);
+    CHECK(m.ttft_s() >= 0);
+    CHECK(m.e2e_s() >= m.ttft_s());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("serve.stories260K: greedy tokens of every request equal run.c's for any arrival "
+          "pattern, chunking and 1-3 stages") {
+  const model::ModelSpec spec(ref().weights.config);
+  const std::vector<std::vector<double>> patterns = {
+      {0, 0, 0, 0, 0, 0},                        // all at once
+      {0, 0.004, 0.008, 0.012, 0.016, 0.02},     // staggered: joins mid-decode
+      {0.03, 0.02, 0.01, 0.0, 0.005, 0.015},     // out of order
+  };
+  for (int stages = 1; stages <= 3; ++stages) {
+    for (std::size_t p = 0; p < patterns.size(); ++p) {
+      for (int chunk : {2, 64}) {
+        CAPTURE(stages);
+        CAPTURE(p);
+        CAPTURE(chunk);
+        const auto w = reference_workload(patterns[p]);
+        serve::ServeOptions o;
+        o.microbatches = stages == 1 ? 1 : stages - (p % 2 == 0 ? 0 : 1);
+        o.prefill_chunk = chunk;
+        o.max_seqs = 3;
+        o.max_batch_tokens = 4;  // prompts are fed over several rounds beside decodes
+        o.inference.sampler.temperature = 0.0f;
+        const auto rep = serve::serve(ref().weights, partition::uniform(spec, stages), w.requests, o);
+        check_tokens(w, rep);
+        CHECK(rep.peak_kv_blocks <= rep.kv_blocks);
+      }
+    }
+  }
+}
+
+TEST_CASE("serve.stories260K: an over-memory workload queues at the KV limit and completes every "
+          "request with run.c's tokens") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto w = reference_workload({0, 0, 0, 0, 0, 0, 0, 0});
+  serve::ServeOptions o;
+  o.microbatches = 2;
+  o.kv_block_size = 16;
+  o.kv_blocks = 20;  // one 256-position request takes 16 blocks: at most one more short one
+  o.inference.sampler.temperature = 0.0f;
+  const auto rep = serve::serve(ref().weights, partition::uniform(spec, 2), w.requests, o);
+  check_tokens(w, rep);
+  CHECK(rep.kv_blocks == 20);
+  CHECK(rep.peak_kv_blocks <= 20);
+  CHECK(rep.peak_kv_blocks >= 16);
+  CHECK(rep.peak_queue >= 5);  // 8 arrive at once, at most 3 fit (4 + 16 blocks, or 4 + 2 + 1...)
+  int queued = 0;
+  for (const auto& m : rep.requests) queued += m.queue_s() > 0 ? 1 : 0;
+  CHECK(queued >= 5);
+}
+
+TEST_CASE("serve.stories260K: seeded top-p sampling does not depend on chunking, micro-batches or "
+          "stages") {
+  const model::ModelSpec spec(ref().weights.config);
+  auto w = reference_workload({0, 0.002, 0.004, 0.006});
+  std::vector<std::vector<int>> first;
+  for (auto [stages, chunk, mbs] : {std::tuple{1, 64, 1}, std::tuple{2, 1, 2}, std::tuple{3, 3, 2}}) {
+    CAPTURE(stages);
+    serve::ServeOptions o;
+    o.microbatches = mbs;
+    o.prefill_chunk = chunk;
+    o.inference.sampler.temperature = 1.0f;
+    o.inference.sampler.top_p = 0.9f;
+    o.inference.sampler.seed = 7;
+    const auto rep = serve::serve(ref().weights, partition::uniform(spec, stages), w.requests, o);
+    std::vector<std::vector<int>> got;
+    for (const auto& m : rep.requests) got.push_back(m.tokens);
+    if (first.empty()) first = got;
+    else CHECK(got == first);
+  }
+  // And they are the tokens engine::generate samples for each request alone (seed + id).
+  for (std::size_t i = 0; i < w.requests.size(); ++i) {
+    engine::InferenceOptions io;
+    io.sampler.temperature = 1.0f;
+    io.sampler.top_p = 0.9f;
+    io.sampler.seed = 7 + i;
+    const std::vector<engine::GenerationRequest> one{
+        {w.requests[i].prompt,
+         static_cast<int>(w.requests[i].prompt.size()) + w.requests[i].max_new_tokens - 1}};
+    const auto g = engine::generate(ref().weights, partition::uniform(spec, 1), one, io);
+    CHECK(g.sequences[0].tokens == first[i]);
+  }
+}
+
+TEST_CASE("serve.errors: a request longer than the context, larger than the KV pool, without BOS, "
+          "or bad options is a named error") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto part = partition::uniform(spec, 2);
+  std::vector<serve::ServeRequest> rs(1);
+  rs[0].prompt = {model::Tokenizer::kBos, 5, 6};
+  rs[0].max_new_tokens = 511;  // 3 + 511 - 1 = 513 > 512
+  auto msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs); });
+  CHECK(msg.find("request 0 is longer than the model's context") != std::string::npos);
+  CHECK(msg.find("513 positions, seq_len is 512") != std::string::npos);
+  rs[0].max_new_tokens = 100;
+  serve::ServeOptions o;
+  o.kv_blocks = 3;
+  msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs, o); });
+  CHECK(msg.find("needs 7 KV blocks of 16 positions, the pool holds 3") != std::string::npos);
+  rs[0].prompt = {5, 6};
+  msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs); });
+  CHECK(msg.find("a prompt not starting with BOS") != std::string::npos);
+  rs[0].prompt = {model::Tokenizer::kBos};
+  o = {};
+  o.max_batch_tokens = 2;
+  o.max_seqs = 4;
+  msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs, o); });
+  CHECK(msg.find("max_batch_tokens 2 (>= max_seqs)") != std::string::npos);
+  rs[0].arrival_s = -1;
+  msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs); });
+  CHECK(msg.find("arrives at -1 s") != std::string::npos);
+}
+
+TEST_CASE("serve.kv_blocks: first-fit runs of blocks, freed on completion, refused when no run "
+          "is free") {
+  serve::KvBlockManager kv(16, 10);
+  CHECK(kv.rows() == 160);
+  const auto a = kv.allocate(40);  // 3 blocks
+  REQUIRE(a);
+  CHECK(*a == runtime::KvPlacement{0, 40});
+  const auto b = kv.allocate(16);  // 1 block
+  REQUIRE(b);
+  CHECK(b->first_row == 48);
+  const auto c = kv.allocate(90);  // 6 blocks: 4..9
+  REQUIRE(c);
+  CHECK(c->first_row == 64);
+  CHECK(kv.used_blocks() == 10);
+  CHECK_FALSE(kv.allocate(1));
+  kv.free(*a);
+  CHECK_FALSE(kv.allocate(49));  // 4 blocks: only a run of 3 is free
+  const auto d = kv.allocate(48);
+  REQUIRE(d);
+  CHECK(d->first_row == 0);
+  CHECK(kv.peak_blocks() == 10);
+  kv.free(*d);
+  test::error_of(Errc::InvalidUsage, [&] { kv.free(*d); });
+  test::error_of(Errc::InvalidArgument, [] { serve::KvBlockManager(0, 4); });
+}
+
+TEST_CASE("serve.trace: Azure CSV and Mooncake JSONL parse into arrivals and lengths; malformed "
+          "lines are named errors") {
+  const auto az = serve::parse_trace(
+      "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+      "2023-11-16 18:17:03.9799600,4808,10\n"
+      "2023-11-16 18:17:04.0319600,3180,8\r\n"
+      "2023-11-17 00:00:00,5,1",
+      "az.csv");
+  REQUIRE(az.size() == 3);
+  CHECK(az[0].arrival_s == 0.0);
+  CHECK(az[1].arrival_s == doctest::Approx(0.052).epsilon(1e-9));
+  CHECK(az[2].arrival_s == doctest::Approx(5 * 3600 + 42 * 60 + 56.02004).epsilon(1e-9));
+  CHECK(az[1].prompt_tokens == 3180);
+  CHECK(az[1].output_tokens == 8);
+  CHECK(az[2].line == 4);
+  const auto mc = serve::parse_trace(
+      "{\"timestamp\": 0, \"input_length\": 6758, \"output_length\": 500, \"hash_ids\": [0]}\n"
+      "{\"timestamp\": 1500, \"input_length\": 12, \"output_length\": 3}\n",
+      "mc.jsonl");
+  REQUIRE(mc.size() == 2);
+  CHECK(mc[1].arrival_s == 1.5);
+  CHECK(mc[0].output_tokens == 500);
+
+  auto bad = [](std::string_view text, std::string_view what) {
+    const auto msg = test::error_of(Errc::BadFile, [&] { serve::parse_trace(text, "t"); });
+    CHECK_MESSAGE(msg.find(what) != std::string::npos, msg);
+  };
+  const std::string h = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  bad(h + "2023-11-16 18:17:03.9,12\n", "trace t line 2: expected 3 comma-separated fields");
+  bad(h + "2023-11-16 18:17:03.9,12,x\n", "line 2: GeneratedTokens is not a whole number");
+  bad(h + "2023-11-16 18:17:03.9,-3,4\n", "ContextTokens is not a whole number");
+  bad(h + "16/11/2023 18:17,3,4\n", "TIMESTAMP is not YYYY-MM-DD");
+  bad(h + "2023-11-16 18:17:03.9,3,4\n2023-11-16 18:17:02,3,4\n",
+      "line 3: the timestamp is earlier than the line before");
+  bad(h + "2023-11-16 18:17:03.9,0,4\n", "at least 1 token");
+  bad("{\"timestamp\": 0, \"input_length\": 5}\n", "line 1: no number field \"output_length\"");
+  bad("{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\n{oops\n",
+      "line 2: not a JSON object");
+  bad("id,prompt\n1,2\n", "expected the Azure header");
+  bad(h, "no requests");
+  test::error_of(Errc::BadFile, [] { serve::read_trace("/nonexistent/trace.csv"); });
+}
+
+TEST_CASE("serve.trace: requests from a trace are scaled, seeded, and a request longer than the "
+          "context is a named error") {
+  const auto cfg = ref().weights.config;  // seq_len 512, vocab 512
+  std::vector<serve::TraceRequest> t = {{0.0, 100, 20, 2}, {3.0, 40, 8, 3}};
+  serve::TraceReplay rp;
+  rp.rate_scale = 2.0;
+  rp.length_scale = 0.5;
+  const auto rs = serve::trace_requests(t, cfg, rp);
+  REQUIRE(rs.size() == 2);
+  CHECK(rs[1].arrival_s == 1.5);
+  CHECK(rs[0].prompt.size() == 50);
+  CHECK(rs[0].prompt[0] == model::Tokenizer::kBos);
+  CHECK(rs[0].max_new_tokens == 10);
+  for (int id : rs[0].prompt) CHECK((id == 1 || (id >= 3 && id < 512)));
+  CHECK(serve::trace_requests(t, cfg, rp)[0].prompt == rs[0].prompt);
+  t[1].prompt_tokens = 1200;
+  const auto msg =
+      test::error_of(Errc::InvalidArgument, [&] { serve::trace_requests(t, cfg, rp); });
+  CHECK(msg.find("trace line 3: 600 prompt + 4 output tokens need 603 positions, the model's "
+                 "seq_len is 512") != std::string::npos);
+  rp.rate_scale = 0;
+  test::error_of(Errc::InvalidArgument, [&] { serve::trace_requests(t, cfg, rp); });
+}
+
+TEST_CASE("serve.trace: the shared Azure and Mooncake traces parse whole") {
+  for (const auto& [file, rows] :
+       {std::pair{"AzureLLMInferenceTrace_code.csv", 8819},
+        std::pair{"AzureLLMInferenceTrace_conv.csv", 19366},
+        std::pair{"mooncake_conversation_trace.jsonl", 12031},
+        std::pair{"mooncake_synthetic_trace.jsonl", 3993}}) {
+    const auto path = kShared / "traces" / file;
+    if (!test::have_data(path)) return;
+    const auto t = serve::read_trace(path);
+    CHECK(static_cast<int>(t.size()) == rows);
+  }
+}
+
+TEST_CASE("cli.serve: replays a trace with even and static splits on the same arrivals; metrics "
+          "JSON and Timelines; a malformed line and a too-long request are named errors" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  test::TempDir dir("brigade-serve");
+  const auto csv = dir / "trace.csv";
+  {
+    std::ofstream out(csv);
+    out << "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+           "2023-11-16 18:17:03.9799600,480,100\n"
+           "2023-11-16 18:17:04.0319600,318,80\n"
+           "2023-11-16 18:17:04.5,120,200\n"
+           "2023-11-16 18:17:05,1000,60";
+  }
+  const std::string model = "--model " + (kModels / "stories260K.bin").string() +
+                            " --tokenizer " + (kModels / "tok512.bin").string();
+  const auto metrics = dir / "m.json";
+  const auto timeline = dir / "tl.json";
+  auto r = test::run_cli("serve --trace " + csv.string() + " " + model +
+                         " --stages 2 --rebalance even,static --length-scale 0.1 --rate-scale 4 "
+                         "--profile none --metrics " + metrics.string() + " --timeline " +
+                         timeline.string());
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  std::ifstream mf(metrics);
+  const auto m = nlohmann::json::parse(mf);
+  CHECK(m["requests"] == 4);
+  REQUIRE(m["runs"].size() == 2);
+  CHECK(m["runs"][0]["rebalance"] == "even");
+  CHECK(m["runs"][1]["rebalance"] == "static");
+  for (const auto& run : m["runs"]) {
+    CHECK(run["generated_tokens"] == 10 + 8 + 20 + 6);  // the trace's outputs x 0.1
+    for (const char* k : {"e2e_s", "ttft_s", "tpot_s"}) {
+      CHECK(run[k]["p50"].get<double>() > 0);
+      CHECK(run[k]["p99"].get<double>() >= run[k]["p50"].get<double>());
+      CHECK(run[k]["mean"].get<double>() > 0);
+    }
+    CHECK(run["e2e_s"]["mean"].get<double>() > run["ttft_s"]["mean"].get<double>());
+    CHECK(run["throughput_tokens_per_s"].get<double>() > 0);
+    CHECK(run["moves"].empty());
+  }
+  CHECK(m["runs"][1].contains("e2e_mean_improvement_vs_even"));
+  CHECK(fs::exists(dir / "tl.even.json"));
+  CHECK(fs::exists(dir / "tl.static.json"));
+
+  {
+    std::ofstream out(dir / "bad.csv");
+    out << "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,10,2\n"
+           "2023-11-16 18:17:04.0,ten,2\n";
+  }
+  r = test::run_cli("serve --trace " + (dir / "bad.csv").string() + " " + model);
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("error (BadFile): trace " + (dir / "bad.csv").string() +
+                   " line 3: ContextTokens is not a whole number") != std::string::npos);
+  r = test::run_cli("serve --trace " + csv.string() + " " + model + " --length-scale 0.5");
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("trace line 2: 240 prompt + 50 output tokens need 289 positions") ==
+        std::string::npos);  // line 2 fits: 289 <= 512
+  CHECK(r.err.find("trace line 5: 500 prompt + 30 output tokens need 529 positions, the model's "
+                   "seq_len is 512") != std::string::npos);
+  r = test::run_cli("serve --trace " + csv.string() + " " + model + " --rebalance dynamic");
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("--rebalance dynamic: expected even or static") != std::string::npos);
+}
