@@ -172,13 +172,13 @@ std::vector<TraceRequest> read_trace(const std::filesystem::path& path) {
 std::vector<ServeRequest> trace_requests(std::span<const TraceRequest> trace,
                                          const model::LlamaConfig& config,
                                          const TraceReplay& replay) {
-  BRIGADE_CHECK(std::isfinite(replay.rate_scale) && replay.rate_scale > 0 &&
-                    std::isfinite(replay.length_scale) && replay.length_scale > 0 &&
-                    replay.max_requests >= 0,
+  auto positive = [](double x) { return std::isfinite(x) && x > 0; };
+  BRIGADE_CHECK(positive(replay.rate_scale) && positive(replay.prompt_scale) &&
+                    positive(replay.output_scale) && replay.max_requests >= 0,
                 Errc::InvalidArgument,
-                "trace replay: rate_scale {} and length_scale {} must be finite and > 0, "
-                "max_requests {} >= 0",
-                replay.rate_scale, replay.length_scale, replay.max_requests);
+                "trace replay: rate_scale {}, prompt_scale {} and output_scale {} must be finite "
+                "and > 0, max_requests {} >= 0",
+                replay.rate_scale, replay.prompt_scale, replay.output_scale, replay.max_requests);
   const std::size_t n = replay.max_requests > 0
                             ? std::min(trace.size(), static_cast<std::size_t>(replay.max_requests))
                             : trace.size();
@@ -187,12 +187,12 @@ std::vector<ServeRequest> trace_requests(std::span<const TraceRequest> trace,
   std::vector<ServeRequest> out;
   for (std::size_t i = 0; i < n; ++i) {
     const auto& t = trace[i];
-    const int p = std::max(1, static_cast<int>(std::lround(t.prompt_tokens * replay.length_scale)));
-    const int o = std::max(1, static_cast<int>(std::lround(t.output_tokens * replay.length_scale)));
+    const int p = std::max(1, static_cast<int>(std::lround(t.prompt_tokens * replay.prompt_scale)));
+    const int o = std::max(1, static_cast<int>(std::lround(t.output_tokens * replay.output_scale)));
     const std::int64_t positions = static_cast<std::int64_t>(p) + o - 1;
     BRIGADE_CHECK(positions <= config.seq_len, Errc::InvalidArgument,
                   "trace line {}: {} prompt + {} output tokens need {} positions, the model's "
-                  "seq_len is {}; scale the lengths with --length-scale",
+                  "seq_len is {}; scale the lengths with --prompt-scale / --output-scale",
                   t.line, p, o, positions, config.seq_len);
     ServeRequest r;
     r.arrival_s = t.arrival_s / replay.rate_scale;

@@ -28,7 +28,7 @@ struct ServeArgs {
   std::string rebalance = "even";  // even, static, or a comma list of them
   std::string profile = "auto";
   int stages = 2, max_requests = 0, threads = 1;
-  double rate_scale = 1.0, length_scale = 1.0, timeout = 120.0;
+  double rate_scale = 1.0, prompt_scale = 1.0, output_scale = 1.0, timeout = 120.0;
   float temperature = 0.0f, top_p = 0.9f;
   std::uint64_t seed = 42, model_seed = 1234, trace_seed = 1;
   bool ignore_eos = true;
@@ -76,7 +76,8 @@ int run_serve(ServeArgs& a) {
                                fmt::format("--stages {} x --threads {}", a.stages, a.threads));
   serve::TraceReplay replay;
   replay.rate_scale = a.rate_scale;
-  replay.length_scale = a.length_scale;
+  replay.prompt_scale = a.prompt_scale;
+  replay.output_scale = a.output_scale;
   replay.max_requests = a.max_requests;
   replay.seed = a.trace_seed;
   const auto requests = serve::trace_requests(trace, weights.config, replay);
@@ -93,9 +94,9 @@ int run_serve(ServeArgs& a) {
   }
   const double n = static_cast<double>(requests.size());
   fmt::print(stderr,
-             "serve: {} requests of {} (rate x{}, lengths x{}; mean prompt {:.0f}, mean output "
-             "{:.0f} tokens, last arrival {:.1f} s) on {}, {} stages\n",
-             requests.size(), a.trace, a.rate_scale, a.length_scale, prompt_sum / n,
+             "serve: {} requests of {} (rate x{}, prompts x{}, outputs x{}; mean prompt {:.0f}, "
+             "mean output {:.0f} tokens, last arrival {:.1f} s) on {}, {} stages\n",
+             requests.size(), a.trace, a.rate_scale, a.prompt_scale, a.output_scale, prompt_sum / n,
              output_sum / n, requests.back().arrival_s, model_name, a.stages);
 
   nlohmann::json runs = nlohmann::json::array();
@@ -159,7 +160,8 @@ int run_serve(ServeArgs& a) {
                               {"requests", requests.size()},
                               {"stages", a.stages},
                               {"rate_scale", a.rate_scale},
-                              {"length_scale", a.length_scale},
+                              {"prompt_scale", a.prompt_scale},
+                              {"output_scale", a.output_scale},
                               {"microbatches", a.serve.microbatches > 0 ? a.serve.microbatches
                                                                         : a.stages},
                               {"runs", runs}};
@@ -194,9 +196,12 @@ std::function<int()> setup(CLI::App& sub) {
                  "divide the trace's arrival times by this (2 = twice its request rate)")
       ->check(cli::number_in(0.0, 1e9, "a number above 0", true))
       ->capture_default_str();
-  sub.add_option("--length-scale", a->length_scale,
-                 "multiply prompt and output lengths by this (the traces' contexts exceed small "
-                 "models'); a request still longer than the context is an error")
+  sub.add_option("--prompt-scale", a->prompt_scale,
+                 "multiply prompt lengths by this (the traces' contexts exceed small models'); a "
+                 "request still longer than the context is an error")
+      ->check(cli::number_in(0.0, 1e6, "a number above 0", true))
+      ->capture_default_str();
+  sub.add_option("--output-scale", a->output_scale, "multiply output lengths by this")
       ->check(cli::number_in(0.0, 1e6, "a number above 0", true))
       ->capture_default_str();
   sub.add_option("--max-requests", a->max_requests, "replay the first N requests (0: all)")

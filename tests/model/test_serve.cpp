@@ -281,7 +281,8 @@ TEST_CASE("serve.trace: requests from a trace are scaled, seeded, and a request 
   std::vector<serve::TraceRequest> t = {{0.0, 100, 20, 2}, {3.0, 40, 8, 3}};
   serve::TraceReplay rp;
   rp.rate_scale = 2.0;
-  rp.length_scale = 0.5;
+  rp.prompt_scale = 0.5;
+  rp.output_scale = 0.5;
   const auto rs = serve::trace_requests(t, cfg, rp);
   REQUIRE(rs.size() == 2);
   CHECK(rs[1].arrival_s == 1.5);
@@ -330,9 +331,9 @@ TEST_CASE("cli.serve: replays a trace with even and static splits on the same ar
   const auto metrics = dir / "m.json";
   const auto timeline = dir / "tl.json";
   auto r = test::run_cli("serve --trace " + csv.string() + " " + model +
-                         " --stages 2 --rebalance even,static --length-scale 0.1 --rate-scale 4 "
-                         "--profile none --metrics " + metrics.string() + " --timeline " +
-                         timeline.string());
+                         " --stages 2 --rebalance even,static --prompt-scale 0.1 "
+                         "--output-scale 0.1 --rate-scale 4 --profile none --metrics " +
+                         metrics.string() + " --timeline " + timeline.string());
   INFO(r.err);
   REQUIRE(r.rc == 0);
   std::ifstream mf(metrics);
@@ -365,7 +366,7 @@ TEST_CASE("cli.serve: replays a trace with even and static splits on the same ar
   CHECK(r.rc == 2);
   CHECK(r.err.find("error (BadFile): trace " + (dir / "bad.csv").string() +
                    " line 3: ContextTokens is not a whole number") != std::string::npos);
-  r = test::run_cli("serve --trace " + csv.string() + " " + model + " --length-scale 0.5");
+  r = test::run_cli("serve --trace " + csv.string() + " " + model + " --prompt-scale 0.5 --output-scale 0.5");
   CHECK(r.rc == 2);
   CHECK(r.err.find("trace line 2: 240 prompt + 50 output tokens need 289 positions") ==
         std::string::npos);  // line 2 fits: 289 <= 512

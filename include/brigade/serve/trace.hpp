@@ -42,9 +42,11 @@ std::vector<TraceRequest> read_trace(const std::filesystem::path& path);
 struct TraceReplay {
   /// Arrival times are divided by this (> 0): 2 replays the trace at twice its request rate.
   double rate_scale = 1.0;
-  /// Prompt and output lengths are multiplied by this (> 0) and rounded, at least 1 each: the
-  /// traces come from models with far longer contexts than the small models here.
-  double length_scale = 1.0;
+  /// Prompt lengths are multiplied by this (> 0) and rounded, at least 1: the traces come from
+  /// models with far longer contexts than the small models here.
+  double prompt_scale = 1.0;
+  /// Output lengths are multiplied by this (> 0) and rounded, at least 1.
+  double output_scale = 1.0;
   /// The first N requests of the trace (0: all).
   int max_requests = 0;
   /// Seed of the prompt token ids (BOS, then ids drawn uniformly from [3, vocab)).
@@ -52,12 +54,12 @@ struct TraceReplay {
 };
 
 /// The requests of `trace` for a model of `config`: arrival_s / rate_scale; a prompt of
-/// round(prompt_tokens x length_scale) tokens (BOS first, then seeded ids) and
-/// round(output_tokens x length_scale) new tokens, each at least 1.
-/// @throws brigade::Error{InvalidArgument} for rate_scale or length_scale not > 0 (or not
-///         finite), max_requests < 0; a request longer than the model's context ("trace line L:
-///         P prompt + O output tokens need N positions, the model's seq_len is S; scale the
-///         lengths with --length-scale")
+/// round(prompt_tokens x prompt_scale) tokens (BOS first, then seeded ids) and
+/// round(output_tokens x output_scale) new tokens, each at least 1.
+/// @throws brigade::Error{InvalidArgument} for a scale not > 0 (or not finite), max_requests <
+///         0; a request longer than the model's context ("trace line L: P prompt + O output
+///         tokens need N positions, the model's seq_len is S; scale the lengths with
+///         --prompt-scale / --output-scale")
 std::vector<ServeRequest> trace_requests(std::span<const TraceRequest> trace,
                                          const model::LlamaConfig& config,
                                          const TraceReplay& replay);
