@@ -73,7 +73,10 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       const double now = elapsed();
       arrive(now);
       build(members, now, out);
-      if (!out.seqs.empty()) return true;
+      if (!out.seqs.empty()) {
+        features_.push_back(features_of(in, out));
+        return true;
+      }
       if (members.empty() && queue_.empty() && next_arrival_ == order_.size()) return false;
       if (active_ > 0 || !queue_.empty()) return true;  // idle round; others run
       // Nothing runs anywhere: wait for the next arrival.
@@ -84,6 +87,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
   }
 
   std::vector<RequestMetrics> take_metrics() { return std::move(metrics_); }
+  std::vector<RoundFeatures> take_features() { return std::move(features_); }
   [[nodiscard]] int rounds() const noexcept { return rounds_; }
   [[nodiscard]] int peak_queue() const noexcept { return peak_queue_; }
 
@@ -92,6 +96,31 @@ class ServingBook final : public engine::detail::MicrobatchSource {
     int fed = 0;  // positions fed so far
     runtime::KvPlacement kv;
   };
+
+  static RoundFeatures features_of(const engine::detail::RoundInput& in,
+                                   const runtime::Microbatch& mb) {
+    RoundFeatures f;
+    f.microbatch = in.microbatch;
+    f.round = in.round;
+    for (std::size_t i = 0; i < mb.seqs.size(); ++i) {
+      const auto& s = mb.seqs[i];
+      const bool prompt = s.tokens > 1 || !mb.emit[i] || s.pos0 == 0;
+      // Token k of the slice (position pos0 + k) attends to pos0 + k + 1 positions.
+      const double ctx = s.tokens * (s.pos0 + (s.tokens + 1) / 2.0);
+      if (prompt) {
+        f.prefill_tokens += s.tokens;
+        ++f.prefill_seqs;
+        f.prefill_context += ctx;
+      } else {
+        ++f.decode_seqs;
+        f.decode_context += ctx;
+      }
+      f.sampled += mb.emit[i];
+    }
+    if (f.prefill_tokens > 0) f.prefill_context /= f.prefill_tokens;
+    if (f.decode_seqs > 0) f.decode_context /= f.decode_seqs;
+    return f;
+  }
 
   double elapsed() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
@@ -200,6 +229,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
   std::deque<int> queue_;                  // arrived, waiting for KV blocks
   std::vector<SeqState> state_;
   std::vector<RequestMetrics> metrics_;
+  std::vector<RoundFeatures> features_;
   int active_ = 0, rounds_ = 0, peak_queue_ = 0;
 };
 
@@ -307,6 +337,7 @@ ServeReport serve(const model::LlamaWeights& weights, const partition::Partition
   report.requests = book.take_metrics();
   for (const auto& r : report.requests) report.generated_tokens += r.generated;
   report.rounds = book.rounds();
+  report.round_features = book.take_features();
   report.kv_blocks = kv.num_blocks();
   report.kv_block_size = kv.block_size();
   report.peak_kv_blocks = kv.peak_blocks();

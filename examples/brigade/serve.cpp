@@ -9,6 +9,7 @@
 #include <brigade/model/model_file.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/partition/policies.hpp>
+#include <brigade/serve/predictor.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
 
@@ -99,6 +100,13 @@ int run_serve(ServeArgs& a) {
              requests.size(), a.trace, a.rate_scale, a.prompt_scale, a.output_scale, prompt_sum / n,
              output_sum / n, requests.back().arrival_s, model_name, a.stages);
 
+  // The calibrated layer times: the static split and the latency predictor's prior.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const auto resolved = cli::resolve_profile(a.profile, cores, false, cpu::cpu_model_name());
+  const model::LayerSeconds layer_seconds =
+      resolved.profile ? model::LayerSeconds(cost::ProfiledLayerTimes(
+                             *resolved.profile, a.threads, std::max(a.threads, a.stages * a.threads)))
+                       : model::roofline_layer_seconds();
   nlohmann::json runs = nlohmann::json::array();
   double even_mean = 0.0;
   for (const auto& policy : policies) {
@@ -106,17 +114,13 @@ int run_serve(ServeArgs& a) {
     if (policy == "static") {
       // Balanced once, for a full micro-batch of decodes at the trace's mean context, priced by
       // this machine's calibrated layer times (the LM head and sampler on the tail included).
-      const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-      const auto resolved = cli::resolve_profile(a.profile, cores, false, cpu::cpu_model_name());
       partition::PolicyRequest req;
       for (int v = 0; v < a.stages; ++v) req.placement.push_back(v);
       req.num_ranks = a.stages;
       req.work.sequences = a.serve.max_seqs;
       req.work.tokens = a.serve.max_seqs;
       req.work.context = std::max(1.0, (prompt_sum + output_sum / 2) / n);
-      if (resolved.profile)
-        req.layer_seconds = cost::ProfiledLayerTimes(*resolved.profile, a.threads,
-                                                     std::max(a.threads, a.stages * a.threads));
+      req.layer_seconds = layer_seconds;
       part = partition::make_partition(spec, "balanced", req);
     }
     std::vector<int> layers;
@@ -145,6 +149,22 @@ int run_serve(ServeArgs& a) {
                           {"peak_kv_blocks", rep.peak_kv_blocks},
                           {"peak_queue", rep.peak_queue},
                           {"moves", nlohmann::json::array()}};
+    // The online latency predictor replayed over the run's rounds (predictor.hpp).
+    const serve::StageLatencyPredictor fresh(cost::LatencyEstimator(spec, layer_seconds), part);
+    nlohmann::json pred = nlohmann::json::array();
+    for (const auto& e : serve::evaluate_predictor(rep, fresh)) {
+      fmt::print(stderr,
+                 "serve: {:<6} stage {} latency predictor over {} rounds: MAPE {:.1f}% online, "
+                 "{:.1f}% on the held-out last 30% (calibrated cost model alone: {:.1f}%)\n",
+                 policy, e.stage, e.rounds, 100 * e.online_mape, 100 * e.heldout_mape,
+                 100 * e.prior_heldout_mape);
+      pred.push_back({{"stage", e.stage},
+                      {"rounds", e.rounds},
+                      {"online_mape", e.online_mape},
+                      {"heldout_mape", e.heldout_mape},
+                      {"prior_heldout_mape", e.prior_heldout_mape}});
+    }
+    run["predictor"] = std::move(pred);
     if (policy != "even" && even_mean > 0)
       run["e2e_mean_improvement_vs_even"] = 1.0 - e2e.mean / even_mean;
     if (!a.timeline.empty()) {

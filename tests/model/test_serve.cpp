@@ -9,6 +9,7 @@
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
 #include <brigade/serve/kv_blocks.hpp>
+#include <brigade/serve/predictor.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
 
@@ -352,6 +353,9 @@ TEST_CASE("cli.serve: replays a trace with even and static splits on the same ar
     CHECK(run["e2e_s"]["mean"].get<double>() > run["ttft_s"]["mean"].get<double>());
     CHECK(run["throughput_tokens_per_s"].get<double>() > 0);
     CHECK(run["moves"].empty());
+    REQUIRE(run["predictor"].size() == 2);
+    CHECK(run["predictor"][1]["rounds"].get<int>() > 0);
+    CHECK(run["predictor"][1]["heldout_mape"].get<double>() > 0);
   }
   CHECK(m["runs"][1].contains("e2e_mean_improvement_vs_even"));
   CHECK(fs::exists(dir / "tl.even.json"));
@@ -375,4 +379,73 @@ TEST_CASE("cli.serve: replays a trace with even and static splits on the same ar
   r = test::run_cli("serve --trace " + csv.string() + " " + model + " --rebalance dynamic");
   CHECK(r.rc == 2);
   CHECK(r.err.find("--rebalance dynamic: expected even or static") != std::string::npos);
+}
+
+TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its rounds; before any "
+          "round it predicts the calibrated prior") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto part = partition::uniform(spec, 2);
+  serve::StageLatencyPredictor p(cost::LatencyEstimator(spec, model::roofline_layer_seconds()), part);
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> seqs(0, 8), chunk(0, 64), pos(1, 400);
+  auto round = [&] {
+    serve::RoundFeatures f;
+    f.decode_seqs = seqs(rng);
+    f.decode_context = pos(rng);
+    f.prefill_tokens = chunk(rng);
+    f.prefill_seqs = f.prefill_tokens > 0 ? 1 : 0;
+    f.prefill_context = pos(rng);
+    f.sampled = f.decode_seqs + f.prefill_seqs;
+    if (f.sampled == 0) f.decode_seqs = f.sampled = 1;
+    return f;
+  };
+  // This "machine": decodes 2x slower and prompts 0.5x the prior, 0.3 ms per sampled sequence on
+  // the tail, a 0.2 ms fixed cost per round.
+  auto truth = [&](int v, const serve::RoundFeatures& f) {
+    const auto x = p.features(v, f);
+    return 2.0 * x[0] + 0.5 * x[1] + 0.3 * x[2] + 0.2 * x[3];
+  };
+  const auto f0 = round();
+  for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f0) == doctest::Approx(p.prior(v, f0)));
+  for (int i = 0; i < 40; ++i) {
+    const auto f = round();
+    for (int v = 0; v < 2; ++v) p.observe(v, f, truth(v, f));
+  }
+  for (int i = 0; i < 20; ++i) {
+    const auto f = round();
+    for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f) == doctest::Approx(truth(v, f)).epsilon(0.01));
+  }
+  // (The decode prior is nearly constant in the roofline, a weight-bound pass, so its weight and
+  // the fixed cost's are not told apart; their sum is, and so is the sampler's.)
+  CHECK(p.weights(1)[2] == doctest::Approx(0.3).epsilon(0.02));
+  CHECK(p.observations(0) == 40);
+  test::error_of(Errc::InvalidArgument, [&] { p.observe(0, f0, 0.0); });
+  test::error_of(Errc::InvalidArgument, [&] { (void)p.features(2, f0); });
+}
+
+TEST_CASE("serve.predictor: every round of a run is measured on every stage and predicted online "
+          "with a finite error") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto part = partition::uniform(spec, 2);
+  const auto w = reference_workload({0, 0.01, 0.02, 0.03});
+  serve::ServeOptions o;
+  o.inference.sampler.temperature = 0.0f;
+  const auto rep = serve::serve(ref().weights, part, w.requests, o);
+  REQUIRE(!rep.round_features.empty());
+  int tokens = 0;
+  for (const auto& f : rep.round_features) tokens += f.sampled;
+  CHECK(tokens == rep.generated_tokens);  // every sampled token belongs to one recorded round
+  const auto rounds = serve::stage_rounds(rep);
+  CHECK(rounds.size() == 2 * rep.round_features.size());
+  const serve::StageLatencyPredictor fresh(
+      cost::LatencyEstimator(spec, model::roofline_layer_seconds()), part);
+  const auto err = serve::evaluate_predictor(rep, fresh);
+  REQUIRE(err.size() == 2);
+  for (const auto& e : err) {
+    CHECK(e.rounds == static_cast<std::int64_t>(rep.round_features.size()));
+    CHECK(std::isfinite(e.online_mape));
+    CHECK(e.heldout_mape > 0);
+    CHECK(e.prior_heldout_mape > 0);
+  }
+  test::error_of(Errc::InvalidArgument, [&] { serve::evaluate_predictor(rep, fresh, 1.0); });
 }

@@ -74,6 +74,20 @@ struct RequestMetrics {
   [[nodiscard]] double queue_s() const noexcept { return admitted_s - arrival_s; }
 };
 
+/// The features of one micro-batch's round as the first stage built it: what every stage's F
+/// (and the tail's SAMPLE) of that round computes. The online latency predictor
+/// (predictor.hpp) is fitted against them.
+struct RoundFeatures {
+  int microbatch = 0;
+  int round = 0;                ///< the executor's round (Interval::chunk)
+  int decode_seqs = 0;          ///< sequences fed one generated token
+  double decode_context = 0.0;  ///< mean positions a decode token attends to (its position + 1)
+  int prefill_tokens = 0;       ///< prompt tokens fed (chunks)
+  int prefill_seqs = 0;         ///< sequences fed a prompt chunk
+  double prefill_context = 0.0; ///< mean positions a prompt token attends to
+  int sampled = 0;              ///< sequences the sampler draws for (emit)
+};
+
 /// Mean, median and 99th percentile of a sample (seconds); percentiles by linear
 /// interpolation between order statistics (numpy's default).
 struct LatencySummary {
@@ -94,6 +108,8 @@ struct ServeReport {
   int kv_block_size = 0;                 ///< positions per block
   int peak_kv_blocks = 0;                ///< most blocks in use at once
   int peak_queue = 0;                    ///< most requests arrived and waiting for KV blocks
+  /// Every micro-batch round that ran, in the order the first stage built them.
+  std::vector<RoundFeatures> round_features;
   LatencySummary e2e() const;   ///< over requests, e2e_s
   LatencySummary ttft() const;  ///< over requests, ttft_s
   LatencySummary tpot() const;  ///< over requests with >= 2 generated tokens, tpot_s
