@@ -171,14 +171,82 @@ void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows
   batch.tasks.push_back(sample.task);
 }
 
+namespace {
+
+const Sample& sample_of(std::span<const Sample> samples, std::int64_t i, const char* who) {
+  BRIGADE_CHECK(i >= 0 && i < static_cast<std::int64_t>(samples.size()), Errc::InvalidArgument,
+                "{}: the micro-batch names sample {}, there are {}", who, i, samples.size());
+  return samples[static_cast<std::size_t>(i)];
+}
+
+std::int64_t rows_of(const Sample& s) { return static_cast<std::int64_t>(s.tokens.size()) - 1; }
+
+/// Appends `n` pad rows (input pad_id, target -1) to the batch's current sequence.
+void append_pads(PackedBatch& b, std::int64_t n, int pad_id) {
+  b.inputs.insert(b.inputs.end(), static_cast<std::size_t>(n), pad_id);
+  b.targets.insert(b.targets.end(), static_cast<std::size_t>(n), -1);
+  b.offsets.back() = b.rows();
+}
+
+}  // namespace
+
 PackedBatch pack_offsets(std::span<const Sample> samples, const batching::MicroBatch& mb) {
   PackedBatch b;
   for (const auto i : mb.samples) {
-    BRIGADE_CHECK(i >= 0 && i < static_cast<std::int64_t>(samples.size()), Errc::InvalidArgument,
-                  "pack_offsets: the micro-batch names sample {}, there are {}", i,
-                  samples.size());
+    const Sample& s = sample_of(samples, i, "pack_offsets");
+    append_sequence(b, s, rows_of(s));
+  }
+  return b;
+}
+
+PackedBatch pack_padded(std::span<const Sample> samples, const batching::MicroBatch& mb,
+                        int pad_id) {
+  BRIGADE_CHECK(pad_id >= 0, Errc::InvalidArgument, "pack_padded: pad id {}, expected >= 0",
+                pad_id);
+  std::int64_t longest = 0;
+  for (const auto i : mb.samples) longest = std::max(longest, rows_of(sample_of(samples, i, "pack_padded")));
+  PackedBatch b;
+  for (const auto i : mb.samples) {
     const Sample& s = samples[static_cast<std::size_t>(i)];
-    append_sequence(b, s, static_cast<std::int64_t>(s.tokens.size()) - 1);
+    append_sequence(b, s, rows_of(s));
+    append_pads(b, longest - rows_of(s), pad_id);
+  }
+  return b;
+}
+
+PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatch& mb,
+                      std::int64_t row_tokens, int pad_id) {
+  BRIGADE_CHECK(pad_id >= 0, Errc::InvalidArgument, "pack_rows: pad id {}, expected >= 0", pad_id);
+  BRIGADE_CHECK(mb.row_offsets.size() >= 2 && mb.row_offsets.back() ==
+                                                  static_cast<std::int64_t>(mb.samples.size()),
+                Errc::InvalidArgument,
+                "pack_rows: {} row offsets for a micro-batch of {} samples; expected the "
+                "PackingBatcher's rows",
+                mb.row_offsets.size(), mb.samples.size());
+  PackedBatch b;
+  b.offsets.push_back(0);
+  for (std::size_t r = 0; r + 1 < mb.row_offsets.size(); ++r) {
+    const auto start = b.rows();
+    const auto first = static_cast<std::size_t>(mb.row_offsets[r]);
+    const auto last = static_cast<std::size_t>(mb.row_offsets[r + 1]);
+    BRIGADE_CHECK(first < last, Errc::InvalidArgument, "pack_rows: row {} holds no sample", r);
+    for (std::size_t k = first; k < last; ++k) {
+      const Sample& s = sample_of(samples, mb.samples[k], "pack_rows");
+      BRIGADE_CHECK(s.tokens.size() >= 2, Errc::InvalidArgument,
+                    "pack_rows: sample {} has {} tokens, expected >= 2", mb.samples[k],
+                    s.tokens.size());
+      for (std::size_t t = 0; t + 1 < s.tokens.size(); ++t) {
+        b.inputs.push_back(s.tokens[t]);
+        b.targets.push_back(s.tokens[t + 1]);
+      }
+    }
+    const auto used = b.rows() - start;
+    BRIGADE_CHECK(used <= row_tokens, Errc::InvalidArgument,
+                  "pack_rows: row {} holds {} rows of samples, more than its {} tokens", r, used,
+                  row_tokens);
+    b.offsets.push_back(b.rows());
+    b.tasks.push_back(samples[static_cast<std::size_t>(mb.samples[first])].task);
+    append_pads(b, row_tokens - used, pad_id);
   }
   return b;
 }

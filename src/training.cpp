@@ -58,9 +58,10 @@ DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
   }
   double total = 0.0, kept = 0.0;
   for (std::size_t m = 0; m < M; ++m) {
-    total += static_cast<double>(batches[m].rows());
+    const auto real = static_cast<double>(real_targets(batches[m]));
+    total += real;
     if (dropped[m] != 0) d.dropped.push_back(static_cast<int>(m));
-    else kept += static_cast<double>(batches[m].rows());
+    else kept += real;
   }
   for (const auto& r : per_rank)
     for (int m : d.dropped)
@@ -78,6 +79,43 @@ void apply_drops(const DropDecision& d, std::span<runtime::TrainStage<>* const> 
     for (auto& p : st->params())
       for (std::int64_t i = 0; i < p.size; ++i) p.grad[i] = d.skip_update ? 0.0f : p.grad[i] * f;
   }
+}
+
+std::int64_t real_targets(const data::PackedBatch& batch) noexcept {
+  return std::count_if(batch.targets.begin(), batch.targets.end(),
+                       [](std::int32_t t) { return t != -1; });
+}
+
+double step_targets(std::span<const data::PackedBatch> batches) {
+  std::int64_t real = 0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
+                  "TrainingEngine: micro-batch {} is empty", i);
+    real += real_targets(batches[i]);
+  }
+  BRIGADE_CHECK(real > 0, Errc::InvalidArgument,
+                "TrainingEngine: no target to train on: the step's {} micro-batches hold only pad "
+                "targets (-1)",
+                batches.size());
+  return static_cast<double>(real);
+}
+
+void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
+                     std::span<const data::PackedBatch> batches) {
+  const auto& sh = step.shape();
+  BRIGADE_CHECK(sh.mode == schedule::Mode::Training && sh.num_chunks == 1, Errc::InvalidArgument,
+                "TrainingEngine: a step plan in {} mode with {} chunk(s) per micro-batch; "
+                "training runs training plans of 1 chunk",
+                schedule::to_string(sh.mode), sh.num_chunks);
+  BRIGADE_CHECK(step.partition() == engine.partition(), Errc::InvalidArgument,
+                "TrainingEngine: the step plan splits the layers into {} stages on {} ranks "
+                "differently from the engine's {} stages on {} ranks; a step plan keeps the "
+                "engine's partition",
+                step.partition().num_stages(), step.partition().num_ranks(),
+                engine.partition().num_stages(), engine.partition().num_ranks());
+  BRIGADE_CHECK(static_cast<int>(batches.size()) == sh.num_microbatches, Errc::InvalidArgument,
+                "TrainingEngine: {} micro-batches for a schedule of {}", batches.size(),
+                sh.num_microbatches);
 }
 
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage<>& tail, int microbatches,
@@ -206,38 +244,32 @@ TrainingEngine::~TrainingEngine() = default;
 const plan::Plan& TrainingEngine::plan() const noexcept { return impl_->plan; }
 std::int64_t TrainingEngine::steps() const noexcept { return impl_->steps; }
 
-TrainingEngine::StepSetup TrainingEngine::begin_step(std::span<const data::PackedBatch> batches,
+TrainingEngine::StepSetup TrainingEngine::begin_step(const plan::Plan& step,
+                                                     std::span<const data::PackedBatch> batches,
                                                      std::size_t ranks) {
   auto& I = *impl_;
-  const auto& shape = I.lowered.shape;
-  BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches, Errc::InvalidArgument,
-                "TrainingEngine: {} micro-batches for a schedule of {}", batches.size(),
-                shape.num_microbatches);
-  BRIGADE_CHECK(ranks == static_cast<std::size_t>(shape.num_ranks), Errc::InvalidArgument,
-                "TrainingEngine: {} transports for a plan of {} ranks", ranks, shape.num_ranks);
+  detail::check_step_plan(I.plan, step, batches);
+  BRIGADE_CHECK(ranks == static_cast<std::size_t>(step.shape().num_ranks), Errc::InvalidArgument,
+                "TrainingEngine: {} transports for a plan of {} ranks", ranks,
+                step.shape().num_ranks);
   StepSetup s;
-  for (std::size_t i = 0; i < batches.size(); ++i) {
-    BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
-                  "TrainingEngine: micro-batch {} is empty", i);
-    s.rows += static_cast<double>(batches[i].rows());
-  }
+  s.targets = detail::step_targets(batches);
   for (auto& st : I.stages) st->zero_grad();
   cpu::set_blas_threads(I.cfg.threads_per_rank);
-  s.lowered = &I.lowered;
+  s.lowered = &step.schedule();
   for (auto& st : I.stages) s.stages.push_back(st.get());
   s.timeout_s = I.cfg.timeout_s;
   s.dim = I.config.dim;
-  s.windows = I.plan.execution().windows;
+  s.windows = step.execution().windows;
   s.pipeline_dtype = I.cfg.pipeline_dtype;
   return s;
 }
 
-StepResult TrainingEngine::end_step(std::chrono::steady_clock::time_point t0,
+StepResult TrainingEngine::end_step(int P, std::chrono::steady_clock::time_point t0,
                                     std::span<const Timeline> tls, std::vector<double> peaks,
                                     std::span<const data::PackedBatch> batches,
                                     std::span<const MicrobatchDrops> drops) {
   auto& I = *impl_;
-  const int P = I.lowered.shape.num_ranks;
   StepResult res;
   res.peak_memory_bytes = std::move(peaks);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -269,9 +301,14 @@ StepResult TrainingEngine::end_step(std::chrono::steady_clock::time_point t0,
 }
 
 StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
-  transport::InProcessFabric fabric(impl_->lowered.shape.num_ranks);
+  return compute_gradients(impl_->plan, batches);
+}
+
+StepResult TrainingEngine::compute_gradients(const plan::Plan& step,
+                                             std::span<const data::PackedBatch> batches) {
+  transport::InProcessFabric fabric(step.shape().num_ranks);
   auto endpoints = transport::endpoints(fabric);
-  return compute_gradients(std::span(endpoints), batches);
+  return compute_gradients(std::span(endpoints), step, batches);
 }
 
 std::pair<double, double> TrainingEngine::optimizer_step() {
@@ -289,9 +326,14 @@ std::pair<double, double> TrainingEngine::optimizer_step() {
 }
 
 StepResult TrainingEngine::train_step(std::span<const data::PackedBatch> batches) {
-  transport::InProcessFabric fabric(impl_->lowered.shape.num_ranks);
+  return train_step(impl_->plan, batches);
+}
+
+StepResult TrainingEngine::train_step(const plan::Plan& step,
+                                      std::span<const data::PackedBatch> batches) {
+  transport::InProcessFabric fabric(step.shape().num_ranks);
   auto endpoints = transport::endpoints(fabric);
-  return train_step(std::span(endpoints), batches);
+  return train_step(std::span(endpoints), step, batches);
 }
 
 double TrainingEngine::evaluate(std::span<const data::PackedBatch> batches) {

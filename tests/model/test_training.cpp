@@ -19,8 +19,10 @@
 #include "test_util.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 using namespace brigade;
@@ -696,9 +698,10 @@ TEST_CASE("training.microbatch-work: rows, packed sequences and mean causal cont
 // issue 15: DynaPipe's dynamic micro-batches (the DP's length-sorted ranges, unequal sizes) in
 // the order order_adaptive picks, run by the adaptive schedule under a memory limit, give the
 // gradients of one big batch of the same samples.
-TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive schedule give "
-          "one big batch's gradients to 1e-5 on 1-4 stages") {
-  // Samples of 10 to ~90 tokens: the story sentences and runs of 2-6 of them.
+namespace {
+
+/// Samples of 10 to ~90 tokens: the story sentences and runs of 2-6 of them.
+std::vector<data::Sample> varied_samples() {
   const auto base = story_samples();
   std::vector<data::Sample> samples = base;
   for (std::size_t i = 0; i < base.size(); ++i) {
@@ -709,13 +712,34 @@ TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive 
     }
     samples.push_back(std::move(s));
   }
+  return samples;
+}
+
+/// What a batcher sees of `samples`: n - 1 rows each, the task, the index.
+std::vector<batching::SampleLength> lengths_of(std::span<const data::Sample> samples) {
   std::vector<batching::SampleLength> lengths;
-  std::int64_t longest = 0;
-  for (const auto& s : samples) {
+  for (const auto& s : samples)
     lengths.push_back({static_cast<std::int64_t>(s.tokens.size()) - 1, s.task,
                        static_cast<std::int64_t>(lengths.size())});
-    longest = std::max(longest, lengths.back().tokens);
-  }
+  return lengths;
+}
+
+/// A 1F1B plan of `work.size()` micro-batches over `partition` (a step plan).
+plan::Plan one_f_one_b(const partition::Partition& partition, std::vector<model::WorkItem> work) {
+  schedule::Params params;
+  params.ranks = partition.num_ranks();
+  params.microbatches = static_cast<int>(work.size());
+  return plan::Plan(partition, schedule::generate("1f1b", params), std::move(work));
+}
+
+}  // namespace
+
+TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive schedule give "
+          "one big batch's gradients to 1e-5 on 1-4 stages") {
+  const auto samples = varied_samples();
+  const auto lengths = lengths_of(samples);
+  std::int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l.tokens);
   engine::TrainingConfig ref_cfg;
   ref_cfg.schedule = "gpipe";
   engine::TrainingEngine ref(stories(), ref_cfg);
@@ -751,4 +775,147 @@ TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive 
     CHECK(step.tokens == ref_step.tokens);
     check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
   }
+}
+
+// issue 15: padding's pad rows (target -1) leave the loss and gradients those of the same
+// samples packed by offsets: the loss is the mean over real targets only.
+TEST_CASE("training.gradients.padding: padded micro-batches give the loss and gradients of the "
+          "same samples by offsets to 1e-5 (1 and 2 stages)") {
+  const auto samples = varied_samples();
+  const auto lengths = lengths_of(samples);
+  const auto mbs = batching::PaddingBatcher{5}.plan(lengths);
+  REQUIRE(mbs.size() >= 3);
+  std::vector<data::PackedBatch> padded, offsets;
+  std::int64_t pads = 0;
+  for (const auto& mb : mbs) {
+    padded.push_back(data::pack_padded(samples, mb));
+    offsets.push_back(data::pack_offsets(samples, mb));
+    pads += padded.back().rows() - offsets.back().rows();
+    CHECK(padded.back().rows() == mb.work.tokens);  // the rows the batcher priced
+  }
+  CHECK(pads > 0);
+  const model::ModelSpec spec(stories().config);
+  for (int P : {1, 2}) {
+    CAPTURE(P);
+    const auto partition = partition::uniform(spec, P);
+    engine::TrainingEngine ref(stories(), one_f_one_b(partition, batching::work_of(mbs)));
+    const auto ref_step = ref.compute_gradients(offsets);
+    engine::TrainingEngine eng(stories(), one_f_one_b(partition, batching::work_of(mbs)));
+    const auto step = eng.compute_gradients(padded);
+    CHECK(step.tokens == ref_step.tokens);  // real targets only
+    check_matches_reference(step, eng.gradients(), ref_step, ref.gradients());
+  }
+}
+
+// A step plan per global batch: 1F1B over the offsets batcher's micro-batches, the adaptive schedule over the dynamic
+// batcher's, then the engine's own plan of 2, back to back on one engine, each step's loss the
+// single-batch reference's (same weights: both engines take the same updates).
+TEST_CASE("training.step-plans: steps of offsets, dynamic and 2 micro-batches run back to back with a "
+          "single batch's losses; a step plan of another split is refused") {
+  const auto samples = varied_samples();
+  const auto lengths = lengths_of(samples);
+  const model::ModelSpec spec(stories().config);
+  const auto partition = partition::uniform(spec, 2);
+  engine::TrainingConfig cfg;
+  cfg.ranks = 2;
+  cfg.microbatches = 2;
+  cfg.partition = "uniform";
+  engine::TrainingEngine eng(stories(), cfg);
+  REQUIRE(eng.plan().partition() == partition);
+  engine::TrainingEngine ref(stories(), engine::TrainingConfig{});  // one stage, one micro-batch
+
+  const std::size_t third = samples.size() / 3;
+  const std::span<const data::Sample> all(samples);
+  const std::array<std::span<const data::Sample>, 3> global{
+      all.first(third), all.subspan(third, third), all.subspan(2 * third)};
+  std::vector<int> counts;
+  for (std::size_t g = 0; g < global.size(); ++g) {
+    CAPTURE(g);
+    const auto batch = global[g];
+    const auto lens = lengths_of(batch);
+    std::vector<data::PackedBatch> batches;
+    std::optional<plan::Plan> step_plan;
+    if (g == 0) {
+      std::int64_t total = 0, longest = 0;
+      for (const auto& l : lens) {
+        total += l.tokens;
+        longest = std::max(longest, l.tokens);
+      }
+      const auto mbs = batching::OffsetsBatcher{total / 3 + longest}.plan(lens);
+      for (const auto& mb : mbs) batches.push_back(data::pack_offsets(batch, mb));
+      step_plan.emplace(one_f_one_b(partition, batching::work_of(mbs)));
+    } else if (g == 1) {
+      const auto cost = batching::stage_cost(spec, partition, model::roofline_layer_seconds());
+      std::int64_t longest = 0;
+      for (const auto& l : lens) longest = std::max(longest, l.tokens);
+      const double limit = cost.activation_bytes(
+          batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
+      const auto dyn = batching::DynamicBatcher(cost, 2, limit).solve(lens);
+      const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, 2, 2 * limit);
+      std::vector<batching::MicroBatch> in_order;
+      for (const int m : ordered.order) {
+        in_order.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+        batches.push_back(data::pack_offsets(batch, in_order.back()));
+      }
+      step_plan.emplace(partition, ordered.schedule, batching::work_of(in_order));
+    } else {
+      batches = split(batch, 2);
+    }
+    counts.push_back(static_cast<int>(batches.size()));
+    const auto step = step_plan ? eng.train_step(*step_plan, batches) : eng.train_step(batches);
+    const std::vector<data::PackedBatch> one{pack(batch)};
+    const auto ref_step = ref.train_step(one);
+    CHECK(step.tokens == ref_step.tokens);
+    CHECK(step.loss == doctest::Approx(ref_step.loss).epsilon(1e-5));
+    CHECK(step.grad_norm == doctest::Approx(ref_step.grad_norm).epsilon(1e-4));
+  }
+  CHECK(counts[0] >= 2);
+  CHECK(counts[1] >= 3);
+  CHECK(counts[2] == 2);
+  CHECK(std::set<int>(counts.begin(), counts.end()).size() >= 2);
+  CHECK(eng.steps() == 3);
+
+  const auto batches = split(all, 3);
+  const auto other = one_f_one_b(partition::uniform(spec, 1), engine::microbatch_work(batches));
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)eng.compute_gradients(other, batches); })
+            .find("keeps the engine's partition") != std::string::npos);
+  const auto wrong_count = one_f_one_b(partition, engine::microbatch_work(split(all, 4)));
+  CHECK(test::error_of(Errc::InvalidArgument, [&] {
+          (void)eng.compute_gradients(wrong_count, batches);
+        }).find("3 micro-batches for a schedule of 4") != std::string::npos);
+}
+
+TEST_CASE("training.targets: a step of pad targets only is refused; pack_padded and pack_rows lay "
+          "pads as target -1") {
+  const auto samples = varied_samples();
+  batching::MicroBatch two;
+  two.samples = {0, static_cast<std::int64_t>(samples.size()) - 1};
+  two.row_offsets = {0, 1, 2};
+  const auto n0 = static_cast<std::int64_t>(samples[0].tokens.size()) - 1;
+  const auto n1 = static_cast<std::int64_t>(samples.back().tokens.size()) - 1;
+  const auto padded = data::pack_padded(samples, two, 7);
+  const auto L = std::max(n0, n1);
+  CHECK(padded.rows() == 2 * L);
+  CHECK(padded.offsets == std::vector<std::int64_t>{0, L, 2 * L});
+  CHECK(engine::detail::real_targets(padded) == n0 + n1);
+  CHECK(std::count(padded.inputs.begin(), padded.inputs.end(), 7) >= 2 * L - n0 - n1);
+  // Megatron packing: both samples in one row of 200 tokens, attention across the row.
+  batching::MicroBatch row = two;
+  row.row_offsets = {0, 2};
+  const auto packed = data::pack_rows(samples, row, 200);
+  CHECK(packed.rows() == 200);
+  CHECK(packed.offsets == std::vector<std::int64_t>{0, 200});
+  CHECK(engine::detail::real_targets(packed) == n0 + n1);
+  CHECK(packed.targets[static_cast<std::size_t>(n0 + n1)] == -1);
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)data::pack_rows(samples, row, 20); })
+            .find("pack_rows: row 0 holds") != std::string::npos);
+
+  data::PackedBatch pads_only;
+  pads_only.inputs.assign(4, 1);
+  pads_only.targets.assign(4, -1);
+  pads_only.offsets = {0, 4};
+  const std::vector<data::PackedBatch> batches{pads_only};
+  engine::TrainingEngine eng(stories(), engine::TrainingConfig{});
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)eng.compute_gradients(batches); })
+            .find("no target to train on") != std::string::npos);
 }

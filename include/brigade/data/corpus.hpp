@@ -66,8 +66,8 @@ Corpus load_corpus(const std::filesystem::path& path, const model::Tokenizer& to
 /// @throws brigade::Error{InvalidArgument} if every < 2
 std::pair<Corpus, Corpus> split_held_out(const Corpus& corpus, int every);
 
-/// A micro-batch for training: sequences packed one after another by offsets (cu_seqlens), never
-/// padded. Row t predicts targets[t]; the last row of each sequence has no target inside the
+/// A micro-batch for training: sequences laid one after another by offsets (cu_seqlens), attention
+/// within each sequence; pad rows (pack_padded, pack_rows) have target -1, which the loss skips. Row t predicts targets[t]; the last row of each sequence has no target inside the
 /// sequence, so each sequence of n tokens contributes n - 1 rows (inputs = tokens[0..n-2],
 /// targets = tokens[1..n-1]).
 struct PackedBatch {
@@ -95,6 +95,25 @@ void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows
 /// @throws brigade::Error{InvalidArgument} if an index is outside `samples` or a sample has
 ///         fewer than 2 tokens
 PackedBatch pack_offsets(std::span<const Sample> samples, const batching::MicroBatch& mb);
+
+/// The PackedBatch of a padding micro-batch (batching::PaddingBatcher over SampleLength{tokens -
+/// 1} of `samples`): one sequence per sample, each of L rows, L = the longest sample's n - 1 in
+/// the micro-batch; a sample's n - 1 real rows come first, then L - n + 1 pad rows (input
+/// `pad_id`, target -1). Causal attention keeps the pad rows out of every real row, so the loss
+/// and gradients equal pack_offsets' on the same samples; the forward still computes the pads.
+/// @throws brigade::Error{InvalidArgument} as pack_offsets, or a pad_id < 0
+PackedBatch pack_padded(std::span<const Sample> samples, const batching::MicroBatch& mb,
+                        int pad_id = 0);
+
+/// The PackedBatch of a micro-batch packed into fixed-length rows as Megatron-LM and T5 do
+/// (batching::PackingBatcher{row_tokens}): each of mb's rows is one sequence of `row_tokens`
+/// rows, its samples' n - 1 rows end to end (attention runs across the whole row, samples
+/// included), then pad rows (input `pad_id`, target -1) to row_tokens. The sequence's task is
+/// its first sample's.
+/// @throws brigade::Error{InvalidArgument} as pack_offsets, a row whose samples exceed row_tokens
+///         (naming the row), mb without row offsets, or a pad_id < 0
+PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatch& mb,
+                      std::int64_t row_tokens, int pad_id = 0);
 
 /// The training stream of micro-batches packed by offsets: samples in stream order (shuffled
 /// per epoch), grouped by batching::OffsetsBatcher{token_budget} (a sample that does not fit

@@ -69,7 +69,7 @@ class TrainingWorker {
   /// @param shape     the schedule's shape
   /// @param stages    stages[v] is virtual stage v's TrainStage (non-null for those on this rank)
   /// @param batches   the step's micro-batches
-  /// @param grad_denominator the step's total target rows (the loss is their mean)
+  /// @param grad_denominator the step's real targets (detail::step_targets: the loss is their mean)
   /// @param dim       the model width (columns of every message)
   /// @param pipeline_dtype the dtype of activations and gradients between stages
   ///        (TrainingOptions::pipeline_dtype)
@@ -281,7 +281,7 @@ class TrainingWorker {
 /// @param shape     the schedule's shape (placement: virtual stage -> rank)
 /// @param stages    stages[v] is virtual stage v's TrainStage (non-null for those on this rank)
 /// @param batches   the step's micro-batches (every rank sees all of them)
-/// @param grad_denominator the step's total target rows (the loss is their mean)
+/// @param grad_denominator the step's real targets (detail::step_targets: the loss is their mean)
 /// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
 /// @param drops     when given, receives the micro-batches this rank saw flagged (TrainingWorker)
 /// @param pipeline_dtype activations' and gradients' dtype between stages (TrainingWorker)
@@ -358,8 +358,8 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
 
 /// What one step did.
 struct StepResult {
-  double loss = 0.0;             ///< mean cross-entropy over the step's target rows (nats)
-  std::int64_t tokens = 0;       ///< target rows in the step
+  double loss = 0.0;             ///< mean cross-entropy over the step's real targets (nats)
+  std::int64_t tokens = 0;       ///< real (non-pad, target != -1) targets in the step
   double seconds = 0.0;          ///< wall time of forward + backward (+ optimizer)
   double lr = 0.0;               ///< learning rate used (0 when no optimizer step was taken)
   double grad_norm = 0.0;        ///< global gradient norm before clipping
@@ -418,7 +418,24 @@ class TrainingEngine {
   template <transport::Transport T>
   StepResult compute_gradients(std::span<T> transports,
                                std::span<const data::PackedBatch> batches) {
-    const StepSetup s = begin_step(batches, transports.size());
+    return compute_gradients(transports, plan(), batches);
+  }
+  /// compute_gradients for one step of its own plan: `step` has the engine's partition (same
+  /// layer ranges on the same ranks) but its own schedule, micro-batch count and work, e.g.
+  /// DynaPipe's adaptive schedule over the dynamic batcher's micro-batches of this global batch
+  /// (Jiang et al., DynaPipe, EuroSys '24, sections 4-5), or 1F1B over a padding batcher's.
+  /// Steps with different plans run back to back; the optimizer state carries over.
+  /// @param step    a training plan with plan().partition(); step.shape().num_microbatches ==
+  ///                batches.size()
+  /// @throws brigade::Error{InvalidArgument} if step's partition differs from the engine's
+  ///         (naming both stage counts), it is not a 1-chunk training plan, or as
+  ///         compute_gradients(batches)
+  StepResult compute_gradients(const plan::Plan& step, std::span<const data::PackedBatch> batches);
+  /// compute_gradients(step, batches) over the caller's transports (see the overload above).
+  template <transport::Transport T>
+  StepResult compute_gradients(std::span<T> transports, const plan::Plan& step,
+                               std::span<const data::PackedBatch> batches) {
+    const StepSetup s = begin_step(step, batches, transports.size());
     for (std::size_t r = 0; r < transports.size(); ++r)
       BRIGADE_CHECK(transports[r].rank() == static_cast<int>(r), Errc::InvalidArgument,
                     "TrainingEngine: transports[{}] is rank {}, expected rank {}", r,
@@ -435,12 +452,12 @@ class TrainingEngine {
         if (s.lowered->shape.rank_of(static_cast<int>(v)) == r) mine[v] = s.stages[v];
       peaks[static_cast<std::size_t>(r)] = static_cast<double>(
           run_training_program(s.lowered->ranks[static_cast<std::size_t>(r)], s.lowered->shape,
-                               r, mine, batches, s.rows, tp, t0, s.timeout_s,
+                               r, mine, batches, s.targets, tp, t0, s.timeout_s,
                                tls[static_cast<std::size_t>(r)], s.dim, s.windows,
                                &drops[static_cast<std::size_t>(r)], s.pipeline_dtype)
               .peak_memory_bytes);
     });
-    return end_step(t0, tls, std::move(peaks), batches, drops);
+    return end_step(P, t0, tls, std::move(peaks), batches, drops);
   }
   /// Global-norm clipping and one AdamW update of every stage, from the gradients left by
   /// compute_gradients(); nothing when that step's update was skipped (StepResult::update_skipped).
@@ -448,13 +465,23 @@ class TrainingEngine {
   std::pair<double, double> optimizer_step();
   /// compute_gradients() then optimizer_step().
   StepResult train_step(std::span<const data::PackedBatch> batches);
+  /// compute_gradients(step, batches) then optimizer_step(): one step of its own plan.
+  /// @throws brigade::Error as compute_gradients(step, batches)
+  StepResult train_step(const plan::Plan& step, std::span<const data::PackedBatch> batches);
   /// compute_gradients(transports, batches) then optimizer_step(): a step over the caller's
   /// transports, which may be kept from step to step (decorators that learn across steps, such
   /// as VerifyingTransport's monitors). @throws brigade::Error as compute_gradients
   template <transport::Transport T>
   StepResult train_step(std::span<T> transports, std::span<const data::PackedBatch> batches) {
+    return train_step(transports, plan(), batches);
+  }
+  /// compute_gradients(transports, step, batches) then optimizer_step().
+  /// @throws brigade::Error as compute_gradients(step, batches)
+  template <transport::Transport T>
+  StepResult train_step(std::span<T> transports, const plan::Plan& step,
+                        std::span<const data::PackedBatch> batches) {
     const auto t0 = std::chrono::steady_clock::now();
-    StepResult r = compute_gradients(transports, batches);
+    StepResult r = compute_gradients(transports, step, batches);
     const auto [lr, norm] = optimizer_step();
     r.lr = lr;
     r.grad_norm = norm;
@@ -488,19 +515,21 @@ class TrainingEngine {
  private:
   /// What every rank of a step needs (pointers into the engine).
   struct StepSetup {
-    const schedule::Schedule* lowered = nullptr;  // the plan's lowered schedule
+    const schedule::Schedule* lowered = nullptr;  // the step plan's lowered schedule
     std::vector<runtime::TrainStage<>*> stages;     // by virtual stage
-    double rows = 0.0;                            // the step's target rows (loss denominator)
+    double targets = 0.0;  // the step's real (non-pad) targets: the loss denominator
     double timeout_s = 0.0;
     int dim = 0;
     ExecutorWindows windows;
     DType pipeline_dtype = DType::F32;
   };
-  /// Checks the batches (and that `ranks` transports match the plan), zeroes the gradients.
-  StepSetup begin_step(std::span<const data::PackedBatch> batches, std::size_t ranks);
+  /// Checks `step` against the engine's partition, the batches (and that `ranks` transports
+  /// match the plan), zeroes the gradients.
+  StepSetup begin_step(const plan::Plan& step, std::span<const data::PackedBatch> batches,
+                       std::size_t ranks);
   /// The step's result from every rank's Timeline, peak and dropped micro-batches (agreed by
   /// detail::decide_drops and applied by detail::apply_drops); sums the tied gradients.
-  StepResult end_step(std::chrono::steady_clock::time_point t0, std::span<const Timeline> tls,
+  StepResult end_step(int ranks, std::chrono::steady_clock::time_point t0, std::span<const Timeline> tls,
                       std::vector<double> peaks, std::span<const data::PackedBatch> batches,
                       std::span<const MicrobatchDrops> drops);
 
@@ -514,14 +543,14 @@ namespace detail {
 struct DropDecision {
   std::vector<int> dropped;   ///< micro-batches flagged on any rank, ascending
   bool skip_update = false;   ///< every micro-batch dropped, or one's gradients already added
-  double scale = 1.0;         ///< factor on the kept gradients: total rows / kept rows
+  double scale = 1.0;         ///< factor on the kept gradients: total / kept real targets
 };
 
 /// The agreement of one step from every rank's MicrobatchDrops (`per_rank`, each [M] long), the
 /// same on every rank: a micro-batch is dropped when any rank saw it flagged; the update is
 /// skipped when a rank had added a dropped micro-batch's weight gradients (its flag reached that
-/// rank after its BW) or nothing is kept; else the kept gradients are scaled by total rows / kept
-/// rows (the loss is the mean over kept rows).
+/// rank after its BW) or nothing is kept; else the kept gradients are scaled by total targets /
+/// kept targets (real targets, pad -1 excluded: the loss is the mean over the kept ones).
 /// @throws brigade::Error{Internal} if the masks' lengths differ from batches.size()
 DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
                           std::span<const data::PackedBatch> batches);
@@ -529,6 +558,21 @@ DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
 /// Applies `d` to this rank's stages (null entries skipped): every gradient zeroed when the
 /// update is skipped, else multiplied by d.scale (when it differs from 1).
 void apply_drops(const DropDecision& d, std::span<runtime::TrainStage<>* const> stages);
+
+/// The real targets of one micro-batch: its target rows other than pad (-1).
+std::int64_t real_targets(const data::PackedBatch& batch) noexcept;
+
+/// The real targets of a step, what its loss is the mean over: every target row but the pad
+/// ones (target -1, which the cross-entropy skips), summed over `batches`.
+/// @throws brigade::Error{InvalidArgument} for a micro-batch without rows ("micro-batch i is
+///         empty") or a step without a real target ("no target to train on")
+double step_targets(std::span<const data::PackedBatch> batches);
+
+/// Checks that `step` can run on stages built for `engine`'s partition: the same partition and
+/// a 1-chunk training schedule with batches.size() micro-batches.
+/// @throws brigade::Error{InvalidArgument} naming what differs
+void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
+                     std::span<const data::PackedBatch> batches);
 
 /// The summed loss of the tail stage's micro-batches not in `dropped` (ascending).
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage<>& tail, int microbatches,

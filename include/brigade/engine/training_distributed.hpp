@@ -159,16 +159,17 @@ class DistributedTrainer {
   ///         the stages or the transport (PeerTimeout naming the rank that stopped answering,
   ///         Aborted, HeaderMismatch, Mpi)
   StepResult compute_gradients(std::span<const data::PackedBatch> batches) {
-    const auto& shape = plan_.shape();
-    BRIGADE_CHECK(static_cast<int>(batches.size()) == shape.num_microbatches,
-                  Errc::InvalidArgument, "TrainingEngine: {} micro-batches for a schedule of {}",
-                  batches.size(), shape.num_microbatches);
-    std::int64_t rows = 0;
-    for (std::size_t i = 0; i < batches.size(); ++i) {
-      BRIGADE_CHECK(batches[i].rows() >= 1, Errc::InvalidArgument,
-                    "TrainingEngine: micro-batch {} is empty", i);
-      rows += batches[i].rows();
-    }
+    return compute_gradients(plan_, batches);
+  }
+  /// compute_gradients for one step of its own plan (collective; every rank passes the same
+  /// `step`): the trainer's partition, the step's schedule, micro-batch count and work, as
+  /// TrainingEngine::compute_gradients(step, batches).
+  /// @throws brigade::Error{InvalidArgument} as detail::check_step_plan and
+  ///         compute_gradients(batches)
+  StepResult compute_gradients(const plan::Plan& step, std::span<const data::PackedBatch> batches) {
+    detail::check_step_plan(plan_, step, batches);
+    const auto& shape = step.shape();
+    const double targets = detail::step_targets(batches);
     if (fault_.rank == rank() && calls_ == fault_.after_steps) {
       fmt::print(stderr, "brigade: fault injection: rank {} exits (code 3) after {} step(s)\n",
                  rank(), calls_);
@@ -186,8 +187,8 @@ class DistributedTrainer {
       Timeline tl(P);
       MicrobatchDrops drops;
       const auto stats = run_training_program(
-          plan_.program(rank()), shape, rank(), stage_ptrs(), batches, static_cast<double>(rows),
-          *tp_, t0, cfg_.timeout_s, tl, config_.dim, plan_.execution().windows, &drops,
+          step.program(rank()), shape, rank(), stage_ptrs(), batches, targets,
+          *tp_, t0, cfg_.timeout_s, tl, config_.dim, step.execution().windows, &drops,
           cfg_.pipeline_dtype);
       StepResult res;
       const double end_s = seconds_since(t0);
@@ -254,8 +255,13 @@ class DistributedTrainer {
 
   /// compute_gradients() then optimizer_step() (collective); seconds covers both.
   StepResult train_step(std::span<const data::PackedBatch> batches) {
+    return train_step(plan_, batches);
+  }
+  /// compute_gradients(step, batches) then optimizer_step() (collective).
+  /// @throws brigade::Error as compute_gradients(step, batches)
+  StepResult train_step(const plan::Plan& step, std::span<const data::PackedBatch> batches) {
     const auto t0 = std::chrono::steady_clock::now();
-    StepResult r = compute_gradients(batches);
+    StepResult r = compute_gradients(step, batches);
     const auto [lr, norm] = optimizer_step();
     r.lr = lr;
     r.grad_norm = norm;
