@@ -251,6 +251,25 @@ PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatc
   return b;
 }
 
+std::vector<Sample> Packer::next_samples(std::int64_t rows) {
+  BRIGADE_CHECK(rows >= 1, Errc::InvalidArgument, "Packer: a global batch of {} rows, expected >= 1",
+                rows);
+  std::vector<Sample> out;
+  std::int64_t used = 0;
+  for (;;) {
+    const Sample& s = sample_at(position_);
+    BRIGADE_CHECK(s.tokens.size() >= 2, Errc::InvalidArgument,
+                  "Packer: sample {} of the stream has {} tokens, expected >= 2", position_,
+                  s.tokens.size());
+    const auto r = std::min<std::int64_t>(static_cast<std::int64_t>(s.tokens.size()) - 1, budget_);
+    if (!out.empty() && used + r > rows) break;
+    out.push_back({s.task, std::vector<int>(s.tokens.begin(), s.tokens.begin() + r + 1)});
+    used += r;
+    ++position_;
+  }
+  return out;
+}
+
 Packer::Packer(std::span<const Sample> samples, int token_budget, std::uint64_t seed)
     : samples_(samples), budget_(token_budget), seed_(seed) {
   BRIGADE_CHECK(!samples.empty(), Errc::InvalidArgument, "Packer: no samples");

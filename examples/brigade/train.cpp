@@ -3,6 +3,8 @@
 #include "integrity.hpp"
 
 #include <brigade/backend/cpu.hpp>
+#include <brigade/batching/dynamic.hpp>
+#include <brigade/batching/order.hpp>
 #include <brigade/config.hpp>
 #include <brigade/cost/memory.hpp>
 #include <brigade/cost/profiled.hpp>
@@ -12,6 +14,7 @@
 #include <brigade/io/trace.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/partition/partition.hpp>
 #include <brigade/schedule/registry.hpp>
 #include <brigade/sim/simulator.hpp>
 #include <brigade/transport/in_process.hpp>
@@ -44,6 +47,7 @@ struct TrainArgs {
   bool resume = false;
   double timeout = 120.0;
   std::string pipeline_dtype = "f32";  // --pipeline-dtype
+  std::string batching;  // --batching; empty: the Packer's stream under the fixed plan
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -67,12 +71,79 @@ struct RunData {
   int ranks;  ///< pipeline ranks (threads, or processes under MPI)
   bool mpi;   ///< started by mpirun: one process per rank
   std::string profile_origin;  ///< where the balanced split's layer times came from
+  brigade::model::LayerSeconds layer_seconds;  ///< what the split (and --batching's cost) used
 };
+
+/// One step by a --batching batcher: its plan (the engine's partition, its own schedule and
+/// micro-batches), the micro-batches, the pad rows and the cost model's prediction.
+struct BatchedStep {
+  std::optional<brigade::plan::Plan> plan;
+  std::vector<brigade::data::PackedBatch> batches;
+  std::int64_t padding = 0;        ///< pad rows the forward computes (target -1)
+  double predicted_seconds = 0.0;  ///< DynaPipe's (S - 1) x slowest + sum, stage_cost seconds
+};
+
+/// A global batch of `samples` split by the --batching batcher: padding (samples_per_microbatch
+/// = ceil(n / M), padded to each micro-batch's longest), packing (Megatron rows of
+/// --tokens-per-microbatch tokens, one row per micro-batch), offsets (a token budget of
+/// --tokens-per-microbatch) under --schedule with as many micro-batches as the batcher made;
+/// dynamic (DynaPipe's DP under a memory limit of one --tokens-per-microbatch sequence per
+/// micro-batch, ordered by order_adaptive under ranks x that limit per rank) under the
+/// adaptive schedule.
+BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample> samples,
+                       const brigade::plan::Plan& base, const brigade::batching::MicroBatchCost& cost) {
+  using namespace brigade;
+  const int P = base.shape().num_ranks;
+  std::vector<batching::SampleLength> lengths;
+  for (const auto& smp : samples)
+    lengths.push_back({static_cast<std::int64_t>(smp.tokens.size()) - 1, smp.task,
+                       static_cast<std::int64_t>(lengths.size())});
+  const std::int64_t budget = a.tokens_per_microbatch;
+  BatchedStep out;
+  std::vector<batching::MicroBatch> mbs;
+  if (a.batching == "dynamic") {
+    const double limit =
+        cost.activation_bytes(batching::varlen_work(budget, 1, batching::causal_pairs(budget)));
+    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
+    const double rank_limit = std::max(
+        P * limit, *std::max_element(dyn.activation_bytes.begin(), dyn.activation_bytes.end()));
+    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, rank_limit);
+    for (const int m : ordered.order) mbs.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+    out.plan.emplace(base.partition(), ordered.schedule, batching::work_of(mbs));
+  } else {
+    if (a.batching == "padding") {
+      const auto n = static_cast<int>(samples.size());
+      mbs = batching::PaddingBatcher{(n + a.microbatches - 1) / a.microbatches}.plan(lengths);
+    } else if (a.batching == "packing") {
+      mbs = batching::PackingBatcher{a.tokens_per_microbatch, 1}.plan(lengths);
+    } else {
+      mbs = batching::OffsetsBatcher{budget}.plan(lengths);
+    }
+    schedule::Params params;
+    params.ranks = P;
+    params.virtual_stages = base.shape().num_virtual_stages / P;
+    params.microbatches = static_cast<int>(mbs.size());
+    out.plan.emplace(base.partition(), schedule::generate(a.schedule, params),
+                     batching::work_of(mbs));
+  }
+  std::vector<double> seconds;
+  for (const auto& mb : mbs) {
+    seconds.push_back(cost.seconds(mb.work));
+    out.padding += mb.padding_tokens();
+    out.batches.push_back(a.batching == "padding"   ? data::pack_padded(samples, mb)
+                          : a.batching == "packing" ? data::pack_rows(samples, mb, budget)
+                                                    : data::pack_offsets(samples, mb));
+  }
+  out.predicted_seconds = batching::predicted_iteration_seconds(seconds, P);
+  return out;
+}
 
 /// What the loop calls to run a step over the integrity decorators and to read what they saw.
 struct StepHooks {
   /// One training step over this process's decorated transports.
-  std::function<brigade::engine::StepResult(std::span<const brigade::data::PackedBatch>)> step;
+  std::function<brigade::engine::StepResult(const brigade::plan::Plan&,
+                                            std::span<const brigade::data::PackedBatch>)>
+      step;
   /// Integrity counts so far over every rank (collective under MPI: every rank calls it).
   std::function<brigade::cli::IntegrityCounts()> counts;
   /// Adds this process's verdicts since the last call to a step's timeline as marks.
@@ -100,11 +171,18 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
 
   say("model: {} layers, dim {}, vocab {} | data: {} ({} tasks, {} train / {} held-out "
       "samples, {} tokens)\n"
-      "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens\n",
+      "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens{}\n",
       d.weights.config.n_layers, d.weights.config.dim, d.weights.config.vocab_size,
       d.data.string(), d.corpus.tasks.size(), d.train.samples.size(), d.held.samples.size(),
       d.corpus.num_tokens(), a.schedule, d.ranks, a.virtual_stages, a.microbatches,
-      a.tokens_per_microbatch);
+      a.tokens_per_microbatch,
+      a.batching.empty() ? std::string()
+                         : fmt::format("; batching {}: a global batch of <= {} tokens per step",
+                                       a.batching,
+                                       static_cast<std::int64_t>(a.microbatches) *
+                                           a.tokens_per_microbatch));
+  const auto cost = batching::stage_cost(model::ModelSpec(d.weights.config),
+                                         eng.plan().partition(), d.layer_seconds);
   say("partition: {} (profile {})\n", eng.plan().partition().to_string(), d.profile_origin);
   if (d.mpi) say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
   const double eval_before = eng.evaluate(eval);
@@ -119,15 +197,26 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
   Timeline trace_tl(d.ranks);
   double measured_sum = 0, simulated_sum = 0, seconds = 0;
   std::vector<double> peak_measured, peak_simulated;  // per rank, the most over the steps
-  std::int64_t tokens = 0;
+  std::int64_t tokens = 0, padding = 0;
+  double predicted_sum = 0;  // --batching: the cost model's iteration seconds, summed
   int done = 0, dropped = 0, skipped = 0;
   cli::IntegrityCounts seen;  // the integrity counts up to the last step
   // The optimizer's step count does not advance on a skipped update: the loop counts its own.
   const std::int64_t first = eng.steps();
   for (std::int64_t step = first; step < a.steps; ++step) {
-    std::vector<data::PackedBatch> batches;
-    for (int m = 0; m < a.microbatches; ++m) batches.push_back(packer.next());
-    auto r = hooks.step(batches);
+    std::vector<double> step_peak_simulated;  // per rank, root only
+    BatchedStep bs;
+    if (a.batching.empty()) {
+      for (int m = 0; m < a.microbatches; ++m) bs.batches.push_back(packer.next());
+    } else {
+      bs = batch_step(a,
+                      packer.next_samples(static_cast<std::int64_t>(a.microbatches) *
+                                          a.tokens_per_microbatch),
+                      eng.plan(), cost);
+    }
+    const auto& batches = bs.batches;
+    const plan::Plan& step_plan = bs.plan ? *bs.plan : eng.plan();
+    auto r = hooks.step(step_plan, batches);
     hooks.mark(r);
     const auto now = hooks.counts();
     dropped += static_cast<int>(r.dropped_microbatches.size());
@@ -136,8 +225,8 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
     if (root) {
       // One simulation of the step with its measured action costs and the memory of its
       // micro-batches (the plan with their work, priced by the roofline model's sizes).
-      const plan::Plan with_work(eng.plan().partition(), eng.plan().schedule(),
-                                 engine::microbatch_work(batches), eng.plan().execution());
+      const plan::Plan with_work(step_plan.partition(), step_plan.schedule(),
+                                 engine::microbatch_work(batches), step_plan.execution());
       const engine::MeasuredCostModel costs(
           with_work.shape(), r.timeline,
           cost::RooflineCostModel(model::ModelSpec(d.weights.config), with_work));
@@ -151,7 +240,10 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
         peak_measured[k] = std::max(peak_measured[k], r.peak_memory_bytes[k]);
       for (std::size_t k = 0; k < peak_simulated.size(); ++k)
         peak_simulated[k] = std::max(peak_simulated[k], predicted.peak_memory_bytes[k]);
+      step_peak_simulated = predicted.peak_memory_bytes;
     }
+    padding += bs.padding;
+    predicted_sum += bs.predicted_seconds;
     seconds += r.seconds;
     tokens += r.tokens;
     ++done;
@@ -174,6 +266,14 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
                        {"seconds", r.seconds}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
                        {"bubble_measured", r.timeline.bubble_ratio()},
                        {"peak_memory_bytes", r.peak_memory_bytes}};
+      j["useful_tokens_per_s"] = static_cast<double>(r.tokens) / r.seconds;
+      j["peak_memory_bytes_simulated"] = step_peak_simulated;
+      if (!a.batching.empty()) {
+        j["batching"] = a.batching;
+        j["microbatches"] = batches.size();
+        j["padding_tokens"] = bs.padding;
+        j["predicted_seconds"] = bs.predicted_seconds;
+      }
       std::int64_t sent = 0;
       for (int rank = 0; rank < r.timeline.num_ranks(); ++rank) sent += r.timeline.bytes(rank, true);
       j["sent_bytes"] = sent;
@@ -206,6 +306,11 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
         "{:.3f} for the same schedule and measured action costs\n",
         done, tokens, static_cast<double>(tokens) / seconds, measured_sum / done,
         simulated_sum / done);
+    if (!a.batching.empty())
+      say("batching {}: {:.1f} useful (non-pad) tokens/s measured, {:.1f} predicted by the cost "
+          "model ((S - 1) x slowest + sum of micro-batch seconds); {} pad tokens computed\n",
+          a.batching, static_cast<double>(tokens) / seconds,
+          static_cast<double>(tokens) / predicted_sum, padding);
     auto mib = [](const std::vector<double>& v) {
       std::string out;
       for (double x : v) out += fmt::format("{}{:.2f}", out.empty() ? "" : " ", x / (1 << 20));
@@ -318,9 +423,14 @@ int run(const TrainArgs& a) {
                               *resolved.profile, "brigade train");
     }
   }
+  BRIGADE_CHECK(a.batching != "dynamic" || a.virtual_stages == 1, Errc::InvalidArgument,
+                "--batching dynamic runs DynaPipe's adaptive schedule over one stage per rank; "
+                "--virtual {} (from --schedule {}) must be 1",
+                a.virtual_stages, a.schedule);
   const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
                   resolved.profile ? resolved.profile->name + ", " + resolved.origin
-                                   : resolved.origin};
+                                   : resolved.origin,
+                  cfg.layer_seconds};
   const std::vector<transport::MessageKind> checked{transport::MessageKind::Activation,
                                                     transport::MessageKind::Gradient};
 #if BRIGADE_HAS_MPI
@@ -335,7 +445,9 @@ int run(const TrainArgs& a) {
     std::optional<transport::MpiCollectives> group;
     if (a.integrity.active()) group.emplace();
     const StepHooks hooks{
-        [&](std::span<const data::PackedBatch> b) { return eng.train_step(b); },
+        [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+          return eng.train_step(p, b);
+        },
         [&] {
           const auto c = stack.counts();
           if (!group) return c;
@@ -360,7 +472,9 @@ int run(const TrainArgs& a) {
                                                            weights.config.vocab_size);
   engine::TrainingEngine eng(weights, cfg);
   const StepHooks hooks{
-      [&](std::span<const data::PackedBatch> b) { return eng.train_step(stack.transports(), b); },
+      [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+        return eng.train_step(stack.transports(), p, b);
+      },
       [&] { return stack.counts(); },
       [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
       [&] { return stack.report(); }};
@@ -402,6 +516,13 @@ std::function<int()> setup(CLI::App& sub) {
                  "cut, with a notice)")
       ->check(brigade::cli::number_in<int>(2, 1 << 20, "a whole number of tokens from 2 to 1048576"))
       ->capture_default_str();
+  sub.add_option("--batching", a->batching,
+                 "split each step's global batch (--microbatches x --tokens-per-microbatch tokens "
+                 "of samples) by a batcher, with a plan per step: padding, packing (Megatron "
+                 "rows), offsets, or dynamic (DynaPipe's DP under the adaptive schedule); "
+                 "default: none, --microbatches micro-batches packed by offsets under the one "
+                 "plan of --schedule")
+      ->check(CLI::IsMember({"padding", "packing", "offsets", "dynamic"}));
   sub.add_option("--steps", a->steps,
                  "optimizer steps (the total, when resuming; keep it the same to continue exactly: "
                  "the learning-rate schedule depends on it)")

@@ -300,6 +300,63 @@ TEST_CASE("cli.train: zb-v and dualpipe-v run with the V shape's two chunks per 
   CHECK(bad.err.find("zb-v: virtual stages per rank = 3") != std::string::npos);
 }
 
+// issue 15: each batcher splits the same global batch (the same samples each step): padding,
+// offsets and dynamic attend within each sample, so their first step's loss is the same to
+// 1e-5 (packing attends across a row of several samples). Useful tokens are the same for all.
+TEST_CASE("cli.train: --batching padding|packing|offsets|dynamic train on the same samples with "
+          "a plan per step; a bad value is named" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("brigade_cli_batching_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::map<std::string, std::vector<nlohmann::json>> steps;
+  for (const std::string b : {"padding", "packing", "offsets", "dynamic"}) {
+    CAPTURE(b);
+    const fs::path metrics = dir / (b + ".jsonl");
+    auto r = run_cli("train " + model_flags() + " --stages 2 --microbatches 4 " +
+                     "--tokens-per-microbatch 64 --steps 2 --batching " + b + " --metrics " +
+                     metrics.string());
+    CAPTURE(r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.err.find("batching " + b + ": ") != std::string::npos);
+    CHECK(r.err.find("useful (non-pad) tokens/s measured") != std::string::npos);
+    std::ifstream mf(metrics);
+    for (std::string line; std::getline(mf, line);) steps[b].push_back(nlohmann::json::parse(line));
+    REQUIRE(steps[b].size() == 2);
+    for (const auto& j : steps[b]) {
+      CHECK(j["batching"] == b);
+      CHECK(j["microbatches"].get<int>() >= 1);
+      CHECK(j["useful_tokens_per_s"].get<double>() > 0.0);
+      CHECK(j["predicted_seconds"].get<double>() > 0.0);
+      REQUIRE(j["peak_memory_bytes"].size() == 2);
+      CHECK(j["peak_memory_bytes"] == j["peak_memory_bytes_simulated"]);
+    }
+  }
+  for (int s = 0; s < 2; ++s) {
+    CAPTURE(s);
+    const auto tokens = steps["offsets"][s]["tokens"].get<std::int64_t>();
+    for (const char* b : {"padding", "packing", "dynamic"})
+      CHECK(steps[b][s]["tokens"].get<std::int64_t>() == tokens);
+    CHECK(steps["offsets"][s]["padding_tokens"] == 0);
+    CHECK(steps["dynamic"][s]["padding_tokens"] == 0);
+    CHECK(steps["packing"][s]["padding_tokens"].get<std::int64_t>() > 0);
+  }
+  const double loss = steps["offsets"][0]["loss"].get<double>();
+  CHECK(steps["padding"][0]["loss"].get<double>() == doctest::Approx(loss).epsilon(1e-5));
+  CHECK(steps["dynamic"][0]["loss"].get<double>() == doctest::Approx(loss).epsilon(1e-5));
+  fs::remove_all(dir);
+
+  auto bad = run_cli("train " + model_flags() + " --batching sorted");
+  CHECK(bad.rc != 0);
+  CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+  CHECK(bad.err.find("--batching: sorted not in {padding,packing,offsets,dynamic}") !=
+        std::string::npos);
+  auto v = run_cli("train " + model_flags() + " --stages 2 --schedule zb-v --batching dynamic");
+  CHECK(v.rc != 0);
+  CHECK(v.err.find("--batching dynamic runs DynaPipe's adaptive schedule over one stage per rank") !=
+        std::string::npos);
+}
+
 TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   auto r = run_cli("train --schedule nope");

@@ -131,6 +131,13 @@ class Packer {
   /// @throws brigade::Error{InvalidArgument} if a sample has fewer than 2 tokens
   PackedBatch next();
 
+  /// A global batch for a batcher (batching::*Batcher over SampleLength{tokens - 1}): the
+  /// stream's next samples, in stream order, while their rows (n - 1 each, a sample cut to
+  /// token_budget + 1 tokens as next() cuts it) total at most `rows`; at least one sample.
+  /// Advances position() past them.
+  /// @throws brigade::Error{InvalidArgument} if rows < 1 or a sample has fewer than 2 tokens
+  std::vector<Sample> next_samples(std::int64_t rows);
+
   /// Position in the stream (samples consumed since the start), for checkpoints.
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
   /// Moves to stream position `pos` (as if next() had consumed `pos` samples).
