@@ -32,6 +32,7 @@
 #include <brigade/schedule/lower.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/partition/ring.hpp>
 #include <brigade/plan/inference_plan.hpp>
 
 #include <benchmark/benchmark.h>
@@ -311,7 +312,8 @@ void BM_RingOffload(benchmark::State& state) {
   const bool offload = state.range(0) != 0;
   const auto& w = mapped42m();
   const model::ModelSpec spec(w.config);
-  const auto part = partition::ring(partition::uniform(spec, 4), 2);
+  const std::vector<int> windows(4, w.config.n_layers / 4);  // 2 ranks x 2 windows
+  const auto part = partition::ring_partition(spec, 2, windows);
   std::vector<engine::GenerationRequest> reqs;
   for (int i = 0; i < 8; ++i) reqs.push_back({{1, 300 + 7 * i}, 32});
   engine::InferenceOptions opt;

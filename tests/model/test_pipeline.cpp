@@ -4,6 +4,7 @@
 #include <brigade/model/text.hpp>
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
+#include <brigade/partition/ring.hpp>
 #include <brigade/runtime/inference_stage.hpp>
 
 #include <doctest/doctest.h>
@@ -24,6 +25,15 @@ using namespace brigade;
 namespace fs = std::filesystem;
 
 namespace {
+
+// `n` ring windows over the model's decoder layers, sizes differing by at most one (the earlier
+// windows larger), as partition::uniform splits them.
+std::vector<int> even_windows(const model::ModelSpec& spec, int n) {
+  const int L = spec.config().n_layers;
+  std::vector<int> sizes(static_cast<std::size_t>(n), L / n);
+  for (int i = 0; i < L % n; ++i) ++sizes[static_cast<std::size_t>(i)];
+  return sizes;
+}
 
 const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
@@ -181,8 +191,9 @@ TEST_CASE("pipeline.errors: bad requests and partitions fail with an Error, not 
   const partition::Partition wrong(5, 2, {{0, 0, 2}, {1, 2, 5}});
   CHECK_THROWS_WITH_AS(engine::generate(R.weights, wrong, ok, opt),
                        doctest::Contains("covers 5 layers, the model has 9"), Error);
-  CHECK_THROWS_WITH_AS(partition::ring(part, 4),
-                       doctest::Contains("partition::ring: 4 ranks for 3 windows, expected 1..3"),
+  const model::ModelSpec spec9(R.weights.config);
+  CHECK_THROWS_WITH_AS(partition::ring_partition(spec9, 4, even_windows(spec9, 3)),
+                       doctest::Contains("ring_partition: 4 ranks for 3 windows, expected 1..3"),
                        Error);
 }
 
@@ -193,7 +204,7 @@ TEST_CASE("pipeline.stories260K: ring windows (several layer ranges per rank, th
   for (const auto& [ranks, windows] : {std::pair{2, 2}, std::pair{1, 2}, std::pair{2, 1}}) {
     CAPTURE(ranks);
     CAPTURE(windows);
-    const auto part = partition::ring(partition::uniform(spec, ranks * windows), ranks);
+    const auto part = partition::ring_partition(spec, ranks, even_windows(spec, ranks * windows));
     REQUIRE(part.num_ranks() == ranks);
     if (windows > 1) CHECK(part.stage(ranks).rank == 0);  // window `ranks` wraps to rank 0
     for (int mbs : {1, 2}) {
@@ -234,7 +245,7 @@ TEST_CASE("pipeline.ring: the 42M synthetic model with 2 ranks x 4 windows and 4
     CAPTURE(ranks);
     CAPTURE(windows);
     const auto rep = engine::generate(
-        w, partition::ring(partition::uniform(spec, ranks * windows), ranks), req, opt);
+        w, partition::ring_partition(spec, ranks, even_windows(spec, ranks * windows)), req, opt);
     for (std::size_t i = 0; i < req.size(); ++i) {
       CHECK(rep.sequences[i].tokens == one.sequences[i].tokens);
       CHECK(rep.sequences[i].generated == 8);
@@ -248,7 +259,7 @@ TEST_CASE("pipeline.offload: a ring that RELEASEs and PREFETCHes every window ea
   const auto& R = ref();
   REQUIRE(R.weights.mapped);
   const model::ModelSpec spec(R.weights.config);
-  const auto part = partition::ring(partition::uniform(spec, 4), 2);  // 2 ranks x 2 windows
+  const auto part = partition::ring_partition(spec, 2, even_windows(spec, 4));  // 2 ranks x 2 windows
   std::vector<engine::GenerationRequest> req;
   for (const auto& c : R.cases) req.push_back({c.prompt_ids, c.steps});
   for (int mbs : {1, 2}) {
@@ -291,7 +302,7 @@ TEST_CASE("pipeline.offload: owned (synthetic) weights stay resident; the ops ar
   const auto w = model::make_synthetic_weights(model::named_config("260K"), 7);
   CHECK_FALSE(w.mapped);
   const model::ModelSpec spec(w.config);
-  const auto part = partition::ring(partition::uniform(spec, 4), 2);
+  const auto part = partition::ring_partition(spec, 2, even_windows(spec, 4));
   std::vector<engine::GenerationRequest> req{{{1, 50, 60}, 12}, {{1, 70}, 9}};
   engine::InferenceOptions opt;
   opt.sampler.temperature = 0.0f;

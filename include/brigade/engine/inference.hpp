@@ -477,7 +477,7 @@ InferenceReport generate(std::span<T> transports, const model::LlamaWeights& wei
 /// Generates every request by `plan` (from inference_plan() for these requests, or a planner),
 /// one thread per rank over an InProcessTransport (the generate above over
 /// transport::endpoints of one InProcessFabric). A rank may hold several stages (ring windows,
-/// partition::ring): the token then walks the ring of ranks several times per position
+/// partition::ring_partition): the token then walks the ring of ranks several times per position
 /// (prima.cpp's pipelined ring). Greedy output (temperature 0) is the same token for token for
 /// every partition, placement and micro-batch count; with one request and a seed it samples as
 /// run.c does. options.microbatches must be 0 or (clamped to the requests) the plan's.

@@ -115,20 +115,6 @@ inline Partition from_bounds(int num_layers, std::span<const int> bounds) {
   return Partition(num_layers, ranks, std::move(st));
 }
 
-/// Ring windows (prima.cpp's pipelined ring; the interleaved placement of Narayanan et al. 2021,
-/// §2.2): the same layer ranges as `windows`, window w placed on rank w mod `num_ranks`, so
-/// every rank holds several non-contiguous layer ranges and a token walks the ring of ranks
-/// ceil(windows / ranks) times per position.
-/// @throws brigade::Error{InvalidArgument} if num_ranks < 1 or exceeds the number of windows
-inline Partition ring(const Partition& windows, int num_ranks) {
-  BRIGADE_CHECK(num_ranks >= 1 && num_ranks <= windows.num_stages(), Errc::InvalidArgument,
-                "partition::ring: {} ranks for {} windows, expected 1..{}", num_ranks,
-                windows.num_stages(), windows.num_stages());
-  std::vector<StageRange> st = windows.stages();
-  for (std::size_t w = 0; w < st.size(); ++w) st[w].rank = static_cast<int>(w) % num_ranks;
-  return Partition(windows.num_layers(), num_ranks, std::move(st));
-}
-
 /// Uniform by layer count (Megatron's default): the L decoder layers are split into `stages`
 /// runs whose sizes differ by at most one (earlier stages get the extra layers), the embedding
 /// joins the first stage and the final norm, LM head and sampler join the last.
