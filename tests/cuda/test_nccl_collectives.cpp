@@ -87,7 +87,7 @@ TEST_SUITE("transport") {
           Errc::InvalidArgument);
   }
 
-  TEST_CASE("nccl_collectives.two_members: sums, max, gather, broadcast; a silent member times "
+  TEST_CASE("nccl_collectives.two_members: sums, max, gather, broadcast, a silent member times "
             "out") {
     int devices = 0;
     REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);

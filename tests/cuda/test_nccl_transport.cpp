@@ -143,7 +143,7 @@ TEST_SUITE("transport") {
   }
 
   TEST_CASE(
-      "nccl.two_ranks: ranks 0 and 1 on two GPUs exchange both ways; a silent peer times "
+      "nccl.two_ranks: ranks 0 and 1 on two GPUs exchange both ways, a silent peer times "
       "out") {
     int devices = 0;
     REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);

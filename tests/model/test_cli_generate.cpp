@@ -169,7 +169,7 @@ TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ran
 }
 
 TEST_CASE("cli.generate: --pipeline-dtype bf16 sends half the activation bytes and prints run.c's "
-          "story; an unknown dtype is refused" *
+          "story, an unknown dtype is refused" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
   const std::string story = ref["cases"][1]["stdout"];
@@ -304,7 +304,7 @@ TEST_CASE("cli.train: zb-v and dualpipe-v run with the V shape's two chunks per 
 // offsets and dynamic attend within each sample, so their first step's loss is the same to
 // 1e-5 (packing attends across a row of several samples). Useful tokens are the same for all.
 TEST_CASE("cli.train: --batching padding|packing|offsets|dynamic train on the same samples with "
-          "a plan per step; a bad value is named" *
+          "a plan per step, a bad value is named" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const fs::path dir =
       fs::temp_directory_path() / ("brigade_cli_batching_" + std::to_string(::getpid()));
@@ -380,7 +380,7 @@ TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
   CHECK(r4.err.find("/nonexistent/corpus") != std::string::npos);
 }
 
-TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it; none and a "
+TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it, none and a "
           "file are taken as given" * doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
   const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
@@ -439,7 +439,7 @@ TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it
 }
 
 TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the file) prints "
-          "run.c's text; convert round-trips llama2.c <-> GGUF" *
+          "run.c's text, convert round-trips llama2.c <-> GGUF" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   if (!brigade::test::have_data(fs::path(BRIGADE_DATA_DIR) / "stories260K.gguf")) return;
   const auto ref = reference();
@@ -479,7 +479,7 @@ TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the
 }
 
 TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's story still, at half "
-          "the bytes); q8_0 needs rows of whole blocks" *
+          "the bytes), q8_0 needs rows of whole blocks" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
   const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps

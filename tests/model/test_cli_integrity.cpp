@@ -37,7 +37,7 @@ fs::path temp(const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("cli.generate.verify: a clean run checked with --verify stop prints run.c's text; "
+TEST_CASE("cli.generate.verify: a clean run checked with --verify stop prints run.c's text, "
           "bit flips in rank 0's activations stop it naming the ranks, the kind and the micro-batch" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
@@ -72,7 +72,7 @@ TEST_CASE("cli.generate.verify: a clean run checked with --verify stop prints ru
 }
 
 TEST_CASE("cli.train.verify: --verify drop under bit flips keeps training with finite losses "
-          "and drops the corrupted micro-batches; --verify stop stops; the metrics count both" *
+          "and drops the corrupted micro-batches, --verify stop stops, the metrics count both" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const fs::path metrics = temp("_train.jsonl");
   const std::string base = "train " + model_flags() +

@@ -117,7 +117,7 @@ TEST_CASE("engine.generate_on: one call per rank on threads equals run.c, and th
 
 TEST_CASE("transport decorators: bits flipped in one activation by a fault-injecting decorator "
           "are rejected by the SENTINEL verifier of the receiving rank, naming the ranks, the "
-          "kind and the micro-batch; the clean run flags nothing; the other ranks stop with "
+          "kind and the micro-batch, the clean run flags nothing, the other ranks stop with "
           "Aborted (threads, 2 and 3 ranks)") {
   const auto& F = fixture();
   const std::vector<engine::GenerationRequest> req{{F.prompt(1), 64}, {F.prompt(0), 64}};

@@ -187,7 +187,7 @@ TEST_CASE("memory.training: weights, gradients, AdamW moments and activations pe
 }
 
 TEST_CASE("memory.capacity: plans over a device's capacity are refused naming the rank, the "
-          "largest parts and the bytes; a device smaller than the weights names the field") {
+          "largest parts and the bytes, a device smaller than the weights names the field") {
   const auto& w = stories();
   const auto& c = w.config;
   const model::ModelSpec spec(c);

@@ -297,7 +297,7 @@ TEST_CASE("pipeline.offload: a ring that RELEASEs and PREFETCHes every window ea
   }
 }
 
-TEST_CASE("pipeline.offload: owned (synthetic) weights stay resident; the ops are recorded "
+TEST_CASE("pipeline.offload: owned (synthetic) weights stay resident, the ops are recorded "
           "no-ops and the tokens do not change") {
   const auto w = model::make_synthetic_weights(model::named_config("260K"), 7);
   CHECK_FALSE(w.mapped);

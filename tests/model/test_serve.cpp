@@ -233,7 +233,7 @@ TEST_CASE("serve.kv_blocks: first-fit runs of blocks, freed on completion, refus
   test::error_of(Errc::InvalidArgument, [] { serve::KvBlockManager(0, 4); });
 }
 
-TEST_CASE("serve.trace: Azure CSV and Mooncake JSONL parse into arrivals and lengths; malformed "
+TEST_CASE("serve.trace: Azure CSV and Mooncake JSONL parse into arrivals and lengths, malformed "
           "lines are named errors") {
   const auto az = serve::parse_trace(
       "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -314,8 +314,8 @@ TEST_CASE("serve.trace: the shared Azure and Mooncake traces parse whole") {
   }
 }
 
-TEST_CASE("cli.serve: replays a trace with even and static splits on the same arrivals; metrics "
-          "JSON and Timelines; a malformed line and a too-long request are named errors" *
+TEST_CASE("cli.serve: replays a trace with even and static splits on the same arrivals, metrics "
+          "JSON and Timelines, a malformed line and a too-long request are named errors" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   test::TempDir dir("brigade-serve");
   const auto csv = dir / "trace.csv";
@@ -381,7 +381,7 @@ TEST_CASE("cli.serve: replays a trace with even and static splits on the same ar
   CHECK(r.err.find("--rebalance dynamic: expected even or static") != std::string::npos);
 }
 
-TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its rounds; before any "
+TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its rounds, before any "
           "round it predicts the calibrated prior") {
   const model::ModelSpec spec(ref().weights.config);
   const auto part = partition::uniform(spec, 2);

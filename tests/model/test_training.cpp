@@ -402,7 +402,7 @@ class FlagOnReceive : public transport::ForwardingTransport<Inner> {
 
 }  // namespace
 
-TEST_CASE("training.drop: an activation flagged on one rank drops its micro-batch on every rank; "
+TEST_CASE("training.drop: an activation flagged on one rank drops its micro-batch on every rank, "
           "the step is the one of the other micro-batches, over threads and DistributedTrainer") {
   const auto samples = story_samples();
   engine::TrainingConfig cfg;
@@ -462,7 +462,7 @@ TEST_CASE("training.drop: an activation flagged on one rank drops its micro-batc
 }
 
 TEST_CASE("training.drop: a gradient flagged after downstream ranks added its micro-batch skips "
-          "the update on every rank; the next clean step trains as if it never happened") {
+          "the update on every rank, the next clean step trains as if it never happened") {
   const auto samples = story_samples();
   engine::TrainingConfig cfg;
   cfg.schedule = "1f1b";
@@ -606,7 +606,7 @@ std::vector<data::Sample> many_samples(std::size_t n) {
 // (stashes + received copies + outputs waiting to be sent + receive/send window buffers, in
 // allocated bytes) against sim::simulate with the sizes of the same micro-batches.
 TEST_CASE("training.memory: the executor's peak memory per rank is the simulator's within 10% "
-          "(1f1b, gpipe, zb-h1; M = 4, 8, 16; 2 and 4 ranks)") {
+          "(1f1b, gpipe, zb-h1, M = 4, 8, 16, 2 and 4 ranks)") {
   for (int P : {2, 4})
     for (const char* name : {"1f1b", "gpipe", "zb-h1"})
       for (int M : {4, 8, 16}) {
@@ -811,7 +811,7 @@ TEST_CASE("training.gradients.padding: padded micro-batches give the loss and gr
 // batcher's, then the engine's own plan of 2, back to back on one engine, each step's loss the
 // single-batch reference's (same weights: both engines take the same updates).
 TEST_CASE("training.step-plans: steps of offsets, dynamic and 2 micro-batches run back to back with a "
-          "single batch's losses; a step plan of another split is refused") {
+          "single batch's losses, a step plan of another split is refused") {
   const auto samples = varied_samples();
   const auto lengths = lengths_of(samples);
   const model::ModelSpec spec(stories().config);
@@ -885,7 +885,7 @@ TEST_CASE("training.step-plans: steps of offsets, dynamic and 2 micro-batches ru
         }).find("3 micro-batches for a schedule of 4") != std::string::npos);
 }
 
-TEST_CASE("training.targets: a step of pad targets only is refused; pack_padded and pack_rows lay "
+TEST_CASE("training.targets: a step of pad targets only is refused, pack_padded and pack_rows lay "
           "pads as target -1") {
   const auto samples = varied_samples();
   batching::MicroBatch two;

@@ -194,7 +194,7 @@ std::vector<std::uint16_t> halves(model::WeightMatrix m, std::size_t n) {
 
 }  // namespace
 
-TEST_CASE("typed_models.convert: the same dtype is kept bit for bit; F16 <-> BF16 and narrow "
+TEST_CASE("typed_models.convert: the same dtype is kept bit for bit, F16 <-> BF16 and narrow "
           "<-> Q8_0 round once through float32") {
   const std::size_t n = 64 * 64;
   SUBCASE("F16 to F16 and to BF16") {

@@ -182,7 +182,7 @@ TEST_CASE("faults.data: --steps over seq_len, a prompt over --steps and idle mic
   CHECK(quiet.err.find("notice") == std::string::npos);
 }
 
-TEST_CASE("faults.data: train cuts samples only with a notice; binary and model files are refused" *
+TEST_CASE("faults.data: train cuts samples only with a notice, binary and model files are refused" *
           doctest::skip(kNoCli)) {
   const std::string flags = "train " + model_flags() + " --stages 2 --microbatches 2 --steps 1";
   const auto r = run_cli(flags + " --tokens-per-microbatch 4 --warmup 1");

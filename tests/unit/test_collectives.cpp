@@ -47,7 +47,7 @@ TEST_CASE("collectives.in_process: all-reduce, all-gather and broadcast are exac
   }
 }
 
-TEST_CASE("collectives.in_process: a member that does not join is PeerTimeout; sizes that "
+TEST_CASE("collectives.in_process: a member that does not join is PeerTimeout, sizes that "
           "disagree are InvalidArgument on every member") {
   const auto msg = test::error_of(Errc::PeerTimeout, [] {
     on_group(2, [](InProcessCollectives& c) {

@@ -87,7 +87,7 @@ TEST_CASE("transport.decorators: tracing counts messages and payload bytes per k
 }
 
 TEST_CASE("transport.decorators: inspection sees received payloads of its kinds before the "
-          "caller; Drop flags the header, Reject names the receiving and sending ranks, the kind "
+          "caller, Drop flags the header, Reject names the receiving and sending ranks, the kind "
           "and the micro-batch") {
   InProcessFabric fabric(2);
   InProcessTransport t0(fabric, 0), t1(fabric, 1);
@@ -149,8 +149,8 @@ TEST_CASE("transport.decorators: inspection sees received payloads of its kinds 
   CHECK(none.inspected() == 0);
 }
 
-TEST_CASE("engine.run_ranks: a failed rank aborts the others through the transport; without "
-          "abort they stop at their deadline; the root cause is rethrown") {
+TEST_CASE("engine.run_ranks: a failed rank aborts the others through the transport, without "
+          "abort they stop at their deadline, the root cause is rethrown") {
   InProcessFabric fabric(3);
   auto eps = endpoints(fabric);
   std::vector<Errc> codes(3, Errc::Internal);

@@ -184,7 +184,7 @@ TEST_CASE("executor.matching: sending micro-batch 1 before 0 to the same peer is
 }
 
 TEST_CASE("executor.rendezvous: the generators' schedules complete with the executor's default "
-          "windows when large sends block until received; tight windows can deadlock") {
+          "windows when large sends block until received, tight windows can deadlock") {
   sch::ExecutionModel rv;
   rv.sends = sch::SendSemantics::Rendezvous;
   for (const char* name : {"gpipe", "1f1b", "zb-h1"})
@@ -242,7 +242,7 @@ TEST_CASE("executor.rendezvous: the generators' schedules complete with the exec
   sch::validate(s, tight);
 }
 
-TEST_CASE("executor.property: random legal reorderings that validate complete in the executor; "
+TEST_CASE("executor.property: random legal reorderings that validate complete in the executor, "
           "those it rejects fail or hang there") {
   std::mt19937 rng(20261130);
   int accepted = 0, rejected = 0;
@@ -310,7 +310,7 @@ sch::Schedule reverse_gpipe(const sch::Params& p) {
 }  // namespace
 
 TEST_CASE("schedule.registry: a generator registered at run time is found by name, validates "
-          "and runs in the executor; names are unique") {
+          "and runs in the executor, names are unique") {
   sch::register_generator({"reverse-gpipe", "GPipe, backwards last micro-batch first",
                            &reverse_gpipe, false});
   CHECK(sch::find_generator("reverse-gpipe").summary == "GPipe, backwards last micro-batch first");

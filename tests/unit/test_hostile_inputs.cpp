@@ -99,7 +99,7 @@ TEST_CASE("hostile.nonfinite: a NaN weight is refused at load naming tensor, lay
                      "nan: a checkpoint's weights must be finite");
 }
 
-TEST_CASE("hostile.nonfinite: an infinity in a matrix names its row and column; wcls is checked") {
+TEST_CASE("hostile.nonfinite: an infinity in a matrix names its row and column, wcls is checked") {
   TempDir dir;
   const auto p = dir / "inf.bin";
   (void)small_model(p, true);

@@ -39,7 +39,7 @@ partition::Partition ignores_placement(const model::ModelSpec& spec,
 
 }  // namespace
 
-TEST_CASE("plan.make_plan: the partition is the one placement; the schedule is lowered and "
+TEST_CASE("plan.make_plan: the partition is the one placement, the schedule is lowered and "
           "validated") {
   plan::PlanRequest req;
   req.schedule = "zb-v";

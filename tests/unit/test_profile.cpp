@@ -55,7 +55,7 @@ std::string error_of(const nlohmann::json& j) {
 
 }  // namespace
 
-TEST_CASE("profile.json: a profile survives JSON both ways; look-ups interpolate as documented") {
+TEST_CASE("profile.json: a profile survives JSON both ways, look-ups interpolate as documented") {
   const auto p = sample();
   const auto q = cost::profile_from_json(cost::to_json(p));
   CHECK(cost::to_json(q) == cost::to_json(p));
@@ -211,7 +211,7 @@ TEST_CASE("profile.datasheets: the H100 and H200 profiles load and follow their 
   CHECK(h200.link("nvlink").bytes_per_s == 4.5e11);
 }
 
-TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a profile") {
+TEST_CASE("profile.cli: brigade profile measures this machine, --check reads a profile") {
   if (std::string(BRIGADE_CLI).empty()) return;
   const auto out = fs::temp_directory_path() / "brigade_test_profile.json";
   const auto r = test::run_cli("profile --quick --cores 1 --out " + out.string());
@@ -248,7 +248,7 @@ TEST_CASE("profile.cli: brigade profile measures this machine; --check reads a p
 }
 
 TEST_CASE("profile.layer_times: a layer's time from the profile's products, attention and "
-          "bandwidth, per phase; the balanced policy splits by it") {
+          "bandwidth, per phase, the balanced policy splits by it") {
   using model::Phase;
   const model::ModelSpec spec(model::named_config("42M"));  // dim 512, hidden 1376, vocab 32000
   const auto p = sample();  // products 10 GFLOP/s at 1 row, 50 at 16, 90 at 256; 20 GB/s one core

@@ -100,7 +100,7 @@ TEST_CASE("typed_weights.q8_0: blocks are llama.cpp's block_q8_0 (f16 d = amax /
   }
 }
 
-TEST_CASE("typed_weights: F16 and BF16 rows are the rounded values; bad dtypes and partial Q8_0 "
+TEST_CASE("typed_weights: F16 and BF16 rows are the rounded values, bad dtypes and partial Q8_0 "
           "rows are refused") {
   const Vec w{1.0f, 0.1f, -3.14159f, 65504.0f, 1e-7f, -0.0f};
   const Typed h = make_typed(w, 2, 3, DType::F16);

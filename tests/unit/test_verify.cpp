@@ -112,7 +112,7 @@ double detection_rate(FaultSpec spec, int learn, int trials, double drift = 0,
 static_assert(AbortableTransport<VerifyingTransport<FaultInjectingTransport<InProcessTransport>>>);
 
 TEST_CASE("verify.monitor: the calibrated threshold holds the false-positive rate near its target "
-          "on a stationary stream; a clean stream of 1000 messages raises at most a handful") {
+          "on a stationary stream, a clean stream of 1000 messages raises at most a handful") {
   // 5000 [8, 64] messages, slowly varying scale. Measured: 3 flags in the 4984 messages with a
   // verdict (FPR 6.0e-4 at target 1e-3); none in the first 1000.
   Stream s(8, 64, 3);
@@ -138,7 +138,7 @@ TEST_CASE("verify.monitor: the calibrated threshold holds the false-positive rat
   CHECK(m.learned() == 5000 - flags);
 }
 
-TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged; noise of 1% mostly is "
+TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged, noise of 1% mostly is "
           "not") {
   for (FaultKind k : {FaultKind::Noise, FaultKind::Scale, FaultKind::Sign, FaultKind::Zero,
                       FaultKind::BitFlip, FaultKind::Drift}) {
@@ -153,7 +153,7 @@ TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged; noise of 
   CHECK(detection_rate(fault(FaultKind::Noise, 0.01), 600, 200) <= 0.02);
 }
 
-TEST_CASE("verify.monitor: a sign flip of a quarter of the elements is flagged by alignment; "
+TEST_CASE("verify.monitor: a sign flip of a quarter of the elements is flagged by alignment, "
           "clean messages score near 0 on it") {
   // Stream: channel means mu_c ~ N(0, 1), spreads 0.5-1.5, so each row's cosine with the
   // learned channel means is about |mu| / sqrt(|mu|^2 + sum sd^2), 0.69; flipping the sign of a
@@ -465,7 +465,7 @@ TEST_CASE("verify.faults: apply_fault changes the payload by the documented magn
   CHECK(saw_inf);
 }
 
-TEST_CASE("verify.faults: the same seed and traffic give the same corruptions; another seed "
+TEST_CASE("verify.faults: the same seed and traffic give the same corruptions, another seed "
           "others") {
   Stream s(16, 32, 2);
   const auto clean = s.next();
@@ -545,7 +545,7 @@ using Key = std::tuple<int, int, MessageKind, std::int64_t>;
 
 TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over threads: Log "
           "counts, Drop flags the delivered header, Stop and Quarantine name ranks, kind and "
-          "micro-batch; injections match flagged verdicts") {
+          "micro-batch, injections match flagged verdicts") {
   FaultSpec spec = fault(FaultKind::Noise, 1.0, 3);
   spec.rate = 0.1;
   spec.ranks = {0};
@@ -678,8 +678,8 @@ TEST_CASE("verify.transport: f16 and bf16 activations are checked as the float32
   }
 }
 
-TEST_CASE("verify.transport: token ids out of range are flagged at once; prefill-sized and "
-          "decode-sized messages are separate streams; replay through the decorator") {
+TEST_CASE("verify.transport: token ids out of range are flagged at once, prefill-sized and "
+          "decode-sized messages are separate streams, replay through the decorator") {
   InProcessFabric fabric(2);
   InProcessTransport t0(fabric, 0), t1(fabric, 1);
   SentinelConfig cfg;
@@ -737,7 +737,7 @@ TEST_CASE("verify.transport: token ids out of range are flagged at once; prefill
 }
 
 TEST_CASE("verify.replay: ReplayGuard flags a payload equal to an earlier one of the stream, except "
-          "another micro-batch's in the same round and chunk; it forgets beyond its memory") {
+          "another micro-batch's in the same round and chunk, it forgets beyond its memory") {
   const std::vector<std::byte> a(64, std::byte{1}), b(64, std::byte{2}), c(64, std::byte{3});
   ReplayGuard g(3);
   CHECK_FALSE(g.observe(a, 0, 0, 0));

@@ -55,7 +55,7 @@ UnitCostModel ring_costs(const sch::Shape& shape, double f, double load) {
 
 }  // namespace
 
-TEST_CASE("ops.text: PREFETCH, RELEASE and MIGRATE print and parse back; kNumOps counts them") {
+TEST_CASE("ops.text: PREFETCH, RELEASE and MIGRATE print and parse back, kNumOps counts them") {
   CHECK(brigade::kNumOps == 14);
   CHECK(sch::to_string(Action{Op::Prefetch, 2, 0, 3}) == "2PREFETCH0.c3");
   CHECK(sch::to_string(Action{Op::Release, 0, 1, 0}) == "0RELEASE1");
@@ -375,7 +375,7 @@ std::vector<brigade::Timeline> execute_all(const sch::Schedule& s,
 
 }  // namespace
 
-TEST_CASE("ops.executor: PREFETCH/RELEASE reach the worker and the Timeline; MIGRATE is refused") {
+TEST_CASE("ops.executor: PREFETCH/RELEASE reach the worker and the Timeline, MIGRATE is refused") {
   const auto s = sch::with_weight_offload(ring(2, 2, 2, 2));
   std::vector<std::vector<Action>> seen;
   const auto tls = execute_all(s, &seen);
