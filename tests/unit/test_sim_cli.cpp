@@ -5,8 +5,8 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
-#include <sys/wait.h>
-#include <array>
+#include "test_util.hpp"
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -23,15 +23,8 @@ struct Run {
 };
 
 Run brigade_cli(const std::string& args) {
-  Run r;
-  const std::string cmd = std::string(BRIGADE_CLI) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), static_cast<int>(buf.size()), pipe)) r.output += buf.data();
-  const int raw = pclose(pipe);
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  return r;
+  const auto r = brigade::test::run_cli(args);
+  return {r.rc, r.out + r.err};
 }
 
 bool contains(const std::string& haystack, const std::string& needle) {
