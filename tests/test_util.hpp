@@ -3,6 +3,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <brigade/core/error.hpp>
 #include <brigade/data/corpus.hpp>
@@ -108,6 +109,52 @@ inline std::vector<data::Sample> story_samples(const model::Tokenizer& tok) {
   int task = 0;
   for (const char* t : texts) out.push_back({task++ % 3, tok.encode(t, true, false)});
   return out;
+}
+
+/// One case of llama2.c run.c's greedy output for stories260K (reference/stories260K_greedy.json
+/// under the data dir; its README says how it was made).
+struct GreedyCase {
+  std::string name;                ///< "empty_256" or "once_upon_64"
+  std::string prompt;              ///< the prompt text ("" or "Once upon a time")
+  int steps = 0;                   ///< run.c's -n: positions run, the prompt's included
+  std::string stdout_text;         ///< what run.c printed (its text, byte for byte)
+  std::vector<int> prompt_ids;     ///< BOS first
+  std::vector<int> generated_ids;  ///< the ids run.c sampled after the prompt
+  /// The token ids at every position: the prompt, then the generated ids (a terminating BOS is
+  /// not a token of the text and is left out).
+  [[nodiscard]] std::vector<int> tokens() const {
+    std::vector<int> ids = prompt_ids;
+    for (int t : generated_ids)
+      if (t != model::Tokenizer::kBos) ids.push_back(t);
+    return ids;
+  }
+};
+
+/// The reference file's cases in file order (0: the empty prompt, 256 steps; 1: "Once upon a
+/// time", 64 steps) and the first 16 logits at position 0 after BOS. Fails the test (REQUIRE)
+/// when the file is missing.
+struct GreedyReference {
+  std::vector<GreedyCase> cases;
+  std::vector<float> logits_bos_pos0_first16;
+};
+
+inline GreedyReference greedy_reference(const std::filesystem::path& data_dir) {
+  std::ifstream in(data_dir / "reference" / "stories260K_greedy.json");
+  REQUIRE_MESSAGE(in.good(), "no reference/stories260K_greedy.json in ", data_dir.string());
+  const auto j = nlohmann::json::parse(in);
+  GreedyReference ref;
+  for (const auto& c : j.at("cases")) {
+    GreedyCase k;
+    k.name = c.at("name");
+    k.prompt = c.at("prompt");
+    k.steps = c.at("steps");
+    k.stdout_text = c.at("stdout");
+    k.prompt_ids = c.at("prompt_ids").get<std::vector<int>>();
+    k.generated_ids = c.at("generated_ids").get<std::vector<int>>();
+    ref.cases.push_back(std::move(k));
+  }
+  ref.logits_bos_pos0_first16 = j.at("logits_bos_pos0_first16").get<std::vector<float>>();
+  return ref;
 }
 
 /// What a command printed and its exit code (-1 when it did not exit normally).

@@ -29,18 +29,15 @@ std::string model_flags() {
          (kData / "tok512.bin").string();
 }
 
-nlohmann::json reference() {
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  return nlohmann::json::parse(in);
-}
+brigade::test::GreedyReference reference() { return brigade::test::greedy_reference(kData); }
 
 }  // namespace
 
 TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in flight, 3 stages" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const auto& c0 = ref["cases"][0];  // empty prompt, 256 steps
-  const auto& c1 = ref["cases"][1];  // "Once upon a time", 64 steps
+  const auto& c0 = ref.cases[0];  // empty prompt, 256 steps
+  const auto& c1 = ref.cases[1];  // "Once upon a time", 64 steps
   // Same --steps for both prompts: run the 64-step case with both, compare each separately.
   const auto tag = std::to_string(::getpid());
   const fs::path metrics = fs::temp_directory_path() / ("brigade_cli_metrics_" + tag + ".json");
@@ -49,7 +46,7 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
                    "--prompt \"Once upon a time\" --prompt \"Once upon a time\" --metrics " +
                    metrics.string() + " --trace " + trace.string());
   REQUIRE(r.rc == 0);
-  const std::string one = c1["stdout"];
+  const std::string one = c1.stdout_text;
   CHECK(r.out == one + one);
   CHECK(r.err.find("tokens/s") != std::string::npos);
   CHECK(r.err.find("TTFT") != std::string::npos);
@@ -66,13 +63,13 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
 
   auto r0 = run_cli("generate " + model_flags() + " --temperature 0 --stages 5 --partition uniform");
   REQUIRE(r0.rc == 0);
-  CHECK(r0.out == c0["stdout"].get<std::string>());
+  CHECK(r0.out == c0.stdout_text);
 }
 
 TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same tokens as run.c" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
   auto r = run_cli("generate " + model_flags() + " --temperature 0 --steps 64 --plan auto " +
                    "--cores 2 --prompt \"Once upon a time\" --prompt \"Once upon a time\" " +
                    "--prompt \"Once upon a time\"");
@@ -106,7 +103,7 @@ TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ran
           "budget or a profile too small are named before anything runs" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];
+  const std::string one = ref.cases[1].stdout_text;
   const std::string story = " --temperature 0 --steps 64 --prompt \"Once upon a time\"";
   // 2 ranks x 2 rounds, every window given (stories260K has 5 decoder layers).
   auto r = run_cli("generate " + model_flags() + " --stages 2 --ring 2 --windows 2,1,1,1" + story);
@@ -172,7 +169,7 @@ TEST_CASE("cli.generate: --pipeline-dtype bf16 sends half the activation bytes a
           "story, an unknown dtype is refused" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string story = ref["cases"][1]["stdout"];
+  const std::string story = ref.cases[1].stdout_text;
   const auto tag = std::to_string(::getpid());
   std::map<std::string, nlohmann::json> metrics;
   for (const std::string dtype : {"f32", "bf16"}) {
@@ -189,7 +186,7 @@ TEST_CASE("cli.generate: --pipeline-dtype bf16 sends half the activation bytes a
     CHECK(metrics[dtype]["pipeline_dtype"] == dtype);
   }
   // Prompt rows once, then one row per decode step, 64 columns, 2 bytes saved per value.
-  const std::int64_t prompt = ref["cases"][1]["prompt_ids"].size();
+  const std::int64_t prompt = static_cast<std::int64_t>(ref.cases[1].prompt_ids.size());
   const std::int64_t generated = metrics["f32"]["generated_tokens"];
   CHECK(metrics["f32"]["sent_bytes"].get<std::int64_t>() -
             metrics["bf16"]["sent_bytes"].get<std::int64_t>() ==
@@ -383,7 +380,7 @@ TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
 TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it, none and a "
           "file are taken as given" * doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
   const fs::path cache = fs::temp_directory_path() / fmt::format("brigade_cache_{}", ::getpid());
   fs::remove_all(cache);
   const std::string env = "XDG_CACHE_HOME=" + cache.string() + " ";
@@ -443,7 +440,7 @@ TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   if (!brigade::test::have_data(fs::path(BRIGADE_DATA_DIR) / "stories260K.gguf")) return;
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
   const std::string gguf = (fs::path(BRIGADE_DATA_DIR) / "stories260K.gguf").string();
   auto r = run_cli("generate --model " + gguf +
                    " --temperature 0 --stages 2 --steps 64 --prompt \"Once upon a time\"");
@@ -482,7 +479,7 @@ TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's stor
           "the bytes), q8_0 needs rows of whole blocks" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
   auto r = run_cli("generate " + model_flags() + " --temperature 0 --stages 3 --steps 64 " +
                    "--prompt \"Once upon a time\" --weights-dtype f16");
   REQUIRE(r.rc == 0);

@@ -26,10 +26,7 @@ std::string model_flags() {
          (kData / "tok512.bin").string();
 }
 
-nlohmann::json reference() {
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  return nlohmann::json::parse(in);
-}
+brigade::test::GreedyReference reference() { return brigade::test::greedy_reference(kData); }
 
 fs::path temp(const std::string& name) {
   return fs::temp_directory_path() / ("brigade_integrity_" + std::to_string(::getpid()) + name);
@@ -41,7 +38,7 @@ TEST_CASE("cli.generate.verify: a clean run checked with --verify stop prints ru
           "bit flips in rank 0's activations stop it naming the ranks, the kind and the micro-batch" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();
-  const std::string one = ref["cases"][1]["stdout"];  // "Once upon a time", 64 steps
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
   const fs::path metrics = temp("_gen.json");
   const std::string base = "generate " + model_flags() +
                            " --temperature 0 --steps 64 --stages 2 --prompt \"Once upon a time\"";

@@ -10,9 +10,9 @@
 #include <brigade/transport/in_process.hpp>
 
 #include "flip_scenario.hpp"
+#include "test_util.hpp"
 
 #include <doctest/doctest.h>
-#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <exception>
@@ -30,26 +30,13 @@ const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
 struct Fixture {
   model::LlamaWeights weights = model::load_llama2c_checkpoint(kData / "stories260K.bin");
-  nlohmann::json ref;
-  Fixture() {
-    std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-    REQUIRE(in.good());
-    ref = nlohmann::json::parse(in);
-  }
+  std::vector<test::GreedyCase> cases = test::greedy_reference(kData).cases;
   /// Reference token ids at every position of case `i` (prompt, then generated).
-  std::vector<int> ids(int i) const {
-    const auto& c = ref["cases"][static_cast<std::size_t>(i)];
-    auto v = c["prompt_ids"].get<std::vector<int>>();
-    for (int t : c["generated_ids"].get<std::vector<int>>())
-      if (t != 1) v.push_back(t);  // a terminating BOS is not part of the tokens
-    return v;
-  }
+  std::vector<int> ids(int i) const { return cases.at(static_cast<std::size_t>(i)).tokens(); }
   std::int64_t generated(int i) const {
-    return static_cast<std::int64_t>(ref["cases"][static_cast<std::size_t>(i)]["generated_ids"].size());
+    return static_cast<std::int64_t>(cases.at(static_cast<std::size_t>(i)).generated_ids.size());
   }
-  std::vector<int> prompt(int i) const {
-    return ref["cases"][static_cast<std::size_t>(i)]["prompt_ids"].get<std::vector<int>>();
-  }
+  std::vector<int> prompt(int i) const { return cases.at(static_cast<std::size_t>(i)).prompt_ids; }
 };
 
 const Fixture& fixture() {

@@ -11,7 +11,6 @@
 #include "test_util.hpp"
 
 #include <doctest/doctest.h>
-#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <filesystem>
@@ -144,34 +143,27 @@ TEST_CASE("gguf.stories260K: greedy tokens equal run.c's (stories260K.bin's refe
   const model::GgufFile f = model::GgufFile::open(kGguf);
   const model::LlamaWeights w = model::load_gguf_llama(f);
   const model::Tokenizer tok = model::load_gguf_tokenizer(f, w.config.vocab_size);
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  REQUIRE(in.good());
-  const auto ref = nlohmann::json::parse(in);
+  const auto ref = test::greedy_reference(kData);
   const model::ModelSpec spec(w.config);
   for (int stages = 1; stages <= 5; ++stages) {
     CAPTURE(stages);
-    for (const auto& c : ref.at("cases")) {
-      const std::string prompt = c.at("prompt");
-      CAPTURE(prompt);
-      const auto prompt_ids = c.at("prompt_ids").get<std::vector<int>>();
-      REQUIRE(tok.encode(prompt, true, false) == prompt_ids);
-      std::vector<int> expected = prompt_ids;
-      for (int t : c.at("generated_ids").get<std::vector<int>>())
-        if (t != model::Tokenizer::kBos) expected.push_back(t);
+    for (const auto& c : ref.cases) {
+      CAPTURE(c.prompt);
+      REQUIRE(tok.encode(c.prompt, true, false) == c.prompt_ids);
+      std::vector<int> expected = c.tokens();
       // The GGUF's context is 128 positions: the run stops there, and its tokens are the first
       // 128 of run.c's 512-position run (a causal model: later positions change nothing before).
-      const int steps = std::min(c.at("steps").get<int>(), w.config.seq_len);
-      const bool whole = steps == c.at("steps").get<int>();
+      const int steps = std::min(c.steps, w.config.seq_len);
+      const bool whole = steps == c.steps;
       if (!whole) expected.resize(static_cast<std::size_t>(steps + 1));
-      const std::vector<engine::GenerationRequest> req{{prompt_ids, steps}};
+      const std::vector<engine::GenerationRequest> req{{c.prompt_ids, steps}};
       engine::InferenceOptions opt;
       opt.sampler.temperature = 0.0f;
       const auto rep = engine::generate(w, partition::uniform(spec, stages), req, opt);
       REQUIRE(rep.sequences.size() == 1);
       CHECK(rep.sequences[0].tokens == expected);
       if (whole)
-        CHECK(model::render_like_run_c(tok, rep.sequences[0].tokens) ==
-              c.at("stdout").get<std::string>());
+        CHECK(model::render_like_run_c(tok, rep.sequences[0].tokens) == c.stdout_text);
     }
   }
 }

@@ -7,7 +7,6 @@
 #include <doctest/doctest.h>
 
 #include "test_util.hpp"
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <array>
@@ -73,11 +72,7 @@ constexpr std::size_t kEmb = 0, kRmsAtt = kEmb + V * D, kWq = kRmsAtt + L * D,
                       kTotal = kFreqImag + S * HALF;
 static_assert(kTotal == 264128, "the README's float count");
 
-nlohmann::json reference() {
-  std::ifstream in(data_file("reference/stories260K_greedy.json"));
-  REQUIRE(in.is_open());
-  return nlohmann::json::parse(in);
-}
+brigade::test::GreedyReference reference() { return brigade::test::greedy_reference(data_dir()); }
 
 }  // namespace
 
@@ -225,11 +220,9 @@ TEST_CASE("loaders.tok512: encode matches run.c") {
   CHECK(t.encode("", true, false) == std::vector<int>{1});
   CHECK(t.encode("Once upon a time", true, true) ==
         std::vector<int>{1, 403, 407, 261, 378, 2});
-  const auto ref = reference();  // a range-for over reference()["cases"] would outlive it
-  for (const auto& c : ref["cases"]) {
-    CAPTURE(c["name"].get<std::string>());
-    CHECK(t.encode(c["prompt"].get<std::string>(), true, false) ==
-          c["prompt_ids"].get<std::vector<int>>());
+  for (const auto& c : reference().cases) {
+    CAPTURE(c.name);
+    CHECK(t.encode(c.prompt, true, false) == c.prompt_ids);
   }
 }
 
@@ -251,19 +244,16 @@ TEST_CASE("loaders.tok512: byte fallback for a character absent from the vocabul
 
 TEST_CASE("loaders.tok512: decoding each reference case reproduces run.c's stdout byte for byte") {
   const Tokenizer t = Tokenizer::load_llama2c(data_file("tok512.bin"), 512);
-  const nlohmann::json ref = reference();
-  REQUIRE(ref["cases"].size() >= 2);
-  for (const auto& c : ref["cases"]) {
-    CAPTURE(c["name"].get<std::string>());
-    std::vector<int> ids = c["prompt_ids"].get<std::vector<int>>();
-    for (const int id : c["generated_ids"].get<std::vector<int>>()) ids.push_back(id);
-    if (ids.size() > 1 && ids.back() == Tokenizer::kBos) ids.pop_back();  // stopped on BOS
+  const auto cases = reference().cases;
+  REQUIRE(cases.size() >= 2);
+  for (const auto& c : cases) {
+    CAPTURE(c.name);
+    const std::vector<int> ids = c.tokens();  // without a BOS run.c stopped on
     std::string out;
     for (std::size_t i = 1; i < ids.size(); ++i)
       Tokenizer::append_printable(out, t.decode(ids[i - 1], ids[i]));
     out += '\n';
-    const std::string expected = c["stdout"].get<std::string>();
-    CHECK(out.size() == expected.size());
-    CHECK(out == expected);
+    CHECK(out.size() == c.stdout_text.size());
+    CHECK(out == c.stdout_text);
   }
 }

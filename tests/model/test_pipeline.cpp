@@ -8,7 +8,6 @@
 #include <brigade/runtime/inference_stage.hpp>
 
 #include <doctest/doctest.h>
-#include <nlohmann/json.hpp>
 
 #include "test_util.hpp"
 
@@ -37,40 +36,14 @@ std::vector<int> even_windows(const model::ModelSpec& spec, int n) {
 
 const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 
-struct Case {
-  std::string name, prompt, stdout_text;
-  int steps = 0;
-  std::vector<int> prompt_ids, generated_ids;
-};
+using Case = test::GreedyCase;
 
 struct Reference {
   model::LlamaWeights weights = model::load_llama2c_checkpoint(kData / "stories260K.bin");
   model::Tokenizer tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
-  std::vector<Case> cases;
-  std::vector<float> logits16;
-  Reference() {
-    std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-    REQUIRE(in.good());
-    const auto j = nlohmann::json::parse(in);
-    for (const auto& c : j.at("cases")) {
-      Case k;
-      k.name = c.at("name");
-      k.prompt = c.at("prompt");
-      k.steps = c.at("steps");
-      k.stdout_text = c.at("stdout");
-      k.prompt_ids = c.at("prompt_ids").get<std::vector<int>>();
-      k.generated_ids = c.at("generated_ids").get<std::vector<int>>();
-      cases.push_back(std::move(k));
-    }
-    logits16 = j.at("logits_bos_pos0_first16").get<std::vector<float>>();
-  }
-  /// Expected token at every position: prompt, then generated (without a terminating BOS).
-  static std::vector<int> all_ids(const Case& c) {
-    std::vector<int> ids = c.prompt_ids;
-    for (int t : c.generated_ids)
-      if (t != model::Tokenizer::kBos) ids.push_back(t);
-    return ids;
-  }
+  test::GreedyReference ref = test::greedy_reference(kData);
+  const std::vector<Case>& cases = ref.cases;
+  const std::vector<float>& logits16 = ref.logits_bos_pos0_first16;
 };
 
 const Reference& ref() {
@@ -85,7 +58,7 @@ partition::Partition make_partition(const std::string& kind, int stages, int seq
 }
 
 void check_case_output(const Case& c, const engine::SequenceResult& r) {
-  CHECK(r.tokens == Reference::all_ids(c));
+  CHECK(r.tokens == c.tokens());
   CHECK(r.generated == static_cast<int>(c.generated_ids.size()));
   CHECK(model::render_like_run_c(ref().tok, r.tokens) == c.stdout_text);
 }

@@ -37,20 +37,9 @@ struct Case {
 };
 
 std::vector<Case> reference_cases() {
-  std::ifstream in(kModels / "reference" / "stories260K_greedy.json");
-  REQUIRE(in.good());
-  const auto j = nlohmann::json::parse(in);
   std::vector<Case> out;
-  for (const auto& c : j.at("cases")) {
-    Case k;
-    k.prompt_ids = c.at("prompt_ids").get<std::vector<int>>();
-    k.steps = c.at("steps");
-    k.stdout_text = c.at("stdout");
-    k.expect = k.prompt_ids;
-    for (int t : c.at("generated_ids").get<std::vector<int>>())
-      if (t != model::Tokenizer::kBos) k.expect.push_back(t);
-    out.push_back(std::move(k));
-  }
+  for (const auto& c : test::greedy_reference(kModels).cases)
+    out.push_back({c.prompt_ids, c.tokens(), c.steps, c.stdout_text});
   return out;
 }
 

@@ -118,12 +118,8 @@ bool same(const float* a, const float* b, std::size_t n) { return std::memcmp(a,
 /// run.c's greedy case 1 of the reference ("Once upon a time", 64 positions): its prompt and
 /// the whole token sequence (prompt, then the generated ids).
 std::pair<std::vector<int>, std::vector<int>> run_c_greedy_case() {
-  std::ifstream in(kData / "reference" / "stories260K_greedy.json");
-  const auto ref = json::parse(in)["cases"][1];
-  const auto prompt = ref["prompt_ids"].get<std::vector<int>>();
-  std::vector<int> expected = prompt;
-  for (int t : ref["generated_ids"].get<std::vector<int>>()) expected.push_back(t);
-  return {prompt, expected};
+  const auto c = test::greedy_reference(kData).cases.at(1);
+  return {c.prompt_ids, c.tokens()};
 }
 
 /// The entries with every F32 tensor rounded to "BF16" or "F16" (to nearest even).

@@ -32,18 +32,12 @@ struct Ref {
   model::LlamaWeights weights = model::load_llama2c_checkpoint(kModels / "stories260K.bin");
   std::vector<int> once_prompt, once_all, empty_all;  // run.c's ids at every position
   Ref() {
-    std::ifstream in(kModels / "reference" / "stories260K_greedy.json");
-    const auto j = nlohmann::json::parse(in);
-    for (const auto& c : j.at("cases")) {
-      std::vector<int> ids = c.at("prompt_ids").get<std::vector<int>>();
-      const auto prompt = ids;
-      for (int t : c.at("generated_ids").get<std::vector<int>>())
-        if (t != model::Tokenizer::kBos) ids.push_back(t);
-      if (c.at("name") == "once_upon_64") {
-        once_prompt = prompt;
-        once_all = ids;
+    for (const auto& c : test::greedy_reference(kModels).cases) {
+      if (c.name == "once_upon_64") {
+        once_prompt = c.prompt_ids;
+        once_all = c.tokens();
       } else {
-        empty_all = ids;
+        empty_all = c.tokens();
       }
     }
   }

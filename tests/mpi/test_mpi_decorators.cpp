@@ -9,11 +9,11 @@
 #include <doctest/doctest.h>
 
 #include "flip_scenario.hpp"
+#include "test_util.hpp"
 
 #include <filesystem>
 #include <fstream>
 
-#include <nlohmann/json.hpp>
 
 using namespace brigade;
 
@@ -22,13 +22,9 @@ TEST_CASE("mpi.decorators: bits flipped in one activation are rejected by the re
           "micro-batch") {
   const std::filesystem::path data = BRIGADE_MODEL_DIR;
   const auto weights = model::load_llama2c_checkpoint(data / "stories260K.bin");
-  std::ifstream in(data / "reference" / "stories260K_greedy.json");
-  REQUIRE(in.good());
-  const auto ref = nlohmann::json::parse(in)["cases"][1];  // "Once upon a time", 64 steps
-  std::vector<int> ids = ref["prompt_ids"].get<std::vector<int>>();
-  for (int t : ref["generated_ids"].get<std::vector<int>>())
-    if (t != 1) ids.push_back(t);
-  const auto prompt = ref["prompt_ids"].get<std::vector<int>>();
+  const auto ref = test::greedy_reference(data).cases.at(1);  // "Once upon a time", 64 steps
+  const std::vector<int> ids = ref.tokens();
+  const auto& prompt = ref.prompt_ids;
   const std::vector<engine::GenerationRequest> req{{prompt, 64}, {prompt, 64}};
   engine::InferenceOptions opt;
   opt.sampler.temperature = 0.0f;
