@@ -4,9 +4,9 @@
 #include "brigade/transport/nccl_collectives.hpp"
 
 #include "check.hpp"
+#include "nccl_comm.hpp"
 
 #include <chrono>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -29,106 +29,51 @@ struct NcclCollectives::Impl {
   Options opt;
   int member = 0;
   int size = 1;
-  ncclComm_t comm = nullptr;
+  cuda::detail::NcclComm comm;
   cudaStream_t stream = nullptr;
   cudaEvent_t ready = nullptr;  // the compute stream's work before a collective
   cudaEvent_t done = nullptr;   // the last collective's completion
   bool in_flight = false;       // a collective was enqueued and not seen complete
-  bool is_aborted = false;
-  std::string abort_reason;
 
   ~Impl() {
-    if (comm && !is_aborted) {
-      static_cast<void>(cudaSetDevice(opt.device));
-      // Orderly when the last collective finishes within a grace period: finalize, destroy.
-      // Otherwise (a member is gone) abort, which cancels it.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      bool clean = true;
+    static_cast<void>(cudaSetDevice(opt.device));
+    // Orderly when the last collective finishes within the grace period; otherwise (a member is
+    // gone) the communicator is aborted, which cancels it.
+    comm.close([&](auto until) {
       while (in_flight) {
         const cudaError_t e = cudaEventQuery(done);
-        if (e != cudaErrorNotReady) {
-          clean = e == cudaSuccess;
-          break;
-        }
-        if (std::chrono::steady_clock::now() > until) {
-          clean = false;
-          break;
-        }
+        if (e != cudaErrorNotReady) return e == cudaSuccess;
+        if (std::chrono::steady_clock::now() > until) return false;
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
-      if (clean) {
-        ncclResult_t st = ncclCommFinalize(comm);
-        while (st == ncclInProgress && std::chrono::steady_clock::now() <= until) {
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) st = ncclInternalError;
-        }
-        clean = st == ncclSuccess;
-      }
-      if (clean) {
-        static_cast<void>(ncclCommDestroy(comm));
-      } else {
-        static_cast<void>(ncclCommAbort(comm));
-      }
-      comm = nullptr;
-    }
+      return true;
+    });
     if (done) static_cast<void>(cudaEventDestroy(done));
     if (ready) static_cast<void>(cudaEventDestroy(ready));
     if (stream) static_cast<void>(cudaStreamDestroy(stream));
   }
 
-  void check_alive() const {
-    BRIGADE_CHECK(!is_aborted, Errc::Aborted, "member {}: NCCL collectives aborted: {}", member,
-                  abort_reason);
-  }
-
-  [[noreturn]] void abort_with(Errc code, const std::string& why) {
-    if (!is_aborted && comm) static_cast<void>(ncclCommAbort(comm));
-    comm = nullptr;
-    is_aborted = true;
-    in_flight = false;
-    abort_reason = why;
-    brigade::detail::fail(code, "{}", why);
-  }
-
-  /// ncclSuccess or ncclInProgress; aborts and throws Error{Nccl} on an asynchronous error.
-  ncclResult_t async_state() {
-    ncclResult_t st = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
-    if (r != ncclSuccess) st = r;
-    if (st != ncclSuccess && st != ncclInProgress) {
-      const char* last = ncclGetLastError(comm);
-      abort_with(Errc::Nccl, fmt::format("member {}: NCCL reported an asynchronous error: {}{}{}",
-                                         member, ncclGetErrorString(st),
-                                         (last && *last) ? ": " : "",
-                                         (last && *last) ? last : ""));
-    }
-    return st;
-  }
-
   [[noreturn]] void timeout(const char* what) {
-    abort_with(Errc::PeerTimeout,
-               fmt::format("member {} of {}: {} did not complete before the deadline; a member "
-                           "did not join or passed another size (NCCL communicator aborted)",
-                           member, size, what));
+    in_flight = false;
+    comm.abort_with(Errc::PeerTimeout,
+                    fmt::format("member {} of {}: {} did not complete before the deadline; a "
+                                "member did not join or passed another size (NCCL communicator "
+                                "aborted)",
+                                member, size, what));
   }
 
   /// Runs one collective: `enqueue(stream)` returns NCCL's status of the call.
   template <class F>
   void run(const char* what, Deadline deadline, F&& enqueue) {
-    check_alive();
+    comm.check_alive();
     BRIGADE_CUDA_CHECK(cudaSetDevice(opt.device));
     BRIGADE_CUDA_CHECK(cudaEventRecord(ready, opt.compute_stream));
     BRIGADE_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
     const ncclResult_t r = enqueue(stream);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      const char* last = ncclGetLastError(comm);
-      abort_with(Errc::Nccl, fmt::format("member {}: {} refused by NCCL: {}{}{} (communicator "
-                                         "aborted)",
-                                         member, what, ncclGetErrorString(r),
-                                         (last && *last) ? ": " : "", (last && *last) ? last : ""));
-    }
+    if (r != ncclSuccess && r != ncclInProgress)
+      comm.fail_call(fmt::format("{} refused by NCCL (communicator aborted)", what), r);
     // Non-blocking communicator: the call may still be enqueueing.
-    while (async_state() == ncclInProgress) {
+    while (comm.async_state() == ncclInProgress) {
       if (Deadline::Clock::now() >= deadline.at) timeout(what);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
@@ -138,7 +83,7 @@ struct NcclCollectives::Impl {
       const cudaError_t e = cudaEventQuery(done);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) BRIGADE_CUDA_CHECK(e);
-      async_state();
+      comm.async_state();
       if (Deadline::Clock::now() >= deadline.at) timeout(what);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
@@ -149,7 +94,7 @@ struct NcclCollectives::Impl {
   void all_reduce(std::span<V> data, ReduceOp op, Deadline deadline) {
     run("all_reduce", deadline, [&](cudaStream_t s) {
       return ncclAllReduce(data.data(), data.data(), data.size(), nccl_type<V>(), nccl_op(op),
-                           comm, s);
+                           comm.get(), s);
     });
   }
 
@@ -157,7 +102,7 @@ struct NcclCollectives::Impl {
   void all_gather(std::span<const V> mine, std::span<V> all, Deadline deadline) {
     check_gather_sizes(member, size, mine.size(), all.size());
     run("all_gather", deadline, [&](cudaStream_t s) {
-      return ncclAllGather(mine.data(), all.data(), mine.size(), nccl_type<V>(), comm, s);
+      return ncclAllGather(mine.data(), all.data(), mine.size(), nccl_type<V>(), comm.get(), s);
     });
   }
 
@@ -165,7 +110,8 @@ struct NcclCollectives::Impl {
   void broadcast(std::span<V> data, int root, Deadline deadline) {
     check_root(member, size, root);
     run("broadcast", deadline, [&](cudaStream_t s) {
-      return ncclBroadcast(data.data(), data.data(), data.size(), nccl_type<V>(), root, comm, s);
+      return ncclBroadcast(data.data(), data.data(), data.size(), nccl_type<V>(), root, comm.get(),
+                           s);
     });
   }
 };
@@ -184,25 +130,8 @@ NcclCollectives::NcclCollectives(const NcclUniqueId& id, int member, int size, O
   BRIGADE_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   BRIGADE_CUDA_CHECK(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
   BRIGADE_CUDA_CHECK(cudaEventCreateWithFlags(&m.done, cudaEventDisableTiming));
-  ncclUniqueId nid;
-  static_assert(sizeof(nid) == sizeof(id.bytes), "ncclUniqueId is 128 bytes");
-  std::memcpy(&nid, id.bytes.data(), sizeof(nid));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  const ncclResult_t r = ncclCommInitRankConfig(&m.comm, size, nid, member, &config);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    m.comm = nullptr;
-    BRIGADE_NCCL_CHECK(r, nullptr);
-  }
-  const auto deadline = Deadline::after(options.init_timeout_s);
-  while (m.async_state() != ncclSuccess) {
-    if (Deadline::Clock::now() >= deadline.at)
-      m.abort_with(Errc::PeerTimeout,
-                   fmt::format("member {}: NCCL communicator of {} members not complete after {} "
-                               "s; another member did not join",
-                               member, size, options.init_timeout_s));
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
+  m.comm.init(id.bytes, member, size, options.init_timeout_s,
+              {"member", "NCCL collectives", "members"});
 }
 
 NcclCollectives::~NcclCollectives() = default;
@@ -211,7 +140,7 @@ NcclCollectives& NcclCollectives::operator=(NcclCollectives&&) noexcept = defaul
 
 int NcclCollectives::rank() const { return impl_->member; }
 int NcclCollectives::size() const { return impl_->size; }
-bool NcclCollectives::aborted() const noexcept { return impl_->is_aborted; }
+bool NcclCollectives::aborted() const noexcept { return impl_->comm.aborted(); }
 CUstream_st* NcclCollectives::comm_stream() const noexcept { return impl_->stream; }
 
 void NcclCollectives::all_reduce(std::span<float> data, ReduceOp op, Deadline deadline) {
@@ -237,12 +166,8 @@ void NcclCollectives::broadcast(std::span<double> data, int root, Deadline deadl
 
 void NcclCollectives::abort() {
   Impl& m = *impl_;
-  if (m.is_aborted) return;
-  if (m.comm) static_cast<void>(ncclCommAbort(m.comm));
-  m.comm = nullptr;
-  m.is_aborted = true;
   m.in_flight = false;
-  m.abort_reason = fmt::format("member {}: abort() called", m.member);
+  m.comm.abort(fmt::format("member {}: abort() called", m.member));
 }
 
 }  // namespace v0

@@ -7,6 +7,7 @@
 #include "brigade/transport/nccl.hpp"
 
 #include "check.hpp"
+#include "nccl_comm.hpp"
 
 #include <chrono>
 #include <cstring>
@@ -21,8 +22,8 @@ namespace {
 
 constexpr std::size_t kSlot = 128;             // bytes of one wire header
 constexpr std::uint32_t kMagic = 0x44475242u;  // "BRGD"
-constexpr std::uint32_t kWireVersion = 5;  // 2: chunk after stage; 3: kind; 4: flags;
-                                           // 5: brigade::DType codes (f16, bf16)
+constexpr std::uint32_t kWireVersion = 5;      // 2: chunk after stage; 3: kind; 4: flags;
+                                               // 5: brigade::DType codes (f16, bf16)
 
 /// The header as it travels. Fixed layout, trivially copyable, at most kSlot bytes.
 struct WireHeader {
@@ -86,8 +87,6 @@ struct OpState {
   std::size_t slot = 0;
 };
 
-const char* state_name(ncclResult_t r) { return ncclGetErrorString(r); }
-
 }  // namespace
 
 NcclUniqueId NcclUniqueId::create() {
@@ -103,31 +102,25 @@ struct NcclTransport::Impl {
   Options opt;
   int rank = 0;
   int world = 1;
-  ncclComm_t comm = nullptr;
+  cuda::detail::NcclComm nccl;
   cudaStream_t stream = nullptr;
   cudaEvent_t compute_ready = nullptr;
-  bool is_aborted = false;
-  std::string abort_reason;
   std::vector<std::shared_ptr<OpState>> queued;
   std::deque<std::shared_ptr<Batch>> in_flight;  // in flush order
   std::vector<std::shared_ptr<Batch>> pool;      // finished batches for reuse
 
   ~Impl() {
-    if (comm && !is_aborted) {
-      static_cast<void>(cudaSetDevice(opt.device));
-      // Orderly when the groups in flight finish within a grace period: finalize (non-blocking),
-      // poll, destroy. Otherwise (a peer is gone) abort, which cancels them.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      bool clean = true;
+    static_cast<void>(cudaSetDevice(opt.device));
+    // Orderly when the groups in flight finish within the grace period; otherwise (a peer is
+    // gone) the communicator is aborted, which cancels them.
+    nccl.close([&](auto until) {
       for (auto& b : in_flight) {
         for (;;) {
           if (b->state == Batch::State::Enqueuing) {
             ncclResult_t st = ncclSuccess;
-            if (ncclCommGetAsyncError(comm, &st) != ncclSuccess ||
-                (st != ncclSuccess && st != ncclInProgress)) {
-              clean = false;
-              break;
-            }
+            if (ncclCommGetAsyncError(nccl.get(), &st) != ncclSuccess ||
+                (st != ncclSuccess && st != ncclInProgress))
+              return false;
             if (st == ncclSuccess) {  // enqueued: add the completion event (errors ignored)
               static_cast<void>(cudaEventRecord(b->done, stream));
               b->state = Batch::State::InFlight;
@@ -135,29 +128,12 @@ struct NcclTransport::Impl {
           } else if (cudaEventQuery(b->done) != cudaErrorNotReady) {
             break;
           }
-          if (std::chrono::steady_clock::now() > until) {
-            clean = false;
-            break;
-          }
+          if (std::chrono::steady_clock::now() > until) return false;
           std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
-        if (!clean) break;
       }
-      if (clean) {
-        ncclResult_t st = ncclCommFinalize(comm);
-        while (st == ncclInProgress && std::chrono::steady_clock::now() <= until) {
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) st = ncclInternalError;
-        }
-        clean = st == ncclSuccess;
-      }
-      if (clean) {
-        static_cast<void>(ncclCommDestroy(comm));
-      } else {
-        static_cast<void>(ncclCommAbort(comm));
-      }
-      comm = nullptr;
-    }
+      return true;
+    });
     in_flight.clear();
     pool.clear();
     if (compute_ready) static_cast<void>(cudaEventDestroy(compute_ready));
@@ -170,37 +146,9 @@ struct NcclTransport::Impl {
     if (cur != opt.device) BRIGADE_CUDA_CHECK(cudaSetDevice(opt.device));
   }
 
-  void check_alive() const {
-    BRIGADE_CHECK(!is_aborted, Errc::Aborted, "rank {}: NCCL transport aborted: {}", rank,
-                  abort_reason);
-  }
-
   void check_peer(int peer) const {
     BRIGADE_CHECK(peer >= 0 && peer < world, Errc::InvalidArgument,
                   "rank {}: peer {} outside [0, {})", rank, peer, world);
-  }
-
-  [[noreturn]] void abort_with(Errc code, const std::string& why) {
-    if (!is_aborted && comm) static_cast<void>(ncclCommAbort(comm));
-    comm = nullptr;
-    is_aborted = true;
-    abort_reason = why;
-    brigade::detail::fail(code, "{}", why);
-  }
-
-  /// Throws Error{Nccl} (and aborts) when the communicator reports an asynchronous error.
-  /// Returns the state (ncclSuccess or ncclInProgress).
-  ncclResult_t async_state() {
-    ncclResult_t st = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &st);
-    if (r != ncclSuccess) st = r;
-    if (st != ncclSuccess && st != ncclInProgress) {
-      const char* last = ncclGetLastError(comm);
-      abort_with(Errc::Nccl, fmt::format("rank {}: NCCL reported an asynchronous error: {}{}{}",
-                                         rank, state_name(st), (last && *last) ? ": " : "",
-                                         (last && *last) ? last : ""));
-    }
-    return st;
   }
 
   /// Enqueues what follows a group once NCCL has put it on the stream: the copy of the received
@@ -216,7 +164,7 @@ struct NcclTransport::Impl {
   void progress() {
     for (auto& b : in_flight) {
       if (b->state == Batch::State::Enqueuing) {
-        if (async_state() == ncclInProgress) return;  // later batches wait behind it
+        if (nccl.async_state() == ncclInProgress) return;  // later batches wait behind it
         finish_enqueue(*b);
       }
       if (b->state == Batch::State::InFlight) {
@@ -241,10 +189,10 @@ struct NcclTransport::Impl {
       if (!enqueuing) return;
       progress();
       if (Deadline::Clock::now() >= deadline.at)
-        abort_with(Errc::PeerTimeout,
-                   fmt::format("rank {}: NCCL did not finish enqueueing a group before the "
-                               "deadline; communicator aborted",
-                               rank));
+        nccl.abort_with(Errc::PeerTimeout,
+                        fmt::format("rank {}: NCCL did not finish enqueueing a group before the "
+                                    "deadline; communicator aborted",
+                                    rank));
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -262,7 +210,7 @@ struct NcclTransport::Impl {
   }
 
   void flush(Deadline deadline) {
-    check_alive();
+    nccl.check_alive();
     if (queued.empty()) return;
     set_device();
     settle_enqueue(deadline);
@@ -294,20 +242,22 @@ struct NcclTransport::Impl {
     BRIGADE_CUDA_CHECK(cudaMemcpyAsync(batch->device, batch->host, batch->used * kSlot,
                                        cudaMemcpyHostToDevice, stream));
     auto* dev = static_cast<std::byte*>(batch->device);
-    BRIGADE_NCCL_CHECK(ncclGroupStart(), comm);
+    BRIGADE_NCCL_CHECK(ncclGroupStart(), nccl.get());
     for (std::size_t i = 0; i < queued.size(); ++i) {
       OpState& op = *queued[i];
       std::byte* slot = dev + i * kSlot;
       if (op.is_send) {
-        BRIGADE_NCCL_CHECK(ncclSend(slot, kSlot, ncclChar, op.peer, comm, stream), comm);
+        BRIGADE_NCCL_CHECK(ncclSend(slot, kSlot, ncclChar, op.peer, nccl.get(), stream),
+                           nccl.get());
         if (op.nbytes > 0)
-          BRIGADE_NCCL_CHECK(ncclSend(op.send_ptr, op.nbytes, ncclChar, op.peer, comm, stream),
-                             comm);
+          BRIGADE_NCCL_CHECK(
+              ncclSend(op.send_ptr, op.nbytes, ncclChar, op.peer, nccl.get(), stream), nccl.get());
       } else {
-        BRIGADE_NCCL_CHECK(ncclRecv(slot, kSlot, ncclChar, op.peer, comm, stream), comm);
+        BRIGADE_NCCL_CHECK(ncclRecv(slot, kSlot, ncclChar, op.peer, nccl.get(), stream),
+                           nccl.get());
         if (op.nbytes > 0)
-          BRIGADE_NCCL_CHECK(ncclRecv(op.recv_ptr, op.nbytes, ncclChar, op.peer, comm, stream),
-                             comm);
+          BRIGADE_NCCL_CHECK(
+              ncclRecv(op.recv_ptr, op.nbytes, ncclChar, op.peer, nccl.get(), stream), nccl.get());
       }
       op.batch = batch;
       op.slot = i;
@@ -317,11 +267,9 @@ struct NcclTransport::Impl {
     if (r == ncclInProgress) {
       batch->state = Batch::State::Enqueuing;
     } else if (r != ncclSuccess) {
-      const char* last = ncclGetLastError(comm);
-      abort_with(Errc::Nccl, fmt::format("rank {}: NCCL refused a group of {} operations: {}{}{} "
-                                         "(communicator aborted)",
-                                         rank, batch->used, ncclGetErrorString(r),
-                                         (last && *last) ? ": " : "", (last && *last) ? last : ""));
+      nccl.fail_call(
+          fmt::format("NCCL refused a group of {} operations (communicator aborted)", batch->used),
+          r);
     } else {
       finish_enqueue(*batch);
     }
@@ -399,25 +347,8 @@ NcclTransport::NcclTransport(const NcclUniqueId& id, int rank, int world_size, O
   BRIGADE_CUDA_CHECK(cudaSetDevice(options.device));
   BRIGADE_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   BRIGADE_CUDA_CHECK(cudaEventCreateWithFlags(&m.compute_ready, cudaEventDisableTiming));
-  ncclUniqueId nid;
-  std::memcpy(&nid, id.bytes.data(), sizeof(nid));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  const ncclResult_t r = ncclCommInitRankConfig(&m.comm, world_size, nid, rank, &config);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    m.comm = nullptr;
-    BRIGADE_NCCL_CHECK(r, nullptr);
-  }
-  const auto deadline = Deadline::after(options.init_timeout_s);
-  for (;;) {
-    if (m.async_state() == ncclSuccess) break;
-    if (Deadline::Clock::now() >= deadline.at)
-      m.abort_with(Errc::PeerTimeout,
-                   fmt::format("rank {}: NCCL communicator of {} ranks not complete after {} s; "
-                               "another rank did not join",
-                               rank, world_size, options.init_timeout_s));
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
+  m.nccl.init(id.bytes, rank, world_size, options.init_timeout_s,
+              {"rank", "NCCL transport", "ranks"});
 }
 
 NcclTransport::~NcclTransport() = default;
@@ -426,12 +357,12 @@ NcclTransport& NcclTransport::operator=(NcclTransport&&) noexcept = default;
 
 int NcclTransport::rank() const { return impl_->rank; }
 int NcclTransport::world_size() const { return impl_->world; }
-bool NcclTransport::aborted() const noexcept { return impl_->is_aborted; }
+bool NcclTransport::aborted() const noexcept { return impl_->nccl.aborted(); }
 CUstream_st* NcclTransport::comm_stream() const noexcept { return impl_->stream; }
 
 Request NcclTransport::isend(int peer, int tag, const MessageHeader& header, ConstBytes payload) {
   Impl& m = *impl_;
-  m.check_alive();
+  m.nccl.check_alive();
   m.check_peer(peer);
   for (int i = 0; i < header.ndim; ++i)
     BRIGADE_CHECK(header.shape[static_cast<std::size_t>(i)] >= 0, Errc::InvalidArgument,
@@ -456,7 +387,7 @@ Request NcclTransport::isend(int peer, int tag, const MessageHeader& header, Con
 Request NcclTransport::irecv(int peer, int tag, const MessageHeader& expected,
                              MutableBytes buffer) {
   Impl& m = *impl_;
-  m.check_alive();
+  m.nccl.check_alive();
   m.check_peer(peer);
   BRIGADE_CHECK(expected.ndim >= 0 && expected.ndim <= 4, Errc::InvalidArgument,
                 "rank {}: receive from rank {} with ndim = {}; expected 0..4", m.rank, peer,
@@ -487,7 +418,7 @@ void NcclTransport::wait(Request& r, Deadline deadline) {
   if (r.done) return;
   Impl& m = *impl_;
   OpState& op = m.state_of(r);
-  m.check_alive();
+  m.nccl.check_alive();
   if (!op.batch) m.flush(deadline);
   m.set_device();
   for (;;) {
@@ -496,12 +427,13 @@ void NcclTransport::wait(Request& r, Deadline deadline) {
       m.complete(r, op);
       return;
     }
-    if (op.batch->state == Batch::State::InFlight) m.async_state();
+    if (op.batch->state == Batch::State::InFlight) m.nccl.async_state();
     if (Deadline::Clock::now() >= deadline.at)
-      m.abort_with(Errc::PeerTimeout,
-                   fmt::format("rank {}: {} did not complete before the deadline; rank {} stopped "
-                               "answering (NCCL communicator aborted)",
-                               m.rank, m.describe(op), op.peer));
+      m.nccl.abort_with(
+          Errc::PeerTimeout,
+          fmt::format("rank {}: {} did not complete before the deadline; rank {} stopped "
+                      "answering (NCCL communicator aborted)",
+                      m.rank, m.describe(op), op.peer));
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
@@ -510,12 +442,12 @@ bool NcclTransport::test(Request& r) {
   if (r.done) return true;
   Impl& m = *impl_;
   OpState& op = m.state_of(r);
-  m.check_alive();
+  m.nccl.check_alive();
   if (!op.batch) m.flush(Deadline::after(m.opt.init_timeout_s));
   m.set_device();
   m.progress();
   if (op.batch->state != Batch::State::Done) {
-    if (op.batch->state == Batch::State::InFlight) m.async_state();
+    if (op.batch->state == Batch::State::InFlight) m.nccl.async_state();
     return false;
   }
   m.complete(r, op);
@@ -526,7 +458,7 @@ void NcclTransport::enqueue_wait(Request& r, CUstream_st* stream) {
   if (r.done) return;  // the host already saw the group finish
   Impl& m = *impl_;
   OpState& op = m.state_of(r);
-  m.check_alive();
+  m.nccl.check_alive();
   if (!op.batch) m.flush(Deadline::after(m.opt.init_timeout_s));
   m.set_device();
   m.settle_enqueue(Deadline::after(m.opt.init_timeout_s));
@@ -535,11 +467,7 @@ void NcclTransport::enqueue_wait(Request& r, CUstream_st* stream) {
 
 void NcclTransport::abort() {
   Impl& m = *impl_;
-  if (m.is_aborted) return;
-  if (m.comm) static_cast<void>(ncclCommAbort(m.comm));
-  m.comm = nullptr;
-  m.is_aborted = true;
-  m.abort_reason = fmt::format("rank {}: abort() called", m.rank);
+  m.nccl.abort(fmt::format("rank {}: abort() called", m.rank));
 }
 
 }  // namespace v0
