@@ -828,5 +828,368 @@ void CudaBackend::decoder_layer_forward(const model::LlamaConfig& config,
   m.gemm(detail::plan_linear(tokens, hidden, dim), w.w2.data(), hb, dt, x, DType::F32, 1.0f, 1.0f);
 }
 
+// --- training (TrainingBackend) ------------------------------------------------------------------
+
+namespace {
+
+/// The gemm plans' float32 operands of one training GEMM.
+constexpr DType kF = DType::F32;
+
+float* fp(DeviceBuffer& b) { return b.as<float>(); }
+const float* fp(const DeviceBuffer& b) { return b.as<float>(); }
+
+/// cu_seqlens-style offsets of `tokens` rows, each sequence at most max_len long (the CPU's
+/// cpu::validate_offsets, whose messages these follow).
+void check_offsets(const char* what, std::span<const std::int64_t> offsets, std::int64_t tokens,
+                   std::int64_t max_len) {
+  BRIGADE_CHECK(offsets.size() >= 2 && offsets.front() == 0, Errc::InvalidArgument,
+                "{}: offsets has {} entries starting at {}; expected n_seq + 1 >= 2 entries "
+                "starting at 0",
+                what, offsets.size(), offsets.empty() ? -1 : offsets.front());
+  for (std::size_t i = 1; i < offsets.size(); ++i) {
+    BRIGADE_CHECK(offsets[i] > offsets[i - 1], Errc::InvalidArgument,
+                  "{}: offsets[{}] = {} after {}; expected strictly increasing", what, i,
+                  offsets[i], offsets[i - 1]);
+    BRIGADE_CHECK(offsets[i] - offsets[i - 1] <= max_len, Errc::InvalidArgument,
+                  "{}: sequence {} has {} tokens; expected at most seq_len = {}", what, i - 1,
+                  offsets[i] - offsets[i - 1], max_len);
+  }
+  BRIGADE_CHECK(offsets.back() == tokens, Errc::InvalidArgument,
+                "{}: offsets end at {}; expected tokens = {}", what, offsets.back(), tokens);
+}
+
+void check_train_weights(const char* what, const model::DecoderWeights& w) {
+  BRIGADE_CHECK(w.rms_att && w.rms_ffn && w.wq && w.wk && w.wv && w.wo && w.w1 && w.w2 && w.w3,
+                Errc::InvalidArgument, "{}: a DecoderWeights pointer is null; expected all 9 set",
+                what);
+  for (const model::WeightMatrix* m : {&w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3})
+    BRIGADE_CHECK(m->dtype == DType::F32, Errc::InvalidArgument,
+                  "{}: a {} weight matrix; training on the GPU reads float32 (TrainStage uploads "
+                  "its float32 master copy)",
+                  what, to_string(m->dtype));
+}
+
+}  // namespace
+
+std::size_t CudaDecoderActivations::bytes() const noexcept {
+  std::size_t n = 0;
+  for (const DeviceBuffer* b : {&rows, &x_in, &inv_rms_att, &xb_att, &q, &k, &v, &lse, &att,
+                                &x_mid, &inv_rms_ffn, &xb_ffn, &h1, &h3, &d_mid, &dy, &hb,
+                                &d_rms_att, &d_rms_ffn})
+    n += b->size();
+  return n;
+}
+
+void CudaDecoderActivations::clear() noexcept {
+  phase = Phase::Empty;
+  tokens = 0;
+  for (DeviceBuffer* b : {&rows, &x_in, &inv_rms_att, &xb_att, &q, &k, &v, &lse, &att, &x_mid,
+                          &inv_rms_ffn, &xb_ffn, &h1, &h3, &d_mid, &dy, &hb, &d_rms_att,
+                          &d_rms_ffn})
+    *b = DeviceBuffer();
+}
+
+void CudaBackend::fill_zero(void* dst, std::size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  BRIGADE_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, impl_->s()));
+}
+
+void CudaBackend::decoder_train_forward(const model::LlamaConfig& config,
+                                        const model::DecoderWeights& w, const float* x_in,
+                                        float* x_out, std::int64_t tokens,
+                                        std::span<const std::int64_t> offsets,
+                                        DecoderActivations& acts, TrainScratch* scratch) {
+  const char* what = "CudaBackend::decoder_train_forward";
+  config.validate(what);
+  check_train_weights(what, w);
+  BRIGADE_CHECK(tokens >= 1, Errc::InvalidArgument, "{}: tokens = {}; expected >= 1", what,
+                tokens);
+  BRIGADE_CHECK(x_in != nullptr && x_out != nullptr, Errc::InvalidArgument,
+                "{}: x_in or x_out is null", what);
+  check_offsets(what, offsets, tokens, config.seq_len);
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  TrainScratch local;
+  TrainScratch& sc = scratch != nullptr ? *scratch : local;
+  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  const int hs = config.head_size();
+  const std::size_t f = sizeof(float);
+  acts.clear();
+  acts.tokens = tokens;
+  // Row metadata: position within the sequence, the sequence's first row and its end.
+  std::vector<std::int32_t> meta(usize(3 * tokens));
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s)
+    for (std::int64_t t = offsets[s]; t < offsets[s + 1]; ++t) {
+      meta[usize(t)] = static_cast<std::int32_t>(t - offsets[s]);
+      meta[usize(tokens + t)] = static_cast<std::int32_t>(offsets[s]);
+      meta[usize(2 * tokens + t)] = static_cast<std::int32_t>(offsets[s + 1]);
+    }
+  acts.rows = allocate(meta.size() * sizeof(std::int32_t));
+  upload(acts.rows.data(), meta.data(), meta.size() * sizeof(std::int32_t));
+  const auto* pos = acts.rows.as<std::int32_t>();
+  const std::int32_t* seq_begin = pos + tokens;
+  auto buf = [&](DeviceBuffer& b, std::int64_t n) { b = allocate(usize(n) * f); return fp(b); };
+  float* xin = buf(acts.x_in, tokens * dim);
+  copy(xin, x_in, usize(tokens * dim) * f);  // before x_out (which may alias) is written
+
+  // Attention block.
+  float* xb = buf(acts.xb_att, tokens * dim);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_train(xin, w.rms_att, xb,
+                                                  buf(acts.inv_rms_att, tokens), tokens, dim,
+                                                  config.norm_eps, m.s()));
+  float* q = buf(acts.q, tokens * dim);
+  float* k = buf(acts.k, tokens * kv_dim);
+  float* v = buf(acts.v, tokens * kv_dim);
+  m.gemm(detail::plan_linear(tokens, dim, dim), w.wq.f32(), xb, kF, q, kF, 1.0f, 0.0f);
+  m.gemm(detail::plan_linear(tokens, dim, kv_dim), w.wk.f32(), xb, kF, k, kF, 1.0f, 0.0f);
+  m.gemm(detail::plan_linear(tokens, dim, kv_dim), w.wv.f32(), xb, kF, v, kF, 1.0f, 0.0f);
+  BRIGADE_CUDA_CHECK(detail::launch_rope_train(q, k, pos, m.rope_freq(hs, config.rope_theta),
+                                               tokens, dim, kv_dim, hs, false, m.s()));
+  float* att = buf(acts.att, tokens * dim);
+  BRIGADE_CUDA_CHECK(detail::launch_attention_train_forward(
+      q, k, v, att, buf(acts.lse, tokens * config.n_heads), seq_begin, tokens, config.n_heads,
+      config.n_kv_heads, hs, m.s()));
+  float* xmid = buf(acts.x_mid, tokens * dim);
+  copy(xmid, xin, usize(tokens * dim) * f);
+  m.gemm(detail::plan_linear(tokens, dim, dim), w.wo.f32(), att, kF, xmid, kF, 1.0f, 1.0f);
+
+  // FFN block.
+  float* xf = buf(acts.xb_ffn, tokens * dim);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_train(xmid, w.rms_ffn, xf,
+                                                  buf(acts.inv_rms_ffn, tokens), tokens, dim,
+                                                  config.norm_eps, m.s()));
+  float* h1 = buf(acts.h1, tokens * hidden);
+  float* h3 = buf(acts.h3, tokens * hidden);
+  m.gemm(detail::plan_linear(tokens, dim, hidden), w.w1.f32(), xf, kF, h1, kF, 1.0f, 0.0f);
+  m.gemm(detail::plan_linear(tokens, dim, hidden), w.w3.f32(), xf, kF, h3, kF, 1.0f, 0.0f);
+  auto* hb = static_cast<float*>(m.grow(sc.a, usize(tokens * hidden) * f));
+  BRIGADE_CUDA_CHECK(
+      detail::launch_swiglu(h1, h3, hidden, hb, detail::kF32, tokens, hidden, m.s()));
+  copy(x_out, xmid, usize(tokens * dim) * f);
+  m.gemm(detail::plan_linear(tokens, hidden, dim), w.w2.f32(), hb, kF, x_out, kF, 1.0f, 1.0f);
+  acts.phase = DecoderActivations::Phase::Forward;
+}
+
+void CudaBackend::decoder_backward_input(const model::LlamaConfig& config,
+                                         const model::DecoderWeights& w, DecoderActivations& acts,
+                                         const float* dy, float* dx, TrainScratch* scratch) {
+  const char* what = "CudaBackend::decoder_backward_input";
+  config.validate(what);
+  check_train_weights(what, w);
+  BRIGADE_CHECK(acts.phase == DecoderActivations::Phase::Forward, Errc::InvalidUsage,
+                "{}: activations are in phase {}; expected {} (Forward: run "
+                "decoder_train_forward first)",
+                what, static_cast<int>(acts.phase),
+                static_cast<int>(DecoderActivations::Phase::Forward));
+  BRIGADE_CHECK(dy != nullptr && dx != nullptr, Errc::InvalidArgument, "{}: dy or dx is null",
+                what);
+  const std::int64_t tokens = acts.tokens;
+  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  const int hs = config.head_size();
+  const std::size_t f = sizeof(float);
+  BRIGADE_CHECK(acts.x_in.size() == usize(tokens * dim) * f &&
+                    acts.h1.size() == usize(tokens * hidden) * f,
+                Errc::InvalidArgument,
+                "{}: activations of {} tokens do not match this config (dim = {}, hidden_dim = "
+                "{})",
+                what, tokens, dim, hidden);
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  TrainScratch local;
+  TrainScratch& sc = scratch != nullptr ? *scratch : local;
+  auto buf = [&](DeviceBuffer& b, std::int64_t n) { b = allocate(usize(n) * f); return fp(b); };
+  float* dyc = buf(acts.dy, tokens * dim);
+  copy(dyc, dy, usize(tokens * dim) * f);  // before dx (which may alias) is written
+
+  // FFN block: x_out = x_mid + hb W2^T, hb = silu(h1) * h3, h1/h3 = xb_ffn W1^T / W3^T.
+  auto* dhb = static_cast<float*>(m.grow(sc.a, usize(tokens * hidden) * f));
+  m.gemm(detail::plan_linear_backward_input(tokens, hidden, dim), w.w2.f32(), dyc, kF, dhb, kF,
+         1.0f, 0.0f);
+  float* h1 = fp(acts.h1);
+  float* h3 = fp(acts.h3);
+  BRIGADE_CUDA_CHECK(detail::launch_swiglu_backward(h1, h3, dhb, h1, h3,
+                                                    buf(acts.hb, tokens * hidden),
+                                                    tokens * hidden, m.s()));  // h1, h3: dh1, dh3
+  auto* dxb = static_cast<float*>(m.grow(sc.b, usize(tokens * dim) * f));
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, hidden), w.w1.f32(), h1, kF, dxb, kF,
+         1.0f, 0.0f);
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, hidden), w.w3.f32(), h3, kF, dxb, kF,
+         1.0f, 1.0f);
+  float* dmid = buf(acts.d_mid, tokens * dim);
+  copy(dmid, dyc, usize(tokens * dim) * f);
+  float* drf = buf(acts.d_rms_ffn, dim);
+  fill_zero(drf, usize(dim) * f);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_backward(fp(acts.x_mid), w.rms_ffn,
+                                                     fp(acts.inv_rms_ffn), dxb, dmid, drf, tokens,
+                                                     dim, true, m.s()));
+
+  // Attention block: x_mid = x_in + att Wo^T.
+  float* datt = dxb;
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, dim), w.wo.f32(), dmid, kF, datt, kF,
+         1.0f, 0.0f);
+  const auto* pos = acts.rows.as<std::int32_t>();
+  DeviceBuffer dq = allocate(usize(tokens * dim) * f), dk = allocate(usize(tokens * kv_dim) * f),
+               dv = allocate(usize(tokens * kv_dim) * f);
+  auto* dsum = static_cast<float*>(m.grow(sc.c, usize(tokens * config.n_heads) * f));
+  BRIGADE_CUDA_CHECK(detail::launch_attention_train_backward(
+      fp(acts.q), fp(acts.k), fp(acts.v), fp(acts.att), fp(acts.lse), datt, dsum, fp(dq), fp(dk),
+      fp(dv), pos + tokens, pos + 2 * tokens, tokens, config.n_heads, config.n_kv_heads, hs,
+      m.s()));
+  BRIGADE_CUDA_CHECK(detail::launch_rope_train(fp(dq), fp(dk), pos,
+                                               m.rope_freq(hs, config.rope_theta), tokens, dim,
+                                               kv_dim, hs, true, m.s()));
+  acts.q = std::move(dq);
+  acts.k = std::move(dk);
+  acts.v = std::move(dv);
+  acts.lse = DeviceBuffer();
+  acts.x_mid = DeviceBuffer();
+  acts.inv_rms_ffn = DeviceBuffer();
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, dim), w.wq.f32(), fp(acts.q), kF, dxb,
+         kF, 1.0f, 0.0f);
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, kv_dim), w.wk.f32(), fp(acts.k), kF,
+         dxb, kF, 1.0f, 1.0f);
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, kv_dim), w.wv.f32(), fp(acts.v), kF,
+         dxb, kF, 1.0f, 1.0f);
+  copy(dx, dmid, usize(tokens * dim) * f);
+  float* dra = buf(acts.d_rms_att, dim);
+  fill_zero(dra, usize(dim) * f);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_backward(fp(acts.x_in), w.rms_att,
+                                                     fp(acts.inv_rms_att), dxb, dx, dra, tokens,
+                                                     dim, true, m.s()));
+  acts.x_in = DeviceBuffer();
+  acts.inv_rms_att = DeviceBuffer();
+  acts.phase = DecoderActivations::Phase::BackwardInput;
+}
+
+void CudaBackend::decoder_backward_weight(const model::LlamaConfig& config,
+                                          DecoderActivations& acts,
+                                          const backend::DecoderGradTensors& grads) {
+  const char* what = "CudaBackend::decoder_backward_weight";
+  config.validate(what);
+  BRIGADE_CHECK(acts.phase == DecoderActivations::Phase::BackwardInput, Errc::InvalidUsage,
+                "{}: activations are in phase {}; expected {} (BackwardInput: run "
+                "decoder_backward_input first)",
+                what, static_cast<int>(acts.phase),
+                static_cast<int>(DecoderActivations::Phase::BackwardInput));
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    BRIGADE_CHECK(grads[i] != nullptr, Errc::InvalidArgument, "{}: gradient tensor {} is null",
+                  what, i);
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  const std::int64_t T = acts.tokens;
+  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  auto bw = [&](const DeviceBuffer& dy, const DeviceBuffer& x, float* dw, std::int64_t in,
+                std::int64_t out) {
+    m.gemm(detail::plan_linear_backward_weight(T, in, out), fp(x), fp(dy), kF, dw, kF, 1.0f,
+           1.0f);
+  };
+  bw(acts.q, acts.xb_att, grads[1], dim, dim);
+  bw(acts.k, acts.xb_att, grads[2], dim, kv_dim);
+  bw(acts.v, acts.xb_att, grads[3], dim, kv_dim);
+  bw(acts.d_mid, acts.att, grads[4], dim, dim);
+  bw(acts.h1, acts.xb_ffn, grads[6], dim, hidden);
+  bw(acts.h3, acts.xb_ffn, grads[8], dim, hidden);
+  bw(acts.dy, acts.hb, grads[7], hidden, dim);
+  BRIGADE_CUDA_CHECK(detail::launch_add(fp(acts.d_rms_att), grads[0], dim, m.s()));
+  BRIGADE_CUDA_CHECK(detail::launch_add(fp(acts.d_rms_ffn), grads[5], dim, m.s()));
+  acts.clear();
+}
+
+cpu::CrossEntropyLoss CudaBackend::head_forward_backward_input(
+    const model::LlamaConfig& config, const float* rms_final, const float* wcls, const float* x,
+    const std::int32_t* targets, std::int64_t tokens, float* dx, HeadActivations& acts,
+    double grad_denominator) {
+  const char* what = "CudaBackend::head_forward_backward_input";
+  config.validate(what);
+  BRIGADE_CHECK(tokens >= 1, Errc::InvalidArgument, "{}: tokens = {}; expected >= 1", what,
+                tokens);
+  BRIGADE_CHECK(rms_final && wcls && x && targets && dx, Errc::InvalidArgument,
+                "{}: a null pointer among rms_final, wcls, x, targets, dx", what);
+  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
+                "{}: grad_denominator = {}; expected >= 0 (0 = mean over targets)", what,
+                grad_denominator);
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  const std::int64_t dim = config.dim, vocab = config.vocab_size;
+  const std::size_t f = sizeof(float);
+  acts = HeadActivations{};
+  std::vector<std::int32_t> host_targets(usize(tokens));
+  download(host_targets.data(), targets, usize(tokens) * sizeof(std::int32_t));
+  cpu::CrossEntropyLoss loss;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int32_t y = host_targets[usize(t)];
+    BRIGADE_CHECK(y == -1 || (y >= 0 && y < vocab), Errc::InvalidArgument,
+                  "{}: targets[{}] = {}; expected -1 (ignore) or an id in [0, {})", what, t, y,
+                  vocab);
+    if (y != -1) ++loss.count;
+  }
+  const double denom = grad_denominator > 0.0
+                           ? grad_denominator
+                           : static_cast<double>(std::max<std::int64_t>(loss.count, 1));
+  const auto inv_denom = static_cast<float>(1.0 / denom);
+  acts.tokens = tokens;
+  acts.xn = allocate(usize(tokens * dim) * f);
+  acts.dlogits = allocate(usize(tokens * vocab) * f);
+  acts.d_rms = allocate(usize(dim) * f);
+  DeviceBuffer inv_rms = allocate(usize(tokens) * f);
+  DeviceBuffer row_loss = allocate(usize(tokens) * sizeof(double));
+  DeviceBuffer dxn = allocate(usize(tokens * dim) * f);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_train(x, rms_final, fp(acts.xn), fp(inv_rms), tokens,
+                                                  dim, config.norm_eps, m.s()));
+  m.gemm(detail::plan_linear(tokens, dim, vocab), wcls, fp(acts.xn), kF, fp(acts.dlogits), kF,
+         1.0f, 0.0f);
+  BRIGADE_CUDA_CHECK(detail::launch_cross_entropy(fp(acts.dlogits), targets, fp(acts.dlogits),
+                                                  row_loss.as<double>(), tokens, vocab, inv_denom,
+                                                  m.s()));
+  m.gemm(detail::plan_linear_backward_input(tokens, dim, vocab), wcls, fp(acts.dlogits), kF,
+         fp(dxn), kF, 1.0f, 0.0f);
+  fill_zero(acts.d_rms.data(), usize(dim) * f);
+  BRIGADE_CUDA_CHECK(detail::launch_rmsnorm_backward(x, rms_final, fp(inv_rms), fp(dxn), dx,
+                                                     fp(acts.d_rms), tokens, dim, false, m.s()));
+  std::vector<double> rows(usize(tokens));
+  download(rows.data(), row_loss.data(), rows.size() * sizeof(double));
+  for (const double r : rows) loss.sum += r;  // row order, as the CPU's sum
+  return loss;
+}
+
+void CudaBackend::head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,
+                                       float* d_rms_final, float* d_wcls) {
+  const char* what = "CudaBackend::head_backward_weight";
+  const std::int64_t dim = config.dim, vocab = config.vocab_size;
+  const std::size_t f = sizeof(float);
+  BRIGADE_CHECK(acts.tokens >= 1 && acts.xn.size() == usize(acts.tokens * dim) * f &&
+                    acts.dlogits.size() == usize(acts.tokens * vocab) * f &&
+                    acts.d_rms.size() == usize(dim) * f,
+                Errc::InvalidUsage,
+                "{}: acts holds no head_forward_backward_input stash for this config (tokens = "
+                "{}, xn {} bytes, dlogits {} bytes)",
+                what, acts.tokens, acts.xn.size(), acts.dlogits.size());
+  BRIGADE_CHECK(d_rms_final && d_wcls, Errc::InvalidArgument, "{}: d_rms_final or d_wcls is null",
+                what);
+  DeviceGuard g(impl_->opt.device);
+  Impl& m = *impl_;
+  m.gemm(detail::plan_linear_backward_weight(acts.tokens, dim, vocab), fp(acts.xn),
+         fp(acts.dlogits), kF, d_wcls, kF, 1.0f, 1.0f);
+  BRIGADE_CUDA_CHECK(detail::launch_add(fp(acts.d_rms), d_rms_final, dim, m.s()));
+  acts = HeadActivations{};
+}
+
+void CudaBackend::embedding_backward(const float* dy, const std::int32_t* ids, float* dtable,
+                                     std::int64_t tokens, std::int64_t dim, std::int64_t vocab) {
+  const char* what = "CudaBackend::embedding_backward";
+  BRIGADE_CHECK(tokens >= 0 && dim > 0, Errc::InvalidArgument,
+                "{}: tokens = {}, dim = {}; expected tokens >= 0, dim > 0", what, tokens, dim);
+  if (tokens == 0) return;
+  DeviceGuard g(impl_->opt.device);
+  std::vector<std::int32_t> host_ids(usize(tokens));
+  download(host_ids.data(), ids, usize(tokens) * sizeof(std::int32_t));
+  for (std::int64_t t = 0; t < tokens; ++t)
+    BRIGADE_CHECK(host_ids[usize(t)] >= 0 && host_ids[usize(t)] < vocab, Errc::InvalidArgument,
+                  "{}: ids[{}] = {}; expected in [0, vocab = {})", what, t, host_ids[usize(t)],
+                  vocab);
+  BRIGADE_CUDA_CHECK(detail::launch_embedding_backward(dy, ids, dtable, tokens, dim, impl_->s()));
+}
+
 }  // namespace v0
 }  // namespace brigade::cuda

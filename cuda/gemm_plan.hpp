@@ -46,6 +46,37 @@ constexpr GemmPlan plan_linear(std::int64_t tokens, std::int64_t in, std::int64_
   return plan_linear(tokens, in, out, in, in, out);
 }
 
+/// Backward-input of out = x W^T (cpu::matmul_wt_backward_input): dx[T x in] = dy[T x out] W,
+/// all row-major and contiguous. Row-major dx is column-major dx^T [in x T] = W^T dy^T: A = W
+/// (stored as col-major W^T [in x out], op = N), B = dy (col-major dy^T [out x T], op = N).
+constexpr GemmPlan plan_linear_backward_input(std::int64_t tokens, std::int64_t in,
+                                              std::int64_t out) noexcept {
+  GemmPlan p;
+  p.m = in;
+  p.n = tokens;
+  p.k = out;
+  p.lda = in;
+  p.ldb = out;
+  p.ldc = in;
+  return p;
+}
+
+/// Backward-weight of out = x W^T (cpu::matmul_wt_backward_weight): dW[out x in] += dy^T x, with
+/// beta = 1. Row-major dW is column-major dW^T [in x out] = x^T dy: A = x (col-major x^T
+/// [in x T], op = N), B = dy (col-major dy^T [out x T], op = T).
+constexpr GemmPlan plan_linear_backward_weight(std::int64_t tokens, std::int64_t in,
+                                               std::int64_t out) noexcept {
+  GemmPlan p;
+  p.trans_b = true;
+  p.m = in;
+  p.n = out;
+  p.k = tokens;
+  p.lda = in;
+  p.ldb = out;
+  p.ldc = in;
+  return p;
+}
+
 /// Attention scores of one block of query rows, for the query heads h = j * group + member
 /// (j over the KV heads, as the batch): S[h][i][j'] = sum_d Q[i, h*hs + d] * K[j', j*hs + d].
 ///   A = K (rows keys, row stride kv_stride): col-major K^T, op = T  -> m = keys

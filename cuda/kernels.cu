@@ -7,6 +7,7 @@
 // brigade::Error. Compiled without fast math, so expf/sqrtf/cosf/sinf keep their documented
 // accuracy (<= 2 ulp), close to run.c's libm calls.
 #include "kernels.cuh"
+#include "train_math.hpp"
 
 #include <cuda_bf16.h>
 
@@ -556,6 +557,207 @@ cudaError_t launch_sample_multinomial(float* logits, std::int64_t rows, std::int
   if (rows <= 0) return cudaSuccess;
   sample_multinomial_kernel<<<static_cast<unsigned>(rows), kSampleThreads, 0, stream>>>(
       logits, vocab, temperature, coins, out);
+  return cudaGetLastError();
+}
+
+// ---- training: one thread per item of train_math.hpp; the kernels only compute the index -----
+
+namespace {
+
+constexpr int kItemThreads = 128;
+
+__device__ __forceinline__ std::int64_t item_index() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+unsigned item_grid(std::int64_t n) {
+  return static_cast<unsigned>((n + kItemThreads - 1) / kItemThreads);
+}
+
+__global__ void rmsnorm_train_kernel(const float* x, const float* w, float* out, float* inv_rms,
+                                     std::int64_t tokens, std::int64_t dim, float eps) {
+  const std::int64_t t = item_index();
+  if (t < tokens) rmsnorm_train_item(x, w, out, inv_rms, t, dim, eps);
+}
+
+__global__ void rmsnorm_dweight_kernel(const float* x, const float* inv_rms, const float* dy,
+                                       float* dw, std::int64_t tokens, std::int64_t dim) {
+  const std::int64_t j = item_index();
+  if (j < dim) rmsnorm_dweight_item(x, inv_rms, dy, dw, j, tokens, dim);
+}
+
+__global__ void rmsnorm_backward_kernel(const float* x, const float* w, const float* inv_rms,
+                                        const float* dy, float* dx, std::int64_t tokens,
+                                        std::int64_t dim, bool accumulate) {
+  const std::int64_t t = item_index();
+  if (t < tokens) rmsnorm_backward_item(x, w, inv_rms, dy, dx, t, dim, accumulate);
+}
+
+__global__ void swiglu_backward_kernel(const float* gate, const float* up, const float* dh,
+                                       float* dgate, float* dup, float* h, std::int64_t n) {
+  const std::int64_t i = item_index();
+  if (i < n) swiglu_backward_item(gate, up, dh, dgate, dup, h, i);
+}
+
+__global__ void rope_train_kernel(float* q, float* k, const std::int32_t* pos, const float* freq,
+                                  std::int64_t pairs, std::int64_t dim, std::int64_t kv_dim,
+                                  int head_size, bool inverse) {
+  const std::int64_t p = item_index();
+  if (p < pairs) rope_item(q, k, pos, freq, p, dim, kv_dim, head_size, inverse);
+}
+
+__global__ void attention_train_forward_kernel(const float* q, const float* k, const float* v,
+                                               float* out, float* lse,
+                                               const std::int32_t* seq_begin, std::int64_t items,
+                                               int n_heads, int n_kv_heads, int head_size) {
+  const std::int64_t i = item_index();
+  if (i < items)
+    attention_forward_item(q, k, v, out, lse, seq_begin, i, n_heads, n_kv_heads, head_size);
+}
+
+__global__ void attention_dsum_kernel(const float* dout, const float* out, float* dsum,
+                                      std::int64_t items, int n_heads, int head_size) {
+  const std::int64_t i = item_index();
+  if (i < items) attention_dsum_item(dout, out, dsum, i, n_heads, head_size);
+}
+
+__global__ void attention_dq_kernel(const float* q, const float* k, const float* v,
+                                    const float* lse, const float* dsum, const float* dout,
+                                    float* dq, const std::int32_t* seq_begin, std::int64_t items,
+                                    int n_heads, int n_kv_heads, int head_size) {
+  const std::int64_t i = item_index();
+  if (i < items)
+    attention_dq_item(q, k, v, lse, dsum, dout, dq, seq_begin, i, n_heads, n_kv_heads, head_size);
+}
+
+__global__ void attention_dkv_kernel(const float* q, const float* k, const float* v,
+                                     const float* lse, const float* dsum, const float* dout,
+                                     float* dk, float* dv, const std::int32_t* seq_end,
+                                     std::int64_t items, int n_heads, int n_kv_heads,
+                                     int head_size) {
+  const std::int64_t i = item_index();
+  if (i < items)
+    attention_dkv_item(q, k, v, lse, dsum, dout, dk, dv, seq_end, i, n_heads, n_kv_heads,
+                       head_size);
+}
+
+__global__ void cross_entropy_kernel(const float* logits, const std::int32_t* targets,
+                                     float* dlogits, double* row_loss, std::int64_t tokens,
+                                     std::int64_t vocab, float inv_denom) {
+  const std::int64_t t = item_index();
+  if (t < tokens) cross_entropy_item(logits, targets, dlogits, row_loss, t, vocab, inv_denom);
+}
+
+__global__ void embedding_backward_kernel(const float* dy, const std::int32_t* ids, float* dtable,
+                                          std::int64_t tokens, std::int64_t dim) {
+  const std::int64_t j = item_index();
+  if (j < dim) embedding_backward_item(dy, ids, dtable, j, tokens, dim);
+}
+
+__global__ void add_kernel(const float* src, float* dst, std::int64_t n) {
+  const std::int64_t i = item_index();
+  if (i < n) add_item(src, dst, i);
+}
+
+}  // namespace
+
+cudaError_t launch_rmsnorm_train(const float* x, const float* w, float* out, float* inv_rms,
+                                 std::int64_t tokens, std::int64_t dim, float eps,
+                                 cudaStream_t stream) {
+  if (tokens <= 0) return cudaSuccess;
+  rmsnorm_train_kernel<<<item_grid(tokens), kItemThreads, 0, stream>>>(x, w, out, inv_rms, tokens,
+                                                                      dim, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rmsnorm_backward(const float* x, const float* w, const float* inv_rms,
+                                    const float* dy, float* dx, float* dw, std::int64_t tokens,
+                                    std::int64_t dim, bool accumulate, cudaStream_t stream) {
+  if (tokens <= 0) return cudaSuccess;
+  if (dw != nullptr) {
+    rmsnorm_dweight_kernel<<<item_grid(dim), kItemThreads, 0, stream>>>(x, inv_rms, dy, dw, tokens,
+                                                                       dim);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  rmsnorm_backward_kernel<<<item_grid(tokens), kItemThreads, 0, stream>>>(x, w, inv_rms, dy, dx,
+                                                                         tokens, dim, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_swiglu_backward(const float* gate, const float* up, const float* dh,
+                                   float* dgate, float* dup, float* h, std::int64_t n,
+                                   cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  swiglu_backward_kernel<<<item_grid(n), kItemThreads, 0, stream>>>(gate, up, dh, dgate, dup, h,
+                                                                   n);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rope_train(float* q, float* k, const std::int32_t* pos, const float* freq,
+                              std::int64_t tokens, std::int64_t dim, std::int64_t kv_dim,
+                              int head_size, bool inverse, cudaStream_t stream) {
+  const std::int64_t pairs = tokens * ((dim + kv_dim) / 2);
+  if (pairs <= 0) return cudaSuccess;
+  rope_train_kernel<<<item_grid(pairs), kItemThreads, 0, stream>>>(q, k, pos, freq, pairs, dim,
+                                                                  kv_dim, head_size, inverse);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_attention_train_forward(const float* q, const float* k, const float* v,
+                                           float* out, float* lse, const std::int32_t* seq_begin,
+                                           std::int64_t tokens, int n_heads, int n_kv_heads,
+                                           int head_size, cudaStream_t stream) {
+  const std::int64_t items = tokens * n_heads;
+  if (items <= 0) return cudaSuccess;
+  attention_train_forward_kernel<<<item_grid(items), kItemThreads, 0, stream>>>(
+      q, k, v, out, lse, seq_begin, items, n_heads, n_kv_heads, head_size);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_attention_train_backward(const float* q, const float* k, const float* v,
+                                            const float* out, const float* lse,
+                                            const float* dout, float* dsum, float* dq, float* dk,
+                                            float* dv, const std::int32_t* seq_begin,
+                                            const std::int32_t* seq_end, std::int64_t tokens,
+                                            int n_heads, int n_kv_heads, int head_size,
+                                            cudaStream_t stream) {
+  const std::int64_t items = tokens * n_heads;
+  if (items <= 0) return cudaSuccess;
+  attention_dsum_kernel<<<item_grid(items), kItemThreads, 0, stream>>>(dout, out, dsum, items,
+                                                                      n_heads, head_size);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  attention_dq_kernel<<<item_grid(items), kItemThreads, 0, stream>>>(
+      q, k, v, lse, dsum, dout, dq, seq_begin, items, n_heads, n_kv_heads, head_size);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const std::int64_t kv_items = tokens * n_kv_heads;
+  attention_dkv_kernel<<<item_grid(kv_items), kItemThreads, 0, stream>>>(
+      q, k, v, lse, dsum, dout, dk, dv, seq_end, kv_items, n_heads, n_kv_heads, head_size);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_cross_entropy(const float* logits, const std::int32_t* targets, float* dlogits,
+                                 double* row_loss, std::int64_t tokens, std::int64_t vocab,
+                                 float inv_denom, cudaStream_t stream) {
+  if (tokens <= 0) return cudaSuccess;
+  cross_entropy_kernel<<<item_grid(tokens), kItemThreads, 0, stream>>>(
+      logits, targets, dlogits, row_loss, tokens, vocab, inv_denom);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_embedding_backward(const float* dy, const std::int32_t* ids, float* dtable,
+                                      std::int64_t tokens, std::int64_t dim, cudaStream_t stream) {
+  if (tokens <= 0 || dim <= 0) return cudaSuccess;
+  embedding_backward_kernel<<<item_grid(dim), kItemThreads, 0, stream>>>(dy, ids, dtable, tokens,
+                                                                        dim);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_add(const float* src, float* dst, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  add_kernel<<<item_grid(n), kItemThreads, 0, stream>>>(src, dst, n);
   return cudaGetLastError();
 }
 

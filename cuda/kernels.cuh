@@ -85,4 +85,48 @@ cudaError_t launch_sample_multinomial(float* logits, std::int64_t rows, std::int
                                       float temperature, const float* coins, std::int32_t* out,
                                       cudaStream_t stream);
 
+// ---- training (one thread per work item of cuda/train_math.hpp; host-tested there) ----------
+
+/// rmsnorm_train_item for t < tokens.
+cudaError_t launch_rmsnorm_train(const float* x, const float* w, float* out, float* inv_rms,
+                                 std::int64_t tokens, std::int64_t dim, float eps,
+                                 cudaStream_t stream);
+/// rmsnorm_dweight_item for every column j < dim (accumulates into dw), then
+/// rmsnorm_backward_item for t < tokens (dx, which may alias x: the columns are read first).
+/// dw may be null (no gain gradient).
+cudaError_t launch_rmsnorm_backward(const float* x, const float* w, const float* inv_rms,
+                                    const float* dy, float* dx, float* dw, std::int64_t tokens,
+                                    std::int64_t dim, bool accumulate, cudaStream_t stream);
+/// swiglu_backward_item for i < n.
+cudaError_t launch_swiglu_backward(const float* gate, const float* up, const float* dh,
+                                   float* dgate, float* dup, float* h, std::int64_t n,
+                                   cudaStream_t stream);
+/// rope_item for every pair of q [tokens x dim] and k [tokens x kv_dim].
+cudaError_t launch_rope_train(float* q, float* k, const std::int32_t* pos, const float* freq,
+                              std::int64_t tokens, std::int64_t dim, std::int64_t kv_dim,
+                              int head_size, bool inverse, cudaStream_t stream);
+/// attention_forward_item for every (row, head).
+cudaError_t launch_attention_train_forward(const float* q, const float* k, const float* v,
+                                           float* out, float* lse, const std::int32_t* seq_begin,
+                                           std::int64_t tokens, int n_heads, int n_kv_heads,
+                                           int head_size, cudaStream_t stream);
+/// attention_dsum_item, then attention_dq_item for every (row, head), then attention_dkv_item for
+/// every (row, KV head). dsum is [tokens x n_heads] scratch.
+cudaError_t launch_attention_train_backward(const float* q, const float* k, const float* v,
+                                            const float* out, const float* lse,
+                                            const float* dout, float* dsum, float* dq, float* dk,
+                                            float* dv, const std::int32_t* seq_begin,
+                                            const std::int32_t* seq_end, std::int64_t tokens,
+                                            int n_heads, int n_kv_heads, int head_size,
+                                            cudaStream_t stream);
+/// cross_entropy_item for t < tokens.
+cudaError_t launch_cross_entropy(const float* logits, const std::int32_t* targets, float* dlogits,
+                                 double* row_loss, std::int64_t tokens, std::int64_t vocab,
+                                 float inv_denom, cudaStream_t stream);
+/// embedding_backward_item for every column j < dim.
+cudaError_t launch_embedding_backward(const float* dy, const std::int32_t* ids, float* dtable,
+                                      std::int64_t tokens, std::int64_t dim, cudaStream_t stream);
+/// add_item for i < n.
+cudaError_t launch_add(const float* src, float* dst, std::int64_t n, cudaStream_t stream);
+
 }  // namespace brigade::cuda::detail

@@ -766,32 +766,41 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
 void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
                              DecoderGrads& grads) {
   config.validate("decoder_backward_weight");
+  check_grads("decoder_backward_weight", config, grads);
+  decoder_backward_weight(config, acts,
+                          std::array<float*, 9>{grads.rms_att.data(), grads.wq.data(),
+                                                grads.wk.data(), grads.wv.data(), grads.wo.data(),
+                                                grads.rms_ffn.data(), grads.w1.data(),
+                                                grads.w2.data(), grads.w3.data()});
+}
+
+void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
+                             const std::array<float*, 9>& g) {
+  config.validate("decoder_backward_weight");
   BRIGADE_CHECK(acts.phase == DecoderActivations::Phase::BackwardInput, Errc::InvalidUsage,
                 "decoder_backward_weight: activations are in phase {}; expected {} "
                 "(BackwardInput: run decoder_backward_input first)",
                 static_cast<int>(acts.phase),
                 static_cast<int>(DecoderActivations::Phase::BackwardInput));
+  for (std::size_t i = 0; i < g.size(); ++i)
+    BRIGADE_CHECK(g[i] != nullptr, Errc::InvalidArgument,
+                  "decoder_backward_weight: gradient tensor {} is null", i);
   const std::int64_t tokens = acts.tokens;
   const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
-  check_grads("decoder_backward_weight", config, grads);
   BRIGADE_CHECK(acts.xb_att.size() == usize(tokens * dim) && acts.hb.size() == usize(tokens * hidden),
                 Errc::InvalidArgument,
                 "decoder_backward_weight: activations of {} tokens do not match this config "
                 "(dim = {}, hidden_dim = {})",
                 tokens, dim, hidden);
-  matmul_wt_backward_weight(acts.q.data(), acts.xb_att.data(), grads.wq.data(), tokens, dim, dim);
-  matmul_wt_backward_weight(acts.k.data(), acts.xb_att.data(), grads.wk.data(), tokens, dim,
-                            kv_dim);
-  matmul_wt_backward_weight(acts.v.data(), acts.xb_att.data(), grads.wv.data(), tokens, dim,
-                            kv_dim);
-  matmul_wt_backward_weight(acts.d_mid.data(), acts.att.data(), grads.wo.data(), tokens, dim, dim);
-  matmul_wt_backward_weight(acts.h1.data(), acts.xb_ffn.data(), grads.w1.data(), tokens, dim,
-                            hidden);
-  matmul_wt_backward_weight(acts.h3.data(), acts.xb_ffn.data(), grads.w3.data(), tokens, dim,
-                            hidden);
-  matmul_wt_backward_weight(acts.dy.data(), acts.hb.data(), grads.w2.data(), tokens, hidden, dim);
-  MapArr(grads.rms_att.data(), dim) += ConstMapArr(acts.d_rms_att.data(), dim);
-  MapArr(grads.rms_ffn.data(), dim) += ConstMapArr(acts.d_rms_ffn.data(), dim);
+  matmul_wt_backward_weight(acts.q.data(), acts.xb_att.data(), g[1], tokens, dim, dim);
+  matmul_wt_backward_weight(acts.k.data(), acts.xb_att.data(), g[2], tokens, dim, kv_dim);
+  matmul_wt_backward_weight(acts.v.data(), acts.xb_att.data(), g[3], tokens, dim, kv_dim);
+  matmul_wt_backward_weight(acts.d_mid.data(), acts.att.data(), g[4], tokens, dim, dim);
+  matmul_wt_backward_weight(acts.h1.data(), acts.xb_ffn.data(), g[6], tokens, dim, hidden);
+  matmul_wt_backward_weight(acts.h3.data(), acts.xb_ffn.data(), g[8], tokens, dim, hidden);
+  matmul_wt_backward_weight(acts.dy.data(), acts.hb.data(), g[7], tokens, hidden, dim);
+  MapArr(g[0], dim) += ConstMapArr(acts.d_rms_att.data(), dim);
+  MapArr(g[5], dim) += ConstMapArr(acts.d_rms_ffn.data(), dim);
   acts.clear();
 }
 

@@ -32,7 +32,7 @@ struct TrainingEngine::Impl {
   plan::Plan plan;
   const schedule::Schedule& lowered;     // plan.schedule()
   const partition::Partition& part;      // plan.partition()
-  std::vector<std::unique_ptr<runtime::TrainStage<>>> stages;  // by virtual stage
+  std::vector<std::unique_ptr<runtime::TrainStageBase>> stages;  // by virtual stage
   std::vector<std::unique_ptr<AdamW>> optimizers;            // by virtual stage
   std::int64_t steps = 0;
   bool skip_update = false;  // the last compute_gradients' DropDecision::skip_update
@@ -71,10 +71,10 @@ DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
   return d;
 }
 
-void apply_drops(const DropDecision& d, std::span<runtime::TrainStage<>* const> stages) {
+void apply_drops(const DropDecision& d, std::span<runtime::TrainStageBase* const> stages) {
   if (!d.skip_update && d.scale == 1.0) return;
   const auto f = static_cast<float>(d.skip_update ? 0.0 : d.scale);
-  for (runtime::TrainStage<>* st : stages) {
+  for (runtime::TrainStageBase* st : stages) {
     if (st == nullptr) continue;
     for (auto& p : st->params())
       for (std::int64_t i = 0; i < p.size; ++i) p.grad[i] = d.skip_update ? 0.0f : p.grad[i] * f;
@@ -118,7 +118,7 @@ void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
                 sh.num_microbatches);
 }
 
-cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage<>& tail, int microbatches,
+cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped) {
   cpu::CrossEntropyLoss t;
   std::size_t next = 0;
@@ -134,7 +134,7 @@ cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage<>& tail, int microbatc
   return t;
 }
 
-runtime::ParamRef find_param(runtime::TrainStage<>& stage, const std::string& name) {
+runtime::ParamRef find_param(runtime::TrainStageBase& stage, const std::string& name) {
   for (auto& p : stage.params())
     if (p.name == name) return p;
   brigade::detail::fail(Errc::Internal, "TrainingEngine: stage has no parameter {}", name);
@@ -193,13 +193,13 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
 
 namespace detail {
 
-std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage<>& stage, const AdamWConfig& config) {
+std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStageBase& stage, const AdamWConfig& config) {
   std::vector<ParamSlot> slots;
   for (auto& p : stage.params()) slots.push_back({p.value, p.grad, p.size, p.decay});
   return std::make_unique<AdamW>(std::move(slots), config);
 }
 
-double tied_square_sum(runtime::TrainStage<>& tail) {
+double tied_square_sum(runtime::TrainStageBase& tail) {
   auto b = find_param(tail, "tok_embeddings");
   double t = 0.0;
   for (std::int64_t i = 0; i < b.size; ++i) t += static_cast<double>(b.grad[i]) * b.grad[i];
@@ -234,7 +234,7 @@ TrainingEngine::TrainingEngine(const model::LlamaWeights& init, plan::Plan plan,
   impl_ = std::make_unique<Impl>(init.config, std::move(plan), options);
   auto& I = *impl_;
   for (int v = 0; v < I.lowered.shape.num_virtual_stages; ++v) {
-    I.stages.push_back(std::make_unique<runtime::TrainStage<>>(init, I.part.stage(v)));
+    I.stages.push_back(runtime::make_train_stage(options.stages, init, I.part.stage(v), v));
     I.optimizers.push_back(detail::make_stage_optimizer(*I.stages.back(), options.optimizer));
   }
 }
@@ -277,7 +277,7 @@ StepResult TrainingEngine::end_step(int P, std::chrono::steady_clock::time_point
   res.timeline = Timeline(P);
   for (const auto& tl : tls) res.timeline.merge(tl);
   const auto decision = detail::decide_drops(drops, batches);
-  std::vector<runtime::TrainStage<>*> stages;
+  std::vector<runtime::TrainStageBase*> stages;
   for (auto& st : I.stages) stages.push_back(st.get());
   detail::apply_drops(decision, stages);
   I.skip_update = decision.skip_update;
@@ -321,6 +321,7 @@ std::pair<double, double> TrainingEngine::optimizer_step() {
       detail::grad_square_sums(opts),
       I.tied_across_stages() ? detail::tied_square_sum(*I.stages.back()) : 0.0);
   const double lr = detail::step_optimizers(opts, norm);
+  for (auto& st : I.stages) st->upload_parameters();
   ++I.steps;
   return {lr, norm};
 }
@@ -435,7 +436,7 @@ std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position
   return out;
 }
 
-std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStage<>& stage,
+std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStageBase& stage,
                                       AdamW& optimizer) {
   auto params = stage.params();
   auto state = optimizer.state();
@@ -451,7 +452,7 @@ std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainSta
 }
 
 std::pair<std::int64_t, std::int64_t> read_optimizer_file(
-    const fs::path& dir, std::span<runtime::TrainStage<>* const> stages,
+    const fs::path& dir, std::span<runtime::TrainStageBase* const> stages,
     std::span<AdamW* const> optimizers) {
   BRIGADE_CHECK(stages.size() == optimizers.size(), Errc::InvalidArgument,
                 "read_optimizer_file: {} stages but {} optimizers", stages.size(),
@@ -567,7 +568,7 @@ void TrainingEngine::save_checkpoint(const fs::path& dir, std::int64_t data_posi
 
 std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   auto& I = *impl_;
-  std::vector<runtime::TrainStage<>*> stages;
+  std::vector<runtime::TrainStageBase*> stages;
   std::vector<AdamW*> optimizers;
   for (std::size_t v = 0; v < I.stages.size(); ++v) {
     stages.push_back(I.stages[v].get());

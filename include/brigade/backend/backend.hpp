@@ -25,6 +25,7 @@
 #include "brigade/core/dtype.hpp"
 #include "brigade/model/weight_matrix.hpp"
 
+#include <array>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -147,41 +148,51 @@ concept Backend =
       b.swiglu(x, cx, n);
     };
 
+/// The nine weight-gradient tensors of one decoder layer, in model::DecoderWeights order
+/// (rms_att [dim], wq [dim x dim], wk [kv_dim x dim], wv [kv_dim x dim], wo [dim x dim],
+/// rms_ffn [dim], w1 [hidden x dim], w2 [dim x hidden], w3 [hidden x dim]), float32 in the
+/// backend's memory. The training stage owns them; backward-weight passes add into them.
+using DecoderGradTensors = std::array<float*, 9>;
+
 /// A Backend that also trains: the layer-level forward-with-stash and backward passes
 /// runtime::TrainStage<B> runs, with the backward split into backward-input (BI) and
 /// backward-weight (BW) for the zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline
-/// Parallelism", section 2). The training stage keeps float32 master parameters and gradients
-/// in host memory (the optimizer and the checkpoints read them there), so host_memory must be
-/// true. Model: cpu::CpuBackend, whose members forward to brigade/backend/cpu_train.hpp (shapes,
-/// offsets and errors documented there):
+/// Parallelism", section 2). Every pointer is the backend's memory (B::host_memory says whether
+/// that is the host's): the parameters the stage keeps there, the micro-batch's activations and
+/// gradients, token ids and targets; the sequence offsets are host memory. The training stage
+/// keeps float32 master parameters and gradients in host memory too (the optimizer and the
+/// checkpoints read them there; on a device backend it downloads the gradients after a step and
+/// uploads the parameters after an update: runtime::TrainStage). Models: cpu::CpuBackend (its
+/// members forward to brigade/backend/cpu_train.hpp: shapes, offsets and errors documented
+/// there) and cuda::CudaBackend (the same math on a GPU, docs/cuda.md).
 ///
 /// - `B::DecoderActivations`, `B::HeadActivations`: a micro-batch's stash between F, BI and BW,
-///   each with `bytes()` (capacity held) and, for the decoder's, `clear()`.
-/// - `B::DecoderGrads`: a decoder layer's weight gradients, `zero(config)` and `tensors()` (the
-///   nine in DecoderWeights order, each a std::vector<float>*).
+///   each with `bytes()` (capacity held, in the backend's memory and the host's) and, for the
+///   decoder's, `clear()`.
 /// - `B::TrainScratch`: reusable work buffers.
+/// - `b.fill_zero(dst, bytes)`: sets `bytes` bytes of backend memory to zero (gradients).
 /// - `b.decoder_train_forward(config, w, x_in, x_out, tokens, offsets, acts, scratch)`: one
-///   layer's forward over packed training sequences (offsets as cu_seqlens, every sequence from
-///   position 0), stashing what the backward needs.
+///   layer's forward over packed training sequences (offsets as cu_seqlens, host memory, every
+///   sequence from position 0), stashing what the backward needs; w's tensors in backend memory.
 /// - `b.decoder_backward_input(config, w, acts, dy, dx, scratch)` (BI) and
-///   `b.decoder_backward_weight(config, acts, grads)` (BW, accumulates).
+///   `b.decoder_backward_weight(config, acts, grads)` (BW, adds into the DecoderGradTensors).
 /// - `b.head_forward_backward_input(config, rms_final, wcls, x, targets, tokens, dx, head,
-///   denominator) -> cpu::CrossEntropyLoss`: final norm, classifier, cross-entropy and their
-///   backward-input; `b.head_backward_weight(config, head, d_rms_final, d_wcls)`.
+///   denominator) -> cpu::CrossEntropyLoss`: final norm, classifier, cross-entropy over the
+///   targets (pad -1 excluded, divided by `denominator`) and their backward-input;
+///   `b.head_backward_weight(config, head, d_rms_final, d_wcls)`.
 /// - `b.embedding_backward(dy, ids, dtable, tokens, dim, vocab)`: the lookup's scatter-add.
 template <class B>
 concept TrainingBackend =
-    Backend<B> && B::host_memory &&
+    Backend<B> &&
     requires(B& b, const model::LlamaConfig& config, const model::DecoderWeights& w,
-             const float* cx, float* x, std::int64_t n, std::span<const std::int64_t> offsets,
-             typename B::DecoderActivations& acts, typename B::HeadActivations& head,
-             typename B::DecoderGrads& grads, typename B::TrainScratch* scratch,
-             const std::int32_t* ids, double denominator) {
+             const float* cx, float* x, void* dst, std::size_t bytes, std::int64_t n,
+             std::span<const std::int64_t> offsets, typename B::DecoderActivations& acts,
+             typename B::HeadActivations& head, const DecoderGradTensors& grads,
+             typename B::TrainScratch* scratch, const std::int32_t* ids, double denominator) {
       { acts.bytes() } -> std::same_as<std::size_t>;
       acts.clear();
       { head.bytes() } -> std::same_as<std::size_t>;
-      grads.zero(config);
-      grads.tensors();
+      b.fill_zero(dst, bytes);
       b.decoder_train_forward(config, w, cx, x, n, offsets, acts, scratch);
       b.decoder_backward_input(config, w, acts, cx, x, scratch);
       b.decoder_backward_weight(config, acts, grads);

@@ -98,8 +98,12 @@ class CpuBackend {
 
   using DecoderActivations = cpu::DecoderActivations;
   using HeadActivations = cpu::HeadActivations;
-  using DecoderGrads = cpu::DecoderGrads;
   using TrainScratch = cpu::DecoderTrainScratch;
+
+  /// memset to zero.
+  void fill_zero(void* dst, std::size_t bytes) const {
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
 
   /// cpu::decoder_train_forward.
   void decoder_train_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
@@ -114,9 +118,9 @@ class CpuBackend {
                               TrainScratch* scratch) const {
     cpu::decoder_backward_input(config, w, acts, dy, dx, scratch);
   }
-  /// cpu::decoder_backward_weight.
+  /// cpu::decoder_backward_weight into the stage's nine gradient tensors.
   void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
-                               DecoderGrads& grads) const {
+                               const backend::DecoderGradTensors& grads) const {
     cpu::decoder_backward_weight(config, acts, grads);
   }
   /// cpu::head_forward_backward_input.

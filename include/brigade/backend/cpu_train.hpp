@@ -15,6 +15,7 @@
 // micro-batches and the tied classifier sum into one buffer).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -356,6 +357,14 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
 /// @throws brigade::Error{InvalidArgument} if a gradient tensor has the wrong size
 void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
                              DecoderGrads& grads);
+
+/// decoder_backward_weight into nine caller-owned tensors (rms_att, wq, wk, wv, wo, rms_ffn, w1,
+/// w2, w3: DecoderWeights order and shapes, float32, accumulated): what runtime::TrainStage
+/// passes (backend::DecoderGradTensors).
+/// @throws brigade::Error{InvalidUsage} if acts is not in phase BackwardInput
+/// @throws brigade::Error{InvalidArgument} if a tensor pointer is null
+void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
+                             const std::array<float*, 9>& grads);
 
 /// Full backward of the layer: decoder_backward_input then decoder_backward_weight.
 /// @throws brigade::Error as those two

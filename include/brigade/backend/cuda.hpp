@@ -17,11 +17,13 @@
 // tensor cores with float32 accumulation and float32 outputs, while norms, RoPE, softmax and the
 // residual stream stay float32 (~1e-2 relative to the CPU backend).
 //
-// Forward only: no backward kernels, so runtime::TrainStage<CudaBackend> does not exist
-// (docs/cuda.md). Inference runs under the engines: CudaBackend models backend::Backend.
+// Under the engines CudaBackend models backend::Backend (inference: runtime::InferenceStage<
+// CudaBackend>) and backend::TrainingBackend (training: runtime::TrainStage<CudaBackend>, float32,
+// the backward kernels of cuda/train_math.hpp plus cuBLAS GEMMs; docs/cuda.md).
 #pragma once
 
 #include "brigade/backend/backend.hpp"
+#include "brigade/backend/cpu_train.hpp"
 #include "brigade/core/dtype.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weight_matrix.hpp"
@@ -165,6 +167,41 @@ struct DeviceDecoderWeights {
   DeviceBuffer wo;           ///< [dim x dim]
   DeviceBuffer w13;          ///< [2 hidden_dim x dim]: w1's rows (gate), then w3's (up)
   DeviceBuffer w2;           ///< [dim x hidden_dim]
+};
+
+/// What one micro-batch's training forward stashes in device memory for its backward, and what
+/// the backward-input stashes for the backward-weight (the device form of
+/// cpu::DecoderActivations: the same tensors, each a DeviceBuffer of float32, [tokens x width]
+/// row-major). Memory per token is cpu::DecoderActivations's plus 12 bytes of row metadata.
+struct CudaDecoderActivations {
+  /// Which pass the stash is ready for (as cpu::DecoderActivations::Phase).
+  enum class Phase : std::uint8_t { Empty, Forward, BackwardInput };
+  Phase phase = Phase::Empty;
+  std::int64_t tokens = 0;
+  DeviceBuffer rows;  ///< int32 [3 x tokens]: position, first row and end row of each row's sequence
+  // Forward stash (q, k, v, h1, h3 hold their gradients after the backward-input).
+  DeviceBuffer x_in, inv_rms_att, xb_att, q, k, v, lse, att, x_mid, inv_rms_ffn, xb_ffn, h1, h3;
+  // Backward-input stash.
+  DeviceBuffer d_mid, dy, hb, d_rms_att, d_rms_ffn;
+  /// Device bytes held.
+  [[nodiscard]] std::size_t bytes() const noexcept;
+  /// Frees every buffer (cudaFree: waits for the device); phase Empty.
+  void clear() noexcept;
+};
+
+/// The head's stash between head_forward_backward_input and head_backward_weight, in device
+/// memory: xn [tokens x dim], dlogits [tokens x vocab], d_rms [dim], float32.
+struct CudaHeadActivations {
+  std::int64_t tokens = 0;
+  DeviceBuffer xn, dlogits, d_rms;
+  /// Device bytes held.
+  [[nodiscard]] std::size_t bytes() const noexcept { return xn.size() + dlogits.size() + d_rms.size(); }
+};
+
+/// Grow-only device work buffers of the training passes (one per stage; nothing is kept between
+/// calls).
+struct CudaTrainScratch {
+  DeviceBuffer a, b, c;
 };
 
 /// How attention() computes scores.
@@ -339,8 +376,7 @@ class CudaBackend {
   // (engine::generate with a factory returning CudaBackends). That mode computes in float32
   // throughout (weights dequantized to float32 on upload, float32 KV caches, cuBLAS without
   // TF32): the token-exact mode. bfloat16 stays with the direct members above
-  // (upload_decoder_weights and decoder_layer_forward in BF16). CudaBackend has no backward
-  // kernels, so it is not a backend::TrainingBackend (docs/cuda.md).
+  // (upload_decoder_weights and decoder_layer_forward in BF16).
 
   /// The backend's memory: device memory on its device.
   using Buffer = DeviceBuffer;
@@ -377,6 +413,61 @@ class CudaBackend {
   /// swiglu() in place on gate (float32).
   void swiglu(float* gate, const float* up, std::int64_t n);
 
+  // --- training: the TrainingBackend concept (brigade/backend/backend.hpp) --------------------
+  //
+  // The math of cpu_train.hpp on the GPU in float32: the GEMMs (every projection, its
+  // backward-input dX = dY W and backward-weight dW += dY^T X) through cuBLAS without TF32, the
+  // rest one thread per row, column or element of cuda/train_math.hpp (the functions the unit
+  // tests run on the host against the CPU backend). Causal attention is a direct kernel (one
+  // thread per (row, head) for the forward and dQ, per (key row, KV head) for dK and dV), not
+  // FlashAttention-2's tiles: correct for any packed batch, quadratic per thread. Every pointer is
+  // device memory; offsets, like the CPU's, are host memory. Errors as the CPU functions.
+
+  using DecoderActivations = CudaDecoderActivations;
+  using HeadActivations = CudaHeadActivations;
+  using TrainScratch = CudaTrainScratch;
+
+  /// cudaMemsetAsync(dst, 0, bytes) on the stream.
+  void fill_zero(void* dst, std::size_t bytes);
+  /// cpu::decoder_train_forward on the device: x_in, x_out [tokens x dim] (may alias); w's
+  /// tensors float32 in device memory (as TrainStage uploads them); offsets host memory.
+  /// @throws brigade::Error{InvalidArgument} as the CPU version (config, null pointers, tokens,
+  ///         offsets); Error{Cuda} when out of memory
+  void decoder_train_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
+                             const float* x_in, float* x_out, std::int64_t tokens,
+                             std::span<const std::int64_t> offsets, DecoderActivations& acts,
+                             TrainScratch* scratch);
+  /// cpu::decoder_backward_input on the device; dx may alias dy.
+  /// @throws brigade::Error{InvalidUsage} if acts is not in phase Forward
+  void decoder_backward_input(const model::LlamaConfig& config, const model::DecoderWeights& w,
+                              DecoderActivations& acts, const float* dy, float* dx,
+                              TrainScratch* scratch);
+  /// cpu::decoder_backward_weight on the device: adds the seven GEMMs' dW and the two gains'
+  /// gradients into `grads` (device memory), then frees acts.
+  /// @throws brigade::Error{InvalidUsage} if acts is not in phase BackwardInput
+  void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
+                               const backend::DecoderGradTensors& grads);
+  /// cpu::head_forward_backward_input on the device: targets [tokens] int32 device memory
+  /// (downloaded once and checked on the host: -1 or in [0, vocab)); the per-row losses are
+  /// summed on the host in row order (double). dx may alias x.
+  /// @throws brigade::Error{InvalidArgument} as the CPU version (acts left empty)
+  cpu::CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
+                                                    const float* rms_final, const float* wcls,
+                                                    const float* x, const std::int32_t* targets,
+                                                    std::int64_t tokens, float* dx,
+                                                    HeadActivations& acts,
+                                                    double grad_denominator);
+  /// cpu::head_backward_weight on the device: d_wcls [vocab x dim] += dlogits^T xn,
+  /// d_rms_final [dim] += the stashed gain gradient; frees acts.
+  /// @throws brigade::Error{InvalidUsage} if acts holds no stash
+  void head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,
+                            float* d_rms_final, float* d_wcls);
+  /// cpu::embedding_backward on the device (one thread per column, repeated ids add in row
+  /// order); ids device memory, downloaded once and checked on the host.
+  /// @throws brigade::Error{InvalidArgument} as the CPU version (nothing written then)
+  void embedding_backward(const float* dy, const std::int32_t* ids, float* dtable,
+                          std::int64_t tokens, std::int64_t dim, std::int64_t vocab);
+
   // --- the decoder layer -----------------------------------------------------------------------
 
   /// Uploads one decoder layer's weights (llama2.c layout, float32 on the host), converting the
@@ -412,6 +503,7 @@ class CudaBackend {
 };
 
 static_assert(backend::Backend<CudaBackend>);
+static_assert(backend::TrainingBackend<CudaBackend>);
 
 }  // namespace v0
 }  // namespace brigade::cuda

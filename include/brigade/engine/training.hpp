@@ -77,7 +77,7 @@ class TrainingWorker {
   ///         (chunked training, PACS, is simulated but not executed yet), or a pipeline dtype
   ///         other than f32, f16, bf16
   TrainingWorker(std::span<const schedule::Action> program, const schedule::Shape& shape, int rank,
-                 std::span<runtime::TrainStage<>* const> stages,
+                 std::span<runtime::TrainStageBase* const> stages,
                  std::span<const data::PackedBatch> batches, double grad_denominator, int dim,
                  DType pipeline_dtype = DType::F32)
       : shape_(&shape), rank_(rank), stages_(stages), batches_(batches),
@@ -173,7 +173,7 @@ class TrainingWorker {
   /// (O(virtual stages)); what ExecutorStats::peak_memory_bytes adds to the windows.
   [[nodiscard]] std::size_t held_bytes() const noexcept {
     std::size_t b = copies_bytes_;
-    for (const runtime::TrainStage<>* st : stages_)
+    for (const runtime::TrainStageBase* st : stages_)
       if (st != nullptr) b += st->held_bytes();
     return b;
   }
@@ -210,7 +210,7 @@ class TrainingWorker {
     return static_cast<std::size_t>(v) * static_cast<std::size_t>(shape_->num_microbatches) +
            static_cast<std::size_t>(mb);
   }
-  runtime::TrainStage<>& stage(int v) const {
+  runtime::TrainStageBase& stage(int v) const {
     BRIGADE_CHECK(v >= 0 && v < static_cast<int>(stages_.size()) &&
                       stages_[static_cast<std::size_t>(v)],
                   Errc::InvalidArgument, "executor: rank {} has no stage for virtual stage {}",
@@ -261,7 +261,7 @@ class TrainingWorker {
 
   const schedule::Shape* shape_;
   int rank_;
-  std::span<runtime::TrainStage<>* const> stages_;
+  std::span<runtime::TrainStageBase* const> stages_;
   std::span<const data::PackedBatch> batches_;
   double denominator_;
   int dim_;
@@ -285,12 +285,13 @@ class TrainingWorker {
 /// @param timeline  receives one interval per compute action, RECV wait and SEND, rank = `rank`
 /// @param drops     when given, receives the micro-batches this rank saw flagged (TrainingWorker)
 /// @param pipeline_dtype activations' and gradients' dtype between stages (TrainingWorker)
+/// Ends with every stage's TrainStage::download_gradients (the step's gradients on the host).
 /// @return the rank's peak memory (ExecutorStats; the stages should hold nothing at the start,
 ///         as after TrainStage::zero_grad)
 /// @throws brigade::Error from the stages or the transport (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T>
 ExecutorStats run_training_program(std::span<const schedule::Action> program, const schedule::Shape& shape,
-                          int rank, std::span<runtime::TrainStage<>* const> stages,
+                          int rank, std::span<runtime::TrainStageBase* const> stages,
                           std::span<const data::PackedBatch> batches, double grad_denominator,
                           T& transport, std::chrono::steady_clock::time_point t0,
                           double timeout_s, Timeline& timeline, int dim,
@@ -301,6 +302,10 @@ ExecutorStats run_training_program(std::span<const schedule::Action> program, co
   FixedProgram source(program);
   const auto stats = execute(source, worker, transport,
                              ExecutorRun{&shape, rank, t0, timeout_s, windows}, timeline);
+  // The step's gradients where the optimizer and the reductions read them (a device backend's
+  // download: TrainStage::download_gradients).
+  for (runtime::TrainStageBase* st : stages)
+    if (st != nullptr) st->download_gradients();
   if (drops != nullptr) *drops = worker.drops();
   return stats;
 }
@@ -316,6 +321,10 @@ struct TrainingOptions {
   /// parameter gradients stay float32. F16's range ends at 65504: a larger activation or gradient
   /// arrives as infinity and stops the step (Error{NonFinite}).
   DType pipeline_dtype = DType::F32;
+  /// Makes each virtual stage (its backend): empty for TrainStage<cpu::CpuBackend>;
+  /// runtime::train_stages_on(f) for stages on the backends f(v) gives, e.g. cuda::CudaBackend
+  /// (docs/cuda.md: parameters and gradients mirrored on the GPU, AdamW on the host).
+  runtime::TrainStageFactory stages;
 };
 
 /// A training run by names: the plan to build (training_plan()) and how to run it.
@@ -447,7 +456,7 @@ class TrainingEngine {
     const auto t0 = std::chrono::steady_clock::now();
     run_ranks(transports, [&](T& tp) {
       const int r = tp.rank();
-      std::vector<runtime::TrainStage<>*> mine(s.stages.size(), nullptr);
+      std::vector<runtime::TrainStageBase*> mine(s.stages.size(), nullptr);
       for (std::size_t v = 0; v < s.stages.size(); ++v)
         if (s.lowered->shape.rank_of(static_cast<int>(v)) == r) mine[v] = s.stages[v];
       peaks[static_cast<std::size_t>(r)] = static_cast<double>(
@@ -516,7 +525,7 @@ class TrainingEngine {
   /// What every rank of a step needs (pointers into the engine).
   struct StepSetup {
     const schedule::Schedule* lowered = nullptr;  // the step plan's lowered schedule
-    std::vector<runtime::TrainStage<>*> stages;     // by virtual stage
+    std::vector<runtime::TrainStageBase*> stages;     // by virtual stage
     double targets = 0.0;  // the step's real (non-pad) targets: the loss denominator
     double timeout_s = 0.0;
     int dim = 0;
@@ -557,7 +566,7 @@ DropDecision decide_drops(std::span<const MicrobatchDrops> per_rank,
 
 /// Applies `d` to this rank's stages (null entries skipped): every gradient zeroed when the
 /// update is skipped, else multiplied by d.scale (when it differs from 1).
-void apply_drops(const DropDecision& d, std::span<runtime::TrainStage<>* const> stages);
+void apply_drops(const DropDecision& d, std::span<runtime::TrainStageBase* const> stages);
 
 /// The real targets of one micro-batch: its target rows other than pad (-1).
 std::int64_t real_targets(const data::PackedBatch& batch) noexcept;
@@ -575,7 +584,7 @@ void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
                      std::span<const data::PackedBatch> batches);
 
 /// The summed loss of the tail stage's micro-batches not in `dropped` (ascending).
-cpu::CrossEntropyLoss kept_loss(const runtime::TrainStage<>& tail, int microbatches,
+cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped);
 
 /// Checks that `plan` is one a training engine runs for a model of `model` with `options`.
@@ -584,15 +593,15 @@ void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model
                          const TrainingOptions& options);
 
 /// AdamW over every parameter of `stage` (pointers into the stage: the stage must outlive it).
-std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStage<>& stage, const AdamWConfig& config);
+std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStageBase& stage, const AdamWConfig& config);
 
 /// The parameter of `stage` named `name` (the first one, in params() order).
 /// @throws brigade::Error{Internal} if the stage has none
-runtime::ParamRef find_param(runtime::TrainStage<>& stage, const std::string& name);
+runtime::ParamRef find_param(runtime::TrainStageBase& stage, const std::string& name);
 
 /// Sum of the squared gradient of the tail stage's tied classifier copy ("tok_embeddings"):
 /// the global norm counts the tied embedding once, so this is subtracted from the stages' sum.
-double tied_square_sum(runtime::TrainStage<>& tail);
+double tied_square_sum(runtime::TrainStageBase& tail);
 
 /// The global gradient norm from each virtual stage's squared-gradient sum (`per_stage[v]`,
 /// summed in v order) minus `tied` (tied_square_sum of the tail, 0 when not tied): the
@@ -622,7 +631,7 @@ std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position
 /// int32 name length, the name, int64 size, then its first and second moments (size floats
 /// each). The file is the header followed by the entries of v = 0, 1, ..., N - 1.
 /// @return the number of entries appended (stage.params().size())
-std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStage<>& stage,
+std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStageBase& stage,
                                       AdamW& optimizer);
 
 /// Reads `dir/optimizer.bin` into the stages that are here: `stages[v]` and `optimizers[v]`
@@ -632,7 +641,7 @@ std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainSta
 /// @throws brigade::Error{BadFile} if the file is missing, truncated, or was written for another
 ///         model or split
 std::pair<std::int64_t, std::int64_t> read_optimizer_file(
-    const std::filesystem::path& dir, std::span<runtime::TrainStage<>* const> stages,
+    const std::filesystem::path& dir, std::span<runtime::TrainStageBase* const> stages,
     std::span<AdamW* const> optimizers);
 
 }  // namespace detail

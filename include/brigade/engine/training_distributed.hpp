@@ -140,7 +140,7 @@ class DistributedTrainer {
     for (int v = 0; v < N; ++v) {
       if (plan_.partition().stage(v).rank != rank()) continue;
       const auto i = static_cast<std::size_t>(v);
-      stages_[i] = std::make_unique<runtime::TrainStage<>>(init, plan_.partition().stage(v));
+      stages_[i] = runtime::make_train_stage(options.stages, init, plan_.partition().stage(v), v);
       optimizers_[i] = detail::make_stage_optimizer(*stages_[i], options.optimizer);
     }
   }
@@ -248,6 +248,8 @@ class DistributedTrainer {
           all[static_cast<std::size_t>(plan_.shape().rank_of(N - 1) * (N + 1) + N)];
       const double norm = detail::global_grad_norm(per_stage, tied);
       const double lr = detail::step_optimizers(opts, norm);
+      for (auto& s : stages_)
+        if (s) s->upload_parameters();
       ++steps_;
       return std::pair<double, double>{lr, norm};
     });
@@ -382,7 +384,7 @@ class DistributedTrainer {
   /// @return the saved data position
   /// @throws brigade::Error{BadFile} as TrainingEngine::load_optimizer_state
   std::int64_t load_optimizer_state(const std::filesystem::path& dir) {
-    std::vector<runtime::TrainStage<>*> stages;
+    std::vector<runtime::TrainStageBase*> stages;
     std::vector<AdamW*> optimizers;
     for (std::size_t v = 0; v < stages_.size(); ++v) {
       stages.push_back(stages_[v].get());
@@ -412,13 +414,13 @@ class DistributedTrainer {
       std::int64_t nbytes, transport::MessageKind kind = transport::MessageKind::Control) {
     return transport::MessageHeader::make(0, 0, brigade::DType::U8, {nbytes}, 0, kind);
   }
-  runtime::TrainStage<>& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
+  runtime::TrainStageBase& stage(int v) { return *stages_[static_cast<std::size_t>(v)]; }
   AdamW& optimizer(int v) { return *optimizers_[static_cast<std::size_t>(v)]; }
   [[nodiscard]] bool tied_across_stages() const {
     return config_.shared_classifier && stages_.size() > 1;
   }
-  std::vector<runtime::TrainStage<>*> stage_ptrs() {
-    std::vector<runtime::TrainStage<>*> p;
+  std::vector<runtime::TrainStageBase*> stage_ptrs() {
+    std::vector<runtime::TrainStageBase*> p;
     for (auto& s : stages_) p.push_back(s.get());
     return p;
   }
@@ -585,7 +587,7 @@ class DistributedTrainer {
   TrainingOptions cfg_;
   FaultInjection fault_;
   plan::Plan plan_;
-  std::vector<std::unique_ptr<runtime::TrainStage<>>> stages_;  // by virtual stage; null elsewhere
+  std::vector<std::unique_ptr<runtime::TrainStageBase>> stages_;  // by virtual stage; null elsewhere
   std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
   std::int64_t steps_ = 0;
   bool skip_update_ = false;  // the last compute_gradients' DropDecision::skip_update

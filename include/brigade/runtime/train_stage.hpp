@@ -14,10 +14,13 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace brigade::runtime {
@@ -33,6 +36,36 @@ struct ParamRef {
   bool decay = true;           ///< a matrix (weight decay applies), false for norm gains
 };
 
+/// What the training engines and the executor call on a stage, whatever its backend: the type
+/// erasure at the edge where the engines hold their stages (runtime::TrainStage<B> is the one
+/// model). Each member is documented at TrainStage.
+class TrainStageBase {
+ public:
+  virtual ~TrainStageBase() = default;
+  virtual void forward(int mb, const data::PackedBatch& batch, const float* x_in,
+                       double grad_denominator, bool keep_activations = true) = 0;
+  virtual void recompute(int mb) = 0;
+  virtual void backward_input(int mb, const float* dy) = 0;
+  virtual void backward_weight(int mb) = 0;
+  virtual void skip_backward_weight(int mb) = 0;
+  [[nodiscard]] virtual std::span<const float> output(int mb) const = 0;
+  [[nodiscard]] virtual std::span<const float> grad_input(int mb) const = 0;
+  virtual void release_output(int mb) = 0;
+  virtual void release_grad_input(int mb) = 0;
+  [[nodiscard]] virtual cpu::CrossEntropyLoss loss(int mb) const = 0;
+  [[nodiscard]] virtual cpu::CrossEntropyLoss total_loss() const = 0;
+  virtual void zero_grad() = 0;
+  virtual void clear_microbatches() = 0;
+  virtual void download_gradients() = 0;
+  virtual void upload_parameters() = 0;
+  [[nodiscard]] virtual std::vector<ParamRef> params() = 0;
+  virtual void export_to(std::map<std::string, std::vector<float>>& out) const = 0;
+  [[nodiscard]] virtual std::size_t held_bytes() const noexcept = 0;
+  [[nodiscard]] virtual const partition::StageRange& range() const noexcept = 0;
+  [[nodiscard]] virtual bool has_embedding() const noexcept = 0;
+  [[nodiscard]] virtual bool has_head() const noexcept = 0;
+};
+
 /// One virtual stage of a training pipeline: ModelSpec layers [range.first, range.last).
 ///
 /// In training the tail layers (final norm, LM head, and the loss in place of the sampler) must
@@ -45,13 +78,31 @@ struct ParamRef {
 /// rebuilds the rest before the backward (activation checkpointing at stage granularity).
 ///
 /// The layers run on backend B (a backend::TrainingBackend: its embedding and its layer-level
-/// training passes); the parameters, their gradients and the stashes' outputs are host float32.
+/// training passes). The float32 master parameters and their gradients as params() gives them
+/// are host memory (the optimizer, the gradient reductions and the checkpoints read them there),
+/// and so are output() and grad_input() (what every Transport carries).
+///
+/// On a host-memory backend (cpu::CpuBackend) the kernels work on those host tensors in place.
+/// On a device backend (B::host_memory false, cuda::CudaBackend) the stage keeps a copy of every
+/// parameter and a gradient accumulator for each in the backend's memory, and the micro-batch's
+/// stashes there too; the edges are explicit:
+/// - F uploads the micro-batch's input (token ids, or the received activations; targets on the
+///   tail) and downloads the output (not on the tail, whose head gradient stays on the device);
+///   BI uploads the output gradient and downloads the input gradient;
+/// - download_gradients() copies the accumulated gradients to the host (the engines call it after
+///   a step's last BW, run_training_program), upload_parameters() copies the host parameters to
+///   the backend (after the optimizer's update).
+/// That is the ZeRO-Offload split (Ren et al. 2021, "ZeRO-Offload", section 4: gradients to the
+/// host, the AdamW update on the host, parameters back): per step 2 x 4 bytes per parameter over
+/// the host link (stories260K: 2 MB; a 7B model on one stage: 56 GB, about 1.1 s at 50 GB/s) and
+/// the host's optimizer time, against no device memory for AdamW's moments (docs/cuda.md).
+///
 /// The header holds the definitions, so a user's TrainingBackend instantiates it;
-/// TrainStage<cpu::CpuBackend> (the default, the one the training engines run) is compiled once,
-/// in the library. No device backend trains yet (docs/cuda.md: CudaBackend has no backward
-/// kernels).
+/// TrainStage<cpu::CpuBackend> (the default, the one the training engines run unless given a
+/// TrainStageFactory) is compiled once, in the library; TrainStage<cuda::CudaBackend> is
+/// instantiated by its users (they link brigade::cuda and brigade::brigade).
 template <backend::TrainingBackend B = cpu::CpuBackend>
-class TrainStage {
+class TrainStage final : public TrainStageBase {
  public:
   /// Copies the parameters of its layers out of `init` (the float32 master weights).
   /// @param backend the backend the layers run on (the stage owns it)
@@ -67,74 +118,102 @@ class TrainStage {
   /// @throws brigade::Error{NonFinite} naming the stage, micro-batch, layer, row and column when
   ///         a decoder's output holds NaN or infinity, or naming the loss when it is not finite
   void forward(int mb, const data::PackedBatch& batch, const float* x_in, double grad_denominator,
-               bool keep_activations = true);
+               bool keep_activations = true) override;
   /// Re-runs the forward of `mb` from its stashed input (after forward(..., false)).
   /// @throws brigade::Error{InvalidUsage} if mb has no stashed input
-  void recompute(int mb);
+  void recompute(int mb) override;
   /// Backward-input of `mb`: dy ([rows x dim], the gradient of this stage's output; nullptr on the
   /// tail stage) to the gradient of its input (grad_input(mb); empty on the first stage).
   /// @throws brigade::Error{InvalidUsage} if mb has not been forwarded
   /// @throws brigade::Error{NonFinite} when the input gradient holds NaN or infinity
-  void backward_input(int mb, const float* dy);
+  void backward_input(int mb, const float* dy) override;
   /// Backward-weight of `mb`: adds its weight gradients, then frees its stash.
   /// @throws brigade::Error{InvalidUsage} if backward_input(mb) has not run
-  void backward_weight(int mb);
+  void backward_weight(int mb) override;
   /// Backward-weight of a dropped micro-batch (one an integrity check flagged,
   /// transport::kFlagDropped): frees its stash as backward_weight does but adds nothing to the
   /// weight gradients. loss(mb) and grad_input(mb) stay readable.
   /// @throws brigade::Error{InvalidUsage} if backward_input(mb) has not run
-  void skip_backward_weight(int mb);
+  void skip_backward_weight(int mb) override;
 
   /// [rows x dim] output activations of `mb` (valid after forward until released).
-  [[nodiscard]] std::span<const float> output(int mb) const;
+  [[nodiscard]] std::span<const float> output(int mb) const override;
   /// [rows x dim] gradient of `mb`'s input (valid after backward_input until released).
-  [[nodiscard]] std::span<const float> grad_input(int mb) const;
+  [[nodiscard]] std::span<const float> grad_input(int mb) const override;
   /// Drops `mb`'s output buffer (after it was sent or consumed).
-  void release_output(int mb);
+  void release_output(int mb) override;
   /// Drops `mb`'s input-gradient buffer.
-  void release_grad_input(int mb);
+  void release_grad_input(int mb) override;
   /// Summed loss and counted targets of `mb` (tail stage only; zero elsewhere).
-  [[nodiscard]] cpu::CrossEntropyLoss loss(int mb) const;
+  [[nodiscard]] cpu::CrossEntropyLoss loss(int mb) const override;
   /// Loss of every micro-batch forwarded since zero_grad(), summed.
-  [[nodiscard]] cpu::CrossEntropyLoss total_loss() const;
+  [[nodiscard]] cpu::CrossEntropyLoss total_loss() const override;
 
-  /// Sets every gradient to zero and forgets the micro-batches of the last step.
-  void zero_grad();
+  /// Sets every gradient to zero (host and backend) and forgets the micro-batches of the last
+  /// step.
+  void zero_grad() override;
   /// Forgets the micro-batches (stashes, losses) but keeps the gradients.
-  void clear_microbatches() {
+  void clear_microbatches() override {
     micro_.clear();
     held_bytes_ = 0;
   }
+  /// Makes params()' gradients (host) those the backend accumulated: a download of every
+  /// gradient tensor (4 bytes per parameter) on a device backend, nothing on a host backend.
+  /// Call it after the step's last BW and before anything reads the gradients (the engines do,
+  /// at the end of run_training_program).
+  /// @throws brigade::Error from the backend (Cuda)
+  void download_gradients() override;
+  /// Makes the backend's parameters params()' values (host): an upload of every parameter on a
+  /// device backend, nothing on a host backend. Call it after the host values changed (the
+  /// engines do after every optimizer update).
+  /// @throws brigade::Error from the backend (Cuda)
+  void upload_parameters() override;
   /// The stage's parameters with their gradients, in ModelSpec order. The token embedding is
   /// "tok_embeddings"; on the tail stage with a shared classifier the classifier is also named
   /// "tok_embeddings" (the engine sums the two gradients; both copies get the same update).
-  [[nodiscard]] std::vector<ParamRef> params();
+  [[nodiscard]] std::vector<ParamRef> params() override;
   /// Copies this stage's parameters into `out`, keyed by ParamRef::name.
-  void export_to(std::map<std::string, std::vector<float>>& out) const;
+  void export_to(std::map<std::string, std::vector<float>>& out) const override;
   /// Bytes this stage holds for its micro-batches right now (all of them): the capacities of
   /// their stashes (B::DecoderActivations, B::HeadActivations, the input kept for a
   /// RECOMPUTE, the embedding's output gradient) and of the outputs and input gradients not yet
-  /// released (release_output, release_grad_input). Not counted: parameters, gradients, kernel
+  /// released (release_output, release_grad_input), on a device backend also the micro-batch's
+  /// rows, token ids and targets in its memory. Not counted: parameters, gradients, kernel
   /// scratch. A running counter, updated by every call that changes a micro-batch: O(1).
-  [[nodiscard]] std::size_t held_bytes() const noexcept { return held_bytes_; }
+  [[nodiscard]] std::size_t held_bytes() const noexcept override { return held_bytes_; }
 
-  [[nodiscard]] const partition::StageRange& range() const noexcept { return range_; }
-  [[nodiscard]] bool has_embedding() const noexcept { return range_.first == 0; }
-  [[nodiscard]] bool has_head() const noexcept { return has_head_; }
+  [[nodiscard]] const partition::StageRange& range() const noexcept override { return range_; }
+  [[nodiscard]] bool has_embedding() const noexcept override { return range_.first == 0; }
+  [[nodiscard]] bool has_head() const noexcept override { return has_head_; }
 
  private:
   struct Micro {
     const data::PackedBatch* batch = nullptr;
     double denominator = 1.0;
     std::vector<float> input;                  // stashed input (non-embedding stages)
-    std::vector<float> output;                 // forward output / head dx
+    std::vector<float> output;                 // forward output / head dx (host backend)
     std::vector<typename B::DecoderActivations> acts;  // per owned decoder
     typename B::HeadActivations head;
     std::vector<float> grad_in;                // gradient of the input
-    std::vector<float> emb_dy;                 // gradient at the embedding output
+    std::vector<float> emb_dy;                 // gradient at the embedding output (host backend)
+    // Device backend only: the rows in the backend's memory (the residual stream in F, the
+    // gradient in BI; on the tail the head's dx between F and BI, on the first stage the
+    // embedding's output gradient between BI and BW), the token ids and the targets.
+    typename B::Buffer rows, ids, targets;
     cpu::CrossEntropyLoss loss;
     bool forwarded = false, full = false, bi_done = false;
   };
+  /// A host tensor and its copy in the backend's memory (device backends only).
+  struct Mirror {
+    float* host = nullptr;
+    typename B::Buffer dev;
+    std::size_t bytes = 0;
+  };
+  /// Where the kernels read `v`: v itself on a host backend; else a new mirror in `list` holding
+  /// a copy of v (`upload`) or zeros.
+  float* on_backend(std::vector<float>& v, std::vector<Mirror>& list, bool upload);
+  /// The backend's gradient tensors of owned decoder i.
+  backend::DecoderGradTensors decoder_grads(int i);
   Micro& micro(int mb, const char* what);
   const Micro& micro(int mb, const char* what) const;
   static std::size_t bytes_of(const Micro& m) noexcept;
@@ -150,11 +229,21 @@ class TrainStage {
   partition::StageRange range_;
   int first_decoder_ = 0, num_decoders_ = 0;
   bool has_head_ = false;
+  // Host: the master parameters and the gradients params() hands out.
   std::vector<float> embedding_, rms_final_, wcls_;
   std::vector<std::vector<float>> decoder_params_;  // per decoder: 9 tensors flattened in order
-  std::vector<model::DecoderWeights> decoders_;
   std::vector<float> d_embedding_, d_rms_final_, d_wcls_;
-  std::vector<typename B::DecoderGrads> d_decoders_;
+  std::vector<std::vector<float>> d_decoders_;  // per decoder: 9 gradients flattened in order
+  // Where the kernels read and write them (the host tensors, or their mirrors).
+  float* k_embedding_ = nullptr;
+  float* k_rms_final_ = nullptr;
+  float* k_wcls_ = nullptr;
+  float* kg_embedding_ = nullptr;
+  float* kg_rms_final_ = nullptr;
+  float* kg_wcls_ = nullptr;
+  std::vector<float*> kg_decoders_;
+  std::vector<model::DecoderWeights> decoders_;  // views of the kernels' copies
+  std::vector<Mirror> param_mirrors_, grad_mirrors_;  // device backends only
   typename B::TrainScratch scratch_;
   std::map<int, Micro> micro_;
   std::size_t held_bytes_ = 0;  // sum of bytes_of() over micro_
@@ -240,7 +329,7 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
   }
   for (auto& flat : decoder_params_) {
     model::DecoderWeights w;
-    const float* p = flat.data();
+    const float* p = on_backend(flat, param_mirrors_, true);
     std::size_t t = 0;
     auto next = [&] {  // the nine tensors in decoder_ptrs' order
       const float* q = p;
@@ -257,10 +346,9 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
     w.w2 = next();
     w.w3 = next();
     decoders_.push_back(w);
-    typename B::DecoderGrads g;
-    g.zero(config_);
-    d_decoders_.push_back(std::move(g));
+    d_decoders_.emplace_back(flat.size(), 0.0f);
   }
+  for (auto& g : d_decoders_) kg_decoders_.push_back(on_backend(g, grad_mirrors_, false));
   if (has_head_) {
     rms_final_.assign(init.rms_final, init.rms_final + d);
     d_rms_final_.assign(d, 0.0f);
@@ -269,6 +357,57 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
       d_wcls_.assign(vd, 0.0f);
     }
   }
+  k_embedding_ = on_backend(embedding_, param_mirrors_, true);
+  k_rms_final_ = on_backend(rms_final_, param_mirrors_, true);
+  k_wcls_ = on_backend(wcls_, param_mirrors_, true);
+  kg_embedding_ = on_backend(d_embedding_, grad_mirrors_, false);
+  kg_rms_final_ = on_backend(d_rms_final_, grad_mirrors_, false);
+  kg_wcls_ = on_backend(d_wcls_, grad_mirrors_, false);
+}
+
+template <backend::TrainingBackend B>
+float* TrainStage<B>::on_backend(std::vector<float>& v, std::vector<Mirror>& list, bool upload) {
+  if (v.empty()) return nullptr;
+  if constexpr (B::host_memory) {
+    static_cast<void>(list);
+    static_cast<void>(upload);
+    return v.data();
+  } else {
+    Mirror m;
+    m.host = v.data();
+    m.bytes = v.size() * sizeof(float);
+    m.dev = b_.allocate(m.bytes);
+    if (upload)
+      b_.upload(m.dev.data(), m.host, m.bytes);
+    else
+      b_.fill_zero(m.dev.data(), m.bytes);
+    auto* at = static_cast<float*>(m.dev.data());
+    list.push_back(std::move(m));
+    return at;
+  }
+}
+
+template <backend::TrainingBackend B>
+backend::DecoderGradTensors TrainStage<B>::decoder_grads(int i) {
+  const auto sizes = detail::decoder_sizes(config_);
+  backend::DecoderGradTensors g{};
+  float* p = kg_decoders_[static_cast<std::size_t>(i)];
+  for (std::size_t t = 0; t < 9; ++t) {
+    g[t] = p;
+    p += sizes[t];
+  }
+  return g;
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::download_gradients() {
+  for (auto& m : grad_mirrors_) b_.download(m.host, m.dev.data(), m.bytes);
+}
+
+template <backend::TrainingBackend B>
+void TrainStage<B>::upload_parameters() {
+  for (auto& m : param_mirrors_) b_.upload(m.dev.data(), m.host, m.bytes);
+  if (!param_mirrors_.empty()) b_.synchronize();
 }
 
 template <backend::TrainingBackend B>
@@ -290,32 +429,64 @@ void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
   const auto& b = *m.batch;
   const std::int64_t rows = b.rows();
   const auto dim = static_cast<std::int64_t>(config_.dim);
-  m.output.resize(static_cast<std::size_t>(rows * dim));
-  if (has_embedding()) {
-    b_.embedding(model::WeightMatrix(embedding_.data()), b.inputs.data(), m.output.data(), rows, dim);
+  const auto n = static_cast<std::size_t>(rows * dim);
+  float* x = nullptr;  // the rows where the kernels run
+  if constexpr (B::host_memory) {
+    m.output.resize(n);
+    x = m.output.data();
   } else {
-    std::copy_n(x_in, rows * dim, m.output.data());
+    m.rows = b_.allocate(n * sizeof(float));
+    x = static_cast<float*>(m.rows.data());
+  }
+  if (has_embedding()) {
+    const std::int32_t* ids = b.inputs.data();
+    if constexpr (!B::host_memory) {
+      const std::size_t bytes = b.inputs.size() * sizeof(std::int32_t);
+      m.ids = b_.allocate(bytes);
+      b_.upload(m.ids.data(), ids, bytes);
+      ids = static_cast<const std::int32_t*>(m.ids.data());
+    }
+    b_.embedding(model::WeightMatrix(k_embedding_), ids, x, rows, dim);
+  } else if constexpr (B::host_memory) {
+    std::copy_n(x_in, rows * dim, x);
+  } else {
+    b_.upload(x, x_in, n * sizeof(float));
   }
   m.acts.resize(static_cast<std::size_t>(num_decoders_));
   for (int i = 0; i < num_decoders_; ++i) {
-    b_.decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], m.output.data(),
-                               m.output.data(), rows, b.offsets,
-                               m.acts[static_cast<std::size_t>(i)], &scratch_);
-    const int d = first_decoder_ + i;
-    detail::check_stage_buffer(m.output, rows, dim, range_, mb,
-                       fmt::format("output of layer {} (decoder {})", d + 1, d));
+    b_.decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], x, x, rows,
+                             b.offsets, m.acts[static_cast<std::size_t>(i)], &scratch_);
+    if constexpr (B::host_memory) {
+      const int d = first_decoder_ + i;
+      detail::check_stage_buffer(m.output, rows, dim, range_, mb,
+                                 fmt::format("output of layer {} (decoder {})", d + 1, d));
+    }
   }
   if (has_head_) {
-    const float* wcls = wcls_.empty() ? embedding_.data() : wcls_.data();
-    // The tail runs its head backward-input right away: output() then holds the gradient of the
+    const float* wcls = k_wcls_ != nullptr ? k_wcls_ : k_embedding_;
+    const std::int32_t* targets = b.targets.data();
+    if constexpr (!B::host_memory) {
+      const std::size_t bytes = b.targets.size() * sizeof(std::int32_t);
+      m.targets = b_.allocate(bytes);
+      b_.upload(m.targets.data(), targets, bytes);
+      targets = static_cast<const std::int32_t*>(m.targets.data());
+    }
+    // The tail runs its head backward-input right away: its rows then hold the gradient of the
     // head's input, and the loss is known after F, as on Megatron's last stage.
-    m.loss = b_.head_forward_backward_input(config_, rms_final_.data(), wcls, m.output.data(),
-                                              b.targets.data(), rows, m.output.data(), m.head,
-                                              m.denominator);
+    m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
+                                            m.head, m.denominator);
     BRIGADE_CHECK(std::isfinite(m.loss.sum), Errc::NonFinite,
                   "non-finite value in training: stage of layers [{}, {}), micro-batch {}, the "
                   "loss is {} over {} tokens",
                   range_.first, range_.last, mb, m.loss.sum, m.loss.count);
+  } else if constexpr (!B::host_memory) {
+    // One download of the stage's output, checked once (naming the stage's last layer).
+    m.output.resize(n);
+    b_.download(m.output.data(), x, n * sizeof(float));
+    m.rows = {};
+    const int d = first_decoder_ + num_decoders_ - 1;
+    detail::check_stage_buffer(m.output, rows, dim, range_, mb,
+                               fmt::format("output of the stage (layer {})", d + 1));
   }
   m.full = true;
 }
@@ -355,7 +526,10 @@ void TrainStage<B>::forward(int mb, const data::PackedBatch& batch, const float*
       for (auto& a : m.acts) a.clear();
       m.head = {};
       m.full = false;
-      if (has_head_) m.output = {};  // the head's gradient is rebuilt by the recompute
+      if (has_head_) {  // the head's gradient is rebuilt by the recompute
+        m.output = {};
+        m.rows = {};
+      }
     }
   });
 }
@@ -387,19 +561,38 @@ void TrainStage<B>::backward_input(int mb, const float* dy) {
                   "TrainStage [{}, {}): BI of micro-batch {} without an output gradient",
                   range_.first, range_.last, mb);
     const std::int64_t rows = m.batch->rows();
-    std::vector<float> g;
-    if (has_head_) {
-      g = std::move(m.output);
+    const auto n = static_cast<std::size_t>(rows * config_.dim);
+    std::vector<float> g;  // host backend: the gradient rows
+    float* x = nullptr;    // where the kernels run
+    if constexpr (B::host_memory) {
+      if (has_head_) {
+        g = std::move(m.output);
+      } else {
+        g.assign(dy, dy + n);
+      }
+      x = g.data();
     } else {
-      g.assign(dy, dy + rows * config_.dim);
+      if (!has_head_) {  // the tail's rows already hold the head's gradient
+        m.rows = b_.allocate(n * sizeof(float));
+        b_.upload(m.rows.data(), dy, n * sizeof(float));
+      }
+      x = static_cast<float*>(m.rows.data());
     }
     m.output = {};
     for (int i = num_decoders_ - 1; i >= 0; --i)
       b_.decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
-                                  m.acts[static_cast<std::size_t>(i)], g.data(), g.data(),
-                                  &scratch_);
+                                m.acts[static_cast<std::size_t>(i)], x, x, &scratch_);
+    if constexpr (!B::host_memory) {
+      g.resize(n);
+      b_.download(g.data(), x, n * sizeof(float));
+    }
     detail::check_stage_buffer(g, rows, config_.dim, range_, mb, "gradient of the stage's input");
-    (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
+    if constexpr (B::host_memory) {
+      (has_embedding() ? m.emb_dy : m.grad_in) = std::move(g);
+    } else if (!has_embedding()) {  // the first stage keeps its rows for the embedding's BW
+      m.grad_in = std::move(g);
+      m.rows = {};
+    }
     m.bi_done = true;
   });
 }
@@ -418,15 +611,20 @@ void TrainStage<B>::finish_backward_weight(int mb, bool accumulate) {
                   "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
                   range_.last, mb);
     for (int i = 0; accumulate && i < num_decoders_; ++i)
-      b_.decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)],
-                                   d_decoders_[static_cast<std::size_t>(i)]);
+      b_.decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)], decoder_grads(i));
     if (accumulate && has_head_) {
-      float* d_wcls = d_wcls_.empty() ? d_embedding_.data() : d_wcls_.data();
-      b_.head_backward_weight(config_, m.head, d_rms_final_.data(), d_wcls);
+      float* d_wcls = kg_wcls_ != nullptr ? kg_wcls_ : kg_embedding_;
+      b_.head_backward_weight(config_, m.head, kg_rms_final_, d_wcls);
     }
-    if (accumulate && has_embedding())
-      b_.embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), d_embedding_.data(),
+    if (accumulate && has_embedding()) {
+      if constexpr (B::host_memory)
+        b_.embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), kg_embedding_,
                               m.batch->rows(), config_.dim, config_.vocab_size);
+      else
+        b_.embedding_backward(static_cast<const float*>(m.rows.data()),
+                              static_cast<const std::int32_t*>(m.ids.data()), kg_embedding_,
+                              m.batch->rows(), config_.dim, config_.vocab_size);
+    }
     const auto loss = m.loss;
     const auto* batch = m.batch;
     auto grad_in = std::move(m.grad_in);
@@ -482,7 +680,8 @@ void TrainStage<B>::zero_grad() {
   std::fill(d_embedding_.begin(), d_embedding_.end(), 0.0f);
   std::fill(d_rms_final_.begin(), d_rms_final_.end(), 0.0f);
   std::fill(d_wcls_.begin(), d_wcls_.end(), 0.0f);
-  for (auto& g : d_decoders_) g.zero(config_);
+  for (auto& g : d_decoders_) std::fill(g.begin(), g.end(), 0.0f);
+  for (auto& m : grad_mirrors_) b_.fill_zero(m.dev.data(), m.bytes);
 }
 
 template <backend::TrainingBackend B>
@@ -494,11 +693,12 @@ std::vector<ParamRef> TrainStage<B>::params() {
   const auto sizes = detail::decoder_sizes(config_);
   for (int i = 0; i < num_decoders_; ++i) {
     float* p = decoder_params_[static_cast<std::size_t>(i)].data();
-    auto grads = d_decoders_[static_cast<std::size_t>(i)].tensors();
+    float* g = d_decoders_[static_cast<std::size_t>(i)].data();
     for (std::size_t t = 0; t < 9; ++t) {
       out.push_back({fmt::format("layers.{}.{}", first_decoder_ + i, detail::kDecoderNames[t]), p,
-                     grads[t]->data(), sizes[t], t != 0 && t != 5});
+                     g, sizes[t], t != 0 && t != 5});
       p += sizes[t];
+      g += sizes[t];
     }
   }
   if (has_head_) {
@@ -523,6 +723,7 @@ std::size_t TrainStage<B>::bytes_of(const Micro& m) noexcept {
                   sizeof(float);
   b += m.head.bytes();
   for (const auto& a : m.acts) b += a.bytes();
+  b += m.rows.size() + m.ids.size() + m.targets.size();
   return b;
 }
 
@@ -543,6 +744,35 @@ void TrainStage<B>::accounted(int mb, F&& f) {
 }
 
 extern template class TrainStage<cpu::CpuBackend>;
+
+/// Makes virtual stage v's TrainStage of layers `range` from the float32 master weights `init`:
+/// how an engine puts its stages on a backend. The engines call it once per virtual stage they
+/// hold, on the constructing thread. An empty factory means TrainStage<cpu::CpuBackend>.
+using TrainStageFactory = std::function<std::unique_ptr<TrainStageBase>(
+    const model::LlamaWeights& init, const partition::StageRange& range, int v)>;
+
+/// A TrainStageFactory whose stage v runs on `make_backend(v)` (a backend::TrainingBackend, by
+/// value), e.g. `train_stages_on([](int v) { return cuda::CudaBackend({.device = v % gpus}); })`.
+/// A factory that shares state between its backends must make it safe across rank threads.
+template <class MakeBackend>
+  requires backend::TrainingBackend<std::invoke_result_t<MakeBackend&, int>>
+TrainStageFactory train_stages_on(MakeBackend make_backend) {
+  return [make_backend](const model::LlamaWeights& init, const partition::StageRange& range,
+                        int v) mutable -> std::unique_ptr<TrainStageBase> {
+    using B = std::invoke_result_t<MakeBackend&, int>;
+    return std::make_unique<TrainStage<B>>(init, range, make_backend(v));
+  };
+}
+
+/// factory(init, range, v), or a TrainStage<cpu::CpuBackend> when the factory is empty.
+/// @throws brigade::Error as TrainStage's constructor, or what the factory throws
+inline std::unique_ptr<TrainStageBase> make_train_stage(const TrainStageFactory& factory,
+                                                        const model::LlamaWeights& init,
+                                                        const partition::StageRange& range,
+                                                        int v) {
+  if (factory) return factory(init, range, v);
+  return std::make_unique<TrainStage<cpu::CpuBackend>>(init, range);
+}
 
 }  // namespace v0
 }  // namespace brigade::runtime
