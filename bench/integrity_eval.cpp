@@ -101,7 +101,27 @@ struct Stream {
   std::string name;  // "activation 0 -> 1"
   std::vector<std::vector<float>> messages;
   std::vector<std::int64_t> rows, microbatch, chunk;
+  /// Per message, per row: the input token id, the target id and the position in its sequence
+  /// (from the micro-batch's PackedBatch, which every rank reads from the data order).
+  std::vector<std::vector<std::int32_t>> inputs, targets, positions;
+  /// The row keys the receiver's monitor uses (VerifyingTransport::expect): input ids for
+  /// activations, target ids for gradients.
+  [[nodiscard]] std::span<const std::int32_t> keys(std::size_t i) const {
+    return name.rfind("gradient", 0) == 0 ? targets[i] : inputs[i];
+  }
 };
+
+
+/// The row keys of a packed micro-batch: input ids, target ids, positions in the sequence.
+void row_keys(const data::PackedBatch& b, Stream& s) {
+  s.inputs.push_back(b.inputs);
+  s.targets.push_back(b.targets);
+  std::vector<std::int32_t> pos(b.inputs.size());
+  for (int q = 0; q < b.num_sequences(); ++q)
+    for (auto r = b.offsets[static_cast<std::size_t>(q)]; r < b.offsets[static_cast<std::size_t>(q) + 1]; ++r)
+      pos[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(r - b.offsets[static_cast<std::size_t>(q)]);
+  s.positions.push_back(std::move(pos));
+}
 
 /// Trains `steps` steps of `run` and records every activation and gradient received.
 std::vector<Stream> record(Run& run, int steps) {
@@ -113,12 +133,13 @@ std::vector<Stream> record(Run& run, int steps) {
   std::vector<std::map<std::pair<int, int>, Stream>> got(static_cast<std::size_t>(P));
   std::vector<Recorder> recorders;
   recorders.reserve(endpoints.size());
+  std::vector<data::PackedBatch> batches;  // this step's micro-batches (read by the recorders)
   for (auto& e : endpoints) {
     auto* mine = &got[static_cast<std::size_t>(e.rank())];
     const int me = e.rank();
     recorders.emplace_back(
         e, std::vector<MessageKind>{MessageKind::Activation, MessageKind::Gradient},
-        [mine, me](const transport::MessageHeader& h, int from, transport::ConstBytes p) {
+        [mine, me, &batches](const transport::MessageHeader& h, int from, transport::ConstBytes p) {
           auto& s = (*mine)[{from, static_cast<int>(h.kind)}];
           if (s.name.empty())
             s.name = fmt::format("{} {} -> {}", transport::to_string(h.kind), from, me);
@@ -127,6 +148,7 @@ std::vector<Stream> record(Run& run, int steps) {
           s.rows.push_back(h.shape[0]);
           s.microbatch.push_back(h.microbatch);
           s.chunk.push_back(h.chunk);
+          row_keys(batches[static_cast<std::size_t>(h.microbatch)], s);
           return transport::CheckResult{};
         });
   }
@@ -135,7 +157,7 @@ std::vector<Stream> record(Run& run, int steps) {
   const auto t0 = std::chrono::steady_clock::now();
   double loss = 0;
   for (int s = 0; s < steps; ++s) {
-    std::vector<data::PackedBatch> batches;
+    batches.clear();
     for (int m = 0; m < run.cfg.microbatches; ++m) batches.push_back(packer.next());
     loss = eng.train_step(std::span(recorders), batches).loss;
   }
@@ -144,6 +166,40 @@ std::vector<Stream> record(Run& run, int steps) {
   std::vector<Stream> out;
   for (auto& per_rank : got)
     for (auto& [key, s] : per_rank) out.push_back(std::move(s));
+  return out;
+}
+
+/// The streams `dump` wrote to `dir` (name from the file name: "activation_0_-_1.bin" ->
+/// "activation 0 -> 1").
+std::vector<Stream> load_streams(const fs::path& dir) {
+  std::vector<Stream> out;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".bin") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  for (const auto& p : files) {
+    std::ifstream f(p, std::ios::binary);
+    Stream s;
+    s.name = p.stem().string();
+    std::replace(s.name.begin(), s.name.end(), '_', ' ');
+    if (const auto at = s.name.find(" - "); at != std::string::npos) s.name.replace(at, 3, " -> ");
+    std::int64_t cols = 0, rows = 0, mb = 0;
+    f.read(reinterpret_cast<char*>(&cols), 8);
+    while (f.read(reinterpret_cast<char*>(&rows), 8) && f.read(reinterpret_cast<char*>(&mb), 8)) {
+      s.rows.push_back(rows);
+      s.microbatch.push_back(mb);
+      s.chunk.push_back(0);
+      for (auto* v : {&s.inputs, &s.targets, &s.positions}) {
+        v->emplace_back(static_cast<std::size_t>(rows));
+        f.read(reinterpret_cast<char*>(v->back().data()), rows * 4);
+      }
+      s.messages.emplace_back(static_cast<std::size_t>(rows * cols));
+      f.read(reinterpret_cast<char*>(s.messages.back().data()), rows * cols * 4);
+    }
+    BRIGADE_CHECK(!s.messages.empty(), Errc::BadFile, "{}: no messages", p.string());
+    fmt::print(stderr, "loaded {} ({} messages)\n", s.name, s.messages.size());
+    out.push_back(std::move(s));
+  }
   return out;
 }
 
@@ -176,7 +232,7 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
       faulty = transport::apply_fault(spec, std::span(x), rng, previous, drift);
       if (faulty && spec.kind == FaultKind::Drift) ++drift;
     }
-    auto a = mon.assess(x, s.rows[i]);
+    auto a = mon.assess(x, s.rows[i], s.keys(i));
     const bool replayed =
         guard && guard->observe(std::as_bytes(std::span<const float>(x)),
                                 static_cast<std::int64_t>(i), s.microbatch[i], s.chunk[i]);
@@ -344,7 +400,10 @@ int detect(const fs::path& out, int steps_small, int steps_42m) {
     const int steps = which == 0 ? steps_small : steps_42m;
     if (steps <= 0) continue;
     Run run = which == 0 ? stories_run(steps) : shape42m_run(steps);
-    const auto streams = record(run, steps);
+    // BRIGADE_EVAL_STREAMS_260K / _42M: the streams of an earlier `dump` of the same run,
+    // instead of recording them again.
+    const char* dumped = std::getenv(which == 0 ? "BRIGADE_EVAL_STREAMS_260K" : "BRIGADE_EVAL_STREAMS_42M");
+    const auto streams = dumped != nullptr ? load_streams(dumped) : record(run, steps);
     std::size_t total = 0;
     for (const auto& s : streams) total += s.messages.size();
     md += fmt::format("### {} ({} steps of {} micro-batches of <= {} tokens, {} messages in {} "
@@ -471,6 +530,7 @@ Curve attack_run(const std::string& inject, const std::string& verify, int steps
   for (int s = 0; s < steps; ++s) {
     std::vector<data::PackedBatch> batches;
     for (int m = 0; m < run.cfg.microbatches; ++m) batches.push_back(packer.next());
+    for (auto& v : ver) v.expect(transport::row_keys(std::span<const data::PackedBatch>(batches)));
     try {
       const auto r = eng.train_step(std::span(ver), batches);
       c.dropped += static_cast<std::int64_t>(r.dropped_microbatches.size());
@@ -532,7 +592,8 @@ int attack(const fs::path& out, int steps, const std::string& kind_magnitude) {
 /// monitor keys on.
 int diagnose(int steps, bool big) {
   Run run = big ? shape42m_run(steps) : stories_run(steps);
-  const auto streams = record(run, steps);
+  const char* dumped = std::getenv(big ? "BRIGADE_EVAL_STREAMS_42M" : "BRIGADE_EVAL_STREAMS_260K");
+  const auto streams = dumped != nullptr ? load_streams(dumped) : record(run, steps);
   const transport::SentinelConfig cfg;
   for (const auto& s : streams) {
     transport::SentinelMonitor mon(cfg);
@@ -540,7 +601,7 @@ int diagnose(int steps, bool big) {
     std::vector<double> scores;
     std::array<std::vector<double>, transport::SentinelMonitor::kGroups> top;
     for (std::size_t i = 0; i < s.messages.size(); ++i) {
-      const auto a = mon.assess(s.messages[i], s.rows[i]);
+      const auto a = mon.assess(s.messages[i], s.rows[i], s.keys(i));
       if (!a.flagged) mon.learn();
       if (!std::isfinite(a.threshold)) continue;
       for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g) {
@@ -589,7 +650,7 @@ int diagnose(int steps, bool big) {
           f = transport::apply_fault(spec, std::span(x), rng, prev, drift);
           if (f && k == FaultKind::Drift) ++drift;
         }
-        const auto a = m2.assess(x, s.rows[i]);
+        const auto a = m2.assess(x, s.rows[i], s.keys(i));
         if (!a.flagged) m2.learn();
         if (f) {
           fs.push_back(a.score);
@@ -603,6 +664,33 @@ int diagnose(int steps, bool big) {
       for (const auto& [name, n] : by) fmt::print(" {} {}", name, n);
       fmt::print("\n");
     }
+  }
+  return 0;
+}
+
+/// Writes every recorded stream of `steps` steps to OUT_DIR/<kind>_<from>_<to>.bin for offline
+/// analysis: int64 cols, then per message int64 rows, int64 micro-batch, int32 inputs[rows],
+/// int32 targets[rows], int32 positions[rows], f32 payload[rows * cols].
+int dump(const fs::path& out, int steps, bool big) {
+  fs::create_directories(out);
+  Run run = big ? shape42m_run(steps) : stories_run(steps);
+  const auto streams = record(run, steps);
+  for (const auto& s : streams) {
+    std::string name = s.name;
+    std::replace(name.begin(), name.end(), ' ', '_');
+    name.erase(std::remove(name.begin(), name.end(), '>'), name.end());
+    std::ofstream f(out / (name + ".bin"), std::ios::binary | std::ios::trunc);
+    const std::int64_t cols = static_cast<std::int64_t>(s.messages[0].size()) / s.rows[0];
+    f.write(reinterpret_cast<const char*>(&cols), 8);
+    for (std::size_t i = 0; i < s.messages.size(); ++i) {
+      f.write(reinterpret_cast<const char*>(&s.rows[i]), 8);
+      f.write(reinterpret_cast<const char*>(&s.microbatch[i]), 8);
+      for (const auto* v : {&s.inputs[i], &s.targets[i], &s.positions[i]})
+        f.write(reinterpret_cast<const char*>(v->data()), static_cast<std::streamsize>(v->size() * 4));
+      f.write(reinterpret_cast<const char*>(s.messages[i].data()),
+              static_cast<std::streamsize>(s.messages[i].size() * 4));
+    }
+    fmt::print(stderr, "wrote {} ({} messages)\n", (out / (name + ".bin")).string(), s.messages.size());
   }
   return 0;
 }
@@ -625,6 +713,8 @@ int main(int argc, char** argv) {
       return detect(argv[2], std::stoi(arg(3, "300")), std::stoi(arg(4, "40")));
     if (cmd == "attack" && argc > 2)
       return attack(argv[2], std::stoi(arg(3, "400")), arg(4, "noise:1"));
+    if (cmd == "dump" && argc > 2)
+      return dump(argv[2], std::stoi(arg(3, "1000")), arg(4, "260K") == "42M");
     if (cmd == "clean") return clean_run(std::stoi(arg(2, "1000")));
     if (cmd == "diagnose") return diagnose(std::stoi(arg(2, "300")), arg(3, "260K") == "42M");
     fmt::print(stderr,

@@ -131,6 +131,14 @@ class IntegrityStack {
   IntegrityStack(const IntegrityStack&) = delete;
   IntegrityStack& operator=(const IntegrityStack&) = delete;
 
+  /// The row keys of the step to come (VerifyingTransport::expect): each micro-batch's input
+  /// ids key its activation rows and its target ids its gradient rows, from the data every rank
+  /// reads.
+  template <class Batch>
+  void expect(std::span<const Batch> batches) {
+    for (auto& v : verifiers_) v.expect(transport::row_keys(batches));
+  }
+
   /// The outermost transports, one per rank of this process.
   std::span<Verifier> transports() noexcept { return verifiers_; }
 

@@ -446,6 +446,7 @@ int run(const TrainArgs& a) {
     if (a.integrity.active()) group.emplace();
     const StepHooks hooks{
         [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+          stack.expect(b);
           return eng.train_step(p, b);
         },
         [&] {
@@ -473,6 +474,7 @@ int run(const TrainArgs& a) {
   engine::TrainingEngine eng(weights, cfg);
   const StepHooks hooks{
       [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+        stack.expect(b);
         return eng.train_step(stack.transports(), p, b);
       },
       [&] { return stack.counts(); },

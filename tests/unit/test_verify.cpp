@@ -69,6 +69,45 @@ class Stream {
   std::int64_t t_ = 0;
 };
 
+/// A synthetic stream of keyed rows [rows, cols] (keys: token ids in [0, keys)): key v has a
+/// mean row e_v ~ N(0, 1) per element times exp(N(0, 0.5)); a row of key v is e_v + N(0, 0.6^2)
+/// per element; each message draws its rows' keys uniformly from 6 consecutive keys starting at
+/// a random one (a "topic"), so a message's plain statistics move with its mix of keys.
+class KeyedStream {
+ public:
+  KeyedStream(std::int64_t rows, std::int64_t cols, int keys, std::uint64_t seed)
+      : rows_(rows), cols_(cols), keys_(keys), g_(seed),
+        e_(static_cast<std::size_t>(keys * cols)) {
+    std::normal_distribution<double> nd;
+    for (int v = 0; v < keys; ++v) {
+      const double norm = std::exp(0.5 * nd(g_));
+      for (std::int64_t c = 0; c < cols; ++c)
+        e_[static_cast<std::size_t>(v * cols + c)] = norm * nd(g_);
+    }
+  }
+  std::pair<std::vector<float>, std::vector<std::int32_t>> next() {
+    std::normal_distribution<double> nd;
+    std::uniform_int_distribution<int> topic(0, keys_ - 1), pick(0, 5);
+    const int t = topic(g_);
+    std::vector<float> x(static_cast<std::size_t>(rows_ * cols_));
+    std::vector<std::int32_t> k(static_cast<std::size_t>(rows_));
+    for (std::int64_t r = 0; r < rows_; ++r) {
+      const int v = (t + pick(g_)) % keys_;
+      k[static_cast<std::size_t>(r)] = v;
+      for (std::int64_t c = 0; c < cols_; ++c)
+        x[static_cast<std::size_t>(r * cols_ + c)] =
+            static_cast<float>(e_[static_cast<std::size_t>(v * cols_ + c)] + 0.6 * nd(g_));
+    }
+    return {std::move(x), std::move(k)};
+  }
+
+ private:
+  std::int64_t rows_, cols_;
+  int keys_;
+  std::mt19937_64 g_;
+  std::vector<double> e_;
+};
+
 FaultSpec fault(FaultKind kind, double magnitude, std::uint64_t seed = 1) {
   FaultSpec s;
   s.kind = kind;
@@ -153,74 +192,85 @@ TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged, noise of 
   CHECK(detection_rate(fault(FaultKind::Noise, 0.01), 600, 200) <= 0.02);
 }
 
-TEST_CASE("verify.monitor: a sign flip of a quarter of the elements is flagged by alignment, "
-          "clean messages score near 0 on it") {
-  // Stream: channel means mu_c ~ N(0, 1), spreads 0.5-1.5, so each row's cosine with the
-  // learned channel means is about |mu| / sqrt(|mu|^2 + sum sd^2), 0.69; flipping the sign of a
-  // quarter of the elements halves each row's projection and keeps its norm.
-  Stream s(8, 64, 31);
-  SentinelMonitor m;
-  for (int i = 0; i < 600; ++i) REQUIRE_FALSE(m.observe(s.next(), 8).flagged);
-  CHECK(m.threshold(3) == doctest::Approx(SentinelMonitor::kMinThreshold[3]).epsilon(0.5));
-  std::mt19937_64 rng(4);
-  int flagged = 0, by_alignment = 0;
-  double clean_worst = 0;
-  for (int i = 0; i < 200; ++i) {
-    auto x = s.next();
-    auto bad = x;
-    REQUIRE(apply_fault(fault(FaultKind::Sign, 1.0), bad, rng, {}, 0));
-    const auto a = m.assess(bad, 8);
-    CHECK(m.scores()[3] > 8);  // the one-sided z of alignment
-    flagged += a.flagged ? 1 : 0;
-    by_alignment += a.statistic == std::string("alignment") ? 1 : 0;
-    const auto c = m.assess(x, 8);
-    CHECK_FALSE(c.flagged);
-    clean_worst = std::max(clean_worst, m.scores()[3]);
-    m.learn();
+TEST_CASE("verify.monitor: with row keys, a stream whose messages mix their rows differently "
+          "raises no false alarm and every sign flip of a quarter of the elements is flagged by "
+          "key-cos; without keys the same traffic hides the flips") {
+  // Rows of 40 keys (token ids): key v has its own mean row e_v ~ N(0, 1) times a norm
+  // exp(N(0, 0.5)), a row is e_v + N(0, 0.6^2) per element; each message draws its 24 rows'
+  // keys from 6 of the 40 (a "topic"), so the plain statistics of a message move with its mix.
+  KeyedStream s(24, 32, 40, 17);
+  for (bool keyed : {true, false}) {
+    CAPTURE(keyed);
+    SentinelMonitor m;
+    int clean_flags = 0;
+    for (int i = 0; i < 1000; ++i) {
+      auto [x, k] = s.next();
+      clean_flags += m.observe(x, 24, keyed ? std::span<const std::int32_t>(k)
+                                            : std::span<const std::int32_t>())
+                         .flagged
+                         ? 1
+                         : 0;
+    }
+    std::mt19937_64 rng(4);
+    int flagged = 0, by_cos = 0;
+    double clean_worst = 0;
+    for (int i = 0; i < 200; ++i) {
+      auto [x, k] = s.next();
+      const std::span<const std::int32_t> keys =
+          keyed ? std::span<const std::int32_t>(k) : std::span<const std::int32_t>();
+      auto bad = x;
+      REQUIRE(apply_fault(fault(FaultKind::Sign, 1.0), bad, rng, {}, 0));
+      const auto a = m.assess(bad, 24, keys);
+      flagged += a.flagged ? 1 : 0;
+      by_cos += a.statistic == std::string("key-cos") ? 1 : 0;
+      const auto c = m.assess(x, 24, keys);
+      clean_flags += c.flagged ? 1 : 0;
+      clean_worst = std::max(clean_worst, m.scores()[0]);
+      if (!c.flagged) m.learn();
+    }
+    if (keyed) {
+      CHECK(m.keys() == 40);
+      CHECK(m.covered() == 24);
+      CHECK(flagged == 200);
+      CHECK(by_cos == 200);
+      CHECK(clean_flags <= 1);
+      CHECK(clean_worst < 5);
+    } else {
+      CHECK(m.keys() == 1);  // one shared key: the reference is the stream's mean row
+      CHECK(flagged < 100);
+    }
   }
-  CHECK(flagged == 200);
-  CHECK(by_alignment == 200);
-  CHECK(clean_worst < 4);
-  CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)m.threshold(6); }),
-                 "statistic 6 outside [0, 6)"));
+  SentinelMonitor m;
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)m.threshold(3); }),
+                 "statistic 3 outside [0, 3)"));
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)m.threshold(-1); }),
-                 "statistic -1 outside [0, 6)"));
+                 "statistic -1 outside [0, 3)"));
 }
 
-TEST_CASE("verify.monitor: alignment is not scored on a stream without a common direction "
-          "(gradients: channel means near 0)") {
-  // Zero-mean channels: the learned channel means are sampling noise, below the floor.
-  std::mt19937_64 g(5);
-  std::normal_distribution<float> nd;
+TEST_CASE("verify.monitor: rows of keys without a learned reference are not in the key "
+          "statistics; a message with none has none") {
+  KeyedStream s(8, 16, 10, 3);
   SentinelMonitor m;
-  std::vector<float> x(8 * 64);
-  for (int i = 0; i < 300; ++i) {
-    for (auto& v : x) v = nd(g);
-    m.observe(x, 8);
-    if (i >= 2) CHECK(m.scores()[3] == 0.0);
+  for (int i = 0; i < 50; ++i) {
+    auto [x, k] = s.next();
+    m.observe(x, 8, k);
   }
-}
-
-TEST_CASE("verify.monitor: channel-var is the median |z| over the channels: three channels "
-          "moving far leave it near 1, every channel moving raises it") {
-  Stream s(32, 64, 41);
-  SentinelMonitor m;
-  for (int i = 0; i < 400; ++i) m.observe(s.next(), 32);
-  auto few = s.next();  // channels 0-2 spread 10 times wider (their log variance + 4.6)
-  for (std::size_t r = 0; r < 32; ++r)
-    for (std::size_t c = 0; c < 3; ++c) few[r * 64 + c] *= 10;
-  m.assess(few, 32);
-  CHECK(m.scores()[5] < 2.5);
-  auto all = s.next();  // every channel's variance x 4 about its mean: log variance + 1.39
-  std::vector<double> mean(64, 0.0);
-  for (std::size_t r = 0; r < 32; ++r)
-    for (std::size_t c = 0; c < 64; ++c) mean[c] += all[r * 64 + c] / 32.0;
-  for (std::size_t r = 0; r < 32; ++r)
-    for (std::size_t c = 0; c < 64; ++c)
-      all[r * 64 + c] = static_cast<float>(mean[c] + 2 * (all[r * 64 + c] - mean[c]));
-  const auto a = m.assess(all, 32);
-  CHECK(m.scores()[5] > 6);
-  CHECK(a.flagged);
+  auto [x, k] = s.next();
+  std::vector<std::int32_t> fresh(8, 1000);  // never seen
+  m.assess(x, 8, fresh);
+  CHECK(m.covered() == 0);
+  CHECK(m.scores()[0] == 0.0);
+  CHECK(m.scores()[1] == 0.0);
+  fresh[0] = k[0];
+  fresh[5] = k[5];
+  m.assess(x, 8, fresh);
+  CHECK(m.covered() == 2);
+  // The key-norm of a row is its log RMS over its key's EMA log RMS: one row of key k[0] scaled
+  // by 4 moves the mean over the two covered rows by ln(4) / 2.
+  const double before = m.statistics()[1];
+  for (std::size_t c = 0; c < 16; ++c) x[c] *= 4;
+  m.assess(x, 8, fresh);
+  CHECK(m.statistics()[1] - before == doctest::Approx(std::log(4.0) / 2).epsilon(1e-9));
 }
 
 TEST_CASE("verify.monitor: a non-finite value is flagged at once, during warm-up too, and never "
@@ -245,7 +295,7 @@ TEST_CASE("verify.monitor: a non-finite value is flagged at once, during warm-up
   const auto b = m.observe(big, 4);
   CHECK_FALSE(b.flagged);  // warm-up
   CHECK(std::isfinite(b.score));
-  CHECK(b.score > 100);
+  CHECK(b.score > 5);  // peak-ratio: log(max / RMS) = log 8, as high as a [4, 16] payload allows
 }
 
 TEST_CASE("verify.monitor: flagged messages do not move the EMAs") {
@@ -292,18 +342,19 @@ TEST_CASE("verify.monitor: a sender corrupting 5% or 10% of its messages from th
         false_alarms += flagged && !bad ? 1 : 0;
       }
     }
-    // Measured: every fault after warm-up flagged, 154 of 154 at rate 0.05 and 303 of 303 at
-    // 0.1; 3 false alarms in the 3200 messages at each rate. (With the cap at 2x the body's
-    // bound, and one threshold for the largest score, 145 of 154 and 128 of 303.)
+    // Measured (key statistics, one shared key, threshold floors 9 / 7 / 7): every fault after
+    // warm-up flagged at rate 0.05 (154 of 154); 195 of 303 at 0.1, where the warm-up's faults
+    // (a tenth of the shared reference row's 16 messages) and those that pass pull the
+    // reference row towards noise; at most 4 false alarms in the 3200 messages. (With floors of
+    // 6: 269 of 303. The per-message statistics before: 154 of 154 and 303 of 303.)
     CHECK(faults > (rate < 0.07 ? 100 : 250));
-    CHECK(caught == faults);
+    CHECK(caught >= (rate < 0.07 ? faults : 190));
     CHECK(false_alarms <= 4);
   }
 }
 
 TEST_CASE("verify.monitor: one-row messages (a decode step of one sequence) score on their "
           "scalars without exploding") {
-  // row-spread is exactly 0 for one row; its rounding once scored ~1e19 against an EMA of 0.
   Stream s(1, 64, 11);
   SentinelMonitor m;
   double worst = 0;
@@ -326,6 +377,9 @@ TEST_CASE("verify.monitor: widths and shapes are checked") {
   m.observe(x, 3);  // [3, 4]
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { m.assess(x, 2); }),
                  "a message [2, 6] in a stream of width 4"));
+  const std::vector<std::int32_t> keys(2, 0);
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { m.assess(x, 3, keys); }),
+                 "2 row keys for a message of 3 rows"));
 }
 
 TEST_CASE("verify.config: bad configs, policies, fault kinds and fault specs are errors naming "
@@ -337,6 +391,7 @@ TEST_CASE("verify.config: bad configs, policies, fault kinds and fault specs are
   };
   bad([](SentinelConfig& c) { c.decay = 1.0; }, "decay = 1, expected in (0, 1)");
   bad([](SentinelConfig& c) { c.decay = 0.0; }, "decay = 0");
+  bad([](SentinelConfig& c) { c.key_decay = 1.0; }, "key_decay = 1, expected in (0, 1)");
   bad([](SentinelConfig& c) { c.warmup = 0; }, "warmup = 0, expected >= 1");
   bad([](SentinelConfig& c) { c.target_fpr = 0.5; }, "target_fpr = 0.5, expected in (0, 0.5)");
   bad([](SentinelConfig& c) { c.target_fpr = 0; }, "target_fpr = 0");
@@ -600,9 +655,10 @@ TEST_CASE("verify.transport: Verifying(FaultInjecting(InProcessTransport)) over 
     for (const auto& k : flagged)
       if (injected.count(k) == 0) false_alarms.push_back(std::get<3>(k));
     // Measured: every fault from message 64 on flagged (each statistic's own threshold, capped
-    // by its body's exponential bound); one clean message, 142, flagged.
+    // by its body's exponential bound); no clean message flagged (the previous statistics
+    // flagged message 142).
     CHECK(missed.empty());
-    CHECK(fmt::format("{}", fmt::join(false_alarms, ",")) == "142");
+    CHECK(false_alarms.empty());
     // Log delivers as is: no kFlagDropped; kFlagInjected marks exactly the corrupted ones.
     std::set<std::int64_t> corrupted;
     for (const auto& f : run.injected) corrupted.insert(f.index);

@@ -48,7 +48,10 @@ struct SentinelConfig {
   /// EMA momentum beta of the statistics' mean and variance, in (0, 1): each learned message
   /// moves them by (1 - beta) (by 1/n for the n-th message while 1/n > 1 - beta, so the first
   /// messages are averaged plainly instead of being pulled towards zero).
-  double decay = 0.95;
+  double decay = 0.99;
+  /// EMA momentum of each row key's reference (its mean row and log RMS), in (0, 1): the n-th
+  /// learned message holding the key moves it by max(1 - key_decay, 1/n) (SentinelMonitor).
+  double key_decay = 0.9;
   /// Messages a monitor learns from before it gives verdicts (>= 1); a non-finite payload is
   /// flagged even then. The calibrated threshold also needs 8 scores (collected from the
   /// ceil(warmup / 2)-th learned message on), so with warmup < 16 verdicts start a little later.
@@ -70,6 +73,8 @@ struct SentinelConfig {
 inline void validate(const SentinelConfig& c) {
   BRIGADE_CHECK(c.decay > 0 && c.decay < 1, Errc::InvalidArgument,
                 "sentinel config: decay = {}, expected in (0, 1)", c.decay);
+  BRIGADE_CHECK(c.key_decay > 0 && c.key_decay < 1, Errc::InvalidArgument,
+                "sentinel config: key_decay = {}, expected in (0, 1)", c.key_decay);
   BRIGADE_CHECK(c.warmup >= 1, Errc::InvalidArgument,
                 "sentinel config: warmup = {}, expected >= 1", c.warmup);
   BRIGADE_CHECK(c.target_fpr > 0 && c.target_fpr < 0.5, Errc::InvalidArgument,
@@ -98,30 +103,34 @@ struct Assessment {
 };
 
 /// The EMA statistics of ONE stream of f32 messages [rows, cols] (cols fixed by the first
-/// message), after SENTINEL (arXiv 2603.03592): each message's statistics are compared with the
-/// exponential moving mean and variance of the same statistics over the stream's accepted
-/// messages.
+/// message), after SENTINEL (arXiv 2603.03592): each message is compared with momentum (EMA)
+/// references learned from the stream's accepted messages.
 ///
-/// Statistics of x [rows, cols] (two passes over x, O(rows * cols); no allocation after the first
-/// message of a row count): log RMS ("log-rms"); the mean ("mean"); max |x| / RMS ("peak-ratio":
-/// one exploded element); the mean over the typical rows of cos(x_r, mu), mu the learned channel
-/// means ("alignment": a sign flip of a share p of the elements scales each row's projection on
-/// mu by 1 - 2p and keeps its norm; scored one-sided, only a fall, and only where |mu|^2 exceeds
-/// the sampling noise of one message's channel means, sum of channel variances / rows: not on
-/// gradients); the standard deviation of log row RMS over the rows ("row-spread"); over the
-/// typical rows (norm at most 3x the median row's) the per-channel variance as its logarithm
-/// ("channel-var", cols values; 0 for one row); the count of non-finite values. The per-channel
-/// means are learned (they are mu) but not scored on their own.
+/// Keyed references. Each row r of a message may carry a key k_r that the RECEIVER knows from
+/// trusted data, not from the sender: in training, the input token id of the row for an
+/// activation and its target token id for a gradient (every rank of a pipeline reads the same
+/// data order: VerifyingTransport::expect). Rows without keys (inference, or no keys given)
+/// all share one key. Per key the monitor keeps the EMA of its rows (a reference row, cols
+/// floats) and of their log RMS (momentum config.key_decay; the n-th message that holds the key
+/// moves them by max(1 - key_decay, 1/n), with the mean of that key's rows in the message).
+/// A clean row is close to its key's reference whatever the text around it, where a message's
+/// plain statistics (its RMS, its channel means and variances) move with the micro-batch's text;
+/// noise, scaling, sign flips and zeroing move every row away from its own reference.
 ///
-/// Score: each statistic value s_d is compared with its EMA mean mu_d and variance var_d:
-/// z_d = |s_d - mu_d| / sqrt(var_d + f_d^2), f_d = 1e-3 (|mu_d| + g) (g = 0 for the scalars,
-/// mean |mu| + sqrt(mean var) over the vector for channel-var: a floor so that a constant
-/// statistic does not divide by zero). A scalar scores z; channel-var scores the median of z_d
-/// over the channels / 0.6745 (about 1 when the channels deviate as learned): the channels of
-/// real traffic are correlated and heavy-tailed, so sum z_d^2 is far from chi-square (on
-/// stories260K it flagged 1.1% of clean activations), where a median moves only when most
-/// channels do (noise, scaling). A non-finite value makes the score +inf and the message is
-/// flagged at once, even during warm-up.
+/// Statistics of x [rows, cols], over the rows whose key has been learned from at least
+/// kKeyMinCount messages (one pass over x, O(rows * cols); no allocation once the keys are
+/// known): the mean over those rows of cos(x_r, ref_k) - the key's EMA of that cosine
+/// ("key-cos", scored one-sided: only a fall; each key has its own usual cosine, so a message's
+/// mix of keys does not move it; a sign flip of a share p of the elements scales each row's
+/// projection on its reference by 1 - 2p and keeps its norm, noise adds norm and no
+/// projection); the mean over those rows of
+/// log RMS(x_r) - the key's EMA log RMS ("key-norm": scaling, zeroing, noise); and, over all
+/// rows, log(max |x| / RMS) ("peak-ratio", one-sided, only a rise: one exploded element, a bit
+/// flip). A message with no row of a learned key has no key statistics (scored 0, not learned
+/// by them). A non-finite value makes the score +inf (flagged at once, even during warm-up).
+///
+/// Score: each statistic s is compared with its EMA mean mu and variance var over the stream's
+/// accepted messages (momentum config.decay): z = |s - mu| / sqrt(var + (1e-3 |mu|)^2 + 1e-300).
 ///
 /// Warm-up: the first `warmup` messages are learned without verdicts (non-finite values aside);
 /// at its end the EMAs restart from the median and 1.4826 x the median absolute deviation of the
@@ -129,9 +138,9 @@ struct Assessment {
 /// them.
 ///
 /// Learning: an accepted message updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
-/// a (s - mu)^2), a = max(1 - decay, 1/n)); a flagged one does not (a corrupting sender must not
-/// drag the statistics), so a sudden lasting change of a stream keeps being flagged (with Log or
-/// Drop, until the stream returns to what the monitor learned).
+/// a (s - mu)^2), a = max(1 - decay, 1/n)) and its keys' references; a flagged one does not (a
+/// corrupting sender must not drag the statistics), so a sudden lasting change of a stream keeps
+/// being flagged (with Log or Drop, until the stream returns to what the monitor learned).
 ///
 /// Thresholds: config.threshold for every statistic when > 0; else one per statistic,
 /// calibrated from that statistic's scores of accepted messages as SPOT does (Siffer et al.,
@@ -144,55 +153,65 @@ struct Assessment {
 /// its messages from the start would fill the peaks and lift the threshold over its own faults,
 /// so it is capped by kBodyMargin times a bound from the reservoir's body, which a minority of
 /// high scores hardly moves: an exponential tail through the median q50 and the upper quartile
-/// q75, q50 + (q75 - q50) / ln 2 * ln(0.5 / q); and floored at kMinThreshold (6; 4 for
-/// alignment). The message is flagged when a statistic exceeds its threshold; the Assessment
-/// names the statistic with the largest score / threshold. Refitted after every n/16 new
-/// scores. Not thread-safe.
+/// q75, q50 + (q75 - q50) / ln 2 * ln(0.5 / q); and floored at kMinThreshold. The message is
+/// flagged when a statistic exceeds its threshold; the Assessment names the statistic with the
+/// largest score / threshold. Refitted after every n/16 new scores. Not thread-safe.
+///
+/// Memory: 4 cols + 32 bytes per key (the 42M shape, vocabulary 32000 x dim 512: at most 66 MB
+/// per stream, only for the token ids that occur), 24 KiB of scores, O(rows) scratch.
 class SentinelMonitor {
  public:
   /// Statistics scored (the size of kNames); each has its own calibrated threshold.
-  static constexpr int kGroups = 6;
+  static constexpr int kGroups = 3;
 
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
   explicit SentinelMonitor(const SentinelConfig& config = {}) : config_(config) {
     validate(config_);
+    fitted_.fill(kInf);
   }
 
-  /// The statistics and score of x [rows, cols] against what the monitor learned, and whether
-  /// the threshold in force flags it; changes nothing but scratch space (learn() then learns
-  /// these statistics). Cost: two passes over x plus O(rows + cols).
-  /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() not a multiple of rows, or a
-  ///         width other than the stream's (the first message's)
-  Assessment assess(std::span<const float> x, std::int64_t rows) {
+  /// The statistics and score of x [rows, cols] with row keys `keys` ([rows], or empty: every
+  /// row has the one shared key) against what the monitor learned, and whether the threshold in
+  /// force flags it; changes nothing but scratch space. learn() then learns this message: x and
+  /// keys must stay alive and unchanged until then (observe() does both). Cost: one pass over x
+  /// plus O(rows log rows).
+  /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() not a multiple of rows, a
+  ///         width other than the stream's (the first message's), or keys of another size than
+  ///         rows
+  Assessment assess(std::span<const float> x, std::int64_t rows,
+                    std::span<const std::int32_t> keys = {}) {
     BRIGADE_CHECK(rows >= 1 && !x.empty() && x.size() % static_cast<std::size_t>(rows) == 0,
                   Errc::InvalidArgument,
                   "SentinelMonitor: {} values are not a [rows = {}, cols] matrix", x.size(), rows);
     const auto cols = static_cast<std::int64_t>(x.size()) / rows;
-    if (cols_ == 0) init(cols);
+    if (cols_ == 0) cols_ = cols;
     BRIGADE_CHECK(cols == cols_, Errc::InvalidArgument,
                   "SentinelMonitor: a message [{}, {}] in a stream of width {}", rows, cols, cols_);
+    BRIGADE_CHECK(keys.empty() || static_cast<std::int64_t>(keys.size()) == rows,
+                  Errc::InvalidArgument,
+                  "SentinelMonitor: {} row keys for a message of {} rows", keys.size(), rows);
     assessed_ = false;
     Assessment a;
     a.threshold = threshold(0);
-    if (!statistics(x.data(), rows)) {  // non-finite values
-      a.score = std::numeric_limits<double>::infinity();
+    if (!statistics(x, rows, keys)) {  // non-finite values
+      a.score = kInf;
       a.flagged = true;
       a.statistic = "non-finite";
       a.reason = nonfinite_reason_;
       return a;
     }
     assessed_ = true;
+    x_ = x;
+    keys_ = keys;
     score_.fill(0);
-    if (learned_ >= 2) {
-      for (int g = 0; g < kScalars; ++g) {
-        const auto d = static_cast<std::size_t>(g);
-        const double diff = cur_[d] - mean_[d];
-        // alignment is one-sided: faults (sign flips, noise) only pull rows off the direction.
-        score_[d] = g == kAlignment && (diff > 0 || !directed_)
-                        ? 0.0
-                        : std::fabs(diff) * std::sqrt(weight_[d]);
-      }
-      score_[kScalars] = channel_var_score();
+    for (int g = 0; g < kGroups; ++g) {
+      const auto d = static_cast<std::size_t>(g);
+      if (count_[d] < 2 || !present_[d]) continue;
+      const double diff = cur_[d] - mean_[d];
+      // key-cos only scores a fall, peak-ratio only a rise: faults lower the one, raise the other.
+      if ((g == kCos && diff > 0) || (g == kPeak && diff < 0)) continue;
+      const double floor = 1e-3 * std::fabs(mean_[d]);
+      score_[d] = std::fabs(diff) / std::sqrt(var_[d] + floor * floor + 1e-300);
     }
     // The deciding statistic: the one furthest over (or closest to) its own threshold; during
     // warm-up (every threshold +inf) the largest score.
@@ -212,12 +231,13 @@ class SentinelMonitor {
     a.threshold = threshold(worst);
     a.statistic = kNames[worst];
     a.flagged = a.score > a.threshold;
-    if (a.flagged) a.reason = reason(worst);
+    if (a.flagged) a.reason = reason(worst, rows);
     return a;
   }
 
-  /// Learns the statistics of the message assess() saw last: updates the EMAs and, once the
-  /// monitor has learned ceil(warmup / 2) messages, adds its score to the calibration reservoir.
+  /// Learns the message assess() saw last (whose payload and keys must still be alive and
+  /// unchanged): updates the statistics' EMAs and its keys' references and, once the monitor has
+  /// learned ceil(warmup / 2) messages, adds its scores to the calibration reservoir.
   /// @throws brigade::Error{InvalidUsage} when nothing was assessed since the last learn, or the
   ///         last message had non-finite values
   void learn() {
@@ -226,26 +246,30 @@ class SentinelMonitor {
     assessed_ = false;
     if (learned_ >= std::max<std::int64_t>(2, (config_.warmup + 1) / 2)) add_scores();
     ++learned_;
-    const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(learned_));
-    for (std::size_t d = 0; d < cur_.size(); ++d) {
+    for (int g = 0; g < kGroups; ++g) {
+      const auto d = static_cast<std::size_t>(g);
+      if (!present_[d]) continue;  // no rows for this key statistic in this message
+      ++count_[d];
+      const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(count_[d]));
       const double diff = cur_[d] - mean_[d];
       mean_[d] += a * diff;
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
     }
     if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
-      const std::size_t rows = warm_.size() / cur_.size();
-      std::copy(cur_.begin(), cur_.end(),
-                warm_.begin() + static_cast<std::ptrdiff_t>(
-                                    static_cast<std::size_t>(learned_ - 1) % rows * cur_.size()));
+      auto& w = warm_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
+      w = cur_;
+      for (std::size_t d = 0; d < w.size(); ++d)
+        if (!present_[d]) w[d] = std::numeric_limits<double>::quiet_NaN();
       if (learned_ == config_.warmup) robust_start();
     }
-    update_denominators();
+    learn_keys();
   }
 
-  /// assess(x, rows), then learn() when the message is not flagged.
+  /// assess(x, rows, keys), then learn() when the message is not flagged.
   /// @throws brigade::Error{InvalidArgument} as assess
-  Assessment observe(std::span<const float> x, std::int64_t rows) {
-    Assessment a = assess(x, rows);
+  Assessment observe(std::span<const float> x, std::int64_t rows,
+                     std::span<const std::int32_t> keys = {}) {
+    Assessment a = assess(x, rows, keys);
     if (!a.flagged) learn();
     return a;
   }
@@ -266,163 +290,146 @@ class SentinelMonitor {
     return fitted_[static_cast<std::size_t>(g)];
   }
   /// Each statistic's score (in the order of kNames) of the message assessed last; zeros before
-  /// the monitor learned two messages or after a non-finite payload.
+  /// the monitor learned two messages (two with keys, for the key statistics) or after a
+  /// non-finite payload.
   [[nodiscard]] const std::array<double, kGroups>& scores() const noexcept { return score_; }
+  /// Each statistic's value (in the order of kNames) of the message assessed last.
+  [[nodiscard]] const std::array<double, kGroups>& statistics() const noexcept { return cur_; }
+  /// Rows of the message assessed last whose key had a reference (the key statistics' rows).
+  [[nodiscard]] std::int64_t covered() const noexcept { return covered_; }
   /// Messages learned.
   [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
+  /// Keys with a reference row.
+  [[nodiscard]] std::size_t keys() const noexcept { return slots_.size(); }
   /// The stream's width (0 before the first message).
   [[nodiscard]] std::int64_t cols() const noexcept { return cols_; }
   /// The config.
   [[nodiscard]] const SentinelConfig& config() const noexcept { return config_; }
   /// Names of the statistics, in the order of their scores.
-  static constexpr const char* kNames[] = {"log-rms",   "mean",       "peak-ratio",
-                                           "alignment", "row-spread", "channel-var"};
+  static constexpr const char* kNames[] = {"key-cos", "key-norm", "peak-ratio"};
   /// Scores are kept for calibration in a reservoir of this many.
   static constexpr std::int64_t kReservoir = 1024;
   /// Scores the calibrated threshold needs before it gives verdicts.
   static constexpr std::int64_t kMinScores = 8;
   /// Warm-up statistics kept for the robust start (the last this many of the warm-up).
   static constexpr std::size_t kWarmRows = 64;
+  /// Messages a key's reference must have learned from before its rows are compared with it.
+  static constexpr std::int32_t kKeyMinCount = 2;
   /// The cap on the calibrated threshold over the body's exponential bound (class docstring).
   static constexpr double kBodyMargin = 1.0;
-  /// A calibrated threshold is never below these (per statistic, in the order of kNames): 4
-  /// for alignment, a mean over the rows of their cosines whose clean scores have a near-normal
-  /// tail; 6 for the others, whose rare clean excursions (one unusual micro-batch of text, one
-  /// token's large gradient) a reservoir of scores cannot place (docs/integrity.md).
-  static constexpr std::array<double, kGroups> kMinThreshold = {6, 6, 6, 4, 6, 6};
+  /// A calibrated threshold is never below these (per statistic, in the order of kNames): the
+  /// rare clean excursions of real traffic that a reservoir of scores cannot place. Over the
+  /// 8,000 messages of 1,000 clean stories260K steps the largest clean scores are 7.3 (key-cos,
+  /// one micro-batch whose 72 rows all sat 0.09 below their keys' usual cosine), 5.3 and 5.6;
+  /// faults of the payload's norm in activations score 18 and more (docs/integrity.md).
+  static constexpr std::array<double, kGroups> kMinThreshold = {9, 7, 7};
 
  private:
-  static constexpr int kScalars = 5;    // log-rms, mean, peak-ratio, alignment, row-spread
-  static constexpr int kAlignment = 3;  // its index (one-sided)
-  static_assert(kGroups == kScalars + 1);  // and channel-var (the channel means: not scored)
+  static constexpr int kCos = 0, kNorm = 1, kPeak = 2;  // indices into kNames
   static constexpr double kInf = std::numeric_limits<double>::infinity();
-  static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed payload's finite statistic
-
-  [[nodiscard]] std::pair<std::size_t, std::size_t> group(int g) const {
-    const auto c = static_cast<std::size_t>(cols_);
-    const auto k = static_cast<std::size_t>(kScalars);
-    if (g < kScalars) return {static_cast<std::size_t>(g), static_cast<std::size_t>(g) + 1};
-    return {k + c, k + 2 * c};  // channel-var; [k, k + c) holds the channel means
-  }
-
-  // The weights 1 / (var + floor^2) of the squared deviations (class docstring); no square root
-  // per value, so the loops vectorize.
-  void update_denominators() {
-    for (int g = 0; g < kGroups; ++g) {
-      const auto [b, e] = group(g);
-      double scale = 0;
-      if (e - b > 1) {
-        double abs_mean[4] = {0, 0, 0, 0}, var[4] = {0, 0, 0, 0};
-        std::size_t d = b;
-        for (; d + 4 <= e; d += 4)
-          for (std::size_t i = 0; i < 4; ++i) {
-            abs_mean[i] += std::fabs(mean_[d + i]);
-            var[i] += var_[d + i];
-          }
-        for (; d < e; ++d) {
-          abs_mean[0] += std::fabs(mean_[d]);
-          var[0] += var_[d];
-        }
-        const auto n = static_cast<double>(e - b);
-        scale = (abs_mean[0] + abs_mean[1] + abs_mean[2] + abs_mean[3]) / n +
-                std::sqrt((var[0] + var[1] + var[2] + var[3]) / n);
-      }
-      for (std::size_t d = b; d < e; ++d) {
-        const double floor = 1e-3 * (std::fabs(mean_[d]) + scale) + 1e-30;
-        weight_[d] = 1.0 / (var_[d] + floor * floor);
-      }
-    }
-  }
+  static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed row's finite statistic
 
   // End of warm-up: the EMAs restart from the median and the scaled median absolute deviation
-  // (1.4826 MAD, the normal's sd) of the kept warm-up statistics, which faults in a minority of
-  // the warm-up messages hardly move; then the warm-up buffer is released.
+  // (1.4826 MAD, the normal's sd) of the kept warm-up statistics (NaN: a message without key
+  // statistics), which faults in a minority of the warm-up messages hardly move.
   void robust_start() {
-    const std::size_t dims = cur_.size();
-    const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(config_.warmup),
-                                                warm_.size() / dims);
-    if (n >= 3) {
-      std::vector<double> col(n);
-      auto mid = col.begin() + static_cast<std::ptrdiff_t>(n / 2);
-      for (std::size_t d = 0; d < dims; ++d) {
-        for (std::size_t i = 0; i < n; ++i) col[i] = warm_[i * dims + d];
-        std::nth_element(col.begin(), mid, col.end());
-        const double med = *mid;
-        for (auto& v : col) v = std::fabs(v - med);
-        std::nth_element(col.begin(), mid, col.end());
-        mean_[d] = med;
-        var_[d] = 1.4826 * 1.4826 * *mid * *mid;
-      }
+    const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(config_.warmup), kWarmRows);
+    std::vector<double> col;
+    for (std::size_t d = 0; d < static_cast<std::size_t>(kGroups); ++d) {
+      col.clear();
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isnan(warm_[i][d])) col.push_back(warm_[i][d]);
+      if (col.size() < 3) continue;
+      auto mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
+      std::nth_element(col.begin(), mid, col.end());
+      const double med = *mid;
+      for (auto& v : col) v = std::fabs(v - med);
+      std::nth_element(col.begin(), mid, col.end());
+      mean_[d] = med;
+      var_[d] = 1.4826 * 1.4826 * *mid * *mid;
     }
-    std::vector<double>().swap(warm_);
   }
 
-  // channel-var: the median over the channels of |z_d|, / 0.6745 (the median of |N(0, 1)|), so
-  // about 1 when the channels deviate as learned. The median, not sum z^2: the channels of real
-  // traffic are correlated and heavy-tailed (docs/integrity.md, "The statistics").
-  [[nodiscard]] double channel_var_score() {
-    const auto [b, e] = group(kScalars);
-    absz_.resize(e - b);
-    for (std::size_t d = b; d < e; ++d)
-      absz_[d - b] = std::fabs(cur_[d] - mean_[d]) * std::sqrt(weight_[d]);
-    auto mid = absz_.begin() + static_cast<std::ptrdiff_t>(absz_.size() / 2);
-    std::nth_element(absz_.begin(), mid, absz_.end());
-    return *mid / 0.6744897501960817;
+  // The reference slot of `key`, or -1 when it has none yet (or fewer than kKeyMinCount
+  // messages learned).
+  [[nodiscard]] std::int32_t slot_of(std::int32_t key) const {
+    const auto it = slots_.find(key);
+    if (it == slots_.end() || count_of_[static_cast<std::size_t>(it->second)] < kKeyMinCount)
+      return -1;
+    return it->second;
   }
 
-  void init(std::int64_t cols) {
-    cols_ = cols;
-    const auto c = static_cast<std::size_t>(cols);
-    const std::size_t dims = kScalars + 2 * c;
-    cur_.assign(dims, 0);
-    mean_.assign(dims, 0);
-    var_.assign(dims, 0);
-    weight_.assign(dims, 0);
-    sum_.assign(c, 0);
-    sq_.assign(c, 0);
-    warm_.assign(std::min<std::size_t>(static_cast<std::size_t>(config_.warmup), kWarmRows) * dims, 0);
-    reservoir_.assign(static_cast<std::size_t>(kGroups * kReservoir), 0);
-    sorted_.assign(kReservoir, 0);
-    fitted_.fill(kInf);
-  }
-
-  // The statistics of x into cur_; false (and nonfinite_reason_ set) for non-finite values.
-  // Pass 1, per row r: the sum, the sum of squares ss_r (double) and max |x|. Pass 2: the
-  // per-channel sums and sums of squares.
-  bool statistics(const float* x, std::int64_t rows) {
-    const std::int64_t c = cols_;
-    const auto uc = static_cast<std::size_t>(c);
+  // The statistics of x into cur_ (and per row: log RMS, key slot); false (and
+  // nonfinite_reason_ set) for non-finite values. One pass: per row its sum of squares, max |x|
+  // and the dot product with its key's reference row.
+  bool statistics(std::span<const float> xs, std::int64_t rows,
+                  std::span<const std::int32_t> keys) {
+    // (float squares summed in double cannot overflow: a non-finite sum means a non-finite x)
+    const float* x = xs.data();
+    const auto uc = static_cast<std::size_t>(cols_);
     const auto ur = static_cast<std::size_t>(rows);
-    row_ss_.resize(ur);
-    double s = 0, q = 0, peak = 0;
+    row_log_.resize(ur);
+    row_cos_.resize(ur);
+    double q = 0, peak = 0, cos_sum = 0, norm_sum = 0;
+    covered_ = 0;
+    std::int64_t cos_rows = 0;
+    const std::int32_t shared = slot_of(0);
     for (std::size_t r = 0; r < ur; ++r) {
       const float* a = x + r * uc;
-      double rs[4] = {0, 0, 0, 0}, rq[4] = {0, 0, 0, 0};
+      const std::int32_t slot = keys.empty() ? shared : slot_of(keys[r]);
+      const float* ref = slot >= 0 ? refs_.data() + static_cast<std::size_t>(slot) * uc : nullptr;
+      double rq[4] = {0, 0, 0, 0}, rd[4] = {0, 0, 0, 0};
       float pk[4] = {0, 0, 0, 0};
       std::size_t j = 0;
-      for (; j + 4 <= uc; j += 4)
-        for (std::size_t i = 0; i < 4; ++i) {
-          const double v = a[j + i];
-          rs[i] += v;
-          rq[i] += v * v;
-          const float m = std::fabs(a[j + i]);
-          pk[i] = pk[i] < m ? m : pk[i];
+      if (ref != nullptr) {
+        for (; j + 4 <= uc; j += 4)
+          for (std::size_t i = 0; i < 4; ++i) {
+            const double v = a[j + i];
+            rq[i] += v * v;
+            rd[i] += v * static_cast<double>(ref[j + i]);
+            const float m = std::fabs(a[j + i]);
+            pk[i] = pk[i] < m ? m : pk[i];
+          }
+        for (; j < uc; ++j) {
+          const double v = a[j];
+          rq[0] += v * v;
+          rd[0] += v * static_cast<double>(ref[j]);
+          pk[0] = std::max(pk[0], std::fabs(a[j]));
         }
-      for (; j < uc; ++j) {
-        const double v = a[j];
-        rs[0] += v;
-        rq[0] += v * v;
-        const float m = std::fabs(a[j]);
-        pk[0] = pk[0] < m ? m : pk[0];
+      } else {
+        for (; j + 4 <= uc; j += 4)
+          for (std::size_t i = 0; i < 4; ++i) {
+            const double v = a[j + i];
+            rq[i] += v * v;
+            const float m = std::fabs(a[j + i]);
+            pk[i] = pk[i] < m ? m : pk[i];
+          }
+        for (; j < uc; ++j) {
+          const double v = a[j];
+          rq[0] += v * v;
+          pk[0] = std::max(pk[0], std::fabs(a[j]));
+        }
       }
       const double ss = (rq[0] + rq[1]) + (rq[2] + rq[3]);
-      row_ss_[r] = ss;
-      s += (rs[0] + rs[1]) + (rs[2] + rs[3]);
       q += ss;
       peak = std::max({peak, static_cast<double>(pk[0]), static_cast<double>(pk[1]),
                        static_cast<double>(pk[2]), static_cast<double>(pk[3])});
+      row_log_[r] = 0.5 * std::log(ss / static_cast<double>(uc) + kTiny);
+      if (ref != nullptr) {
+        const auto s = static_cast<std::size_t>(slot);
+        const double norms = std::sqrt(ss * ref_ss_[s]);
+        row_cos_[r] = norms > 0 ? ((rd[0] + rd[1]) + (rd[2] + rd[3])) / norms : 0.0;
+        norm_sum += row_log_[r] - ref_log_[s];
+        ++covered_;
+        if (cos_count_[s] >= kKeyMinCount) {  // the key has a usual cosine to compare with
+          cos_sum += row_cos_[r] - ref_cos_[s];
+          ++cos_rows;
+        }
+      } else {
+        row_cos_[r] = std::numeric_limits<double>::quiet_NaN();
+      }
     }
-    if (!std::isfinite(s) || !std::isfinite(q) || std::isnan(peak) || std::isinf(peak)) {
+    if (!std::isfinite(q) || std::isnan(peak) || std::isinf(peak)) {
       const std::size_t n = ur * uc;
       std::size_t bad = 0, first = n;
       for (std::size_t i = 0; i < n; ++i)
@@ -431,111 +438,76 @@ class SentinelMonitor {
         }
       nonfinite_reason_ = fmt::format(
           "{} non-finite value{} (the first, {}, at row {}, column {} of [{}, {}])", bad,
-          bad == 1 ? "" : "s", bad > 0 ? x[first] : 0.0f, first / uc, first % uc, rows, c);
+          bad == 1 ? "" : "s", x[first], first / uc, first % uc, rows, cols_);
       return false;
     }
-    const double n = static_cast<double>(rows) * static_cast<double>(c);
-    const double ms = q / n;
-    cur_[0] = 0.5 * std::log(ms + kTiny);
-    cur_[1] = s / n;
-    cur_[2] = ms > 0 ? peak / std::sqrt(ms) : 0.0;
-    // Row spread: the standard deviation of log row RMS over the rows.
-    double lm = 0, lq = 0;
-    for (std::size_t r = 0; r < ur; ++r) {
-      const double l = 0.5 * std::log(row_ss_[r] / static_cast<double>(c) + kTiny);
-      lm += l;
-      lq += l * l;
-    }
-    lm /= static_cast<double>(rows);
-    // (exactly 0 for one row: a decode message's rounding must not score against an EMA of 0)
-    cur_[4] = rows == 1 ? 0.0 : std::sqrt(std::max(lq / static_cast<double>(rows) - lm * lm, 0.0));
-    // Pass 2: channel sums over the typical rows, those whose norm is at most 3x the median
-    // row's (double: finite values whose float squares would overflow stay finite). The few
-    // rows of much larger norm (in a residual stream, the first token of each packed sequence)
-    // are left out, so the channel statistics do not swing with how many sequences a micro-batch
-    // packs; a fault that touches every row still shows in the typical ones.
-    median_ss_.assign(row_ss_.begin(), row_ss_.end());
-    auto mid = median_ss_.begin() + static_cast<std::ptrdiff_t>(ur / 2);
-    std::nth_element(median_ss_.begin(), mid, median_ss_.end());
-    const double cut = 9.0 * *mid;
-    std::fill(sum_.begin(), sum_.end(), 0.0);
-    std::fill(sq_.begin(), sq_.end(), 0.0);
-    double* __restrict cs = sum_.data();
-    double* __restrict cq = sq_.data();
-    const double* ema = mean_.data() + kScalars;  // the channel means learned so far
-    const double* ema_var = ema + uc;              // and the channel log variances
-    double ema2 = 0, spread = 0;
-    for (std::size_t j = 0; j < uc; ++j) {
-      ema2 += ema[j] * ema[j];
-      spread += std::exp(ema_var[j]);
-    }
-    std::int64_t kept = 0;
-    double cos_sum = 0;  // over the typical rows: cos(x_r, ema)
-    for (std::size_t r = 0; r < ur; ++r) {
-      if (row_ss_[r] > cut) continue;
-      ++kept;
-      const float* a = x + r * uc;
-      double dot[4] = {0, 0, 0, 0};
-      std::size_t j = 0;
-      for (; j + 4 <= uc; j += 4)
-        for (std::size_t i = 0; i < 4; ++i) {
-          const double y = a[j + i];
-          cs[j + i] += y;
-          cq[j + i] += y * y;
-          dot[i] += y * ema[j + i];
-        }
-      for (; j < uc; ++j) {
-        const double y = a[j];
-        cs[j] += y;
-        cq[j] += y * y;
-        dot[0] += y * ema[j];
-      }
-      const double norms = std::sqrt(row_ss_[r] * ema2);
-      if (norms > 0) cos_sum += ((dot[0] + dot[1]) + (dot[2] + dot[3])) / norms;
-    }
-    const double inv_rows = 1.0 / static_cast<double>(std::max<std::int64_t>(kept, 1));
-    double* mean = cur_.data() + kScalars;
-    double* var = mean + uc;
-    for (std::size_t j = 0; j < uc; ++j) {
-      mean[j] = cs[j] * inv_rows;
-      // log variance: nearly symmetric where the variance itself is skewed (chi-square).
-      var[j] = rows == 1 ? 0.0
-                         : std::log(std::max(cq[j] * inv_rows - mean[j] * mean[j], 0.0) + kTiny);
-    }
-    // Alignment: the typical rows' mean cosine with the learned channel means (0 before any
-    // message was learned). A sign flip of a share p of the elements scales each row's
-    // projection on that direction by 1 - 2p and keeps its norm; noise adds norm and no
-    // projection; so both pull it down (SENTINEL compares each message with the EMA of the
-    // edge's tensors; this is that comparison as a direction).
-    cur_[kAlignment] = cos_sum * inv_rows;
-    // Scored only where the learned direction stands out of the sampling noise of one
-    // message's channel means (squared norm above sum of channel variances / rows): gradients,
-    // whose channel means are near 0, have no direction to be aligned with.
-    directed_ = learned_ > 0 && kept > 1 && ema2 > spread * inv_rows;
+    const double ms = q / static_cast<double>(ur * uc);
+    cur_[kCos] = cos_sum / static_cast<double>(std::max<std::int64_t>(cos_rows, 1));
+    cur_[kNorm] = norm_sum / static_cast<double>(std::max<std::int64_t>(covered_, 1));
+    present_ = {cos_rows > 0, covered_ > 0, true};
+    cur_[kPeak] = ms > 0 ? std::log(peak / std::sqrt(ms)) : 0.0;
     return true;
   }
 
-  std::string reason(int g) const {
-    const auto [b, e] = group(g);
-    const double s = score_[static_cast<std::size_t>(g)];
-    if (e - b == 1)
-      return fmt::format("{} = {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})", kNames[g], cur_[b],
-                         mean_[b], std::sqrt(var_[b]), s);
-    std::size_t worst = b;
-    double zmax = 0, z2 = 0;
-    for (std::size_t d = b; d < e; ++d) {
-      const double z = std::fabs(cur_[d] - mean_[d]) * std::sqrt(weight_[d]);
-      z2 += z * z;
-      if (z > zmax) {
-        zmax = z;
-        worst = d;
+  // The keys' references learn the message assessed last: per key, the mean of its rows and of
+  // their log RMS, with momentum max(1 - key_decay, 1/n) for the key's n-th message.
+  void learn_keys() {
+    const auto uc = static_cast<std::size_t>(cols_);
+    const std::size_t ur = x_.size() / uc;
+    order_.resize(ur);
+    for (std::size_t r = 0; r < ur; ++r) {
+      const std::int32_t key = keys_.empty() ? 0 : keys_[r];
+      auto [it, fresh] = slots_.try_emplace(key, static_cast<std::int32_t>(count_of_.size()));
+      if (fresh) {
+        count_of_.push_back(0);
+        cos_count_.push_back(0);
+        ref_cos_.push_back(0);
+        ref_log_.push_back(0);
+        ref_ss_.push_back(0);
+        refs_.resize(refs_.size() + uc, 0.0f);
       }
+      order_[r] = {it->second, static_cast<std::int32_t>(r)};
     }
-    return fmt::format(
-        "{} deviates over its {} values (score {:.3g}: median |z| {:.3g}, rms z {:.3g}); the "
-        "largest at index {}: {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g})",
-        kNames[g], e - b, s, s * 0.6744897501960817, std::sqrt(z2 / static_cast<double>(e - b)),
-        worst - b, cur_[worst], mean_[worst], std::sqrt(var_[worst]), zmax);
+    std::sort(order_.begin(), order_.end());
+    acc_.resize(uc);
+    for (std::size_t b = 0; b < ur;) {
+      const std::int32_t slot = order_[b].first;
+      std::size_t e = b;
+      std::fill(acc_.begin(), acc_.end(), 0.0);
+      double log_sum = 0, cos_sum = 0;
+      for (; e < ur && order_[e].first == slot; ++e) {
+        const auto r = static_cast<std::size_t>(order_[e].second);
+        const float* a = x_.data() + r * uc;
+        for (std::size_t j = 0; j < uc; ++j) acc_[j] += a[j];
+        log_sum += row_log_[r];
+        cos_sum += row_cos_[r];  // NaN when the key had no reference at assess time
+      }
+      const auto s = static_cast<std::size_t>(slot);
+      const double n = static_cast<double>(e - b);
+      if (!std::isnan(cos_sum)) {
+        const double ac = std::max(1.0 - config_.key_decay, 1.0 / static_cast<double>(++cos_count_[s]));
+        ref_cos_[s] += ac * (cos_sum / n - ref_cos_[s]);
+      }
+      const double a = std::max(1.0 - config_.key_decay, 1.0 / static_cast<double>(++count_of_[s]));
+      float* ref = refs_.data() + s * uc;
+      double ss = 0;
+      for (std::size_t j = 0; j < uc; ++j) {
+        ref[j] = static_cast<float>(ref[j] + a * (acc_[j] / n - ref[j]));
+        ss += static_cast<double>(ref[j]) * ref[j];
+      }
+      ref_ss_[s] = ss;
+      ref_log_[s] += a * (log_sum / n - ref_log_[s]);
+      b = e;
+    }
+  }
+
+  std::string reason(int g, std::int64_t rows) const {
+    const auto d = static_cast<std::size_t>(g);
+    const std::string over =
+        g == kPeak ? std::string()
+                   : fmt::format(" over {} of {} rows with a learned key reference", covered_, rows);
+    return fmt::format("{} = {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g}){}", kNames[g], cur_[d],
+                       mean_[d], std::sqrt(var_[d]), score_[d], over);
   }
 
   void add_scores() {
@@ -581,22 +553,32 @@ class SentinelMonitor {
     const double body = q50 + (q75 - q50) / std::log(2.0) * std::log(0.5 / q);
     fitted_[static_cast<std::size_t>(g)] =
         std::max(std::min(spot, kBodyMargin * body), kMinThreshold[static_cast<std::size_t>(g)]);
-
   }
 
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
-  std::vector<double> cur_, mean_, var_, weight_;  // [kScalars, cols (channel means), cols]
-  std::vector<double> sum_, sq_;                   // per-channel sums and sums of squares
-  std::vector<double> row_ss_, median_ss_;         // per-row sums of squares, and a copy
-  std::vector<double> warm_;  // the last warm-up statistics, [min(warmup, kWarmRows), dims]
-  std::array<double, kGroups> score_{};
-  bool directed_ = false;  // the learned channel means give alignment a direction (statistics())
+  std::array<double, kGroups> cur_{}, mean_{}, var_{}, score_{};
+  std::array<std::int64_t, kGroups> count_{};  // messages each statistic learned
+  std::array<std::array<double, kGroups>, kWarmRows> warm_{};  // the last warm-up statistics
   bool assessed_ = false;
   std::string nonfinite_reason_;
-  std::vector<double> absz_;  // channel-var: |z| per channel (scratch)
-  std::vector<double> reservoir_;  // [kGroups, kReservoir]: each statistic's accepted scores
-  std::vector<double> sorted_;     // one statistic's, partially sorted by fit()
+  // The message assessed last (learn() reads it) and its per-row log RMS.
+  std::span<const float> x_;
+  std::span<const std::int32_t> keys_;
+  std::vector<double> row_log_, row_cos_;  // per row: log RMS; cosine to its key's reference
+  std::int64_t covered_ = 0;
+  std::array<bool, kGroups> present_{};  // the message has rows for each statistic
+  // Keyed references: key -> slot; per slot its reference row (refs_[slot * cols, +cols)), its
+  // squared norm, its EMA log RMS and the messages it learned from.
+  std::map<std::int32_t, std::int32_t> slots_;
+  std::vector<float> refs_;
+  std::vector<double> ref_ss_, ref_log_, ref_cos_;  // ref_cos_: EMA of its rows' cosine to it
+  std::vector<std::int32_t> count_of_, cos_count_;   // messages learned; of them, with a cosine
+  std::vector<std::pair<std::int32_t, std::int32_t>> order_;  // (slot, row), learn_keys scratch
+  std::vector<double> acc_;                                   // one key's row sum (scratch)
+  std::vector<double> reservoir_ =
+      std::vector<double>(static_cast<std::size_t>(kGroups * kReservoir), 0.0);
+  std::vector<double> sorted_ = std::vector<double>(kReservoir, 0.0);
   std::int64_t next_ = 0, reservoir_size_ = 0, since_fit_ = 0;
   std::array<double, kGroups> fitted_{};  // each statistic's calibrated threshold
 };
@@ -693,6 +675,24 @@ class ReplayGuard {
   std::deque<std::size_t> order_;  // hashes in arrival order (oldest first)
 };
 
+/// The row keys of one training micro-batch (VerifyingTransport::expect): per row, the key its
+/// activation row and its gradient row are compared under (SentinelMonitor's references).
+struct RowKeys {
+  std::vector<std::int32_t> activation;  ///< [rows]: the rows' input token ids
+  std::vector<std::int32_t> gradient;    ///< [rows]: the rows' target token ids (-1: none)
+};
+
+/// The row keys of a step's micro-batches, in order: for each batch (a data::PackedBatch, or
+/// anything with `inputs` and `targets` vectors of int32 token ids, [rows] each), its input ids
+/// as the activation keys and its target ids as the gradient keys.
+template <class Batch>
+std::vector<RowKeys> row_keys(std::span<const Batch> batches) {
+  std::vector<RowKeys> keys;
+  keys.reserve(batches.size());
+  for (const auto& b : batches) keys.push_back({b.inputs, b.targets});
+  return keys;
+}
+
 /// What VerifyingTransport does with a flagged message.
 enum class VerifyPolicy {
   Log,         ///< record it and deliver it (the monitor still does not learn it)
@@ -749,7 +749,7 @@ struct VerdictRecord {
 /// on the RECEIVING rank (a sender cannot vouch for itself) and applies a VerifyPolicy to a
 /// flagged message.
 ///
-/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols), rows =
+/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols, keyed), rows =
 /// header.shape[0] and cols = the product of the other dims, so prefill-sized and decode-sized
 /// messages are not scored against each other. Float payloads (f32; f16 and bf16 widened) of the
 /// checked kinds go first through the stream's ReplayGuard (per sending rank, kind, stage and
@@ -764,9 +764,13 @@ struct VerdictRecord {
 /// with the reason "integrity check: score S > threshold T: <statistic and deviation>";
 /// Quarantine's reason says that rank F is quarantined and that no data-parallel replica exists
 /// to take over its stages, so the run stops: brigade has no data-parallel replicas yet.
+/// Row keys (expect()): the receiver's trusted knowledge of what each row of a training
+/// message holds (the row's input token id for an activation, its target id for a gradient),
+/// from the data order every rank reads; a message whose micro-batch has keys of its row count
+/// is scored against per-key references (SentinelMonitor), any other in a stream of its own with
+/// one shared key.
 /// Every checked message appends a VerdictRecord (about 100 bytes and its reason); a monitor
-/// holds about 64 cols + 16 rows bytes plus 16 KiB of scores (and, during warm-up,
-/// 8 min(warmup, 64) (5 + 2 cols) bytes more).
+/// holds 4 cols + 16 bytes per key it learned and 24 KiB of scores.
 /// Movable (the state lives behind a shared pointer). Not thread-safe.
 template <Transport Inner>
 class VerifyingTransport : public InspectingTransport<Inner> {
@@ -781,6 +785,13 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                                                        MessageKind::Gradient, MessageKind::Token})
       : VerifyingTransport(inner, std::make_shared<State>(config, policy, inner.rank()),
                            kinds) {}
+
+  /// The row keys of the micro-batches to come, indexed by the header's micro-batch id
+  /// (replacing those given before): the activation and gradient messages of micro-batch m are
+  /// scored with keys[m].activation / keys[m].gradient when that vector has the message's row
+  /// count. Call between steps (not while a receive is in flight). The keys must come from the
+  /// receiver's own data (the trusted data order), never from a message.
+  void expect(std::vector<RowKeys> keys) { state_->expected = std::move(keys); }
 
   /// Every checked message's verdict, in the order they were checked.
   [[nodiscard]] const std::vector<VerdictRecord>& verdicts() const noexcept {
@@ -807,7 +818,10 @@ class VerifyingTransport : public InspectingTransport<Inner> {
     SentinelConfig config;
     VerifyPolicy policy;
     int to;
-    std::map<std::tuple<int, int, std::int64_t, int, std::int64_t>, SentinelMonitor> monitors;
+    // (from, kind, stage, row bucket, cols, keyed) -> the stream's monitor
+    std::map<std::tuple<int, int, std::int64_t, int, std::int64_t, bool>, SentinelMonitor>
+        monitors;
+    std::vector<RowKeys> expected;  // expect(): per micro-batch
     // (from, kind, stage, payload bytes) -> the stream's replay check
     std::map<std::tuple<int, int, std::int64_t, std::size_t>, ReplayGuard> replays;
     std::map<std::pair<int, int>, std::int64_t> received;  // (from, kind) -> messages
@@ -844,12 +858,19 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                                  "(micro-batch {}, chunk {}) of this stream",
                                  repeat->index, repeat->microbatch, repeat->chunk);
         } else {
-          auto& monitor =
-              monitors
-                  .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage, bucket, cols),
-                               config)
-                  .first->second;
-          a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows);
+          std::span<const std::int32_t> keys;
+          if (h.microbatch >= 0 && h.microbatch < static_cast<std::int64_t>(expected.size())) {
+            const auto& k = expected[static_cast<std::size_t>(h.microbatch)];
+            const auto& v = h.kind == MessageKind::Gradient ? k.gradient : k.activation;
+            if (static_cast<std::int64_t>(v.size()) == rows) keys = v;
+          }
+          auto& monitor = monitors
+                              .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
+                                                      bucket, cols, !keys.empty()),
+                                           config)
+                              .first->second;
+          a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows,
+                              keys);
         }
       } else if (h.dtype == DType::I32 && h.kind == MessageKind::Token && config.token_limit > 0 &&
                  numel > 0) {
