@@ -112,7 +112,10 @@ struct Assessment {
 /// data order: VerifyingTransport::expect). Rows without keys (inference, or no keys given)
 /// all share one key. Per key the monitor keeps the EMA of its rows (a reference row, cols
 /// floats) and of their log RMS (momentum config.key_decay; the n-th message that holds the key
-/// moves them by max(1 - key_decay, 1/n), with the mean of that key's rows in the message).
+/// moves them by max(1 - key_decay, 1/n), with the mean of that key's rows in the message; all-
+/// zero rows are not learned, and after the key's first message one message moves its log RMS
+/// by at most 1, its rows rescaled to match, so an outlier learned during warm-up does not
+/// poison the reference).
 /// A clean row is close to its key's reference whatever the text around it, where a message's
 /// plain statistics (its RMS, its channel means and variances) move with the micro-batch's text;
 /// noise, scaling, sign flips and zeroing move every row away from its own reference.
@@ -328,6 +331,8 @@ class SentinelMonitor {
   static constexpr int kCos = 0, kNorm = 1, kPeak = 2;  // indices into kNames
   static constexpr double kInf = std::numeric_limits<double>::infinity();
   static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed row's finite statistic
+  static constexpr double kZeroRowLog = -300;  // a row's log RMS below this: an all-zero row
+  static constexpr double kKeyClip = 1.0;  // the most one message moves a key's log RMS (e-fold)
 
   // End of warm-up: the EMAs restart from the median and the scaled median absolute deviation
   // (1.4826 MAD, the normal's sd) of the kept warm-up statistics (NaN: a message without key
@@ -475,29 +480,42 @@ class SentinelMonitor {
       std::size_t e = b;
       std::fill(acc_.begin(), acc_.end(), 0.0);
       double log_sum = 0, cos_sum = 0;
+      std::size_t kept = 0;
       for (; e < ur && order_[e].first == slot; ++e) {
         const auto r = static_cast<std::size_t>(order_[e].second);
+        if (row_log_[r] < kZeroRowLog) continue;  // an all-zero row teaches nothing
         const float* a = x_.data() + r * uc;
         for (std::size_t j = 0; j < uc; ++j) acc_[j] += a[j];
         log_sum += row_log_[r];
         cos_sum += row_cos_[r];  // NaN when the key had no reference at assess time
+        ++kept;
       }
       const auto s = static_cast<std::size_t>(slot);
-      const double n = static_cast<double>(e - b);
+      b = e;
+      if (kept == 0) continue;
+      const double n = static_cast<double>(kept);
       if (!std::isnan(cos_sum)) {
         const double ac = std::max(1.0 - config_.key_decay, 1.0 / static_cast<double>(++cos_count_[s]));
         ref_cos_[s] += ac * (cos_sum / n - ref_cos_[s]);
+      }
+      // After the key's first message, one message moves its log RMS by at most kKeyClip (its
+      // rows rescaled to match): an unflagged outlier during warm-up (a bit flip's huge element)
+      // cannot poison the reference for good.
+      double log_mean = log_sum / n, scale = 1.0;
+      if (count_of_[s] > 0 && std::fabs(log_mean - ref_log_[s]) > kKeyClip) {
+        const double clipped = ref_log_[s] + std::clamp(log_mean - ref_log_[s], -kKeyClip, kKeyClip);
+        scale = std::exp(clipped - log_mean);
+        log_mean = clipped;
       }
       const double a = std::max(1.0 - config_.key_decay, 1.0 / static_cast<double>(++count_of_[s]));
       float* ref = refs_.data() + s * uc;
       double ss = 0;
       for (std::size_t j = 0; j < uc; ++j) {
-        ref[j] = static_cast<float>(ref[j] + a * (acc_[j] / n - ref[j]));
+        ref[j] = static_cast<float>(ref[j] + a * (scale * acc_[j] / n - ref[j]));
         ss += static_cast<double>(ref[j]) * ref[j];
       }
       ref_ss_[s] = ss;
-      ref_log_[s] += a * (log_sum / n - ref_log_[s]);
-      b = e;
+      ref_log_[s] += a * (log_mean - ref_log_[s]);
     }
   }
 
