@@ -194,7 +194,7 @@ TEST_CASE("verify.monitor: every fault kind at magnitude 1 is flagged, noise of 
 
 TEST_CASE("verify.monitor: with row keys, a stream whose messages mix their rows differently "
           "raises no false alarm and every sign flip of a quarter of the elements is flagged by "
-          "key-cos; without keys the same traffic hides the flips") {
+          "key-cos, while without keys the same traffic hides the flips") {
   // Rows of 40 keys (token ids): key v has its own mean row e_v ~ N(0, 1) times a norm
   // exp(N(0, 0.5)), a row is e_v + N(0, 0.6^2) per element; each message draws its 24 rows'
   // keys from 6 of the 40 (a "topic"), so the plain statistics of a message move with its mix.
