@@ -248,7 +248,7 @@ TEST_CASE("verify.monitor: with row keys, a stream whose messages mix their rows
 }
 
 TEST_CASE("verify.monitor: rows of keys without a learned reference are not in the key "
-          "statistics; a message with none has none") {
+          "statistics, and a message with none has none") {
   KeyedStream s(8, 16, 10, 3);
   SentinelMonitor m;
   for (int i = 0; i < 50; ++i) {
