@@ -12,6 +12,10 @@
 //       three runs of stories260K on fortunes: clean; rank 0's activations corrupted at a 10% rate
 //       with --verify drop; the same attack unchecked. Held-out loss every 20 steps; writes
 //       OUT_DIR/attack.md and OUT_DIR/attack_loss.svg.
+//   integrity_eval dump OUT_DIR [STEPS] [260K|42M]
+//       records the streams (with each micro-batch's token ids) to OUT_DIR/*.bin; with
+//       BRIGADE_EVAL_STREAMS_260K / _42M set to such a directory, detect and diagnose replay
+//       those instead of recording them again.
 //   integrity_eval clean STEPS
 //       a clean run with the "stop" policy at the default threshold: how many messages were
 //       checked and whether a false alarm stopped it.
@@ -721,7 +725,10 @@ int main(int argc, char** argv) {
                "usage: integrity_eval detect OUT_DIR [STEPS_260K=300] [STEPS_42M=40]\n"
                "       integrity_eval attack OUT_DIR [STEPS=400] [KIND:MAGNITUDE=noise:1]\n"
                "       integrity_eval clean [STEPS=1000]\n"
-               "       integrity_eval diagnose [STEPS=300] [260K|42M]\n");
+               "       integrity_eval diagnose [STEPS=300] [260K|42M]\n"
+               "       integrity_eval dump OUT_DIR [STEPS=1000] [260K|42M]\n"
+               "BRIGADE_EVAL_STREAMS_260K / BRIGADE_EVAL_STREAMS_42M = a dump's OUT_DIR: detect and\n"
+               "diagnose replay those streams instead of recording them again\n");
     return 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "integrity_eval: {}\n", e.what());
