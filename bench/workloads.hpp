@@ -28,6 +28,7 @@ inline std::vector<data::PackedBatch> random_sequences(int m, int len, int vocab
     }
     b.offsets = {0, b.rows()};
     b.tasks = {0};
+    b.task_offsets = {0, b.rows()};
     out.push_back(std::move(b));
   }
   return out;

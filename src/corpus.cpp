@@ -6,6 +6,8 @@
 #include "brigade/io/input.hpp"
 #include "brigade/model/weights.hpp"
 
+#include <fmt/core.h>
+
 #include <algorithm>
 #include <fstream>
 #include <numeric>
@@ -102,46 +104,120 @@ void check_text(const fs::path& f, std::string_view text) {
                  f.string(), nul);
 }
 
+/// The regular text files of a folder, sorted by name: symbolic links, hidden files and
+/// fortune index files `*.dat` skipped.
+std::vector<fs::path> text_files_of(const fs::path& folder) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.is_symlink() || !e.is_regular_file() || name.empty() || name[0] == '.') continue;
+    if (e.path().extension() == ".dat") continue;
+    files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
 }  // namespace
+
+namespace {
+
+/// load_sources, naming the input `what` when no source holds a sample.
+Corpus load_named(std::span<const CorpusSource> sources, const model::Tokenizer& tokenizer,
+                  int max_tokens, const std::string& what) {
+  BRIGADE_CHECK(max_tokens >= 2, Errc::InvalidArgument,
+                "load_corpus: max_tokens = {}, expected >= 2", max_tokens);
+  Corpus c;
+  for (const auto& source : sources) {
+    const int task = static_cast<int>(c.tasks.size());
+    const auto before = c.samples.size();
+    for (const auto& f : source.files) {
+      const std::string text = io::read_input_file(f, "text file", io::kMaxCorpusFileBytes);
+      check_text(f, text);
+      std::vector<std::string> samples;
+      if (source.split == SampleSplit::Paragraphs) {
+        samples = split_samples(text);
+      } else if (const auto doc = trim_blank_lines(text); !doc.empty()) {
+        samples.emplace_back(doc);
+      }
+      for (const auto& s : samples) {
+        auto ids = tokenizer.encode(s, true, false);
+        if (ids.size() < 2) continue;
+        if (static_cast<int>(ids.size()) > max_tokens) {
+          ++c.truncated_samples;
+          c.truncated_tokens += static_cast<std::int64_t>(ids.size()) - max_tokens;
+          ids.resize(static_cast<std::size_t>(max_tokens));
+        }
+        c.samples.push_back({task, std::move(ids)});
+      }
+    }
+    if (c.samples.size() > before) c.tasks.push_back(source.task);
+  }
+  BRIGADE_CHECK(!c.samples.empty(), Errc::BadFile, "{}: no text samples found", what);
+  return c;
+}
+
+}  // namespace
+
+Corpus load_sources(std::span<const CorpusSource> sources, const model::Tokenizer& tokenizer,
+                    int max_tokens) {
+  std::string names;
+  for (const auto& source : sources)
+    names += fmt::format("{}{}", names.empty() ? "" : ", ", source.task);
+  return load_named(sources, tokenizer, max_tokens,
+                    names.empty() ? std::string("the corpus (no source)")
+                                  : fmt::format("the corpus of tasks {}", names));
+}
 
 Corpus load_corpus(const fs::path& path, const model::Tokenizer& tokenizer, int max_tokens) {
   BRIGADE_CHECK(max_tokens >= 2, Errc::InvalidArgument,
                 "load_corpus: max_tokens = {}, expected >= 2", max_tokens);
   std::error_code ec;
   BRIGADE_CHECK(fs::exists(path, ec), Errc::BadFile, "{}: no such file or folder", path.string());
-  std::vector<fs::path> files;
+  std::vector<CorpusSource> sources;
   if (fs::is_directory(path, ec)) {
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      const auto name = e.path().filename().string();
-      if (e.is_symlink() || !e.is_regular_file() || name.empty() || name[0] == '.') continue;
-      if (e.path().extension() == ".dat") continue;
-      files.push_back(e.path());
+    for (const auto& f : text_files_of(path)) sources.push_back({f.filename().string(), {f}});
+    BRIGADE_CHECK(!sources.empty(), Errc::BadFile, "{}: no text samples found", path.string());
+  } else {
+    sources.push_back({path.filename().string(), {path}});
+  }
+  return load_named(sources, tokenizer, max_tokens, path.string());
+}
+
+std::vector<CorpusSource> debian_sources(const fs::path& root) {
+  std::vector<CorpusSource> out;
+  std::error_code ec;
+  const fs::path fortunes = root / "usr/share/games/fortunes";
+  if (fs::is_directory(fortunes, ec))
+    for (const auto& f : text_files_of(fortunes))
+      out.push_back({"fortunes/" + f.filename().string(), {f}, SampleSplit::Paragraphs});
+  const fs::path licenses = root / "usr/share/common-licenses";
+  if (fs::is_directory(licenses, ec))
+    out.push_back({"common-licenses", text_files_of(licenses), SampleSplit::Documents});
+  // Per package: usr/share/doc/<package>/<name>, a regular file (not a link to another's).
+  const fs::path doc = root / "usr/share/doc";
+  const auto per_package = [&](const char* name) {
+    std::vector<fs::path> files;
+    if (!fs::is_directory(doc, ec)) return files;
+    for (const auto& e : fs::directory_iterator(doc, ec)) {
+      const fs::path f = e.path() / name;
+      if (e.is_directory() && !e.is_symlink() && !fs::is_symlink(f, ec) &&
+          fs::is_regular_file(f, ec))
+        files.push_back(f);
     }
     std::sort(files.begin(), files.end());
-  } else {
-    files.push_back(path);
-  }
-  Corpus c;
-  for (const auto& f : files) {
-    const std::string text = io::read_input_file(f, "text file", io::kMaxCorpusFileBytes);
-    check_text(f, text);
-    const auto samples = split_samples(text);
-    if (samples.empty()) continue;
-    const int task = static_cast<int>(c.tasks.size());
-    c.tasks.push_back(f.filename().string());
-    for (const auto& s : samples) {
-      auto ids = tokenizer.encode(s, true, false);
-      if (ids.size() < 2) continue;
-      if (static_cast<int>(ids.size()) > max_tokens) {
-        ++c.truncated_samples;
-        c.truncated_tokens += static_cast<std::int64_t>(ids.size()) - max_tokens;
-        ids.resize(static_cast<std::size_t>(max_tokens));
-      }
-      c.samples.push_back({task, std::move(ids)});
-    }
-  }
-  BRIGADE_CHECK(!c.samples.empty(), Errc::BadFile, "{}: no text samples found", path.string());
-  return c;
+    return files;
+  };
+  out.push_back({"copyright", per_package("copyright"), SampleSplit::Documents});
+  out.push_back({"readme-debian", per_package("README.Debian"), SampleSplit::Documents});
+  std::erase_if(out, [](const CorpusSource& s) { return s.files.empty(); });
+  BRIGADE_CHECK(!out.empty(), Errc::BadFile,
+                "{}: no Debian text found (usr/share/games/fortunes, usr/share/common-licenses, "
+                "usr/share/doc/*/copyright, usr/share/doc/*/README.Debian; scripts/deps.sh "
+                "installs fortunes)",
+                root.string());
+  return out;
 }
 
 std::pair<Corpus, Corpus> split_held_out(const Corpus& corpus, int every) {
@@ -163,12 +239,14 @@ void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows
                 "append_sequence: {} rows of a sample of {} tokens, expected 1 to tokens - 1", rows,
                 sample.tokens.size());
   if (batch.offsets.empty()) batch.offsets.push_back(0);
+  if (batch.task_offsets.empty()) batch.task_offsets.push_back(0);
   for (std::int64_t t = 0; t < rows; ++t) {
     batch.inputs.push_back(sample.tokens[static_cast<std::size_t>(t)]);
     batch.targets.push_back(sample.tokens[static_cast<std::size_t>(t) + 1]);
   }
   batch.offsets.push_back(batch.rows());
   batch.tasks.push_back(sample.task);
+  batch.task_offsets.push_back(batch.rows());
 }
 
 namespace {
@@ -181,11 +259,12 @@ const Sample& sample_of(std::span<const Sample> samples, std::int64_t i, const c
 
 std::int64_t rows_of(const Sample& s) { return static_cast<std::int64_t>(s.tokens.size()) - 1; }
 
-/// Appends `n` pad rows (input pad_id, target -1) to the batch's current sequence.
+/// Appends `n` pad rows (input pad_id, target -1) to the batch's current sequence and task span.
 void append_pads(PackedBatch& b, std::int64_t n, int pad_id) {
   b.inputs.insert(b.inputs.end(), static_cast<std::size_t>(n), pad_id);
   b.targets.insert(b.targets.end(), static_cast<std::size_t>(n), -1);
   b.offsets.back() = b.rows();
+  b.task_offsets.back() = b.rows();
 }
 
 }  // namespace
@@ -225,6 +304,7 @@ PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatc
                 mb.row_offsets.size(), mb.samples.size());
   PackedBatch b;
   b.offsets.push_back(0);
+  b.task_offsets.push_back(0);
   for (std::size_t r = 0; r + 1 < mb.row_offsets.size(); ++r) {
     const auto start = b.rows();
     const auto first = static_cast<std::size_t>(mb.row_offsets[r]);
@@ -239,13 +319,14 @@ PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatc
         b.inputs.push_back(s.tokens[t]);
         b.targets.push_back(s.tokens[t + 1]);
       }
+      b.tasks.push_back(s.task);
+      b.task_offsets.push_back(b.rows());
     }
     const auto used = b.rows() - start;
     BRIGADE_CHECK(used <= row_tokens, Errc::InvalidArgument,
                   "pack_rows: row {} holds {} rows of samples, more than its {} tokens", r, used,
                   row_tokens);
     b.offsets.push_back(b.rows());
-    b.tasks.push_back(samples[static_cast<std::size_t>(mb.samples[first])].task);
     append_pads(b, row_tokens - used, pad_id);
   }
   return b;

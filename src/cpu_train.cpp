@@ -490,7 +490,7 @@ void swiglu_backward(const float* gate, const float* up, const float* dh, float*
 
 CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
                                std::int64_t tokens, std::int64_t vocab, float* dlogits,
-                               double grad_denominator) {
+                               double grad_denominator, double* row_loss) {
   BRIGADE_CHECK(tokens >= 0 && vocab > 0, Errc::InvalidArgument,
                 "cross_entropy: tokens = {}, vocab = {}; expected tokens >= 0 and vocab > 0",
                 tokens, vocab);
@@ -513,6 +513,7 @@ CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
     const std::int32_t y = targets[t];
     if (y == -1) {
       if (dlogits != nullptr) std::fill(dlogits + t * vocab, dlogits + (t + 1) * vocab, 0.0f);
+      if (row_loss != nullptr) row_loss[t] = 0.0;
       continue;
     }
     const ConstMapArr row(logits + t * vocab, vocab);
@@ -527,8 +528,10 @@ CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
     } else {
       sum = exp_affine_fixed(logits + t * vocab, nullptr, vocab, 1.0f, mx);
     }
-    loss.sum += static_cast<double>(mx) + std::log(static_cast<double>(sum)) -
-                static_cast<double>(target_logit);
+    const double l = static_cast<double>(mx) + std::log(static_cast<double>(sum)) -
+                     static_cast<double>(target_logit);
+    if (row_loss != nullptr) row_loss[t] = l;
+    loss.sum += l;
   }
   return loss;
 }
@@ -553,7 +556,8 @@ CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                              const float* rms_final, const float* wcls,
                                              const float* x, const std::int32_t* targets,
                                              std::int64_t tokens, float* dx,
-                                             HeadActivations& acts, double grad_denominator) {
+                                             HeadActivations& acts, double grad_denominator,
+                                             double* row_loss) {
   config.validate("head_forward_backward_input");
   BRIGADE_CHECK(tokens >= 1, Errc::InvalidArgument,
                 "head_forward_backward_input: tokens = {}; expected >= 1", tokens);
@@ -570,7 +574,7 @@ CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
   cpu::matmul_wt(xn, wcls, dl, tokens, dim, vocab);
   CrossEntropyLoss loss;
   try {
-    loss = cross_entropy(dl, targets, tokens, vocab, dl, grad_denominator);
+    loss = cross_entropy(dl, targets, tokens, vocab, dl, grad_denominator, row_loss);
   } catch (...) {
     acts = HeadActivations{};
     throw;

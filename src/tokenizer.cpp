@@ -15,6 +15,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <queue>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -318,33 +319,62 @@ std::vector<int> Tokenizer::encode(std::string_view text, bool bos, bool eos) co
     len = 0;
   }
 
-  // Merge loop: each round merges the adjacent pair whose concatenation is a piece with the
-  // highest score (the first such pair on ties: strictly greater wins). The id of each pair's
-  // concatenation is cached; a merge changes only the pairs on either side of it.
-  std::string joined;
-  auto pair_id = [&](std::size_t i) {
-    joined.assign(m.pieces[static_cast<std::size_t>(tokens[i])]);
-    joined.append(m.pieces[static_cast<std::size_t>(tokens[i + 1])]);
-    return m.lookup(joined);
-  };
-  std::vector<int> pairs(tokens.size() > 1 ? tokens.size() - 1 : 0);
-  for (std::size_t i = 0; i < pairs.size(); ++i) pairs[i] = pair_id(i);
-  while (true) {
-    float best_score = kNoMergeScore;
-    std::size_t best = pairs.size();
-    for (std::size_t i = 0; i < pairs.size(); ++i) {
-      const int id = pairs[i];
-      if (id >= 0 && m.scores[static_cast<std::size_t>(id)] > best_score) {
-        best_score = m.scores[static_cast<std::size_t>(id)];
-        best = i;
-      }
+  // Merge loop (run.c's rule): each round merges the adjacent pair whose concatenation is a
+  // piece with the highest score, the leftmost such pair on ties, until no pair is a piece.
+  // run.c rescans every pair each round (O(n^2) on a long document); here the candidate pairs
+  // sit in a max-heap ordered by (score, leftmost first) and a merge pushes only the two new
+  // pairs beside it, so encoding is O(n log n) with the same merges in the same order. Tokens
+  // are a linked list over their first positions (a merge keeps the left one's position, so
+  // position order stays list order); a heap entry is stale once either side changed.
+  const auto n = tokens.size();
+  if (n > 1) {
+    std::vector<std::int64_t> prev(n), next(n);
+    std::vector<std::uint32_t> version(n, 0);
+    for (std::size_t i = 0; i < n; ++i) {
+      prev[i] = static_cast<std::int64_t>(i) - 1;
+      next[i] = i + 1 < n ? static_cast<std::int64_t>(i) + 1 : -1;
     }
-    if (best == pairs.size()) break;
-    tokens[best] = pairs[best];
-    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best) + 1);
-    pairs.erase(pairs.begin() + static_cast<std::ptrdiff_t>(best));
-    if (best > 0) pairs[best - 1] = pair_id(best - 1);
-    if (best < pairs.size()) pairs[best] = pair_id(best);
+    struct Candidate {
+      float score;
+      std::int64_t left, right;
+      std::uint32_t left_version, right_version;
+      int id;
+    };
+    const auto lower = [](const Candidate& a, const Candidate& b) {
+      return a.score < b.score || (a.score == b.score && a.left > b.left);
+    };
+    std::priority_queue<Candidate, std::vector<Candidate>, decltype(lower)> heap(lower);
+    std::string joined;
+    const auto push_pair = [&](std::int64_t left) {
+      const auto right = next[static_cast<std::size_t>(left)];
+      if (right < 0) return;
+      const auto l = static_cast<std::size_t>(left), r = static_cast<std::size_t>(right);
+      joined.assign(m.pieces[static_cast<std::size_t>(tokens[l])]);
+      joined.append(m.pieces[static_cast<std::size_t>(tokens[r])]);
+      const int id = m.lookup(joined);
+      if (id < 0 || !(m.scores[static_cast<std::size_t>(id)] > kNoMergeScore)) return;
+      heap.push({m.scores[static_cast<std::size_t>(id)], left, right, version[l], version[r], id});
+    };
+    for (std::size_t i = 0; i + 1 < n; ++i) push_pair(static_cast<std::int64_t>(i));
+    while (!heap.empty()) {
+      const Candidate c = heap.top();
+      heap.pop();
+      const auto l = static_cast<std::size_t>(c.left), r = static_cast<std::size_t>(c.right);
+      if (version[l] != c.left_version || version[r] != c.right_version || next[l] != c.right)
+        continue;  // a side merged since this pair was pushed
+      tokens[l] = c.id;
+      ++version[l];
+      ++version[r];  // r leaves the list
+      next[l] = next[r];
+      if (next[l] >= 0) prev[static_cast<std::size_t>(next[l])] = c.left;
+      if (prev[l] >= 0) push_pair(prev[l]);
+      push_pair(c.left);
+    }
+    std::vector<int> merged;
+    merged.reserve(n);
+    for (std::int64_t i = 0; i >= 0; i = next[static_cast<std::size_t>(i)])
+      merged.push_back(tokens[static_cast<std::size_t>(i)]);
+    tokens = std::move(merged);
   }
 
   if (eos) tokens.push_back(kEos);

@@ -118,6 +118,34 @@ void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
                 sh.num_microbatches);
 }
 
+int step_tasks(std::span<const data::PackedBatch> batches) noexcept {
+  int tasks = 0;
+  for (const auto& b : batches)
+    for (const auto t : b.tasks) tasks = std::max(tasks, t + 1);
+  return tasks;
+}
+
+std::vector<cpu::CrossEntropyLoss> kept_task_loss(const runtime::TrainStageBase& tail,
+                                                  std::span<const data::PackedBatch> batches,
+                                                  std::span<const int> dropped) {
+  std::vector<cpu::CrossEntropyLoss> out;
+  std::size_t next = 0;
+  for (int m = 0; m < static_cast<int>(batches.size()); ++m) {
+    if (next < dropped.size() && dropped[next] == m) {
+      ++next;
+      continue;
+    }
+    const auto& per = tail.task_loss(m);
+    if (per.empty()) continue;
+    out.resize(static_cast<std::size_t>(step_tasks(batches)));
+    for (std::size_t t = 0; t < per.size(); ++t) {
+      out[t].sum += per[t].sum;
+      out[t].count += per[t].count;
+    }
+  }
+  return out;
+}
+
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped) {
   cpu::CrossEntropyLoss t;
@@ -287,6 +315,7 @@ StepResult TrainingEngine::end_step(int P, std::chrono::steady_clock::time_point
       detail::kept_loss(*I.stages.back(), static_cast<int>(batches.size()), decision.dropped);
   res.tokens = loss.count;
   res.loss = loss.mean();
+  res.task_loss = detail::kept_task_loss(*I.stages.back(), batches, decision.dropped);
   // The tied classifier: both copies get the summed gradient.
   if (I.tied_across_stages()) {
     auto a = detail::find_param(*I.stages.front(), "tok_embeddings");

@@ -7,6 +7,7 @@
 #include <brigade/core/dtype.hpp>
 #include <brigade/core/error.hpp>
 #include <brigade/cost/profile.hpp>
+#include <brigade/data/corpus.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/format.h>
@@ -33,6 +34,16 @@ struct Command {
   std::string description;
   std::function<std::function<int()>(CLI::App& sub)> setup;
 };
+
+/// The corpus a `--data` / `--corpus` argument names: `debian`, the multi-task corpus of
+/// Debian's plain text (data::debian_sources under /), or a text file or folder
+/// (data::load_corpus; a path named debian is reached as ./debian).
+/// @throws brigade::Error{BadFile} as data::load_sources and data::load_corpus
+inline data::Corpus load_text_corpus(const std::string& arg, const model::Tokenizer& tokenizer,
+                                     int max_tokens) {
+  return arg == "debian" ? data::load_sources(data::debian_sources(), tokenizer, max_tokens)
+                         : data::load_corpus(arg, tokenizer, max_tokens);
+}
 
 /// All registered subcommands (filled by Registrar objects at static-initialisation time).
 inline std::vector<Command>& commands() {

@@ -22,6 +22,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <iterator>
 #include <charconv>
 #include <memory>
 #include <string>
@@ -36,7 +38,42 @@ struct Options {
   int vocab_size = 512, stages = 4, samples_per_microbatch = 8, row_tokens = 0;
   std::int64_t token_budget = 0;
   double memory_limit = 0.0, rank_memory = 0.0;
+  bool histogram = false;
 };
+
+/// The corpus's length histogram, per task and over all: samples, tokens, the shortest,
+/// median, 90th percentile and longest sample (tokens, BOS included), and the samples in each
+/// bucket of lengths (powers of 4 from 16 tokens).
+std::string length_histogram(const data::Corpus& corpus) {
+  constexpr std::int64_t kEdges[] = {16, 64, 256, 1024, 4096};
+  auto row = [&](std::string name, std::vector<std::int64_t> l) {
+    std::sort(l.begin(), l.end());
+    std::int64_t total = 0;
+    std::array<std::int64_t, std::size(kEdges) + 1> buckets{};
+    for (const auto n : l) {
+      total += n;
+      std::size_t b = 0;
+      while (b < std::size(kEdges) && n > kEdges[b]) ++b;
+      ++buckets[b];
+    }
+    const auto at = [&](double q) { return l[static_cast<std::size_t>(q * static_cast<double>(l.size() - 1))]; };
+    std::string out = fmt::format("{:<28} {:>7} {:>9} {:>6} {:>6} {:>6} {:>6} ", name, l.size(),
+                                  total, l.front(), at(0.5), at(0.9), l.back());
+    for (const auto b : buckets) out += fmt::format(" {:>7}", b);
+    return out + "\n";
+  };
+  std::string out = fmt::format("{:<28} {:>7} {:>9} {:>6} {:>6} {:>6} {:>6}  {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n",
+                                "task", "samples", "tokens", "min", "median", "p90", "max",
+                                "<=16", "17-64", "65-256", "257-1K", "1K-4K", ">4K");
+  std::vector<std::vector<std::int64_t>> per(corpus.tasks.size());
+  std::vector<std::int64_t> all;
+  for (const auto& s : corpus.samples) {
+    per[static_cast<std::size_t>(s.task)].push_back(static_cast<std::int64_t>(s.tokens.size()));
+    all.push_back(static_cast<std::int64_t>(s.tokens.size()));
+  }
+  for (std::size_t t = 0; t < per.size(); ++t) out += row(corpus.tasks[t], per[t]);
+  return out + row(fmt::format("all {} tasks", corpus.tasks.size()), all);
+}
 
 /// One length per line (blank lines skipped); errors name the file and the line.
 std::vector<batching::SampleLength> read_lengths(const std::string& path) {
@@ -82,7 +119,13 @@ int run(const Options& o) {
     source = o.lengths;
   } else {
     const auto tok = model::Tokenizer::load_llama2c(o.tokenizer, o.vocab_size);
-    const auto corpus = data::load_corpus(o.corpus, tok, static_cast<int>(budget) + 1);
+    const auto corpus = cli::load_text_corpus(o.corpus, tok, static_cast<int>(budget) + 1);
+    if (o.histogram) {
+      fmt::print("{}: {} tasks, {} samples ({} cut to {} tokens, {} tokens dropped)\n{}", o.corpus,
+                 corpus.tasks.size(), corpus.samples.size(), corpus.truncated_samples, budget + 1,
+                 corpus.truncated_tokens, length_histogram(corpus));
+      return 0;
+    }
     for (const auto& s : corpus.samples)  // n tokens give n - 1 training rows
       samples.push_back({static_cast<std::int64_t>(s.tokens.size()) - 1, s.task,
                          static_cast<std::int64_t>(samples.size())});
@@ -184,7 +227,8 @@ std::function<int()> setup(CLI::App& sub) {
   auto* lengths = sub.add_option("lengths", o->lengths,
                                  "A lengths file: one sample's token count per line");
   auto* corpus = sub.add_option("--corpus", o->corpus,
-                                "A text file or folder (one task per file), tokenized with "
+                                "A text file or folder (one task per file), or 'debian' (the "
+                                "multi-task corpus of Debian's plain text), tokenized with "
                                 "--tokenizer; each sample counts its tokens - 1 rows");
   auto* tok = sub.add_option("--tokenizer", o->tokenizer, "llama2.c tokenizer for --corpus");
   sub.add_option("--vocab-size", o->vocab_size, "The tokenizer's vocabulary size")
@@ -215,6 +259,10 @@ std::function<int()> setup(CLI::App& sub) {
                  "Dynamic: activation bytes one micro-batch may take on a stage")
       ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
   sub.add_option("--svg", o->svg, "Write the chosen schedule's simulated timeline as SVG");
+  sub.add_flag("--histogram", o->histogram,
+               "With --corpus: print the length histogram of its samples per task (tokens; "
+               "samples cut to --token-budget + 1) and stop")
+      ->needs(corpus);
   sub.add_option("--rank-memory", o->rank_memory,
                  "The adaptive schedule: activation bytes one rank may hold at once (default: "
                  "stages x the micro-batch memory limit, or the largest micro-batch's bytes if more)")

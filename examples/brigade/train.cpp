@@ -3,6 +3,7 @@
 #include "integrity.hpp"
 
 #include <brigade/backend/cpu.hpp>
+#include <brigade/batching/ahead.hpp>
 #include <brigade/batching/dynamic.hpp>
 #include <brigade/batching/order.hpp>
 #include <brigade/config.hpp>
@@ -21,6 +22,7 @@
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -29,6 +31,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,7 +50,9 @@ struct TrainArgs {
   bool resume = false;
   double timeout = 120.0;
   std::string pipeline_dtype = "f32";  // --pipeline-dtype
-  std::string batching;  // --batching; empty: the Packer's stream under the fixed plan
+  std::vector<std::string> batchings;  // --batching: one run per batcher, one after the other
+  std::string batching;  // the run's batcher; empty: the Packer's stream under the fixed plan
+  bool metrics_append = false;  // a later run of several --batching: add to the metrics file
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -81,6 +86,7 @@ struct BatchedStep {
   std::vector<brigade::data::PackedBatch> batches;
   std::int64_t padding = 0;        ///< pad rows the forward computes (target -1)
   double predicted_seconds = 0.0;  ///< DynaPipe's (S - 1) x slowest + sum, stage_cost seconds
+  std::int64_t position = 0;       ///< the data stream's position after this step's samples
 };
 
 /// A global batch of `samples` split by the --batching batcher: padding (samples_per_microbatch
@@ -138,6 +144,18 @@ BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample
   return out;
 }
 
+/// What one run of the training loop did (one row of the --batching table).
+struct RunSummary {
+  std::string batching;
+  int steps = 0;
+  std::int64_t tokens = 0;         ///< useful (non-pad) targets trained on
+  std::int64_t padding = 0;        ///< pad rows computed
+  double seconds = 0.0;            ///< measured step seconds, summed
+  double predicted_seconds = 0.0;  ///< the cost model's iteration seconds, summed
+  std::vector<double> peak_measured, peak_simulated;  ///< per rank, bytes, the most over steps
+  double loss = 0.0;                                  ///< the last step's loss
+};
+
 /// What the loop calls to run a step over the integrity decorators and to read what they saw.
 struct StepHooks {
   /// One training step over this process's decorated transports.
@@ -156,7 +174,8 @@ struct StepHooks {
 /// DistributedTrainer (same member functions, every call collective for the latter); only
 /// `root` prints and writes the metrics, the checkpoint's files and the trace.
 template <class Engine>
-int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, const StepHooks& hooks) {
+RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root,
+                      const StepHooks& hooks) {
   using namespace brigade;
   const fs::path ckpt = a.checkpoint_dir;
   auto say = [root]<class... A>(fmt::format_string<A...> f, A&&... args) {
@@ -190,7 +209,8 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
 
   std::unique_ptr<std::ofstream> metrics;
   if (root && !a.metrics.empty()) {
-    metrics = std::make_unique<std::ofstream>(a.metrics, a.resume ? std::ios::app : std::ios::trunc);
+    metrics = std::make_unique<std::ofstream>(
+        a.metrics, a.resume || a.metrics_append ? std::ios::app : std::ios::trunc);
     BRIGADE_CHECK(metrics->good(), Errc::BadFile, "{}: cannot open for writing", a.metrics);
   }
   const bool tty = isatty(fileno(stderr)) != 0;
@@ -199,21 +219,32 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
   std::vector<double> peak_measured, peak_simulated;  // per rank, the most over the steps
   std::int64_t tokens = 0, padding = 0;
   double predicted_sum = 0;  // --batching: the cost model's iteration seconds, summed
+  double last_loss = 0;
   int done = 0, dropped = 0, skipped = 0;
   cli::IntegrityCounts seen;  // the integrity counts up to the last step
   // The optimizer's step count does not advance on a skipped update: the loop counts its own.
   const std::int64_t first = eng.steps();
+  // Each step's global batch and plan are made on a background thread while the step before
+  // runs (DynaPipe plans ahead of execution): the same plans, in the same order, as planning
+  // in the loop (only the planning thread touches the packer).
+  batching::PlanAhead<BatchedStep> ahead(
+      [&] {
+        BatchedStep bs;
+        if (a.batching.empty()) {
+          for (int m = 0; m < a.microbatches; ++m) bs.batches.push_back(packer.next());
+        } else {
+          bs = batch_step(a,
+                          packer.next_samples(static_cast<std::int64_t>(a.microbatches) *
+                                              a.tokens_per_microbatch),
+                          eng.plan(), cost);
+        }
+        bs.position = packer.position();
+        return bs;
+      },
+      std::max<std::int64_t>(0, a.steps - first));
   for (std::int64_t step = first; step < a.steps; ++step) {
     std::vector<double> step_peak_simulated;  // per rank, root only
-    BatchedStep bs;
-    if (a.batching.empty()) {
-      for (int m = 0; m < a.microbatches; ++m) bs.batches.push_back(packer.next());
-    } else {
-      bs = batch_step(a,
-                      packer.next_samples(static_cast<std::int64_t>(a.microbatches) *
-                                          a.tokens_per_microbatch),
-                      eng.plan(), cost);
-    }
+    const BatchedStep bs = ahead.next();
     const auto& batches = bs.batches;
     const plan::Plan& step_plan = bs.plan ? *bs.plan : eng.plan();
     auto r = hooks.step(step_plan, batches);
@@ -268,6 +299,15 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
                        {"peak_memory_bytes", r.peak_memory_bytes}};
       j["useful_tokens_per_s"] = static_cast<double>(r.tokens) / r.seconds;
       j["peak_memory_bytes_simulated"] = step_peak_simulated;
+      if (!r.task_loss.empty()) {
+        // The mean loss of each task the step trained on, by the corpus's task names.
+        nlohmann::json per = nlohmann::json::object();
+        for (std::size_t t = 0; t < r.task_loss.size(); ++t)
+          if (r.task_loss[t].count > 0)
+            per[d.corpus.tasks.at(t)] = {{"loss", r.task_loss[t].mean()},
+                                         {"tokens", r.task_loss[t].count}};
+        j["task_loss"] = std::move(per);
+      }
       if (!a.batching.empty()) {
         j["batching"] = a.batching;
         j["microbatches"] = batches.size();
@@ -290,9 +330,10 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
       metrics->flush();
     }
     seen = now;
+    last_loss = r.loss;
     const bool last = step + 1 == a.steps;
     if (!a.checkpoint_dir.empty() && (last || (a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0)))
-      eng.save_checkpoint(ckpt, packer.position());
+      eng.save_checkpoint(ckpt, bs.position);
     if (a.eval_every > 0 && (step + 1) % a.eval_every == 0 && !last) {
       if (tty) say("\n");
       say("held-out loss at step {}: {:.4f}\n", step + 1, eng.evaluate(eval));
@@ -334,7 +375,45 @@ int train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool root, con
     say("checkpoint: {} (brigade generate --model {})\n", (ckpt / "model.bin").string(),
         (ckpt / "model.bin").string());
   if (root && !a.trace.empty()) io::write_chrome_trace(a.trace, trace_tl, "rank");
-  return 0;
+  return {a.batching,    done,          tokens,         padding,  seconds,
+          predicted_sum, peak_measured, peak_simulated, last_loss};
+}
+
+/// The --batching table of several runs: useful tokens/s measured and predicted, pad tokens,
+/// mean step seconds measured beside the cost model's, and each rank's peak memory simulated
+/// beside measured.
+std::string batching_table(std::span<const RunSummary> runs) {
+  auto mib = [](const std::vector<double>& v) {
+    std::string out;
+    for (double x : v) out += fmt::format("{}{:.1f}", out.empty() ? "" : "/", x / (1 << 20));
+    return out;
+  };
+  std::string out = fmt::format("{:<9} {:>10} {:>10} {:>10} {:>10} {:>10}  {:<24} {:<24}\n",
+                                "batching", "useful t/s", "predicted", "pad tokens", "step s",
+                                "predicted", "peak MiB/rank measured", "peak MiB/rank simulated");
+  for (const auto& r : runs) {
+    const double steps = std::max(1, r.steps);
+    out += fmt::format("{:<9} {:>10.1f} {:>10.1f} {:>10} {:>10.4f} {:>10.4f}  {:<24} {:<24}\n",
+                       r.batching, static_cast<double>(r.tokens) / r.seconds,
+                       static_cast<double>(r.tokens) / r.predicted_seconds, r.padding,
+                       r.seconds / steps, r.predicted_seconds / steps, mib(r.peak_measured),
+                       mib(r.peak_simulated));
+  }
+  const auto find = [&](const char* name) -> const RunSummary* {
+    for (const auto& r : runs)
+      if (r.batching == name) return &r;
+    return nullptr;
+  };
+  if (const auto* dyn = find("dynamic")) {
+    const auto rate = [](const RunSummary& r, bool measured) {
+      return static_cast<double>(r.tokens) / (measured ? r.seconds : r.predicted_seconds);
+    };
+    for (const auto& r : runs)
+      if (&r != dyn)
+        out += fmt::format("dynamic / {}: {:.2f}x measured, {:.2f}x predicted\n", r.batching,
+                           rate(*dyn, true) / rate(r, true), rate(*dyn, false) / rate(r, false));
+  }
+  return out;
 }
 
 int run(const TrainArgs& a) {
@@ -367,7 +446,7 @@ int run(const TrainArgs& a) {
                           : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
   const fs::path data = a.data.empty() ? data::default_corpus_path() : fs::path(a.data);
   const int max_tokens = std::min(weights.config.seq_len, a.tokens_per_microbatch + 1);
-  const auto corpus = data::load_corpus(data, tok, max_tokens);
+  const auto corpus = cli::load_text_corpus(data.string(), tok, max_tokens);
   if (corpus.truncated_samples > 0 && launch.rank() == 0)
     fmt::print(stderr,
                "brigade: notice: {} of {} samples are longer than {} tokens ({}) and were cut to "
@@ -423,10 +502,41 @@ int run(const TrainArgs& a) {
                               *resolved.profile, "brigade train");
     }
   }
-  BRIGADE_CHECK(a.batching != "dynamic" || a.virtual_stages == 1, Errc::InvalidArgument,
+  const bool dynamic = std::find(a.batchings.begin(), a.batchings.end(), "dynamic") !=
+                       a.batchings.end();
+  BRIGADE_CHECK(!dynamic || a.virtual_stages == 1, Errc::InvalidArgument,
                 "--batching dynamic runs DynaPipe's adaptive schedule over one stage per rank; "
                 "--virtual {} (from --schedule {}) must be 1",
                 a.virtual_stages, a.schedule);
+  const bool several =
+      std::set<std::string>(a.batchings.begin(), a.batchings.end()).size() > 1;
+  BRIGADE_CHECK(!several || (a.checkpoint_dir.empty() && !a.resume), Errc::InvalidArgument,
+                "--batching {}: several batchers run one after another from the same initial "
+                "model; --checkpoint-dir and --resume take one batcher",
+                fmt::join(a.batchings, ","));
+  // One run per batcher (or one without --batching), each from the same weights on the same
+  // global batches (the data order's seed restarts), the rows of one table at the end.
+  std::vector<std::string> runs;
+  for (const auto& b : a.batchings)
+    if (std::find(runs.begin(), runs.end(), b) == runs.end()) runs.push_back(b);
+  if (runs.empty()) runs.emplace_back();
+  std::vector<RunSummary> summaries;
+  const auto run_args = [&](const std::string& b) {
+    TrainArgs one = a;
+    one.batching = b;
+    one.metrics_append = b != runs.front();
+    if (several && !a.trace.empty()) {
+      const fs::path t(a.trace);  // trace.json -> trace.<batching>.json
+      one.trace = (t.parent_path() / (t.stem().string() + "." + b + t.extension().string())).string();
+    }
+    return one;
+  };
+  const auto print_table = [&](bool root) {
+    if (root && several)
+      fmt::print(stderr, "\n{} ranks, {} steps per batcher, the same samples:\n{}", num_ranks,
+                 a.steps, batching_table(summaries));
+    return 0;
+  };
   const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
                   resolved.profile ? resolved.profile->name + ", " + resolved.origin
                                    : resolved.origin,
@@ -436,6 +546,7 @@ int run(const TrainArgs& a) {
 #if BRIGADE_HAS_MPI
   if (under_mpi) {
     transport::MpiTransport tp;
+<<<<<<< HEAD
     cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
                                                        weights.config.vocab_size);
     auto& outer = stack.transports()[0];
@@ -481,6 +592,57 @@ int run(const TrainArgs& a) {
       [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
       [&] { return stack.report(); }};
   return train_loop(eng, a, d, true, hooks);
+=======
+    for (const auto& batcher : runs) {
+      const TrainArgs one = run_args(batcher);
+      cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
+                                                         weights.config.vocab_size);
+      auto& outer = stack.transports()[0];
+      engine::DistributedTrainer<std::remove_reference_t<decltype(outer)>> eng(
+          outer, weights, cfg, {a.fail_rank, a.fail_after_steps});
+      // The counts of every process, summed (a collective each step, only with integrity flags).
+      std::optional<transport::MpiCollectives> group;
+      if (a.integrity.active()) group.emplace();
+      const StepHooks hooks{[&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+                              return eng.train_step(p, b);
+                            },
+                            [&] {
+                              const auto c = stack.counts();
+                              if (!group) return c;
+                              std::vector<double> v{
+                                  static_cast<double>(c.checked), static_cast<double>(c.flagged),
+                                  static_cast<double>(c.injected), static_cast<double>(c.caught)};
+                              group->all_reduce(std::span(v), transport::ReduceOp::Sum,
+                                                transport::Deadline::after(a.timeout));
+                              return cli::IntegrityCounts{
+                                  static_cast<std::int64_t>(v[0]), static_cast<std::int64_t>(v[1]),
+                                  static_cast<std::int64_t>(v[2]), static_cast<std::int64_t>(v[3])};
+                            },
+                            [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
+                            [&] { return cli::with_rank(stack.report(), tp.rank()); }};
+      summaries.push_back(train_loop(eng, one, d, tp.rank() == 0, hooks));
+    }
+    return print_table(tp.rank() == 0);
+  }
+#endif
+  for (const auto& batcher : runs) {
+    const TrainArgs one = run_args(batcher);
+    transport::InProcessFabric fabric(num_ranks);
+    auto endpoints = transport::endpoints(fabric);
+    const std::span<transport::InProcessTransport> ranks(endpoints);
+    cli::IntegrityStack<transport::InProcessTransport> stack(ranks, a.integrity, checked,
+                                                             weights.config.vocab_size);
+    engine::TrainingEngine eng(weights, cfg);
+    const StepHooks hooks{[&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+                            return eng.train_step(stack.transports(), p, b);
+                          },
+                          [&] { return stack.counts(); },
+                          [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
+                          [&] { return stack.report(); }};
+    summaries.push_back(train_loop(eng, one, d, true, hooks));
+  }
+  return print_table(true);
+>>>>>>> i15-batch
 }
 
 std::function<int()> setup(CLI::App& sub) {
@@ -494,7 +656,9 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--tokenizer", a->tokenizer, "llama2.c tokenizer (synthetic if absent)");
   sub.add_option("--data", a->data,
                  "text file or folder (one task per file; '%' lines or blank lines separate "
-                 "samples); default: the fortunes package");
+                 "samples), or 'debian': the multi-task corpus of Debian's plain text (fortunes, "
+                 "common licenses, copyright files, README.Debian; docs/batching.md); default: "
+                 "the fortunes package");
   sub.add_option("--seed", a->seed, "data-order seed")
       ->check(brigade::cli::number_in<std::uint64_t>(0, UINT64_MAX, "a whole number from 0 to 2^64-1"))
       ->capture_default_str();
@@ -518,12 +682,14 @@ std::function<int()> setup(CLI::App& sub) {
                  "cut, with a notice)")
       ->check(brigade::cli::number_in<int>(2, 1 << 20, "a whole number of tokens from 2 to 1048576"))
       ->capture_default_str();
-  sub.add_option("--batching", a->batching,
+  sub.add_option("--batching", a->batchings,
                  "split each step's global batch (--microbatches x --tokens-per-microbatch tokens "
                  "of samples) by a batcher, with a plan per step: padding, packing (Megatron "
-                 "rows), offsets, or dynamic (DynaPipe's DP under the adaptive schedule); "
-                 "default: none, --microbatches micro-batches packed by offsets under the one "
-                 "plan of --schedule")
+                 "rows), offsets, or dynamic (DynaPipe's DP under the adaptive schedule); a comma "
+                 "list runs each from the same model on the same samples, one after another, and "
+                 "prints one table; default: none, --microbatches micro-batches packed by offsets "
+                 "under the one plan of --schedule")
+      ->delimiter(',')
       ->check(CLI::IsMember({"padding", "packing", "offsets", "dynamic"}));
   sub.add_option("--steps", a->steps,
                  "optimizer steps (the total, when resuming; keep it the same to continue exactly: "

@@ -297,36 +297,54 @@ TEST_CASE("cli.train: zb-v and dualpipe-v run with the V shape's two chunks per 
   CHECK(bad.err.find("zb-v: virtual stages per rank = 3") != std::string::npos);
 }
 
-// issue 15: each batcher splits the same global batch (the same samples each step): padding,
-// offsets and dynamic attend within each sample, so their first step's loss is the same to
-// 1e-5 (packing attends across a row of several samples). Useful tokens are the same for all.
-TEST_CASE("cli.train: --batching padding|packing|offsets|dynamic train on the same samples with "
-          "a plan per step, a bad value is named" *
+// issue 15: the four batchers in one run, one after another from the same model on the same
+// global batches (the same samples each step): padding, offsets and dynamic attend within each
+// sample, so their first step's loss is the same to 1e-5 (packing attends across a row of
+// several samples). Useful tokens are the same for all; one table compares them; each step's
+// metrics give the mean loss per task.
+TEST_CASE("cli.train: --batching padding,packing,offsets,dynamic runs the four in one process on "
+          "the same samples with a plan per step, one table, per-task loss, bad values are named" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const fs::path dir =
       fs::temp_directory_path() / ("brigade_cli_batching_" + std::to_string(::getpid()));
   fs::create_directories(dir);
+  const fs::path metrics = dir / "m.jsonl";
+  auto r = run_cli("train " + model_flags() + " --stages 2 --microbatches 4 " +
+                   "--tokens-per-microbatch 64 --steps 2 --batching padding,packing,offsets,dynamic "
+                   "--metrics " + metrics.string());
+  CAPTURE(r.err);
+  REQUIRE(r.rc == 0);
   std::map<std::string, std::vector<nlohmann::json>> steps;
+  std::ifstream mf(metrics);
+  for (std::string line; std::getline(mf, line);) {
+    auto j = nlohmann::json::parse(line);
+    steps[j["batching"].get<std::string>()].push_back(std::move(j));
+  }
+  REQUIRE(steps.size() == 4);
   for (const std::string b : {"padding", "packing", "offsets", "dynamic"}) {
     CAPTURE(b);
-    const fs::path metrics = dir / (b + ".jsonl");
-    auto r = run_cli("train " + model_flags() + " --stages 2 --microbatches 4 " +
-                     "--tokens-per-microbatch 64 --steps 2 --batching " + b + " --metrics " +
-                     metrics.string());
-    CAPTURE(r.err);
-    REQUIRE(r.rc == 0);
     CHECK(r.err.find("batching " + b + ": ") != std::string::npos);
-    CHECK(r.err.find("useful (non-pad) tokens/s measured") != std::string::npos);
-    std::ifstream mf(metrics);
-    for (std::string line; std::getline(mf, line);) steps[b].push_back(nlohmann::json::parse(line));
     REQUIRE(steps[b].size() == 2);
     for (const auto& j : steps[b]) {
-      CHECK(j["batching"] == b);
       CHECK(j["microbatches"].get<int>() >= 1);
       CHECK(j["useful_tokens_per_s"].get<double>() > 0.0);
       CHECK(j["predicted_seconds"].get<double>() > 0.0);
       REQUIRE(j["peak_memory_bytes"].size() == 2);
       CHECK(j["peak_memory_bytes"] == j["peak_memory_bytes_simulated"]);
+      // Per task: the fortunes file names, tokens adding up to the step's, losses weighting
+      // to the step's loss.
+      REQUIRE(j.contains("task_loss"));
+      std::int64_t tokens = 0;
+      double weighted = 0.0;
+      for (const auto& [task, t] : j["task_loss"].items()) {
+        CHECK(task.find('/') == std::string::npos);
+        tokens += t["tokens"].get<std::int64_t>();
+        weighted += t["loss"].get<double>() * t["tokens"].get<double>();
+      }
+      CHECK(j["task_loss"].size() >= 2);
+      CHECK(tokens == j["tokens"].get<std::int64_t>());
+      CHECK(weighted / static_cast<double>(tokens) ==
+            doctest::Approx(j["loss"].get<double>()).epsilon(1e-9));
     }
   }
   for (int s = 0; s < 2; ++s) {
@@ -341,9 +359,15 @@ TEST_CASE("cli.train: --batching padding|packing|offsets|dynamic train on the sa
   const double loss = steps["offsets"][0]["loss"].get<double>();
   CHECK(steps["padding"][0]["loss"].get<double>() == doctest::Approx(loss).epsilon(1e-5));
   CHECK(steps["dynamic"][0]["loss"].get<double>() == doctest::Approx(loss).epsilon(1e-5));
+  // One table: a row per batcher, dynamic's gain over each of the others.
+  const auto table = r.err.find("2 ranks, 2 steps per batcher, the same samples:");
+  REQUIRE(table != std::string::npos);
+  for (const char* b : {"padding", "packing", "offsets"})
+    CHECK(r.err.find(std::string("dynamic / ") + b + ": ", table) != std::string::npos);
+  CHECK(r.err.find("peak MiB/rank measured", table) != std::string::npos);
   fs::remove_all(dir);
 
-  auto bad = run_cli("train " + model_flags() + " --batching sorted");
+  auto bad = run_cli("train " + model_flags() + " --batching offsets,sorted");
   CHECK(bad.rc != 0);
   CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
   CHECK(bad.err.find("--batching: sorted not in {padding,packing,offsets,dynamic}") !=
@@ -352,6 +376,10 @@ TEST_CASE("cli.train: --batching padding|packing|offsets|dynamic train on the sa
   CHECK(v.rc != 0);
   CHECK(v.err.find("--batching dynamic runs DynaPipe's adaptive schedule over one stage per rank") !=
         std::string::npos);
+  auto c = run_cli("train " + model_flags() + " --batching offsets,dynamic --checkpoint-dir " +
+                   (dir / "ck").string());
+  CHECK(c.rc != 0);
+  CHECK(c.err.find("--checkpoint-dir and --resume take one batcher") != std::string::npos);
 }
 
 TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *

@@ -53,6 +53,7 @@ std::vector<data::PackedBatch> batches(int m, int rows) {
     }
     b.offsets = {0, rows};
     b.tasks = {0};
+    b.task_offsets = {0, rows};
   }
   return out;
 }

@@ -44,15 +44,8 @@ const model::Tokenizer& tok() {
 /// Packs `samples` into one micro-batch (all rows).
 data::PackedBatch pack(std::span<const data::Sample> samples) {
   data::PackedBatch b;
-  b.offsets.push_back(0);
-  for (const auto& s : samples) {
-    for (std::size_t t = 0; t + 1 < s.tokens.size(); ++t) {
-      b.inputs.push_back(s.tokens[t]);
-      b.targets.push_back(s.tokens[t + 1]);
-    }
-    b.offsets.push_back(b.rows());
-    b.tasks.push_back(s.task);
-  }
+  for (const auto& s : samples)
+    data::append_sequence(b, s, static_cast<std::int64_t>(s.tokens.size()) - 1);
   return b;
 }
 
@@ -807,6 +800,142 @@ TEST_CASE("training.gradients.padding: padded micro-batches give the loss and gr
   }
 }
 
+// issue 15: the mean loss per task in a step. Each task's loss is checked against a direct
+// computation on one stage: the task's samples alone by offsets (dynamic, padding: attention
+// stays within a sample, so a task's rows do not depend on the others), or, for Megatron
+// packing (attention across a row's samples), the same rows with every other task's targets
+// masked to -1.
+namespace {
+
+/// `batches` with every target of a task other than `task` set to -1 (and no task spans).
+std::vector<data::PackedBatch> only_task(std::vector<data::PackedBatch> batches, int task) {
+  for (auto& b : batches) {
+    for (std::size_t s = 0; s < b.tasks.size(); ++s)
+      if (b.tasks[s] != task)
+        for (auto r = b.task_offsets[s]; r < b.task_offsets[s + 1]; ++r)
+          b.targets[static_cast<std::size_t>(r)] = -1;
+    b.tasks.clear();
+    b.task_offsets.clear();
+  }
+  return batches;
+}
+
+/// The step's per-task counts add up to its tokens and the token-weighted mean of the per-task
+/// means is its loss.
+void check_task_mean(const engine::StepResult& step) {
+  double weighted = 0.0;
+  std::int64_t count = 0;
+  for (const auto& t : step.task_loss) {
+    weighted += t.mean() * static_cast<double>(t.count);
+    count += t.count;
+  }
+  CHECK(count == step.tokens);
+  CHECK(weighted / static_cast<double>(count) == doctest::Approx(step.loss).epsilon(1e-12));
+}
+
+}  // namespace
+
+TEST_CASE("training.task-loss: each task's mean loss equals a direct one-stage computation to "
+          "1e-5 (dynamic on 1-3 stages, padding, Megatron packing), and weights to the loss") {
+  const auto samples = varied_samples();
+  const auto lengths = lengths_of(samples);
+  std::int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l.tokens);
+  engine::TrainingConfig ref_cfg;
+  ref_cfg.schedule = "gpipe";
+  engine::TrainingEngine ref(stories(), ref_cfg);
+  constexpr int kTasks = 3;  // story_samples: tasks 0, 1, 2
+  // Each task alone, by offsets, on one stage: its mean loss.
+  std::array<double, kTasks> alone{};
+  std::array<std::int64_t, kTasks> alone_count{};
+  for (int t = 0; t < kTasks; ++t) {
+    std::vector<data::Sample> mine;
+    for (const auto& s : samples)
+      if (s.task == t) mine.push_back(s);
+    REQUIRE(mine.size() >= 4);
+    const std::vector<data::PackedBatch> one{pack(mine)};
+    const auto r = ref.compute_gradients(one);
+    alone[static_cast<std::size_t>(t)] = r.loss;
+    alone_count[static_cast<std::size_t>(t)] = r.tokens;
+    REQUIRE(r.task_loss.size() == static_cast<std::size_t>(t) + 1);  // [0, t]: only t counted
+    CHECK(r.task_loss[static_cast<std::size_t>(t)].count == r.tokens);
+  }
+  CHECK(alone[0] != doctest::Approx(alone[1]).epsilon(1e-3));  // the tasks' losses differ
+
+  const model::ModelSpec spec(stories().config);
+  for (int P = 1; P <= 3; ++P) {
+    CAPTURE(P);
+    const auto partition = partition::uniform(spec, P);
+    const auto cost = batching::stage_cost(spec, partition, model::roofline_layer_seconds());
+    const double limit = cost.activation_bytes(
+        batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
+    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
+    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, 2 * limit);
+    std::vector<data::PackedBatch> batches;
+    std::vector<batching::MicroBatch> in_order;
+    for (const int m : ordered.order) {
+      in_order.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+      batches.push_back(data::pack_offsets(samples, in_order.back()));
+    }
+    engine::TrainingEngine eng(stories(), plan::Plan(partition, ordered.schedule,
+                                                     batching::work_of(in_order)));
+    const auto step = eng.compute_gradients(batches);
+    REQUIRE(step.task_loss.size() == kTasks);
+    for (std::size_t t = 0; t < kTasks; ++t) {
+      CAPTURE(t);
+      CHECK(step.task_loss[t].count == alone_count[t]);
+      CHECK(step.task_loss[t].mean() == doctest::Approx(alone[t]).epsilon(1e-5));
+    }
+    check_task_mean(step);
+  }
+
+  // Padding on 2 stages: pad rows count in no task.
+  const auto partition = partition::uniform(spec, 2);
+  std::vector<data::PackedBatch> padded;
+  const auto pad_mbs = batching::PaddingBatcher{5}.plan(lengths);
+  for (const auto& mb : pad_mbs) padded.push_back(data::pack_padded(samples, mb));
+  engine::TrainingEngine pad_eng(stories(), one_f_one_b(partition, batching::work_of(pad_mbs)));
+  const auto pad_step = pad_eng.compute_gradients(padded);
+  REQUIRE(pad_step.task_loss.size() == kTasks);
+  for (std::size_t t = 0; t < kTasks; ++t) {
+    CHECK(pad_step.task_loss[t].count == alone_count[t]);
+    CHECK(pad_step.task_loss[t].mean() == doctest::Approx(alone[t]).epsilon(1e-5));
+  }
+  check_task_mean(pad_step);
+
+  // Megatron packing on 2 stages: rows of 128 tokens, a row's samples of several tasks.
+  std::vector<data::PackedBatch> rows;
+  const auto row_mbs = batching::PackingBatcher{128, 1}.plan(lengths);
+  bool mixed = false;
+  for (const auto& mb : row_mbs) {
+    rows.push_back(data::pack_rows(samples, mb, 128));
+    mixed = mixed || std::set<std::int32_t>(rows.back().tasks.begin(), rows.back().tasks.end())
+                             .size() > 1;
+  }
+  CHECK(mixed);
+  engine::TrainingEngine row_eng(stories(), one_f_one_b(partition, batching::work_of(row_mbs)));
+  const auto row_step = row_eng.compute_gradients(rows);
+  REQUIRE(row_step.task_loss.size() == kTasks);
+  for (int t = 0; t < kTasks; ++t) {
+    CAPTURE(t);
+    const auto masked = only_task(rows, t);
+    engine::TrainingEngine one(stories(), one_f_one_b(partition::uniform(spec, 1),
+                                                      batching::work_of(row_mbs)));
+    const auto direct = one.compute_gradients(masked);
+    CHECK(direct.task_loss.empty());  // no task spans: no per-task split
+    const auto& got = row_step.task_loss[static_cast<std::size_t>(t)];
+    CHECK(got.count == direct.tokens);
+    CHECK(got.mean() == doctest::Approx(direct.loss).epsilon(1e-5));
+  }
+  check_task_mean(row_step);
+
+  // Malformed task spans are refused, naming the micro-batch.
+  auto bad = padded;
+  bad[1].task_offsets.pop_back();
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)pad_eng.compute_gradients(bad); })
+            .find("micro-batch 1 has") != std::string::npos);
+}
+
 // A step plan per global batch: 1F1B over the offsets batcher's micro-batches, the adaptive schedule over the dynamic
 // batcher's, then the engine's own plan of 2, back to back on one engine, each step's loss the
 // single-batch reference's (same weights: both engines take the same updates).
@@ -897,6 +1026,8 @@ TEST_CASE("training.targets: a step of pad targets only is refused, pack_padded 
   const auto L = std::max(n0, n1);
   CHECK(padded.rows() == 2 * L);
   CHECK(padded.offsets == std::vector<std::int64_t>{0, L, 2 * L});
+  CHECK(padded.task_offsets == padded.offsets);  // a sequence's pads in its task span
+  CHECK(padded.tasks == std::vector<std::int32_t>{samples[0].task, samples.back().task});
   CHECK(engine::detail::real_targets(padded) == n0 + n1);
   CHECK(std::count(padded.inputs.begin(), padded.inputs.end(), 7) >= 2 * L - n0 - n1);
   // Megatron packing: both samples in one row of 200 tokens, attention across the row.
@@ -905,6 +1036,9 @@ TEST_CASE("training.targets: a step of pad targets only is refused, pack_padded 
   const auto packed = data::pack_rows(samples, row, 200);
   CHECK(packed.rows() == 200);
   CHECK(packed.offsets == std::vector<std::int64_t>{0, 200});
+  // A task span per sample, the row's pads in the last one.
+  CHECK(packed.task_offsets == std::vector<std::int64_t>{0, n0, 200});
+  CHECK(packed.tasks == std::vector<std::int32_t>{samples[0].task, samples.back().task});
   CHECK(engine::detail::real_targets(packed) == n0 + n1);
   CHECK(packed.targets[static_cast<std::size_t>(n0 + n1)] == -1);
   CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)data::pack_rows(samples, row, 20); })

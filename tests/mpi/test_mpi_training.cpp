@@ -56,6 +56,13 @@ TEST_CASE("mpi.training: one process per rank gives the in-process engine's grad
     const auto got = dist.compute_gradients(batches);
     CHECK(got.loss == want.loss);
     CHECK(got.tokens == want.tokens);
+    // The per-task loss travels from the tail rank to every rank: the in-process engine's bits.
+    REQUIRE(want.task_loss.size() == 3);
+    REQUIRE(got.task_loss.size() == want.task_loss.size());
+    for (std::size_t t = 0; t < want.task_loss.size(); ++t) {
+      CHECK(got.task_loss[t].sum == want.task_loss[t].sum);
+      CHECK(got.task_loss[t].count == want.task_loss[t].count);
+    }
     const auto ref_grads = ref.gradients();
     const auto grads = dist.gradients();
     CHECK(!grads.empty());

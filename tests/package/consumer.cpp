@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
       }
       b.offsets.push_back(b.rows());
       b.tasks.push_back(0);
+      b.task_offsets = {0, b.rows()};
     }
     double loss[2] = {0, 0};
     const char* names[2] = {"gpipe", "gpipe-reversed"};

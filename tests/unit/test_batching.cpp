@@ -1,5 +1,6 @@
 // The batching joint: padding, Megatron/T5 packing, packing by offsets, and DynaPipe's DP
 // (checked against brute force over every consecutive split).
+#include <brigade/batching/ahead.hpp>
 #include <brigade/batching/batcher.hpp>
 #include <brigade/batching/dynamic.hpp>
 #include <brigade/model/config.hpp>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <thread>
 
 using namespace brigade;
 using batching::MicroBatch;
@@ -245,4 +247,60 @@ TEST_CASE("batching: stage_cost prices the slowest stage from the layer times") 
   CHECK(cost.activation_bytes(w) ==
         std::max({first.forward, first.backward_input, last.forward, last.backward_input}));
   CHECK(cost.seconds({600, 3, 50.5}) > cost.seconds(w));
+}
+
+// issue 15 item 3: the next global batch is planned on a background thread while the current
+// step runs; the plans are those of planning in the loop.
+TEST_CASE("batching.plan-ahead: plans made one ahead on another thread equal sequential "
+          "planning, errors surface at their plan, no plan past the limit") {
+  // A stateful planner: a seeded stream of global batches (log-normal lengths), each split by
+  // the DP, as brigade train plans a step.
+  struct Stream {
+    std::mt19937 rng{15};
+    std::thread::id thread;
+    batching::DynamicPlan operator()() {
+      thread = std::this_thread::get_id();
+      std::lognormal_distribution<double> len(std::log(40.0), 1.0);
+      std::vector<SampleLength> batch;
+      for (std::int64_t total = 0; total < 2000;) {
+        const auto l = std::clamp<std::int64_t>(std::llround(len(rng)), 2, 400);
+        batch.push_back({l, static_cast<int>(batch.size() % 3), static_cast<std::int64_t>(batch.size())});
+        total += l;
+      }
+      return batching::DynamicBatcher(toy_cost(), 4, 800.0).solve(batch);
+    }
+  };
+  Stream sequential;
+  std::vector<batching::DynamicPlan> want;
+  for (int i = 0; i < 6; ++i) want.push_back(sequential());
+
+  Stream background;
+  batching::PlanAhead<batching::DynamicPlan> ahead([&] { return background(); }, 6);
+  for (int i = 0; i < 6; ++i) {
+    CAPTURE(i);
+    const auto got = ahead.next();
+    CHECK(background.thread != std::this_thread::get_id());  // planned off the caller's thread
+    REQUIRE(got.microbatches.size() == want[static_cast<std::size_t>(i)].microbatches.size());
+    CHECK(got.microbatches.size() >= 2);
+    for (std::size_t m = 0; m < got.microbatches.size(); ++m)
+      CHECK(got.microbatches[m].samples == want[static_cast<std::size_t>(i)].microbatches[m].samples);
+    CHECK(got.seconds == want[static_cast<std::size_t>(i)].seconds);
+    CHECK(got.iteration_seconds == want[static_cast<std::size_t>(i)].iteration_seconds);
+  }
+  CHECK_THROWS_WITH_AS((void)ahead.next(), doctest::Contains("all 6 plans were taken"), Error);
+
+  // An error of the third plan is thrown by the third next(), not before.
+  int calls = 0;
+  batching::PlanAhead<int> failing(
+      [&] {
+        if (++calls == 3) detail::fail(Errc::InvalidArgument, "sample 7 does not fit");
+        return calls;
+      },
+      5);
+  CHECK(failing.next() == 1);
+  CHECK(failing.next() == 2);
+  CHECK_THROWS_WITH_AS((void)failing.next(), doctest::Contains("sample 7 does not fit"), Error);
+  CHECK_THROWS_AS(batching::PlanAhead<int>([] { return 0; }, -1), Error);
+  batching::PlanAhead<int> none([] { return 0; }, 0);
+  CHECK_THROWS_AS((void)none.next(), Error);
 }

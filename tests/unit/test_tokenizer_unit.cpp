@@ -14,9 +14,12 @@
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <iterator>
+#include <random>
 #include <set>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -439,4 +442,88 @@ TEST_CASE("tokenizer.value semantics: copies are independent and moved-from is e
   CHECK(empty.vocab_size() == 0);
   CHECK(empty.encode("", true, false) == std::vector<int>{1});
   CHECK(id_of(c, "<0x41>") == 0x41 + 3);
+}
+
+// ---- encode at length: the heap-ordered merges are run.c's rescan, merge for merge -----------
+
+namespace {
+
+/// run.c's encode as written there: code points to pieces (byte fallback), then rounds that
+/// rescan every adjacent pair and merge the highest-scoring one (the leftmost on ties). O(n^2):
+/// the reference the library's O(n log n) encode must equal.
+std::vector<int> rescan_encode(const Tokenizer& t, std::string_view text) {
+  std::unordered_map<std::string, int> id_of;
+  for (int i = t.vocab_size() - 1; i >= 0; --i) id_of[std::string(t.piece(i))] = i;
+  const auto lookup = [&](const std::string& s) {
+    const auto it = id_of.find(s);
+    return it == id_of.end() ? -1 : it->second;
+  };
+  std::vector<int> tokens{1};  // BOS
+  if (!text.empty()) tokens.push_back(lookup(" ") >= 0 ? lookup(" ") : 3 + ' ');
+  std::string cp;
+  for (std::size_t k = 0; k < text.size(); ++k) {
+    const auto ch = static_cast<unsigned char>(text[k]);
+    if ((ch & 0xC0) != 0x80) cp.clear();
+    cp.push_back(static_cast<char>(ch));
+    const bool next_continues =
+        k + 1 < text.size() && (static_cast<unsigned char>(text[k + 1]) & 0xC0) == 0x80;
+    if (next_continues && cp.size() < 4) continue;
+    if (const int id = lookup(cp); id >= 0) {
+      tokens.push_back(id);
+    } else {
+      for (const char b : cp) tokens.push_back(3 + static_cast<unsigned char>(b));
+    }
+    cp.clear();
+  }
+  for (;;) {
+    float best_score = -1e10f;
+    std::size_t best = tokens.size();
+    int best_id = -1;
+    for (std::size_t i = 0; i + 1 < tokens.size(); ++i) {
+      const int id = lookup(std::string(t.piece(tokens[i])) + std::string(t.piece(tokens[i + 1])));
+      if (id >= 0 && t.score(id) > best_score) {
+        best_score = t.score(id);
+        best = i;
+        best_id = id;
+      }
+    }
+    if (best_id < 0) break;
+    tokens[best] = best_id;
+    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+  return tokens;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer.encode: long texts merge exactly as run.c's rescan (synthetic vocabulary, "
+          "ties, UTF-8 and byte fallback)") {
+  const Tokenizer t = Tokenizer::synthetic(3000, 5);
+  std::mt19937 rng(15);
+  std::string text;
+  // Pseudo-words of the vocabulary, random lowercase runs, punctuation, UTF-8 and stray bytes.
+  const char* extra[] = {" ", ", ", ".\n\n", " \xC3\xBC", "\xE2\x82\xAC", "\x80", "  ", "\t"};
+  for (int i = 0; i < 3000; ++i) {
+    const int kind = static_cast<int>(rng() % 4);
+    if (kind == 0) {
+      text += t.piece(259 + static_cast<int>(rng() % 2741));
+    } else if (kind == 1) {
+      for (int k = 0, n = 1 + static_cast<int>(rng() % 6); k < n; ++k)
+        text.push_back(static_cast<char>('a' + rng() % 26));
+    } else {
+      text += extra[rng() % std::size(extra)];
+    }
+  }
+  REQUIRE(text.size() > 8000);
+  const auto got = t.encode(text, true, false);
+  CHECK(got == rescan_encode(t, text));
+  CHECK(got.size() * 5 < text.size() * 4);  // merges happened (6290 tokens of 9632 bytes)
+
+  // Equal scores everywhere: the leftmost pair wins each round.
+  const TempDir dir;
+  const Tokenizer ties = make_tokenizer(
+      dir, {{0, " "}, {0, "a"}, {0, "b"}, {0, "ab"}, {0, "ba"}, {0, "aba"}, {0, "bab"}, {0, " a"}});
+  std::string abab;
+  for (int i = 0; i < 500; ++i) abab += (rng() % 3 == 0) ? "b" : "a";
+  CHECK(ties.encode(abab, true, false) == rescan_encode(ties, abab));
 }

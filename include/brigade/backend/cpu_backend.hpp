@@ -123,15 +123,15 @@ class CpuBackend {
                                const backend::DecoderGradTensors& grads) const {
     cpu::decoder_backward_weight(config, acts, grads);
   }
-  /// cpu::head_forward_backward_input.
+  /// cpu::head_forward_backward_input (row_loss: [tokens] per-row losses, or nullptr).
   CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                                const float* rms_final, const float* wcls,
                                                const float* x, const std::int32_t* targets,
                                                std::int64_t tokens, float* dx,
-                                               HeadActivations& acts,
-                                               double grad_denominator) const {
+                                               HeadActivations& acts, double grad_denominator,
+                                               double* row_loss = nullptr) const {
     return cpu::head_forward_backward_input(config, rms_final, wcls, x, targets, tokens, dx,
-                                            acts, grad_denominator);
+                                            acts, grad_denominator, row_loss);
   }
   /// cpu::head_backward_weight.
   void head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,

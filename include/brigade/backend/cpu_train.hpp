@@ -188,11 +188,13 @@ struct CrossEntropyLoss {
 /// @param logits   [tokens x vocab]
 /// @param targets  [tokens] ids in [0, vocab), or -1 to ignore
 /// @param dlogits  [tokens x vocab], overwritten; may alias logits; nullptr for the loss only
+/// @param row_loss [tokens] if not nullptr, receives each row's loss (nats; 0 for a row with
+///                 target -1); the returned sum is their sum in row order (per-task losses)
 /// @throws brigade::Error{InvalidArgument} if tokens < 0, vocab < 1, a target is outside
 ///         [0, vocab) and not -1, or grad_denominator < 0
 CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
                                std::int64_t tokens, std::int64_t vocab, float* dlogits,
-                               double grad_denominator = 0.0);
+                               double grad_denominator = 0.0, double* row_loss = nullptr);
 
 // ---- the LM head: final RMSNorm, classifier GEMM, cross-entropy -------------------------------
 
@@ -225,6 +227,7 @@ void head_forward(const model::LlamaConfig& config, const float* rms_final, cons
 /// @param dx      [tokens x dim], overwritten; may alias x
 /// @param acts    overwritten
 /// @param grad_denominator as cross_entropy
+/// @param row_loss [tokens] if not nullptr, each row's loss, as cross_entropy
 /// @return the summed loss and the counted tokens
 /// @throws brigade::Error{InvalidArgument} if the config is invalid, tokens < 1, a pointer is
 ///         null, or as cross_entropy (acts is left empty then)
@@ -233,7 +236,8 @@ CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                              const float* x, const std::int32_t* targets,
                                              std::int64_t tokens, float* dx,
                                              HeadActivations& acts,
-                                             double grad_denominator = 0.0);
+                                             double grad_denominator = 0.0,
+                                             double* row_loss = nullptr);
 
 /// Head backward-weight: d_wcls += dlogits^T xn, d_rms_final += the stashed norm gradient; then
 /// releases acts' memory. With a shared classifier pass the embedding's gradient as d_wcls.

@@ -48,6 +48,44 @@ std::vector<std::string> split_samples(std::string_view text);
 /// The default corpus: the Debian package `fortunes` (/usr/share/games/fortunes).
 std::filesystem::path default_corpus_path();
 
+/// How a corpus source's files split into samples.
+enum class SampleSplit : std::uint8_t {
+  Paragraphs,  ///< split_samples: '%' lines (fortune format), else blank lines
+  Documents,   ///< a whole file is one sample (blank lines at both ends dropped)
+};
+
+/// One task of a multi-task corpus: its name, its plain-text files and how they split.
+struct CorpusSource {
+  std::string task;                          ///< task name (Corpus::tasks)
+  std::vector<std::filesystem::path> files;  ///< the task's files, in load order
+  SampleSplit split = SampleSplit::Paragraphs;
+};
+
+/// Loads `sources`, one task per source in the given order (a source whose files hold no
+/// sample is left out), each file checked and each sample tokenized and cut as load_corpus
+/// does.
+/// @param max_tokens longest sample kept, in tokens (>= 2)
+/// @throws brigade::Error{BadFile} as load_corpus for each file (missing, unreadable, too large,
+///         binary: naming the file), or if no source holds a sample ("no text samples found",
+///         naming the sources); Error{InvalidArgument} if max_tokens < 2
+Corpus load_sources(std::span<const CorpusSource> sources, const model::Tokenizer& tokenizer,
+                    int max_tokens);
+
+/// The multi-task corpus of plain text that Debian packages ship, found under `root` ("/" on
+/// a Debian system; another root for tests), one task per source, short samples beside long
+/// documents (docs/batching.md, "The Debian multi-task corpus", has its length histogram):
+/// - `fortunes/<file>`: each file of usr/share/games/fortunes (package fortunes, fortunes-min)
+///   split by '%' lines, one task per file (index files *.dat and symbolic links skipped);
+/// - `common-licenses`: each license of usr/share/common-licenses (package base-files) as one
+///   document (symbolic links such as GPL -> GPL-3 skipped);
+/// - `copyright`: each usr/share/doc/<package>/copyright as one document (every package ships
+///   one; symbolic links skipped);
+/// - `readme-debian`: each usr/share/doc/<package>/README.Debian as one document.
+/// Gzipped files (changelog.Debian.gz, manual pages, info pages) are not read: the corpus is
+/// the plain files as installed. Files are sorted by path; sources without a file are left out.
+/// @throws brigade::Error{BadFile} if none of the sources has a file under `root`
+std::vector<CorpusSource> debian_sources(const std::filesystem::path& root = "/");
+
 /// Loads a text file or every regular text file of a folder (sorted by name; symbolic links,
 /// hidden files and fortune index files `*.dat` skipped), one task per file, and tokenizes each
 /// sample as Tokenizer::encode(text, bos = true, eos = false), cut to `max_tokens` (counted in
@@ -74,7 +112,13 @@ struct PackedBatch {
   std::vector<std::int32_t> inputs;    ///< [rows] input token ids
   std::vector<std::int32_t> targets;   ///< [rows] next-token targets
   std::vector<std::int64_t> offsets;   ///< [n_seq + 1] row offsets of the sequences, 0 first
-  std::vector<std::int32_t> tasks;     ///< [n_seq] task of each sequence
+  /// [n_spans] task of each span of rows (the per-task loss adds each span's row losses to its
+  /// task); empty for a batch without tasks (no per-task split then)
+  std::vector<std::int32_t> tasks;
+  /// [n_spans + 1] row offsets of the task spans, 0 first, rows() last (empty when tasks is):
+  /// one span per sequence by pack_offsets and pack_padded (a sequence's pad rows in its span),
+  /// one per sample by pack_rows (a row's pad rows in its last sample's span)
+  std::vector<std::int64_t> task_offsets;
 
   [[nodiscard]] std::int64_t rows() const noexcept {
     return static_cast<std::int64_t>(inputs.size());
@@ -85,7 +129,8 @@ struct PackedBatch {
 };
 
 /// Appends the first `rows` rows of `sample` to `batch` as one sequence: inputs
-/// tokens[0 .. rows-1], targets tokens[1 .. rows], a new offset and the sample's task.
+/// tokens[0 .. rows-1], targets tokens[1 .. rows], a new offset, and a task span of the
+/// sample's task.
 /// @throws brigade::Error{InvalidArgument} if rows < 1 or rows >= the sample's tokens
 void append_sequence(PackedBatch& batch, const Sample& sample, std::int64_t rows);
 
@@ -108,8 +153,8 @@ PackedBatch pack_padded(std::span<const Sample> samples, const batching::MicroBa
 /// The PackedBatch of a micro-batch packed into fixed-length rows as Megatron-LM and T5 do
 /// (batching::PackingBatcher{row_tokens}): each of mb's rows is one sequence of `row_tokens`
 /// rows, its samples' n - 1 rows end to end (attention runs across the whole row, samples
-/// included), then pad rows (input `pad_id`, target -1) to row_tokens. The sequence's task is
-/// its first sample's.
+/// included), then pad rows (input `pad_id`, target -1) to row_tokens. Each sample is a task
+/// span of its own task.
 /// @throws brigade::Error{InvalidArgument} as pack_offsets, a row whose samples exceed row_tokens
 ///         (naming the row), mb without row offsets, or a pad_id < 0
 PackedBatch pack_rows(std::span<const Sample> samples, const batching::MicroBatch& mb,

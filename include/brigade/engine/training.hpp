@@ -369,6 +369,12 @@ plan::Plan training_plan(const model::LlamaConfig& model, const TrainingConfig& 
 struct StepResult {
   double loss = 0.0;             ///< mean cross-entropy over the step's real targets (nats)
   std::int64_t tokens = 0;       ///< real (non-pad, target != -1) targets in the step
+  /// Per task (index = data::Sample::task, up to the step's largest task id): the summed loss
+  /// (nats) and counted real targets of the kept micro-batches' rows of that task (count 0 for
+  /// a task the step lacks); task_loss[t].mean() is task t's mean loss, and the counts add up
+  /// to `tokens`, the sums to `loss` x `tokens` (to rounding). Empty when the batches carry no
+  /// tasks (data::PackedBatch::tasks) or the backend reports no per-row losses.
+  std::vector<cpu::CrossEntropyLoss> task_loss;
   double seconds = 0.0;          ///< wall time of forward + backward (+ optimizer)
   double lr = 0.0;               ///< learning rate used (0 when no optimizer step was taken)
   double grad_norm = 0.0;        ///< global gradient norm before clipping
@@ -586,6 +592,16 @@ void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
 /// The summed loss of the tail stage's micro-batches not in `dropped` (ascending).
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped);
+
+/// The per-task loss of the tail stage's micro-batches not in `dropped` (ascending):
+/// TrainStage::task_loss summed over them, [tasks] long (tasks = the largest task id in
+/// `batches` + 1; empty when no batch carries tasks or the tail reports none).
+std::vector<cpu::CrossEntropyLoss> kept_task_loss(const runtime::TrainStage<>& tail,
+                                                  std::span<const data::PackedBatch> batches,
+                                                  std::span<const int> dropped);
+
+/// Tasks of a step: the largest task id over `batches` + 1 (0 when none carries tasks).
+int step_tasks(std::span<const data::PackedBatch> batches) noexcept;
 
 /// Checks that `plan` is one a training engine runs for a model of `model` with `options`.
 /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor

@@ -220,6 +220,9 @@ class DistributedTrainer {
       });
       res.tokens = loss.count;
       res.loss = loss.mean();
+      res.task_loss = reduce_task_loss(detail::step_tasks(batches), [&] {
+        return detail::kept_task_loss(*stages_.back(), batches, decision.dropped);
+      });
       sum_tied_gradients();
       return res;
     });
@@ -515,20 +518,51 @@ class DistributedTrainer {
     return all;
   }
 
+  /// The tail rank's `n` values (computed by `tail_values` there, resized to n) on every rank.
+  template <class F>
+  std::vector<double> from_tail(std::size_t n, F&& tail_values) {
+    const int N = plan_.shape().num_virtual_stages;
+    std::vector<double> mine(n, 0.0);
+    if (holds(N - 1)) {
+      mine = tail_values();
+      mine.resize(n, 0.0);
+    }
+    const auto all = all_gather(mine);
+    const auto at = static_cast<std::ptrdiff_t>(
+        static_cast<std::size_t>(plan_.shape().rank_of(N - 1)) * n);
+    return {all.begin() + at, all.begin() + at + static_cast<std::ptrdiff_t>(n)};
+  }
+
   /// The tail rank's loss (computed by `tail_loss` there) on every rank.
   template <class F>
   cpu::CrossEntropyLoss reduce_loss(F&& tail_loss) {
-    const int N = plan_.shape().num_virtual_stages;
-    std::vector<double> mine(2, 0.0);
-    if (holds(N - 1)) {
+    const auto v = from_tail(2, [&] {
       const auto l = tail_loss();
-      mine = {l.sum, static_cast<double>(l.count)};
-    }
-    const auto all = all_gather(mine);
-    const auto at = static_cast<std::size_t>(plan_.shape().rank_of(N - 1) * 2);
-    cpu::CrossEntropyLoss out;
-    out.sum = all[at];
-    out.count = static_cast<std::int64_t>(all[at + 1]);
+      return std::vector<double>{l.sum, static_cast<double>(l.count)};
+    });
+    return {v[0], static_cast<std::int64_t>(v[1])};
+  }
+
+  /// The tail rank's per-task loss (detail::kept_task_loss there, [tasks] or empty) on every
+  /// rank: one flag (whether the tail has any) and a (sum, count) pair per task.
+  template <class F>
+  std::vector<cpu::CrossEntropyLoss> reduce_task_loss(int tasks, F&& tail_task_loss) {
+    if (tasks == 0) return {};
+    const auto n = static_cast<std::size_t>(tasks);
+    const auto v = from_tail(1 + 2 * n, [&] {
+      const auto per = tail_task_loss();
+      std::vector<double> out(1 + 2 * n, 0.0);
+      out[0] = per.empty() ? 0.0 : 1.0;
+      for (std::size_t t = 0; t < per.size() && t < n; ++t) {
+        out[1 + 2 * t] = per[t].sum;
+        out[2 + 2 * t] = static_cast<double>(per[t].count);
+      }
+      return out;
+    });
+    if (v[0] == 0.0) return {};
+    std::vector<cpu::CrossEntropyLoss> out(n);
+    for (std::size_t t = 0; t < n; ++t)
+      out[t] = {v[1 + 2 * t], static_cast<std::int64_t>(v[2 + 2 * t])};
     return out;
   }
 

@@ -54,6 +54,7 @@ class TrainStageBase {
   virtual void release_grad_input(int mb) = 0;
   [[nodiscard]] virtual cpu::CrossEntropyLoss loss(int mb) const = 0;
   [[nodiscard]] virtual cpu::CrossEntropyLoss total_loss() const = 0;
+  [[nodiscard]] virtual const std::vector<cpu::CrossEntropyLoss>& task_loss(int mb) const = 0;
   virtual void zero_grad() = 0;
   virtual void clear_microbatches() = 0;
   virtual void download_gradients() = 0;
@@ -148,6 +149,12 @@ class TrainStage final : public TrainStageBase {
   [[nodiscard]] cpu::CrossEntropyLoss loss(int mb) const override;
   /// Loss of every micro-batch forwarded since zero_grad(), summed.
   [[nodiscard]] cpu::CrossEntropyLoss total_loss() const override;
+  /// Per task of `mb` (tail stage only; empty elsewhere, for a batch without tasks, or on a
+  /// backend whose head_forward_backward_input takes no per-row loss output): [largest task id
+  /// of the batch + 1], the summed loss and counted targets of the rows of each task span
+  /// (PackedBatch::tasks, task_offsets), count 0 for a task the batch lacks. The sums add up to
+  /// loss(mb) to rounding (the same row losses, summed per task), the counts exactly.
+  [[nodiscard]] const std::vector<cpu::CrossEntropyLoss>& task_loss(int mb) const override;
 
   /// Sets every gradient to zero (host and backend) and forgets the micro-batches of the last
   /// step.
@@ -201,6 +208,7 @@ class TrainStage final : public TrainStageBase {
     // embedding's output gradient between BI and BW), the token ids and the targets.
     typename B::Buffer rows, ids, targets;
     cpu::CrossEntropyLoss loss;
+    std::vector<cpu::CrossEntropyLoss> task_loss;  // [tasks] on the tail stage
     bool forwarded = false, full = false, bi_done = false;
   };
   /// A host tensor and its copy in the backend's memory (device backends only).
@@ -245,6 +253,7 @@ class TrainStage final : public TrainStageBase {
   std::vector<model::DecoderWeights> decoders_;  // views of the kernels' copies
   std::vector<Mirror> param_mirrors_, grad_mirrors_;  // device backends only
   typename B::TrainScratch scratch_;
+  std::vector<double> row_loss_;  // [rows] the tail's per-row losses of the last forward
   std::map<int, Micro> micro_;
   std::size_t held_bytes_ = 0;  // sum of bytes_of() over micro_
 };
@@ -256,6 +265,29 @@ namespace detail {
 /// The nine tensors of a decoder layer, in DecoderWeights order, as ParamRef names them.
 inline constexpr std::array<const char*, 9> kDecoderNames = {
     "attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3"};
+
+/// Checks a micro-batch's task spans: none (tasks and task_offsets empty), or tasks[i] >= 0 for
+/// each span and task_offsets = 0, increasing, ..., rows (one more entry than tasks).
+/// @throws brigade::Error{InvalidArgument} naming micro-batch `mb` and what is wrong
+inline void check_task_spans(const data::PackedBatch& b, int mb) {
+  if (b.tasks.empty() && b.task_offsets.empty()) return;
+  BRIGADE_CHECK(b.task_offsets.size() == b.tasks.size() + 1 && b.task_offsets.front() == 0 &&
+                    b.task_offsets.back() == b.rows(),
+                Errc::InvalidArgument,
+                "TrainStage: micro-batch {} has {} tasks and {} task offsets (from {} to {}); "
+                "expected tasks + 1 offsets from 0 to its {} rows",
+                mb, b.tasks.size(), b.task_offsets.size(),
+                b.task_offsets.empty() ? -1 : b.task_offsets.front(),
+                b.task_offsets.empty() ? -1 : b.task_offsets.back(), b.rows());
+  for (std::size_t i = 0; i < b.tasks.size(); ++i) {
+    BRIGADE_CHECK(b.tasks[i] >= 0, Errc::InvalidArgument,
+                  "TrainStage: micro-batch {} task span {} has task {}, expected >= 0", mb, i,
+                  b.tasks[i]);
+    BRIGADE_CHECK(b.task_offsets[i] < b.task_offsets[i + 1], Errc::InvalidArgument,
+                  "TrainStage: micro-batch {} task offset {} is {} after {}, expected increasing",
+                  mb, i + 1, b.task_offsets[i + 1], b.task_offsets[i]);
+  }
+}
 
 /// Elements of each of the nine tensors (kDecoderNames' order).
 inline std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
@@ -473,12 +505,45 @@ void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
     }
     // The tail runs its head backward-input right away: its rows then hold the gradient of the
     // head's input, and the loss is known after F, as on Megatron's last stage.
-    m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
-                                            m.head, m.denominator);
+    // Per-row losses when the batch has tasks and the backend reports them into host memory
+    // (per-task loss; CpuBackend does, CudaBackend's head has no per-row output yet).
+    constexpr bool kRowLoss =
+        B::host_memory &&
+        requires(B& be, const model::LlamaConfig& c, const float* cx, float* xx,
+                 const std::int32_t* ids, std::int64_t nn, typename B::HeadActivations& h,
+                 double d, double* rl) {
+          be.head_forward_backward_input(c, cx, cx, cx, ids, nn, xx, h, d, rl);
+        };
+    static_assert(kRowLoss || !std::is_same_v<B, cpu::CpuBackend>,
+                  "CpuBackend reports per-row losses");
+    double* row_loss = nullptr;
+    if constexpr (kRowLoss) {
+      if (!b.tasks.empty()) {
+        row_loss_.resize(static_cast<std::size_t>(rows));
+        row_loss = row_loss_.data();
+      }
+      m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
+                                              m.head, m.denominator, row_loss);
+    } else {
+      m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
+                                              m.head, m.denominator);
+    }
     BRIGADE_CHECK(std::isfinite(m.loss.sum), Errc::NonFinite,
                   "non-finite value in training: stage of layers [{}, {}), micro-batch {}, the "
                   "loss is {} over {} tokens",
                   range_.first, range_.last, mb, m.loss.sum, m.loss.count);
+    if (row_loss != nullptr) {
+      m.task_loss.assign(
+          static_cast<std::size_t>(*std::max_element(b.tasks.begin(), b.tasks.end())) + 1, {});
+      for (std::size_t s = 0; s < b.tasks.size(); ++s) {
+        auto& t = m.task_loss[static_cast<std::size_t>(b.tasks[s])];
+        for (auto r = b.task_offsets[s]; r < b.task_offsets[s + 1]; ++r) {
+          if (b.targets[static_cast<std::size_t>(r)] == -1) continue;
+          t.sum += row_loss[r];
+          ++t.count;
+        }
+      }
+    }
   } else if constexpr (!B::host_memory) {
     // One download of the stage's output, checked once (naming the stage's last layer).
     m.output.resize(n);
@@ -505,6 +570,7 @@ void TrainStage<B>::forward(int mb, const data::PackedBatch& batch, const float*
                   "at {})",
                   mb, batch.inputs.size(), batch.targets.size(),
                   batch.offsets.empty() ? -1 : batch.offsets.back());
+    detail::check_task_spans(batch, mb);
     if (has_embedding())
       for (std::size_t i = 0; i < batch.inputs.size(); ++i)
         BRIGADE_CHECK(batch.inputs[i] >= 0 && batch.inputs[i] < config_.vocab_size,
@@ -628,11 +694,13 @@ void TrainStage<B>::finish_backward_weight(int mb, bool accumulate) {
     const auto loss = m.loss;
     const auto* batch = m.batch;
     auto grad_in = std::move(m.grad_in);
+    auto task_loss = std::move(m.task_loss);
     m = Micro{};
     m.loss = loss;
+    m.task_loss = std::move(task_loss);
     m.batch = batch;
     m.grad_in = std::move(grad_in);
-    m.forwarded = true;  // keeps loss() and grad_input() readable until zero_grad()
+    m.forwarded = true;  // keeps loss(), task_loss() and grad_input() readable until zero_grad()
   });
 }
 
@@ -663,6 +731,11 @@ void TrainStage<B>::release_grad_input(int mb) {
 
 template <backend::TrainingBackend B>
 cpu::CrossEntropyLoss TrainStage<B>::loss(int mb) const { return micro(mb, "loss").loss; }
+
+template <backend::TrainingBackend B>
+const std::vector<cpu::CrossEntropyLoss>& TrainStage<B>::task_loss(int mb) const {
+  return micro(mb, "task_loss").task_loss;
+}
 
 template <backend::TrainingBackend B>
 cpu::CrossEntropyLoss TrainStage<B>::total_loss() const {
