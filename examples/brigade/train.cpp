@@ -546,53 +546,6 @@ int run(const TrainArgs& a) {
 #if BRIGADE_HAS_MPI
   if (under_mpi) {
     transport::MpiTransport tp;
-<<<<<<< HEAD
-    cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
-                                                       weights.config.vocab_size);
-    auto& outer = stack.transports()[0];
-    engine::DistributedTrainer<std::remove_reference_t<decltype(outer)>> eng(
-        outer, weights, cfg, {a.fail_rank, a.fail_after_steps});
-    // The counts of every process, summed (a collective each step, only with integrity flags).
-    std::optional<transport::MpiCollectives> group;
-    if (a.integrity.active()) group.emplace();
-    const StepHooks hooks{
-        [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
-          stack.expect(b);
-          return eng.train_step(p, b);
-        },
-        [&] {
-          const auto c = stack.counts();
-          if (!group) return c;
-          std::vector<double> v{static_cast<double>(c.checked), static_cast<double>(c.flagged),
-                                static_cast<double>(c.injected), static_cast<double>(c.caught)};
-          group->all_reduce(std::span(v), transport::ReduceOp::Sum,
-                            transport::Deadline::after(a.timeout));
-          return cli::IntegrityCounts{static_cast<std::int64_t>(v[0]),
-                                      static_cast<std::int64_t>(v[1]),
-                                      static_cast<std::int64_t>(v[2]),
-                                      static_cast<std::int64_t>(v[3])};
-        },
-        [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
-        [&] { return cli::with_rank(stack.report(), tp.rank()); }};
-    return train_loop(eng, a, d, tp.rank() == 0, hooks);
-  }
-#endif
-  transport::InProcessFabric fabric(num_ranks);
-  auto endpoints = transport::endpoints(fabric);
-  const std::span<transport::InProcessTransport> ranks(endpoints);
-  cli::IntegrityStack<transport::InProcessTransport> stack(ranks, a.integrity, checked,
-                                                           weights.config.vocab_size);
-  engine::TrainingEngine eng(weights, cfg);
-  const StepHooks hooks{
-      [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
-        stack.expect(b);
-        return eng.train_step(stack.transports(), p, b);
-      },
-      [&] { return stack.counts(); },
-      [&](engine::StepResult& r) { stack.mark(r.timeline, r.origin); },
-      [&] { return stack.report(); }};
-  return train_loop(eng, a, d, true, hooks);
-=======
     for (const auto& batcher : runs) {
       const TrainArgs one = run_args(batcher);
       cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
@@ -604,6 +557,7 @@ int run(const TrainArgs& a) {
       std::optional<transport::MpiCollectives> group;
       if (a.integrity.active()) group.emplace();
       const StepHooks hooks{[&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+                              stack.expect(b);
                               return eng.train_step(p, b);
                             },
                             [&] {
@@ -634,6 +588,7 @@ int run(const TrainArgs& a) {
                                                              weights.config.vocab_size);
     engine::TrainingEngine eng(weights, cfg);
     const StepHooks hooks{[&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+                            stack.expect(b);
                             return eng.train_step(stack.transports(), p, b);
                           },
                           [&] { return stack.counts(); },
@@ -642,7 +597,6 @@ int run(const TrainArgs& a) {
     summaries.push_back(train_loop(eng, one, d, true, hooks));
   }
   return print_table(true);
->>>>>>> i15-batch
 }
 
 std::function<int()> setup(CLI::App& sub) {

@@ -596,7 +596,7 @@ cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microba
 /// The per-task loss of the tail stage's micro-batches not in `dropped` (ascending):
 /// TrainStage::task_loss summed over them, [tasks] long (tasks = the largest task id in
 /// `batches` + 1; empty when no batch carries tasks or the tail reports none).
-std::vector<cpu::CrossEntropyLoss> kept_task_loss(const runtime::TrainStage<>& tail,
+std::vector<cpu::CrossEntropyLoss> kept_task_loss(const runtime::TrainStageBase& tail,
                                                   std::span<const data::PackedBatch> batches,
                                                   std::span<const int> dropped);
 
