@@ -4,6 +4,7 @@
 
 #include "brigade/backend/cpu.hpp"
 #include "brigade/engine/threads.hpp"
+#include "brigade/transport/collectives.hpp"
 #include "brigade/transport/in_process.hpp"
 #include "mapped_file.hpp"
 
@@ -637,9 +638,97 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
           payload);
 }
 
+namespace {
+
+/// engine::generate with options.tp > 1: tp pipelines of threads, one InProcessGroup per
+/// pipeline rank (inference.hpp).
+InferenceReport generate_tensor_parallel(const model::LlamaWeights& weights,
+                                         const plan::Plan& plan,
+                                         std::span<const GenerationRequest> requests,
+                                         const InferenceOptions& options) {
+  const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
+  tp::check_tensor_parallel(weights.config, options.tp);
+  const tp::Grid grid{options.tp, plan.shape().num_ranks, 1};
+  const int T = grid.tp, P = grid.pp, G = grid.ranks();
+  const int root = plan.shape().rank_of(0);
+  cpu::set_blas_threads(options.blas_threads);
+  std::vector<std::unique_ptr<transport::InProcessFabric>> fabrics;
+  std::vector<std::vector<transport::InProcessTransport>> pipes;  // [TP rank][pipeline rank]
+  std::vector<std::unique_ptr<detail::SequenceBook>> books;       // per pipeline
+  for (int t = 0; t < T; ++t) {
+    fabrics.push_back(std::make_unique<transport::InProcessFabric>(P));
+    pipes.push_back(transport::endpoints(*fabrics.back()));
+    books.push_back(std::make_unique<detail::SequenceBook>(requests, weights.config.seq_len,
+                                                           plan.shape().num_microbatches));
+  }
+  std::vector<std::unique_ptr<transport::InProcessGroup>> groups;  // per pipeline rank
+  for (int p = 0; p < P; ++p) groups.push_back(std::make_unique<transport::InProcessGroup>(T));
+  std::vector<Timeline> timelines(static_cast<std::size_t>(G), Timeline(P));
+  std::vector<double> resident(static_cast<std::size_t>(G), 0.0);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(G));
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(static_cast<std::size_t>(G));
+    for (int g = 0; g < G; ++g)
+      threads.emplace_back([&, g] {
+        const int p = grid.pp_rank(g), t = grid.tp_rank(g);
+        const auto at = static_cast<std::size_t>(g);
+        try {
+          transport::InProcessCollectives member(*groups[static_cast<std::size_t>(p)], t);
+          tp::GroupOver<transport::InProcessCollectives> group(member, options.timeout_s);
+          resident[at] = run_inference_rank(
+              pipes[static_cast<std::size_t>(t)][static_cast<std::size_t>(p)], weights, plan,
+              layout, p == root ? books[static_cast<std::size_t>(t)].get() : nullptr, options,
+              t0, timelines[at], CpuBackends{}, &group);
+        } catch (const std::exception& e) {
+          errors[at] = std::current_exception();
+          // Stop every pipeline and every group: their ranks wait on this one's messages or
+          // collectives.
+          for (auto& pipe : pipes) transport::abort_others(pipe.front(), e);
+          const std::string reason = fmt::format("rank {} (TP {} of stage rank {}) failed: {}",
+                                                 g, t, p, e.what());
+          for (auto& grp : groups) grp->abort(reason);
+        } catch (...) {
+          errors[at] = std::current_exception();
+        }
+      });
+  }
+  rethrow_root_cause(errors);
+
+  InferenceReport report;
+  report.timeline = Timeline(G);
+  report.origin = t0;
+  for (int g = 0; g < G; ++g)
+    for (Interval iv : timelines[static_cast<std::size_t>(g)].intervals()) {
+      iv.rank = g;  // the pipeline's rank p becomes the grid's global rank
+      report.timeline.add(std::move(iv));
+    }
+  report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.resident_weight_bytes = std::move(resident);
+  report.sequences = books.front()->results();
+  for (int t = 1; t < T; ++t) {
+    const auto other = books[static_cast<std::size_t>(t)]->results();
+    for (std::size_t i = 0; i < other.size(); ++i)
+      BRIGADE_CHECK(other[i].tokens == report.sequences[i].tokens, Errc::Internal,
+                    "generate: TP rank {}'s pipeline sampled other tokens than TP rank 0's for "
+                    "sequence {}", t, i);
+  }
+  for (const auto& r : report.sequences) {
+    report.generated_tokens += r.generated;
+    report.prompt_tokens += r.prompt_tokens;
+  }
+  return report;
+}
+
+}  // namespace
+
 InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,
                          std::span<const GenerationRequest> requests,
                          const InferenceOptions& options) {
+  BRIGADE_CHECK(options.tp >= 1, Errc::InvalidArgument, "generate: options.tp = {}, expected >= 1",
+                options.tp);
+  if (options.tp > 1) return generate_tensor_parallel(weights, plan, requests, options);
   transport::InProcessFabric fabric(plan.shape().num_ranks);
   auto endpoints = transport::endpoints(fabric);
   return generate(std::span(endpoints), weights, plan, requests, options);

@@ -26,6 +26,7 @@ InferenceStageBase::InferenceStageBase(const model::LlamaWeights& weights,
       spec_(weights.config),
       range_(range),
       num_layers_(spec_.num_layers()),
+      kv_dim_(weights.config.kv_dim()),
       capacities_(capacities.begin(), capacities.end()) {
   BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= num_layers_,
                 Errc::InvalidArgument, "InferenceStage: layers [{}, {}) outside the model's [0, {})",
@@ -201,7 +202,7 @@ std::size_t resident_bytes(std::span<const std::pair<std::uintptr_t, std::size_t
 }
 
 backend::KvCacheView InferenceStageBase::kv_view(void* base, DType dtype) const {
-  const std::int64_t kv = weights_->config.kv_dim();
+  const std::int64_t kv = kv_dim_;
   backend::KvCacheView v;
   v.keys = base;
   v.values = static_cast<std::byte*>(base) + dtype_bytes(dtype, cache_rows_total_ * kv);

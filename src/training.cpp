@@ -395,6 +395,11 @@ std::map<std::string, std::vector<float>> TrainingEngine::gradients() const {
   return out;
 }
 
+void TrainingEngine::for_each_gradient(const std::function<void(std::span<float>)>& f) {
+  for (auto& s : impl_->stages)
+    for (auto& p : s->params()) f(std::span<float>(p.grad, static_cast<std::size_t>(p.size)));
+}
+
 model::LlamaWeights TrainingEngine::export_weights() const {
   std::map<std::string, std::vector<float>> t;
   for (auto it = impl_->stages.rbegin(); it != impl_->stages.rend(); ++it) (*it)->export_to(t);

@@ -21,6 +21,8 @@
 #include <brigade/cost/profiled.hpp>
 #include <brigade/plan/inference_plan.hpp>
 #include <brigade/engine/distributed.hpp>
+#include <brigade/engine/generate_mpi.hpp>  // declarations only; linked with brigade::mpi
+#include <brigade/tp/tensor_parallel.hpp>
 #include <brigade/transport/in_process.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
@@ -46,6 +48,7 @@ struct GenerateArgs {
   int cores = 0;                // --plan auto: cores to plan for; 0 = all of this machine's
   std::vector<std::string> prompts;
   int steps = 256, stages = 2, microbatches = 0, threads = 1, ring = 1;
+  int tp = 1;  // --tp: tensor-parallel degree of every stage
   float temperature = 1.0f, top_p = 0.9f;
   std::uint64_t seed = 42, model_seed = 1234;
   double timeout = 120.0;
@@ -110,13 +113,50 @@ void check_lengths(const std::vector<brigade::engine::GenerationRequest>& reques
                a.microbatches, requests.size(), requests.size());
 }
 
+/// Bytes the TP ranks of one process copy beside the model (each stage's column slices of Wo
+/// and W2: together one more copy of those matrices); 0 for tp = 1.
+double tp_copied_bytes(const brigade::model::LlamaWeights& w, int tp) {
+  if (tp == 1) return 0.0;
+  const auto& c = w.config;
+  double bytes = 0.0;
+  for (const auto& l : w.layers)
+    bytes += static_cast<double>(c.dim) * static_cast<double>(
+                 brigade::model::weight_row_bytes(l.wo.dtype, c.dim) +
+                 brigade::model::weight_row_bytes(l.w2.dtype, c.hidden_dim));
+  return bytes;
+}
+
 int run(const GenerateArgs& a) {
   using namespace brigade;
   // Under mpirun: one process per stage; rank 0 prints (README, "Several processes (MPI)").
   const cli::MpiLaunch launch(a.fail_rank);
   const bool under_mpi = launch.active();
   a.integrity.check(launch.rank() == 0);
-  const int num_stages = launch.ranks(a.stages, a.stages_option, "stage");
+  // With --tp under mpirun the processes are the grid TP x PP (TP fastest): --stages = world / tp.
+  const int num_stages = [&] {
+    if (!under_mpi || a.tp == 1) return launch.ranks(a.stages, a.stages_option, "stage");
+    BRIGADE_CHECK(launch.world() % a.tp == 0, Errc::InvalidArgument,
+                  "--tp {} does not divide the {} processes mpirun started (the grid TP x PP "
+                  "needs --tp x --stages processes)",
+                  a.tp, launch.world());
+    if (a.stages_option->count() > 0)
+      tp::check_grid_ranks(tp::Grid{a.tp, a.stages, 1}, launch.world(),
+                           "processes mpirun started");
+    return launch.world() / a.tp;
+  }();
+  if (a.tp > 1) {
+    // What tensor-parallel stages do not run (each would be its own path to build).
+    const std::pair<bool, const char*> unsupported[] = {
+        {a.plan == "auto", "--plan auto"},         {!a.halda.empty(), "--halda"},
+        {a.ring_option->count() > 0 || !a.windows.empty(), "--ring/--windows"},
+        {a.offload, "--offload"},                  {a.ram_budget > 0, "--ram-budget"},
+        {a.integrity.active(), "--verify/--inject"}, {a.fail_rank >= 0, "--fail-rank"}};
+    for (const auto& [given, flag] : unsupported)
+      BRIGADE_CHECK(!given, Errc::InvalidArgument,
+                    "--tp {} does not combine with {} (tensor-parallel stages run one layer "
+                    "range per pipeline rank, resident, without transport decorators)",
+                    a.tp, flag);
+  }
   // Model and tokenizer: real files, or a synthetic Llama of a named size.
   model::LlamaWeights weights;
   model::Tokenizer tok;
@@ -152,6 +192,7 @@ int run(const GenerateArgs& a) {
                  model::weight_bytes(weights) / 1e6, loaded_bytes / 1e6);
   }
   const model::ModelSpec spec(weights.config);
+  tp::check_tensor_parallel(weights.config, a.tp);  // heads, KV heads, MLP, vocabulary vs --tp
 
   std::vector<std::string> prompts = a.prompts;
   if (!a.prompt_file.empty()) {
@@ -241,9 +282,11 @@ int run(const GenerateArgs& a) {
   // Every stage thread (one per stage here, one per process under mpirun) with its intra-op threads.
   const int threads_used = planned ? planned->threads : a.threads;
   cli::check_threads_startable(
-      (under_mpi ? 1 : stages_used) * threads_used,
+      (under_mpi ? 1 : stages_used * a.tp) * threads_used,
       under_mpi ? fmt::format("--threads {}", threads_used)
-                : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
+                : a.tp > 1 ? fmt::format("--stages {} x --tp {} x --threads {}", stages_used,
+                                         a.tp, threads_used)
+                           : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
   // Ring windows (prima.cpp): k = --ring rounds of one window per rank over the decoder
   // layers, --windows sizes them; without either, one stage per rank from the policy.
   BRIGADE_CHECK(!planned || (a.ring == 1 && a.windows.empty()), Errc::InvalidArgument,
@@ -299,6 +342,7 @@ int run(const GenerateArgs& a) {
   BRIGADE_CHECK(!a.no_prefetch || a.offload, Errc::InvalidArgument,
                 "--no-prefetch changes how --offload loads windows; give --offload too");
   opt.pipeline_dtype = *parse_dtype(a.pipeline_dtype);
+  opt.tp = a.tp;
   // With a profile, the plan must fit the device: the weights, then the memory of the ranks
   // (cost::inference_memory: weights, KV cache, buffers) against memory_capacity_bytes; each
   // rank on its own under mpirun, all of them together (one copy of the weights) as threads.
@@ -314,18 +358,37 @@ int run(const GenerateArgs& a) {
                                    fmt::format("profile {}", profile->name), tied);
     else
       cost::check_holds_weights(*profile, held, "as loaded");
+    // A TP rank holds its slices of each layer (tp::shard_layer_bytes) and the KV cache of its
+    // KV heads; activations and buffers are the whole stream's (replicated).
+    std::vector<double> rank_layer_bytes = layer_bytes;
+    for (int l = 0; l < spec.num_layers(); ++l)
+      rank_layer_bytes[static_cast<std::size_t>(l)] = tp::shard_layer_bytes(
+          weights.config, spec.layer(l).kind, layer_bytes[static_cast<std::size_t>(l)], a.tp);
     auto mem = engine::inference_memory(
         weights.config, engine::inference_plan(weights.config, part, requests, opt.microbatches),
-        requests, layer_bytes);
+        requests, rank_layer_bytes);
+    const double kv_share = static_cast<double>(tp::shard_of(weights.config, 0, a.tp).n_kv_heads) /
+                            weights.config.n_kv_heads;
+    for (auto& m : mem) m.kv_cache *= kv_share;
     const auto resident = partition::resident_weight_bytes(part, layer_bytes, offloaded, tied);
     if (offloaded)
       for (std::size_t r = 0; r < mem.size(); ++r) mem[r].weights = resident[r];
+    if (a.tp > 1) {  // every TP rank of a stage as its own row: global rank p x tp + t
+      std::vector<cost::MemoryBreakdown> grid;
+      for (const auto& m : mem)
+        for (int t = 0; t < a.tp; ++t) {
+          grid.push_back(m);
+          grid.back().rank = m.rank * a.tp + t;
+        }
+      mem = std::move(grid);
+    }
     if (under_mpi)
       cost::check_capacity(mem, std::span<const cost::DeviceProfile>(&*profile, 1),
                            "brigade generate");
     else
       cost::check_one_process(mem, *profile, "brigade generate",
-                              offloaded ? std::accumulate(resident.begin(), resident.end(), 0.0) : held);
+                              offloaded ? std::accumulate(resident.begin(), resident.end(), 0.0)
+                                        : held + tp_copied_bytes(weights, a.tp));
   }
   // Every rank's transport under the integrity decorators (they only forward without --verify
   // and --inject): received activations and returning tokens are what the monitors check.
@@ -335,7 +398,11 @@ int run(const GenerateArgs& a) {
   cli::IntegrityCounts counts;
   std::string verdicts;  // this process's verdict report
 #if BRIGADE_HAS_MPI
-  if (under_mpi) {
+  if (under_mpi && a.tp > 1) {
+    report = engine::generate_mpi(weights, part, requests, opt);
+    // World rank 0 of the grid: TP rank 0 of pipeline 0's stage-0 rank prints.
+    if (launch.rank() != part.stage(0).rank * a.tp) return 0;
+  } else if (under_mpi) {
     transport::MpiTransport tp;
     cli::IntegrityStack<transport::MpiTransport> stack(std::span(&tp, 1), a.integrity, checked,
                                                        weights.config.vocab_size);
@@ -355,7 +422,11 @@ int run(const GenerateArgs& a) {
     if (launch.rank() != part.stage(0).rank) return 0;  // stage 0's rank prints
   } else
 #endif
-  {
+  if (a.tp > 1) {  // threads: --stages x --tp, tp pipelines joined by one group per stage
+    report = engine::generate(
+        weights, engine::inference_plan(weights.config, part, requests, opt.microbatches),
+        requests, opt);
+  } else {
     transport::InProcessFabric fabric(stages_used);
     auto endpoints = transport::endpoints(fabric);
     const std::span<transport::InProcessTransport> ranks(endpoints);
@@ -396,8 +467,14 @@ int run(const GenerateArgs& a) {
                        : fmt::format("{} (profile {})", a.partition, resolved.origin),
              part.to_string());
   if (under_mpi)
-    fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used,
-               rounds > 1 ? fmt::format("{} ring windows", rounds) : std::string("one stage"));
+    fmt::print(stderr, "transport: MPI, {} processes ({} each)\n", stages_used * a.tp,
+               rounds > 1 ? fmt::format("{} ring windows", rounds)
+               : a.tp > 1 ? fmt::format("one TP rank of a stage; grid TP {} x PP {}", a.tp,
+                                        stages_used)
+                          : std::string("one stage"));
+  else if (a.tp > 1)
+    fmt::print(stderr, "tensor parallel: grid TP {} x PP {} = {} threads\n", a.tp, stages_used,
+               a.tp * stages_used);
   fmt::print(stderr,
              "sequences: {}, prompt tokens: {}, generated tokens: {}, wall: {:.3f} s\n"
              "throughput: {:.1f} tokens/s, mean TTFT: {:.2f} ms, mean TPOT: {:.2f} ms\n",
@@ -409,9 +486,13 @@ int run(const GenerateArgs& a) {
     fmt::print(stderr, "between ranks: {:.3f} MB sent ({} activations)\n", link_bytes / 1e6,
                a.pipeline_dtype);
   nlohmann::json stages = nlohmann::json::array();
+  // The Timeline's row of a stage's rank: with --tp on threads, the grid's global rank of its TP
+  // rank 0 (p x tp); under mpirun the gathered rows are pipeline 0's (TP rank 0 of each stage).
+  const int row_scale = (a.tp > 1 && !under_mpi) ? a.tp : 1;
   for (int s = 0; s < S; ++s) {
     const auto& r = part.stage(s);
-    const double busy = report.wall_s > 0 ? report.timeline.busy(r.rank) / report.wall_s : 0.0;
+    const double busy =
+        report.wall_s > 0 ? report.timeline.busy(r.rank * row_scale) / report.wall_s : 0.0;
     if (rounds > 1)
       fmt::print(stderr, "window {}: layers [{}, {}) on rank {}, rank busy {:.1f}%\n", s, r.first,
                  r.last, r.rank, busy * 100);
@@ -419,7 +500,8 @@ int run(const GenerateArgs& a) {
       fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last,
                  busy * 100);
     stages.push_back({{"stage", s}, {"first_layer", r.first}, {"last_layer", r.last},
-                      {"busy_fraction", busy}, {"rank_sent_bytes", report.timeline.bytes(r.rank, true)}});
+                      {"busy_fraction", busy},
+                      {"rank_sent_bytes", report.timeline.bytes(r.rank * row_scale, true)}});
   }
   nlohmann::json resident = nlohmann::json::array();
   for (std::size_t r = 0; r < report.resident_weight_bytes.size(); ++r) {
@@ -449,6 +531,7 @@ int run(const GenerateArgs& a) {
                       {"tpot_s", s.tpot_s()}, {"tokens", s.tokens}});
     nlohmann::json m = {{"model", model_name},
                         {"stages", stages_used},
+                        {"tp", a.tp},
                         {"ring", rounds},
                         {"partition", ring_mode ? std::string("ring") : a.partition},
                         {"microbatches", opt.microbatches > 0
@@ -524,6 +607,13 @@ std::function<int()> setup(CLI::App& sub) {
                                     "pipeline stages (one thread each; under mpirun: one process "
                                     "each, default the number of processes)")
       ->check(brigade::cli::number_in<int>(1, 4096, "a whole number from 1 to 4096"))->capture_default_str();
+  sub.add_option("--tp", a->tp,
+                 "tensor-parallel degree of every stage (Megatron-LM: attention heads, MLP rows "
+                 "and the vocabulary split over N ranks joined by all-reduces; docs/tp_pp.md); "
+                 "threads: --stages x --tp; under mpirun the processes are the grid --tp x "
+                 "--stages, TP fastest")
+      ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
+      ->capture_default_str();
   a->ring_option = sub.add_option("--ring", a->ring,
                  "ring rounds k (prima.cpp's pipelined ring): the decoder layers are split into k "
                  "rounds of one window per rank (window j on rank j mod --stages), and the token "

@@ -521,3 +521,60 @@ TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's stor
   CHECK(bad.rc != 0);
   CHECK(bad.err.find("--weights-dtype") != std::string::npos);
 }
+
+TEST_CASE("cli.generate: --tp 2 prints run.c's text on TP2 x PP1 and TP2 x PP2 threads, and grids and "
+          "plans it cannot run are refused before anything runs" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string once = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
+  const auto tag = std::to_string(::getpid());
+  const fs::path metrics = fs::temp_directory_path() / ("brigade_cli_tp_" + tag + ".json");
+  for (int stages : {1, 2}) {
+    CAPTURE(stages);
+    auto r = run_cli("generate " + model_flags() + " --temperature 0 --steps 64 --prompt \"Once "
+                     "upon a time\" --tp 2 --stages " + std::to_string(stages) + " --metrics " +
+                     metrics.string());
+    REQUIRE(r.rc == 0);
+    CHECK(r.out == once);
+    CHECK(r.err.find("tensor parallel: grid TP 2 x PP " + std::to_string(stages) + " = " +
+                     std::to_string(2 * stages) + " threads") != std::string::npos);
+    std::ifstream mf(metrics);
+    const auto m = nlohmann::json::parse(mf);
+    CHECK(m["tp"] == 2);
+    CHECK(m["generated_tokens"] == 60);
+  }
+  fs::remove(metrics);
+  auto heads = run_cli("generate " + model_flags() + " --tp 3");
+  CHECK(heads.rc != 0);
+  CHECK(heads.err.find("TP 3: the model's 8 attention heads are not divisible by the TP degree") !=
+        std::string::npos);
+  CHECK(heads.out.empty());
+  auto hidden = run_cli("generate " + model_flags() + " --tp 8 --stages 1");
+  CHECK(hidden.rc != 0);
+  CHECK(hidden.err.find("TP 8: the model's hidden_dim 172 is not divisible by the TP degree") !=
+        std::string::npos);
+  auto offload = run_cli("generate " + model_flags() + " --tp 2 --stages 1 --ring 5 --offload");
+  CHECK(offload.rc != 0);
+  CHECK(offload.err.find("--tp 2 does not combine with --ring/--windows") != std::string::npos);
+  // A plan over memory: a profile that holds the model (1.06 MB) and TP 1 x PP 2, but not the
+  // four TP ranks' slices with their copied Wo and W2 columns, KV caches and buffers.
+  nlohmann::json prof;
+  {
+    std::ifstream in(std::filesystem::path(BRIGADE_PROFILE_DIR) / "nvidia_h100_sxm.json");
+    prof = nlohmann::json::parse(in);
+  }
+  prof["name"] = "tiny";
+  prof["memory_capacity_bytes"] = 1.3e6;
+  const auto pfile = (fs::temp_directory_path() / ("tiny-tp-" + tag + ".json")).string();
+  std::ofstream(pfile) << prof.dump();
+  const std::string run = "generate " + model_flags() + " --temperature 0 --steps 64 --prompt "
+                          "\"Once upon a time\" --stages 2 --profile " + pfile;
+  auto fits = run_cli(run);
+  CHECK(fits.rc == 0);
+  auto over = run_cli(run + " --tp 2");
+  CHECK(over.rc != 0);
+  CHECK(over.err.find("brigade generate: 4 ranks as threads of one process") != std::string::npos);
+  CHECK(over.err.find("do not fit in tiny's 1300000 bytes of memory") != std::string::npos);
+  CHECK(over.out.empty());
+  fs::remove(pfile);
+}

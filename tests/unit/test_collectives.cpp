@@ -7,7 +7,9 @@
 #include "collectives_conformance.hpp"
 #include "test_util.hpp"
 
+#include <chrono>
 #include <exception>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -70,4 +72,26 @@ TEST_CASE("collectives.in_process: a member that does not join is PeerTimeout, s
   InProcessGroup g(2);
   CHECK(test::error_of(Errc::InvalidArgument, [&] { InProcessCollectives c(g, 2); })
             .find("member 2 outside [0, 2)") != std::string::npos);
+}
+
+TEST_CASE("collectives.in_process: abort() ends a member's pending collective at once with "
+          "Aborted quoting the reason, and every later one") {
+  InProcessGroup g(2);
+  std::string pending, later;
+  std::thread waiter([&] {
+    InProcessCollectives c(g, 0);
+    std::vector<float> v(1);
+    pending = test::error_of(Errc::Aborted, [&] {
+      c.all_reduce(std::span<float>(v), ReduceOp::Sum, Deadline::after(60));  // member 1 never comes
+    });
+    later = test::error_of(Errc::Aborted, [&] {
+      c.broadcast(std::span<float>(v), 0, Deadline::after(60));
+    });
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  g.abort("rank 3 failed: out of memory");
+  waiter.join();
+  CHECK(pending.find("group member 0: all_reduce: the group was aborted: rank 3 failed: out of "
+                     "memory") != std::string::npos);
+  CHECK(later.find("broadcast: the group was aborted") != std::string::npos);
 }

@@ -9,6 +9,7 @@
 #include "brigade/model/weights.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -20,7 +21,7 @@ inline namespace v0 {
 /// activations; the positions of the batch's rows (built on the host, uploaded).
 template <Backend B>
 struct DecoderBuffers {
-  typename B::Buffer xb, q, k, v, hb, hb2, pos;
+  typename B::Buffer xb, q, k, v, hb, hb2, pos, part;
   std::vector<std::int32_t> pos_host;
 
   /// `buf` holding at least `bytes` bytes (reallocated, contents dropped, when smaller).
@@ -53,6 +54,22 @@ inline void check_slices(const char* who, const model::LlamaConfig& config, std:
                 tokens);
 }
 
+/// One tensor-parallel rank's share of a decoder layer (Megatron-LM, Shoeybi et al. 2019, §3;
+/// the slices are tp::shard_decoder's): its query heads and KV heads (Wq, Wk, Wv column-parallel
+/// by heads, Wo row-parallel over the same heads), its MLP rows (W1, W3 column-parallel, W2
+/// row-parallel), and the group's sum of a partial layer output.
+struct DecoderSplit {
+  int n_heads = 0;          ///< this rank's query heads
+  int n_kv_heads = 0;       ///< this rank's KV heads (its cache holds only these)
+  std::int64_t hidden = 0;  ///< this rank's MLP rows
+  bool adds_residual = false;  ///< true on one rank of the group (rank 0): its partial sum
+                               ///< starts from the residual stream, so the group's sum is
+                               ///< x + the layer's output
+  /// In place, the elementwise sum over the group of a [tokens x dim] float32 buffer in the
+  /// backend's memory (tp::Group::all_reduce on a host backend).
+  std::function<void(float* data, std::int64_t count)> all_reduce;
+};
+
 /// One Llama decoder layer over a packed micro-batch (prefill and decode alike), in place on the
 /// residual stream, as run.c's forward() for one layer, on backend `b`:
 ///   xb = rmsnorm(x, rms_att); q, k, v = xb Wq^T, xb Wk^T, xb Wv^T; RoPE(q, k, positions);
@@ -63,13 +80,18 @@ inline void check_slices(const char* who, const model::LlamaConfig& config, std:
 /// @param x      [tokens x dim] float32 residual stream in b's memory, updated in place
 /// @param seqs   the slices in row order, covering `tokens` rows (host memory)
 /// @param cache  this layer's KV cache (rows pos0 + tokens of each sequence must fit its capacity)
+/// @param split  null: the whole layer. Else one TP rank's share (weights `w` are its slices,
+///               `cache` holds its KV heads): q, k, v and the attention on its heads, then its
+///               partial output p = att Wo_r^T (rank 0: x + att Wo_r^T) is summed over the group
+///               into x; the MLP likewise with its hidden rows: two all-reduces per layer
 /// @throws brigade::Error{InvalidArgument} if the config is invalid, a weight is null, a slice
 ///         has tokens < 1, positions beyond seq_len or its sequence's capacity, or the slices do
-///         not cover `tokens` rows; a kernel's error
+///         not cover `tokens` rows; a kernel's error; the split's all-reduce errors
 template <Backend B>
 void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::DecoderWeights& w,
                            float* x, std::int64_t tokens, std::span<const SequenceSlice> seqs,
-                           const KvCacheView& cache, DecoderBuffers<B>& buf) {
+                           const KvCacheView& cache, DecoderBuffers<B>& buf,
+                           const DecoderSplit* split = nullptr) {
   config.validate("decoder_layer_forward");
   BRIGADE_CHECK(tokens >= 0, Errc::InvalidArgument,
                 "decoder_layer_forward: tokens = {}; expected >= 0", tokens);
@@ -94,15 +116,18 @@ void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::
   if (tokens == 0) return;
 
   const std::int64_t dim = config.dim;
-  const std::int64_t kv_dim = config.kv_dim();
-  const std::int64_t hidden = config.hidden_dim;
   const int hs = config.head_size();
+  const int n_heads = split ? split->n_heads : config.n_heads;
+  const int n_kv_heads = split ? split->n_kv_heads : config.n_kv_heads;
+  const std::int64_t q_dim = std::int64_t{n_heads} * hs;
+  const std::int64_t kv_dim = std::int64_t{n_kv_heads} * hs;
+  const std::int64_t hidden = split ? split->hidden : config.hidden_dim;
   const auto f32 = [&](typename B::Buffer& m, std::int64_t n) {
     return static_cast<float*>(
         DecoderBuffers<B>::grow(b, m, static_cast<std::size_t>(n) * sizeof(float)));
   };
   float* xb = f32(buf.xb, tokens * dim);
-  float* q = f32(buf.q, tokens * dim);
+  float* q = f32(buf.q, tokens * q_dim);
   float* k = f32(buf.k, tokens * kv_dim);
   float* v = f32(buf.v, tokens * kv_dim);
   float* hb = f32(buf.hb, tokens * hidden);
@@ -116,19 +141,34 @@ void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::
 
   // Attention block: the QKV projections as three GEMMs over every row of every sequence.
   b.rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
-  b.matmul_wt(xb, w.wq, q, tokens, dim, dim, false);
+  // A row-parallel product added to the residual stream: x += in W^T, or with a split, the
+  // group's sum of (x +) in W_r^T (the residual on rank 0 only) written back to x.
+  const auto row_parallel = [&](const float* in, model::WeightMatrix wm, std::int64_t in_dim) {
+    if (split == nullptr) {
+      b.matmul_wt(in, wm, x, tokens, in_dim, dim, true);
+      return;
+    }
+    float* part = f32(buf.part, tokens * dim);
+    const std::size_t bytes = static_cast<std::size_t>(tokens * dim) * sizeof(float);
+    if (split->adds_residual) b.copy(part, x, bytes);
+    b.matmul_wt(in, wm, part, tokens, in_dim, dim, split->adds_residual);
+    split->all_reduce(part, tokens * dim);
+    b.copy(x, part, bytes);
+  };
+  b.rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
+  b.matmul_wt(xb, w.wq, q, tokens, dim, q_dim, false);
   b.matmul_wt(xb, w.wk, k, tokens, dim, kv_dim, false);
   b.matmul_wt(xb, w.wv, v, tokens, dim, kv_dim, false);
-  b.rope(q, k, pos, tokens, config.n_heads, config.n_kv_heads, hs, config.rope_theta);
-  b.attention(cache, q, k, v, xb, seqs, config.n_heads, config.n_kv_heads, hs);
-  b.matmul_wt(xb, w.wo, x, tokens, dim, dim, true);
+  b.rope(q, k, pos, tokens, n_heads, n_kv_heads, hs, config.rope_theta);
+  b.attention(cache, q, k, v, xb, seqs, n_heads, n_kv_heads, hs);
+  row_parallel(xb, w.wo, q_dim);
 
   // FFN block: x += (silu(xb W1^T) * (xb W3^T)) W2^T.
   b.rmsnorm(x, w.rms_ffn, xb, tokens, dim, config.norm_eps);
   b.matmul_wt(xb, w.w1, hb, tokens, dim, hidden, false);
   b.matmul_wt(xb, w.w3, hb2, tokens, dim, hidden, false);
   b.swiglu(hb, hb2, tokens * hidden);
-  b.matmul_wt(hb, w.w2, x, tokens, hidden, dim, true);
+  row_parallel(hb, w.w2, hidden);
 }
 
 }  // namespace v0

@@ -106,23 +106,35 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
 /// and MpiTransport do), so the other ranks stop with Error{Aborted} quoting the reason instead of
 /// waiting for their deadline.
 ///
+/// Tensor parallelism: with `tp_group` (options.tp members) this rank is member
+/// tp_group->rank() of its stage's TP group and `transport` joins the ranks of its pipeline (one
+/// per stage, the same TP index; generate_mpi builds both from the mpirun world); every pipeline
+/// of the grid runs this same protocol, so each pipeline's stage-0 rank gets a full report.
+///
 /// @param fault test-only: makes rank `fault.rank` exit mid-run (see FaultInjection)
+/// @param tp_group this rank's TP group (null: TP 1); its size must equal options.tp
 /// @return on the rank of stage 0: the full report (every sequence; the Timeline of all stages;
 ///         wall_s = the latest end over all ranks). On other ranks: no sequences, token counts 0,
 ///         this stage's intervals only, wall_s = this rank's end.
 /// @throws brigade::Error{InvalidArgument} for the inputs engine::generate rejects, a partition
-///         whose rank count differs from transport.world_size(), or a bad FaultInjection;
-///         any error of the stage or the transport (PeerTimeout naming the rank that stopped
-///         answering, HeaderMismatch, Aborted, Mpi)
+///         whose rank count differs from transport.world_size(), or a bad FaultInjection; a TP
+///         group whose size differs from options.tp, or a TP degree the model does not divide
+///         (tp::check_tensor_parallel); any error of the stage, the transport or the group
+///         (PeerTimeout naming the rank that stopped answering, HeaderMismatch, Aborted, Mpi)
 template <transport::Transport T>
 InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
                             const partition::Partition& partition,
                             std::span<const GenerationRequest> requests,
-                            const InferenceOptions& options = {}, FaultInjection fault = {}) {
+                            const InferenceOptions& options = {}, FaultInjection fault = {},
+                            tp::Group* tp_group = nullptr) {
   using brigade::DType;
   using transport::MessageHeader;
   const int me = transport.rank();
   const int world = transport.world_size();
+  BRIGADE_CHECK((tp_group != nullptr ? tp_group->size() : 1) == options.tp, Errc::InvalidArgument,
+                "generate_on: options.tp = {} but the TP group has {} members",
+                options.tp, tp_group != nullptr ? tp_group->size() : 1);
+  tp::check_tensor_parallel(weights.config, options.tp);
   BRIGADE_CHECK(partition.num_ranks() == world, Errc::InvalidArgument,
                 "generate_on: the partition has {} ranks, the transport's world has {} (run one "
                 "process per rank, e.g. mpirun -np {})",
@@ -140,7 +152,7 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
 
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
-  transport::ExitAfterSteps<T> tp(transport, fault.rank == me ? fault.after_steps : 0);
+  transport::ExitAfterSteps<T> pipe(transport, fault.rank == me ? fault.after_steps : 0);
   auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
   const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
     return MessageHeader::make(0, to_stage, DType::U8, {nbytes});
@@ -153,17 +165,17 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
     if (me == root) {
       std::vector<transport::Request> starts;
       for (int r = 0; r < P; ++r)
-        if (r != root) starts.push_back(tp.isend(r, detail::kTagRunStart, bytes_header(r, 0), {}));
-      for (auto& r : starts) tp.wait(r, deadline());
+        if (r != root) starts.push_back(pipe.isend(r, detail::kTagRunStart, bytes_header(r, 0), {}));
+      for (auto& r : starts) pipe.wait(r, deadline());
     } else {
-      auto r = tp.irecv(root, detail::kTagRunStart, bytes_header(me, 0), {});
-      tp.wait(r, deadline());
+      auto r = pipe.irecv(root, detail::kTagRunStart, bytes_header(me, 0), {});
+      pipe.wait(r, deadline());
     }
     const auto t0 = std::chrono::steady_clock::now();
     report.origin = t0;
-    const double resident = run_inference_rank(tp, weights, plan, layout,
+    const double resident = run_inference_rank(pipe, weights, plan, layout,
                                                me == root ? &book : nullptr, options, t0,
-                                               report.timeline);
+                                               report.timeline, CpuBackends{}, tp_group);
     report.resident_weight_bytes.assign(static_cast<std::size_t>(P), 0.0);
     report.resident_weight_bytes[static_cast<std::size_t>(me)] = resident;
     double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -172,27 +184,27 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
     if (me != root) {
       const std::string text = detail::encode_rank_result(report.timeline, end_s, resident);
       const std::uint64_t size = text.size();
-      auto rs = tp.isend(root, detail::kTagGatherSize, bytes_header(0, 8),
+      auto rs = pipe.isend(root, detail::kTagGatherSize, bytes_header(0, 8),
                          std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
-      auto rt = tp.isend(root, detail::kTagGather,
+      auto rt = pipe.isend(root, detail::kTagGather,
                          bytes_header(0, static_cast<std::int64_t>(text.size())),
                          std::as_bytes(std::span<const char>(text.data(), text.size())));
-      tp.wait(rs, deadline());
-      tp.wait(rt, deadline());
+      pipe.wait(rs, deadline());
+      pipe.wait(rt, deadline());
       report.wall_s = end_s;
       return report;
     }
     for (int from = 0; from < P; ++from) {
       if (from == root) continue;
       std::uint64_t size = 0;
-      auto rs = tp.irecv(from, detail::kTagGatherSize, bytes_header(0, 8),
+      auto rs = pipe.irecv(from, detail::kTagGatherSize, bytes_header(0, 8),
                          std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
-      tp.wait(rs, deadline());
+      pipe.wait(rs, deadline());
       std::string text(static_cast<std::size_t>(size), '\0');
-      auto rt = tp.irecv(from, detail::kTagGather,
+      auto rt = pipe.irecv(from, detail::kTagGather,
                          bytes_header(0, static_cast<std::int64_t>(size)),
                          std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-      tp.wait(rt, deadline());
+      pipe.wait(rt, deadline());
       end_s = std::max(end_s, detail::decode_rank_result(
                                   text, from, report.timeline,
                                   &report.resident_weight_bytes[static_cast<std::size_t>(from)]));

@@ -79,6 +79,13 @@ struct InferenceOptions {
   /// epsilon and greedy tokens can differ where two logits are that close). Compute stays
   /// float32. Tokens, descriptors and control messages are unaffected.
   DType pipeline_dtype = DType::F32;
+  /// Tensor-parallel degree of every stage (Megatron-LM; brigade/tp/tensor_parallel.hpp): each
+  /// pipeline rank becomes a group of `tp` ranks that split its layers' heads, MLP rows and
+  /// vocabulary, joined by all-reduces. engine::generate(weights, plan, ...) then runs tp x
+  /// ranks threads (tp pipelines, one per TP rank, whose stages p are one TP group each);
+  /// generate_mpi splits the mpirun world into that grid; generate_on is given the group.
+  /// Greedy tokens equal those of tp = 1 up to float rounding of the split sums.
+  int tp = 1;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
@@ -372,16 +379,25 @@ struct CpuBackends {
 /// `make_backend(v)` gives it, and runs the executor over an InferenceWorker whose stage-0
 /// micro-batches come from `book`. Every rank calls it with the same arguments (`book` only on
 /// the rank of virtual stage 0, null elsewhere).
+/// With `tp` (a group of more than one member) every stage of this rank is that TP group's
+/// member tp->rank() (runtime::InferenceStage's tp): `transport` then joins the ranks of this
+/// member's pipeline (the ranks of the same TP index in every stage's group).
 /// @return the rank's peak resident weight bytes (InferenceWorker::peak_resident_weight_bytes)
-/// @throws brigade::Error from the stages, the backends or the transport (PeerTimeout,
-///         HeaderMismatch, Aborted)
+/// @throws brigade::Error{InvalidArgument} if options.tp differs from the group's size (1
+///         without a group); from the stages, the backends, the transport or the group
+///         (PeerTimeout, HeaderMismatch, Aborted)
 template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
 double run_inference_rank(T& transport, const model::LlamaWeights& weights,
                           const schedule::Shape& shape, const partition::Partition& partition,
                           const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                         const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
-                        Timeline& timeline, MakeBackend make_backend = {}) {
+                        Timeline& timeline, MakeBackend make_backend = {},
+                        tp::Group* tp = nullptr) {
   using Stage = runtime::InferenceStage<std::invoke_result_t<MakeBackend&, int>>;
+  BRIGADE_CHECK((tp != nullptr ? tp->size() : 1) == options.tp, Errc::InvalidArgument,
+                "run_inference_rank: options.tp = {} but the rank's TP group has {} members "
+                "(TP grids run through engine::generate, generate_on and generate_mpi)",
+                options.tp, tp != nullptr ? tp->size() : 1);
   const int me = transport.rank();
   std::vector<std::unique_ptr<Stage>> owned;
   std::vector<runtime::InferenceStageBase*> stages(
@@ -390,7 +406,7 @@ double run_inference_rank(T& transport, const model::LlamaWeights& weights,
     if (shape.rank_of(v) != me) continue;
     owned.push_back(std::make_unique<Stage>(weights, partition.stage(v), layout.capacities,
                                             options.sampler, make_backend(v),
-                                            layout.kv_pool_rows));
+                                            layout.kv_pool_rows, tp));
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
@@ -406,9 +422,10 @@ template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
 double run_inference_rank(T& transport, const model::LlamaWeights& weights, const plan::Plan& plan,
                           const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                           const InferenceOptions& options, std::chrono::steady_clock::time_point t0,
-                          Timeline& timeline, MakeBackend make_backend = {}) {
+                          Timeline& timeline, MakeBackend make_backend = {},
+                          tp::Group* tp = nullptr) {
   return run_inference_rank(transport, weights, plan.shape(), plan.partition(), layout, book, options,
-                     t0, timeline, std::move(make_backend));
+                     t0, timeline, std::move(make_backend), tp);
 }
 
 /// Checks that `plan` is the inference plan of `requests` for a model of `config` (what
@@ -434,11 +451,17 @@ detail::GenerationLayout check_inference_plan(const plan::Plan& plan,
 ///                                  [&](int) { return MyBackend{...}; });
 /// @endcode
 /// @throws brigade::Error{InvalidArgument} if transports.size() differs from the plan's ranks or
-///         transports[r].rank() != r; as generate(weights, plan, ...); the backends' errors
+///         transports[r].rank() != r, or options.tp > 1 (tensor parallelism runs through
+///         generate(weights, plan, ...), generate_on or generate_mpi); as generate(weights,
+///         plan, ...); the backends' errors
 template <transport::Transport T, BackendFactory MakeBackend = CpuBackends>
 InferenceReport generate(std::span<T> transports, const model::LlamaWeights& weights,
                          const plan::Plan& plan, std::span<const GenerationRequest> requests,
                          const InferenceOptions& options = {}, MakeBackend make_backend = {}) {
+  BRIGADE_CHECK(options.tp == 1, Errc::InvalidArgument,
+                "generate: options.tp = {} over the caller's {} transports; tensor parallelism "
+                "runs through generate(weights, plan, ...) (threads) or generate_on with a TP group",
+                options.tp, transports.size());
   const auto layout = check_inference_plan(plan, weights.config, requests, options, "generate");
   const int P = plan.shape().num_ranks;
   BRIGADE_CHECK(transports.size() == static_cast<std::size_t>(P), Errc::InvalidArgument,
@@ -481,9 +504,18 @@ InferenceReport generate(std::span<T> transports, const model::LlamaWeights& wei
 /// (prima.cpp's pipelined ring). Greedy output (temperature 0) is the same token for token for
 /// every partition, placement and micro-batch count; with one request and a seed it samples as
 /// run.c does. options.microbatches must be 0 or (clamped to the requests) the plan's.
+///
+/// With options.tp = t > 1: t x ranks threads, the grid TP t x PP ranks (tp::Grid: the thread
+/// of pipeline rank p and TP rank i is global rank p t + i): t pipelines over their own InProcessTransports, one per TP
+/// rank, and per pipeline rank p one InProcessGroup of its t members (the stage's all-reduces
+/// and all-gather, brigade/tp/tensor_parallel.hpp). Every pipeline samples the same tokens; the
+/// report's sequences are pipeline 0's, its Timeline has one row per global rank, and
+/// resident_weight_bytes one entry per global rank (each its weight slices).
 /// @throws brigade::Error{InvalidArgument} as check_inference_plan(), for a prompt not starting
-///         at a valid token; any stage's error (the other stages are stopped and the first error
-///         is rethrown)
+///         at a valid token, as tp::check_tensor_parallel (heads, KV heads, hidden_dim or
+///         vocabulary not divisible by options.tp), options.tp < 1; any stage's error (the other
+///         stages are stopped and the first error is rethrown); Error{Internal} if two TP
+///         pipelines sampled different tokens
 InferenceReport generate(const model::LlamaWeights& weights, const plan::Plan& plan,
                          std::span<const GenerationRequest> requests,
                          const InferenceOptions& options = {});

@@ -12,6 +12,26 @@
 namespace brigade::engine {
 inline namespace v0 {
 
+/// Rethrows the root cause among the errors of failed ranks (null entries: ranks that
+/// succeeded): the first (in rank order) that is not an Aborted or a PeerTimeout brigade::Error,
+/// else the first of those. Returns when every entry is null.
+inline void rethrow_root_cause(std::span<const std::exception_ptr> errors) {
+  std::exception_ptr secondary;
+  for (const auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (err.code() != Errc::Aborted && err.code() != Errc::PeerTimeout)
+        std::rethrow_exception(e);
+      if (!secondary) secondary = e;
+    } catch (...) {
+      std::rethrow_exception(e);
+    }
+  }
+  if (secondary) std::rethrow_exception(secondary);
+}
+
 /// Runs `body(transports[r])` for every r on its own thread (one rank per thread, the SPMD form
 /// every engine entry point that takes a Transport expects: generate_on, DistributedTrainer,
 /// run_training_program) and joins them.
@@ -54,20 +74,7 @@ void run_ranks(std::span<T> transports, F&& body) {
         }
       });
   }
-  std::exception_ptr secondary;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (err.code() != Errc::Aborted && err.code() != Errc::PeerTimeout)
-        std::rethrow_exception(e);
-      if (!secondary) secondary = e;
-    } catch (...) {
-      std::rethrow_exception(e);
-    }
-  }
-  if (secondary) std::rethrow_exception(secondary);
+  rethrow_root_cause(errors);
 }
 
 }  // namespace v0

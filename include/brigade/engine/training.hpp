@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -509,6 +510,12 @@ class TrainingEngine {
 
   /// Every parameter's gradient by name (the tied embedding once), after compute_gradients().
   [[nodiscard]] std::map<std::string, std::vector<float>> gradients() const;
+  /// Calls f on every gradient buffer in place (float32, a parameter's size), after
+  /// compute_gradients() and before optimizer_step(): stage by stage in virtual-stage order,
+  /// each stage's parameters in its order, a tied embedding on both stages that hold it. The
+  /// order is the same for every engine of the same plan, so data-parallel replicas
+  /// (engine::DataParallelTrainer) all-reduce them buffer by buffer.
+  void for_each_gradient(const std::function<void(std::span<float>)>& f);
   /// The current parameters as a model (owned storage), for saving or generating.
   [[nodiscard]] model::LlamaWeights export_weights() const;
 

@@ -8,6 +8,7 @@
 #include "brigade/model/sampler.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/tp/tensor_parallel.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -183,8 +184,8 @@ class InferenceStageBase {
   /// Stops the run when layer `l`'s output in `mb` (host memory) holds a NaN or an infinity.
   /// @throws brigade::Error{NonFinite} as forward()
   void check_layer_output(const Microbatch& mb, int l) const;
-  /// The KV cache of one decoder layer at `base` (keys, then values; kv_cache_rows() rows each)
-  /// in elements of `dtype`.
+  /// The KV cache of one decoder layer at `base` (keys, then values; kv_cache_rows() rows each
+  /// of kv_dim_ elements) in elements of `dtype`.
   [[nodiscard]] backend::KvCacheView kv_view(void* base, DType dtype) const;
   /// Rows of one layer's keys (or values): the sum of the capacities.
   [[nodiscard]] std::int64_t kv_cache_rows() const noexcept { return cache_rows_total_; }
@@ -195,14 +196,15 @@ class InferenceStageBase {
   int num_layers_;
   int first_decoder_ = -1;                       // first owned decoder index (-1: none)
   int num_decoders_ = 0;                         // owned decoder layers
+  std::int64_t kv_dim_ = 0;                      // a cache row: the KV heads held x head size
   std::size_t kv_bytes_ = 0;                     // set by the derived stage
+  std::size_t weight_bytes_ = 0;                 // the stage's tensors (a TP stage: its slices)
 
  private:
   /// madvise(advice) over every page range of weight_pages_; false for owned weights.
   bool advise_weights(int advice, const char* name);
 
   std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
-  std::size_t weight_bytes_ = 0;
   unsigned touched_ = 0;  // what prefetch_weights' page reads summed (kept so they are not elided)
   std::vector<int> capacities_;
   std::vector<std::int64_t> cache_offsets_;      // per sequence, its first row in a layer's cache
@@ -244,18 +246,36 @@ class InferenceStage final : public InferenceStageBase {
   /// layer).
   /// @param backend the backend the layers run on (the stage owns it)
   /// @param pool_rows KV rows per layer to reserve at least (InferenceStageBase)
-  /// @throws brigade::Error{InvalidArgument} as InferenceStageBase; the backend's errors (out of
-  ///         memory)
+  /// @param tp the stage's tensor-parallel group (null or of size 1: the whole layers). With
+  ///        t > 1 members this stage is member tp->rank()'s share (tp::shard_of, the split in
+  ///        brigade/tp/tensor_parallel.hpp): its slices of the weights, the KV cache of its KV
+  ///        heads, and per forward one all-reduce after the embedding, two per decoder layer and
+  ///        one all-gather of the logits; every member of the group must run the same
+  ///        micro-batches in the same order (each is the stage of its own pipeline, fed the same
+  ///        activations). The group must outlive the stage.
+  /// @throws brigade::Error{InvalidArgument} as InferenceStageBase; as tp::shard_of (heads, KV
+  ///         heads, hidden_dim or vocabulary not divisible by the TP degree); a TP group on a
+  ///         backend whose memory is not the host's; the backend's errors (out of memory)
   InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                  std::span<const int> capacities, const model::SamplerConfig& sampler,
-                 B backend = B{}, std::int64_t pool_rows = 0);
+                 B backend = B{}, std::int64_t pool_rows = 0, tp::Group* tp = nullptr);
 
   void forward(Microbatch& mb) override;
 
   /// The backend the layers run on.
   [[nodiscard]] B& backend() noexcept { return b_; }
+  /// This stage's TP shard (size 1: the whole model's layers).
+  [[nodiscard]] const tp::Shard& shard() const noexcept { return shard_; }
 
  private:
+  /// Vocabulary-parallel embedding: x [tokens x dim] = the rows of mb.token_ids found in this
+  /// shard (zero rows elsewhere), summed over the group (each row has one non-zero term: exact).
+  void embed_vocab_parallel(const Microbatch& mb, float* x);
+  /// Vocabulary-parallel LM head: this shard's logits of the n_seq rows of x, all-gathered
+  /// into logits [n_seq x vocab] (the same bits as the whole head's: each logit is one row's
+  /// product, computed by one member).
+  void head_vocab_parallel(const float* x, float* logits, std::int64_t n_seq);
+
   /// Floats at `n` in b_'s memory: the host vector `host` on a host backend, else `dev`
   /// (grown, contents dropped, when smaller).
   float* buffer(std::vector<float>& host, typename B::Buffer& dev, std::int64_t n);
@@ -268,42 +288,97 @@ class InferenceStage final : public InferenceStageBase {
   backend::DecoderBuffers<B> scratch_;
   std::vector<float> tmp_;                       // host backends: the final norm's and head's
   typename B::Buffer x_dev_, tmp_dev_, ids_dev_; // device backends: activations, ids
+  // Tensor parallelism (tp_ non-null with more than one member).
+  tp::Group* tp_ = nullptr;
+  tp::Shard shard_;
+  backend::DecoderSplit split_;
+  std::vector<std::vector<std::byte>> tp_storage_;  // per decoder: its Wo and W2 column slices
+  std::vector<std::int32_t> tp_ids_;             // the embedding's ids in this shard
+  std::vector<std::int64_t> tp_rows_;            // and their rows
+  std::vector<float> tp_gather_;                 // the all-gathered logits shards
 };
 
 template <backend::Backend B>
 InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition::StageRange range,
                                   std::span<const int> capacities,
                                   const model::SamplerConfig& sampler, B backend,
-                                  std::int64_t pool_rows)
+                                  std::int64_t pool_rows, tp::Group* tp)
     : InferenceStageBase(weights, range, capacities, sampler, pool_rows),
       b_(std::move(backend)) {
   const auto& c = weights.config;
-  const std::int64_t dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim, vocab = c.vocab_size;
+  if (tp != nullptr && tp->size() > 1) {
+    BRIGADE_CHECK(B::host_memory, Errc::InvalidArgument,
+                  "InferenceStage [{}, {}): tensor parallelism (TP {}) runs on backends whose "
+                  "memory is the host's; this backend's is a device's",
+                  range.first, range.last, tp->size());
+    tp_ = tp;
+    shard_ = tp::shard_of(c, tp->rank(), tp->size());
+    split_.n_heads = shard_.n_heads;
+    split_.n_kv_heads = shard_.n_kv_heads;
+    split_.hidden = shard_.hidden;
+    split_.adds_residual = shard_.rank == 0;
+    split_.all_reduce = [g = tp_](float* data, std::int64_t n) {
+      g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
+    };
+    kv_dim_ = std::int64_t{shard_.n_kv_heads} * c.head_size();
+  }
+  const bool split = tp_ != nullptr;
+  const std::int64_t dim = c.dim, hs = c.head_size();
+  const std::int64_t kv = kv_dim_, vocab = split ? shard_.vocab : c.vocab_size;
+  const std::int64_t q_dim = split ? shard_.n_heads * hs : dim;
+  const std::int64_t hid = split ? shard_.hidden : c.hidden_dim;
   const auto vec = [&](const float* p, std::int64_t n) {
     return b_.upload_weight(model::WeightMatrix(p), 1, n).f32();
   };
-  if (owns_embedding()) embedding_ = b_.upload_weight(weights.token_embedding, vocab, dim);
+  // A vocabulary-parallel stage holds rows [vocab0, vocab0 + vocab) of the embedding and head.
+  const auto vocab_rows = [&](model::WeightMatrix m) {
+    return split ? model::WeightMatrix(model::weight_row(m, dim, shard_.vocab0), m.dtype) : m;
+  };
+  std::size_t held = 0;  // bytes of the tensors (slices) this stage reads
+  const auto count = [&](model::WeightMatrix m, std::int64_t rows, std::int64_t in) {
+    held += static_cast<std::size_t>(rows) * model::weight_row_bytes(m.dtype, in);
+  };
+  if (owns_embedding()) {
+    embedding_ = b_.upload_weight(vocab_rows(weights.token_embedding), vocab, dim);
+    count(weights.token_embedding, vocab, dim);
+  }
   for (int i = 0; i < num_decoders_; ++i) {
-    const auto& h = weights.layers[static_cast<std::size_t>(first_decoder_ + i)];
+    const auto& full = weights.layers[static_cast<std::size_t>(first_decoder_ + i)];
+    const model::DecoderWeights h =
+        split ? tp::shard_decoder(full, c, shard_, tp_storage_.emplace_back()) : full;
     model::DecoderWeights d;
     d.rms_att = vec(h.rms_att, dim);
-    d.wq = b_.upload_weight(h.wq, dim, dim);
+    d.wq = b_.upload_weight(h.wq, q_dim, dim);
     d.wk = b_.upload_weight(h.wk, kv, dim);
     d.wv = b_.upload_weight(h.wv, kv, dim);
-    d.wo = b_.upload_weight(h.wo, dim, dim);
+    d.wo = b_.upload_weight(h.wo, dim, q_dim);
     d.rms_ffn = vec(h.rms_ffn, dim);
     d.w1 = b_.upload_weight(h.w1, hid, dim);
     d.w2 = b_.upload_weight(h.w2, dim, hid);
     d.w3 = b_.upload_weight(h.w3, hid, dim);
     layers_.push_back(d);
+    held += 2 * static_cast<std::size_t>(dim) * sizeof(float);
+    count(h.wq, q_dim, dim);
+    count(h.wk, kv, dim);
+    count(h.wv, kv, dim);
+    count(h.wo, dim, q_dim);
+    count(h.w1, hid, dim);
+    count(h.w2, dim, hid);
+    count(h.w3, hid, dim);
     const std::size_t bytes = 2 * dtype_bytes(b_.kv_cache_dtype(), kv_cache_rows() * kv);
     kv_.push_back(b_.allocate(bytes));
     kv_bytes_ += bytes;
   }
   const int tail = c.n_layers + 1;  // FinalNorm, then LMHead
-  if (range.first <= tail && range.last > tail) rms_final_ = vec(weights.rms_final, dim);
-  if (range.first <= tail + 1 && range.last > tail + 1)
-    wcls_ = b_.upload_weight(weights.wcls, vocab, dim);
+  if (range.first <= tail && range.last > tail) {
+    rms_final_ = vec(weights.rms_final, dim);
+    held += static_cast<std::size_t>(dim) * sizeof(float);
+  }
+  if (range.first <= tail + 1 && range.last > tail + 1) {
+    wcls_ = b_.upload_weight(vocab_rows(weights.wcls), vocab, dim);
+    count(weights.wcls, vocab, dim);
+  }
+  if (split) weight_bytes_ = held;  // the slices; otherwise the base's count of the tensors
   b_.synchronize();
 }
 
@@ -357,7 +432,11 @@ void InferenceStage<B>::forward(Microbatch& mb) {
           b_.upload(d_ids, ids, bytes);
           ids = d_ids;
         }
-        b_.embedding(embedding_, ids, x, tokens, c.dim);
+        if (tp_ != nullptr) {
+          if constexpr (B::host_memory) embed_vocab_parallel(mb, x);
+        } else {
+          b_.embedding(embedding_, ids, x, tokens, c.dim);
+        }
         break;
       }
       case LayerKind::Decoder: {
@@ -367,7 +446,8 @@ void InferenceStage<B>::forward(Microbatch& mb) {
                       d, mb.rows, mb.width, tokens, c.dim);
         const auto i = static_cast<std::size_t>(d - first_decoder_);
         backend::decoder_layer_forward(b_, c, layers_[i], x, tokens, mb.seqs,
-                                       kv_view(kv_[i].data(), b_.kv_cache_dtype()), scratch_);
+                                       kv_view(kv_[i].data(), b_.kv_cache_dtype()), scratch_,
+                                       tp_ != nullptr ? &split_ : nullptr);
         break;
       }
       case LayerKind::FinalNorm: {
@@ -389,7 +469,11 @@ void InferenceStage<B>::forward(Microbatch& mb) {
       }
       case LayerKind::LMHead: {
         float* logits = buffer(tmp_, tmp_dev_, n_seq * c.vocab_size);
-        b_.matmul_wt(x, wcls_, logits, n_seq, c.dim, c.vocab_size, false);
+        if (tp_ != nullptr) {
+          if constexpr (B::host_memory) head_vocab_parallel(x, logits, n_seq);
+        } else {
+          b_.matmul_wt(x, wcls_, logits, n_seq, c.dim, c.vocab_size, false);
+        }
         if constexpr (B::host_memory) {
           mb.act.swap(tmp_);
         } else {
@@ -412,6 +496,44 @@ void InferenceStage<B>::forward(Microbatch& mb) {
     if (last_run >= 0) check_layer_output(mb, last_run);
   }
   mb.next_layer = at_sampler ? num_layers_ - 1 : range_.last;
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::embed_vocab_parallel(const Microbatch& mb, float* x) {
+  const auto& c = weights_->config;
+  const auto tokens = static_cast<std::int64_t>(mb.token_ids.size());
+  tp_ids_.clear();
+  tp_rows_.clear();
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int64_t id = mb.token_ids[static_cast<std::size_t>(t)] - shard_.vocab0;
+    if (id < 0 || id >= shard_.vocab) continue;
+    tp_ids_.push_back(static_cast<std::int32_t>(id));
+    tp_rows_.push_back(t);
+  }
+  const auto n = static_cast<std::int64_t>(tp_ids_.size());
+  tp_gather_.resize(static_cast<std::size_t>(n * c.dim));
+  b_.embedding(embedding_, tp_ids_.data(), tp_gather_.data(), n, c.dim);
+  std::fill(x, x + tokens * c.dim, 0.0f);
+  for (std::int64_t i = 0; i < n; ++i)
+    std::copy_n(tp_gather_.data() + i * c.dim, c.dim, x + tp_rows_[static_cast<std::size_t>(i)] * c.dim);
+  tp_->all_reduce(std::span<float>(x, static_cast<std::size_t>(tokens * c.dim)));
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::head_vocab_parallel(const float* x, float* logits, std::int64_t n_seq) {
+  const auto& c = weights_->config;
+  const std::int64_t v = shard_.vocab, t = shard_.size;
+  std::vector<float>& mine = tp_gather_;
+  mine.resize(static_cast<std::size_t>(n_seq * v * (t + 1)));
+  float* shard = mine.data();
+  float* all = mine.data() + n_seq * v;
+  b_.matmul_wt(x, wcls_, shard, n_seq, c.dim, v, false);
+  tp_->all_gather(std::span<const float>(shard, static_cast<std::size_t>(n_seq * v)),
+                  std::span<float>(all, static_cast<std::size_t>(n_seq * v * t)));
+  // all is [member][sequence][v]; logits are [sequence][member v + j].
+  for (std::int64_t r = 0; r < t; ++r)
+    for (std::int64_t i = 0; i < n_seq; ++i)
+      std::copy_n(all + (r * n_seq + i) * v, v, logits + i * c.vocab_size + r * v);
 }
 
 extern template class InferenceStage<cpu::CpuBackend>;

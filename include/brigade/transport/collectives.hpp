@@ -75,6 +75,21 @@ class InProcessGroup {
   /// Members of the group.
   [[nodiscard]] int size() const noexcept { return size_; }
 
+  /// Ends the group because a member (or a peer it depends on) failed with `reason`: every
+  /// member's pending and later collectives throw Error{Aborted} quoting it, instead of waiting
+  /// for their deadline. Never throws; the first reason is kept.
+  void abort(const std::string& reason) noexcept {
+    std::lock_guard lock(mu_);
+    if (!aborted_) {
+      aborted_ = true;
+      try {
+        reason_ = reason;
+      } catch (...) {  // keep the flag without the text
+      }
+    }
+    cv_.notify_all();
+  }
+
  private:
   friend class InProcessCollectives;
   struct Slot {
@@ -86,6 +101,12 @@ class InProcessGroup {
   /// @throws brigade::Error{PeerTimeout} naming the members that did not arrive
   void arrive(int member, Deadline deadline, const char* what) {
     std::unique_lock lock(mu_);
+    const auto check_aborted = [&] {
+      if (aborted_)
+        detail::fail(Errc::Aborted, "group member {}: {}: the group was aborted: {}", member,
+                     what, reason_);
+    };
+    check_aborted();
     const std::uint64_t phase = phase_;
     if (++arrived_ == size_) {
       arrived_ = 0;
@@ -93,11 +114,15 @@ class InProcessGroup {
       cv_.notify_all();
       return;
     }
-    if (!cv_.wait_until(lock, deadline.at, [&] { return phase_ != phase; })) {
+    if (!cv_.wait_until(lock, deadline.at, [&] { return phase_ != phase || aborted_; })) {
       --arrived_;
       detail::fail(Errc::PeerTimeout,
                    "group member {}: {}: {} of {} members joined before the deadline", member,
                    what, arrived_ + 1, size_);
+    }
+    if (phase_ == phase) {  // woken by abort()
+      --arrived_;
+      check_aborted();
     }
   }
 
@@ -107,6 +132,8 @@ class InProcessGroup {
   std::condition_variable cv_;
   int arrived_ = 0;
   std::uint64_t phase_ = 0;
+  bool aborted_ = false;
+  std::string reason_;
 };
 
 /// One member's endpoint on an InProcessGroup; models Collectives. Reductions add in member
