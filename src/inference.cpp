@@ -11,7 +11,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 
 namespace brigade::engine {
 inline namespace v0 {
@@ -236,9 +238,12 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  const detail::GenerationLayout& layout,
                                  detail::MicrobatchSource* book,
                                  std::chrono::steady_clock::time_point t0, bool weight_offload,
-                                 DType pipeline_dtype, bool background_prefetch)
+                                 DType pipeline_dtype, bool background_prefetch,
+                                 std::size_t migration_part_bytes,
+                                 std::function<void(const schedule::Action&, double)> on_compute)
     : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
-      weight_offload_(weight_offload), pipeline_dtype_(pipeline_dtype) {
+      weight_offload_(weight_offload), pipeline_dtype_(pipeline_dtype),
+      part_bytes_(migration_part_bytes), on_compute_(std::move(on_compute)) {
   BRIGADE_CHECK(is_float_dtype(pipeline_dtype), Errc::InvalidArgument,
                 "InferenceWorker: pipeline dtype {}; expected f32, f16 or bf16",
                 to_string(pipeline_dtype));
@@ -304,6 +309,7 @@ runtime::InferenceStageBase& InferenceWorker::stage(int v) const {
 
 bool InferenceWorker::fill(std::vector<Action>& out) {
   bool any = false;
+  const std::vector<char> was_live = live_;
   for (std::size_t m = 0; m < live_.size(); ++m) {
     if (closed_[m]) live_[m] = 0;
     closed_[m] = 0;
@@ -314,11 +320,153 @@ bool InferenceWorker::fill(std::vector<Action>& out) {
     any = any || live_[m];
   }
   ++round_;
-  if (!any || round_ >= shape_->num_chunks) return false;
+  const bool receiving = mig_ && mig_->receiving && round_ > mig_->first && round_ <= mig_->last + 1;
+  if ((!any && !receiving) || round_ >= shape_->num_chunks) return false;
   const std::size_t begin = out.size();
-  schedule::append_inference_round(*shape_, rank_, round_, live_, out);
+  if (any) schedule::append_inference_round(*shape_, rank_, round_, live_, out);
   if (weight_offload_) schedule::add_weight_offload(out, begin);
+  migration_actions(out, begin, was_live);
   return true;
+}
+
+void InferenceWorker::migration_actions(std::vector<Action>& out, std::size_t begin,
+                                        const std::vector<char>& was_live) {
+  const int r = round_;
+  // The migration of this rank ends: the owner drops the layer once its last part is out; the
+  // neighbour has received its last parts in the round before.
+  if (mig_ && mig_->sending && r == mig_->last + 1) {
+    stage(mig_->order.from).drop(mig_->layer);
+    mig_->sending = false;
+  }
+  if (mig_ && mig_->receiving && r == mig_->last + 2) {
+    // Every micro-batch live in the last round sent its last part, so only a run whose
+    // micro-batches all closed during the move ends without adopting the layer.
+    BRIGADE_CHECK(mig_->adopted || std::none_of(live_.begin(), live_.end(), [](char l) { return l != 0; }),
+                  Errc::Internal,
+                  "rank {}: the migration of layer {} ended without its last part", rank_,
+                  mig_->layer);
+    mig_->receiving = false;
+  }
+  if (mig_ && !mig_->sending && !mig_->receiving) mig_.reset();
+  // A move ordered in the round before starts now on the ranks of its two stages.
+  if (ordered_ && ordered_->first == r - 1) {
+    const auto o = ordered_->second;
+    const bool from = shape_->rank_of(o.from) == rank_, to = shape_->rank_of(o.to) == rank_;
+    if (from || to) {
+      BRIGADE_CHECK(!mig_, Errc::InvalidArgument,
+                    "rank {}: a layer move {} -> {} ordered in round {} while another one is "
+                    "under way",
+                    rank_, o.from, o.to, r - 1);
+      Migration m;
+      m.order = o;
+      m.first = r;
+      m.last = r + o.parts - 1;
+      m.sending = from;
+      m.receiving = to;
+      // The layer at `from`'s end facing `to`, as both sides know it now.
+      if (from) {
+        const auto& rg = stage(o.from).range();
+        m.layer = o.to > o.from ? rg.last - 1 : rg.first;
+      } else {
+        const auto& rg = stage(o.to).range();
+        m.layer = o.to > o.from ? rg.first - 1 : rg.last;
+      }
+      auto& st = stage(from ? o.from : o.to);
+      m.weight_bytes = st.migration_weight_bytes(m.layer);
+      m.row_bytes = st.kv_position_bytes();
+      if (to) stage(o.to).begin_adopt(m.layer);
+      if (from) {  // the owner keeps at least one layer
+        const auto& rg = stage(o.from).range();
+        BRIGADE_CHECK(rg.last - rg.first >= 2, Errc::InvalidArgument,
+                      "rank {}: virtual stage {} holds only layer {}; it cannot hand it to {}",
+                      rank_, o.from, rg.first, o.to);
+      }
+      mig_ = std::move(m);
+    }
+  }
+  if (book_ != nullptr)  // the rank of virtual stage 0 orders the moves
+    if (auto o = book_->rebalance(r)) {
+      BRIGADE_CHECK(o->parts >= 1 && std::abs(o->to - o->from) == 1 && o->from >= 0 &&
+                        o->to >= 0 && o->from < shape_->num_virtual_stages &&
+                        o->to < shape_->num_virtual_stages,
+                    Errc::InvalidArgument,
+                    "rank {}: a layer move {} -> {} in {} parts: expected neighbouring virtual "
+                    "stages and parts >= 1",
+                    rank_, o->from, o->to, o->parts);
+      ordered_ = std::pair{r, *o};
+    }
+  if (!mig_) return;
+  const auto M = static_cast<int>(live_.size());
+  if (mig_->sending && r >= mig_->first && r <= mig_->last) {
+    // MIGRATE(from, m, r) right after the last action of (from, m, r).
+    const int v = mig_->order.from;
+    for (int m = M - 1; m >= 0; --m) {
+      if (!live_[static_cast<std::size_t>(m)]) continue;
+      std::size_t at = out.size();
+      for (std::size_t i = out.size(); i-- > begin;)
+        if (out[i].virtual_stage == v && out[i].microbatch == m && out[i].chunk == r) {
+          at = i + 1;
+          break;
+        }
+      out.insert(out.begin() + static_cast<std::ptrdiff_t>(at), Action{Op::Migrate, v, m, r});
+    }
+  }
+  if (mig_->receiving && r > mig_->first && r <= mig_->last + 1) {
+    // MIGRATE_RECV(to, m, r - 1) right before F(to, m, r), or first for a closed micro-batch.
+    // The parts of one round are received in micro-batch order (the order they are sent on
+    // the migration channel): a closed micro-batch's part goes right before the next one's.
+    const int v = mig_->order.to;
+    std::size_t next = out.size();
+    for (int m = M - 1; m >= 0; --m) {
+      if (!was_live[static_cast<std::size_t>(m)]) continue;
+      const Action recv{Op::MigrateRecv, v, m, r - 1};
+      const auto f = std::find(out.begin() + static_cast<std::ptrdiff_t>(begin), out.end(),
+                               Action{Op::F, v, m, r});
+      const std::size_t at = live_[static_cast<std::size_t>(m)] && f != out.end()
+                                 ? static_cast<std::size_t>(f - out.begin())
+                                 : next;
+      out.insert(out.begin() + static_cast<std::ptrdiff_t>(at), recv);
+      next = at;
+    }
+  }
+}
+
+int InferenceWorker::migration_peer(const Action& a) const {
+  BRIGADE_CHECK(mig_.has_value(), Errc::InvalidArgument,
+                "executor: rank {}: {} without a layer move under way", rank_,
+                schedule::to_string(a));
+  return shape_->rank_of(a.op == Op::Migrate ? mig_->order.to : mig_->order.from);
+}
+
+InferenceWorker::Part InferenceWorker::plan_part(int c,
+                                                 std::span<const backend::SequenceSlice> seqs,
+                                                 const runtime::InferenceStageBase& st) {
+  auto& g = *mig_;
+  Part p;
+  p.last = c == g.last;
+  const std::size_t left = g.weight_bytes - g.weight_sent;
+  const std::size_t w = p.last ? left : std::min(left, part_bytes_);
+  p.w0 = g.weight_sent;
+  p.w1 = g.weight_sent + w;
+  g.weight_sent += w;
+  std::int64_t rows_left =
+      p.last ? std::numeric_limits<std::int64_t>::max()
+             : static_cast<std::int64_t>((part_bytes_ - w) / std::max<std::size_t>(g.row_bytes, 1));
+  std::int64_t rows = 0;
+  for (const auto& q : seqs) {
+    const auto id = static_cast<std::size_t>(q.seq);
+    if (id >= g.sent.size()) g.sent.resize(id + 1, 0);
+    if (q.pos0 == 0) g.sent[id] = 0;  // a new sequence (a pool row may have been reused)
+    const std::int64_t unsent = q.pos0 + q.tokens - g.sent[id];
+    const std::int64_t take = std::min(unsent, rows_left);
+    if (take <= 0) continue;
+    p.segments.emplace_back(st.kv_first_row(q.seq) + g.sent[id], take);
+    g.sent[id] += static_cast<std::int32_t>(take);
+    rows_left -= take;
+    rows += take;
+  }
+  p.bytes = w + static_cast<std::size_t>(rows) * g.row_bytes;
+  return p;
 }
 
 void InferenceWorker::check_sequences(int m, std::span<const backend::SequenceSlice> seen, int peer) {
@@ -453,7 +601,10 @@ Work InferenceWorker::compute(const Action& a) {
       else if (mb.seqs.empty()) idle_[m] = 1;
     }
     if (closed_[m] || idle_[m]) return {false, 0, {}};
+    const auto t_f = std::chrono::steady_clock::now();
     stage(a.virtual_stage).forward(mb);
+    if (on_compute_)
+      on_compute_(a, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_f).count());
     if (offload_mapped_) {  // the window just run and whatever of the next one is loaded
       pages_.clear();
       for (const auto* s : stages_)
@@ -467,7 +618,10 @@ Work InferenceWorker::compute(const Action& a) {
       tokens_[m].clear();
       return {false, 0, {}};
     }
+    const auto t_s = std::chrono::steady_clock::now();
     stage(a.virtual_stage).sample(mb);
+    if (on_compute_)
+      on_compute_(a, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_s).count());
     if (shape_->rank_of(0) == rank_) {
       // The next round's virtual stage 0 is here: the tokens need no message.
       auto& t = tokens_[m];
@@ -484,6 +638,19 @@ Work InferenceWorker::compute(const Action& a) {
 
 void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& out) {
   const auto m = static_cast<std::size_t>(a.microbatch);
+  if (a.op == Op::MigrateRecv) {
+    // The part of (m, c) over that round's sequences, which this rank saw in round c.
+    BRIGADE_CHECK(mig_ && mig_->receiving, Errc::InvalidArgument,
+                  "executor: rank {}: {} without a layer move under way", rank_,
+                  schedule::to_string(a));
+    const Part p = plan_part(a.chunk, prev_[m], stage(a.virtual_stage));
+    out.push_back({detail::kTagMigrate,
+                   MessageHeader::make(a.microbatch, a.virtual_stage, DType::U8,
+                                       {static_cast<std::int64_t>(p.bytes)}, a.chunk),
+                   p.bytes});
+    mig_->posted[{a.microbatch, a.chunk}] = p;
+    return;
+  }
   const auto seqs = layout_->dynamic ? static_cast<std::int64_t>(layout_->max_seqs)
                                      : static_cast<std::int64_t>(layout_->prefill[m].size());
   if (a.virtual_stage == 0) {
@@ -505,6 +672,36 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
 
 void InferenceWorker::received(const Action& a, std::span<const Received> msgs) {
   const auto m = static_cast<std::size_t>(a.microbatch);
+  if (a.op == Op::MigrateRecv) {
+    auto& g = *mig_;
+    const auto it = g.posted.find({a.microbatch, a.chunk});
+    BRIGADE_CHECK(it != g.posted.end() && msgs.size() == 1 &&
+                      msgs[0].payload.size() == it->second.bytes,
+                  Errc::HeaderMismatch,
+                  "rank {}: {}: the part of layer {} holds {} bytes, expected {}", rank_,
+                  schedule::to_string(a), g.layer, msgs.empty() ? 0 : msgs[0].payload.size(),
+                  it == g.posted.end() ? 0 : it->second.bytes);
+    const Part p = std::move(it->second);
+    g.posted.erase(it);
+    auto& st = stage(a.virtual_stage);
+    const std::byte* in = msgs[0].payload.data();
+    if (p.w1 > p.w0) {
+      const auto image = st.adopt_weight_image();
+      std::memcpy(image.data() + p.w0, in, p.w1 - p.w0);
+      in += p.w1 - p.w0;
+    }
+    // The rows go to the layer being adopted, or to the adopted layer (after the first part of
+    // the last round).
+    for (const auto& [row, rows] : p.segments) {
+      st.write_kv_rows(g.layer, row, rows, in);
+      in += static_cast<std::size_t>(rows) * g.row_bytes;
+    }
+    if (p.last && !g.adopted) {  // the weights are complete: the layer is this stage's now
+      st.adopt();
+      g.adopted = true;
+    }
+    return;
+  }
   const int peer = schedule::peer_rank(*shape_, a);
   auto ints = [](const Received& r) {
     return std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(r.payload.data()),
@@ -557,6 +754,17 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
     if (partial) mb.emit.push_back(static_cast<std::uint8_t>(row[5] != 0));
   }
   check_sequences(a.microbatch, mb.seqs, peer);
+  if (d[4] != 0) {  // a layer move ordered in this round (header columns 4 and 5)
+    const int code = d[4] - 1;
+    const detail::MoveOrder o{code / 2, code / 2 + (code % 2 ? 1 : -1), d[5]};
+    BRIGADE_CHECK(!ordered_ || ordered_->first != round_ || ordered_->second == o,
+                  Errc::HeaderMismatch,
+                  "rank {}: micro-batch {} round {}: the descriptor from rank {} orders the move "
+                  "{} -> {} in {} parts, another micro-batch of the round ordered {} -> {}",
+                  rank_, a.microbatch, round_, peer, o.from, o.to, o.parts,
+                  ordered_->second.from, ordered_->second.to);
+    ordered_ = std::pair{round_, o};
+  }
   if (n_seq == 0) {
     (d[3] == detail::kIdle ? idle_ : closed_)[m] = 1;
     return;
@@ -578,6 +786,28 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
 void InferenceWorker::send(const Action& a, Outbox& out) {
   const auto m = static_cast<std::size_t>(a.microbatch);
   const auto& mb = slot_[m];
+  if (a.op == Op::Migrate) {
+    BRIGADE_CHECK(mig_ && mig_->sending, Errc::InvalidArgument,
+                  "executor: rank {}: {} without a layer move under way", rank_,
+                  schedule::to_string(a));
+    auto& st = stage(a.virtual_stage);
+    const Part p = plan_part(a.chunk, cur_[m], st);
+    wire_.resize(p.bytes);
+    std::byte* o = wire_.data();
+    if (p.w1 > p.w0) {
+      st.read_migration_weights(mig_->layer, p.w0, {o, p.w1 - p.w0});
+      o += p.w1 - p.w0;
+    }
+    for (const auto& [row, rows] : p.segments) {
+      st.read_kv_rows(mig_->layer, row, rows, o);
+      o += static_cast<std::size_t>(rows) * mig_->row_bytes;
+    }
+    out.add(detail::kTagMigrate,
+            MessageHeader::make(a.microbatch, mig_->order.to, DType::U8,
+                                {static_cast<std::int64_t>(p.bytes)}, a.chunk),
+            transport::ConstBytes(wire_.data(), p.bytes));
+    return;
+  }
   const int last = shape_->num_virtual_stages - 1;
   if (a.virtual_stage == last) {
     // The sampled tokens return to virtual stage 0; a closed micro-batch has none, an idle one
@@ -604,12 +834,20 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
   const int to = a.virtual_stage + 1;
   scratch_.clear();
   const bool closed = closed_[m] != 0 || idle_[m] != 0;
+  // A move ordered in this round rides every descriptor of the round.
+  std::int32_t move = 0, parts = 0;
+  if (ordered_ && ordered_->first == a.chunk) {
+    const auto& o = ordered_->second;
+    move = 1 + 2 * o.from + (o.to > o.from ? 1 : 0);
+    parts = o.parts;
+  }
   if (closed) {
     scratch_.insert(scratch_.end(),
-                    {0, 0, mb.next_layer, idle_[m] ? detail::kIdle : 0, 0, 0});
+                    {0, 0, mb.next_layer, idle_[m] ? detail::kIdle : 0, move, parts});
   } else {
     scratch_.insert(scratch_.end(), {static_cast<std::int32_t>(mb.rows),
-                                     static_cast<std::int32_t>(mb.width), mb.next_layer, 0, 0, 0});
+                                     static_cast<std::int32_t>(mb.width), mb.next_layer, 0, move,
+                                     parts});
     for (std::size_t i = 0; i < mb.seqs.size(); ++i) {
       const auto& s = mb.seqs[i];
       const runtime::KvPlacement p = mb.placement.empty() ? runtime::KvPlacement{} : mb.placement[i];

@@ -201,6 +201,80 @@ std::size_t resident_bytes(std::span<const std::pair<std::uintptr_t, std::size_t
   return resident;
 }
 
+int InferenceStageBase::decoder_of(int layer, const char* what) const {
+  BRIGADE_CHECK(layer >= 0 && layer < num_layers_ &&
+                    spec_.layer(layer).kind == LayerKind::Decoder,
+                Errc::InvalidArgument,
+                "InferenceStage [{}, {}): {}: layer {} is not a decoder layer (only decoders move "
+                "between stages)",
+                range_.first, range_.last, what, layer);
+  return spec_.layer(layer).decoder_index;
+}
+
+namespace {
+
+/// Decoder `d`'s nine tensors as (host pointer, bytes), in model::DecoderWeights order.
+std::array<std::pair<const void*, std::size_t>, 9> decoder_tensors(const model::LlamaWeights& w,
+                                                                   int d) {
+  const auto& c = w.config;
+  const auto& h = w.layers[static_cast<std::size_t>(d)];
+  const std::int64_t dim = c.dim, kv = c.kv_dim(), hid = c.hidden_dim;
+  auto m = [](model::WeightMatrix x, std::int64_t rows, std::int64_t cols) {
+    return std::pair<const void*, std::size_t>(
+        x.data, static_cast<std::size_t>(rows) * model::weight_row_bytes(x.dtype, cols));
+  };
+  return {{m(h.rms_att, 1, dim), m(h.wq, dim, dim), m(h.wk, kv, dim), m(h.wv, kv, dim),
+           m(h.wo, dim, dim), m(h.rms_ffn, 1, dim), m(h.w1, hid, dim), m(h.w2, dim, hid),
+           m(h.w3, hid, dim)}};
+}
+
+}  // namespace
+
+std::array<std::size_t, 10> decoder_image_layout(const model::LlamaWeights& weights, int d) {
+  const auto t = decoder_tensors(weights, d);
+  std::array<std::size_t, 10> off{};
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < t.size(); ++k) {
+    off[k] = at;
+    at = (at + t[k].second + 63) / 64 * 64;
+  }
+  off[9] = at;
+  return off;
+}
+
+std::size_t InferenceStageBase::migration_weight_bytes(int layer) const {
+  return decoder_image_layout(*weights_, decoder_of(layer, "migration_weight_bytes"))[9];
+}
+
+void InferenceStageBase::read_migration_weights(int layer, std::size_t offset,
+                                                std::span<std::byte> out) const {
+  const int d = decoder_of(layer, "read_migration_weights");
+  const auto off = decoder_image_layout(*weights_, d);
+  BRIGADE_CHECK(offset <= off[9] && out.size() <= off[9] - offset, Errc::InvalidArgument,
+                "InferenceStage: weight bytes [{}, {}) of layer {} outside its image of {} bytes",
+                offset, offset + out.size(), layer, off[9]);
+  const auto t = decoder_tensors(*weights_, d);
+  std::memset(out.data(), 0, out.size());  // the padding between tensors
+  const std::size_t end = offset + out.size();
+  for (std::size_t k = 0; k < t.size(); ++k) {
+    const std::size_t lo = std::max(offset, off[k]), hi = std::min(end, off[k] + t[k].second);
+    if (lo < hi)
+      std::memcpy(out.data() + (lo - offset),
+                  static_cast<const std::byte*>(t[k].first) + (lo - off[k]), hi - lo);
+  }
+}
+
+void InferenceStageBase::set_range(partition::StageRange r) {
+  range_ = r;
+  first_decoder_ = -1;
+  num_decoders_ = 0;
+  for (int l = r.first; l < r.last; ++l) {
+    if (spec_.layer(l).kind != LayerKind::Decoder) continue;
+    if (first_decoder_ < 0) first_decoder_ = spec_.layer(l).decoder_index;
+    ++num_decoders_;
+  }
+}
+
 backend::KvCacheView InferenceStageBase::kv_view(void* base, DType dtype) const {
   const std::int64_t kv = kv_dim_;
   backend::KvCacheView v;

@@ -5,12 +5,15 @@
 #include "brigade/engine/threads.hpp"
 #include "brigade/model/tokenizer.hpp"
 #include "brigade/serve/kv_blocks.hpp"
+#include "brigade/serve/rebalance.hpp"
 #include "brigade/transport/in_process.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -43,6 +46,28 @@ LatencySummary summary_of(const std::vector<RequestMetrics>& rs, F f, bool decod
   return summarize(std::move(v));
 }
 
+/// The F and SAMPLE seconds every rank measures, handed to the first stage's book (the rank
+/// threads share this process's memory).
+class Measurements {
+ public:
+  struct Entry {
+    schedule::Action action;
+    double seconds;
+  };
+  void add(const schedule::Action& a, double s) {
+    std::lock_guard lock(mu_);
+    entries_.push_back({a, s});
+  }
+  std::vector<Entry> take() {
+    std::lock_guard lock(mu_);
+    return std::exchange(entries_, {});
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<Entry> entries_;
+};
+
 /// Stage 0's book of a serving run (see serve()).
 class ServingBook final : public engine::detail::MicrobatchSource {
  public:
@@ -74,6 +99,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       arrive(now);
       build(members, now, out);
       if (!out.seqs.empty()) {
+        index_[{in.microbatch, in.round}] = features_.size();
         features_.push_back(features_of(in, out));
         return true;
       }
@@ -84,6 +110,32 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       std::this_thread::sleep_until(t0_ + std::chrono::duration_cast<std::chrono::nanoseconds>(
                                               std::chrono::duration<double>(at)));
     }
+  }
+
+  /// Dynamic rebalancing: the rebalancer, fed from `measured`.
+  void set_rebalancer(Rebalancer* rb, Measurements* measured, int stages) {
+    rb_ = rb;
+    measured_ = measured;
+    stages_ = stages;
+  }
+
+  std::optional<engine::detail::MoveOrder> rebalance(int round) override {
+    if (rb_ == nullptr) return std::nullopt;
+    // Join the measurements with the rounds' features: a stage's round is its F, plus SAMPLE on
+    // the tail (which comes after its F on the same rank).
+    for (const auto& e : measured_->take()) {
+      const auto& a = e.action;
+      const auto key = std::tuple{a.virtual_stage, a.microbatch, a.chunk};
+      pending_[key] += e.seconds;
+      if (a.op == Op::F && a.virtual_stage == stages_ - 1) continue;  // its SAMPLE follows
+      const auto f = index_.find({a.microbatch, a.chunk});
+      if (f != index_.end()) rb_->observe(a.virtual_stage, features_[f->second], pending_[key]);
+      pending_.erase(key);
+    }
+    std::int64_t live = 0;
+    for (const auto& members : members_)
+      for (const int seq : members) live += state_[static_cast<std::size_t>(seq)].fed;
+    return rb_->decide(round, elapsed(), features_, live);
   }
 
   std::vector<RequestMetrics> take_metrics() { return std::move(metrics_); }
@@ -175,28 +227,23 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       out.token_ids.push_back(metrics_[id].tokens.back());
   }
 
-  // Micro-batch `members`' next round: a decode token per decoding sequence, then prompt chunks,
-  // then new sequences from the queue while blocks, sequences and tokens allow.
+  // Micro-batch `members`' next round: one token per sequence (a decode token, or the first of
+  // a prompt chunk: every live sequence runs every round, max_batch_tokens >= max_seqs), then the
+  // prompt chunks grow up to prefill_chunk tokens within max_batch_tokens, then new sequences
+  // from the queue while blocks, sequences and tokens allow.
   void build(std::vector<int>& members, double now, runtime::Microbatch& out) {
     out = runtime::Microbatch{};
-    int budget = o_.max_batch_tokens;
-    std::vector<int> take(members.size(), 0);
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      const auto id = static_cast<std::size_t>(members[i]);
-      if (state_[id].fed >= static_cast<int>(requests_[id].prompt.size())) {
-        take[i] = 1;
-        --budget;
-      }
-    }
+    int budget = o_.max_batch_tokens - static_cast<int>(members.size());
+    std::vector<int> take(members.size(), 1);
     for (std::size_t i = 0; i < members.size(); ++i) {
       const auto id = static_cast<std::size_t>(members[i]);
       const int left = static_cast<int>(requests_[id].prompt.size()) - state_[id].fed;
-      if (left <= 0) continue;
-      take[i] = std::min({left, o_.prefill_chunk, std::max(budget, 0)});
-      budget -= take[i];
+      if (left <= 1) continue;
+      const int more = std::min({left, o_.prefill_chunk, budget + 1}) - 1;
+      take[i] += more;
+      budget -= more;
     }
     for (std::size_t i = 0; i < members.size(); ++i) {
-      if (take[i] == 0) continue;
       const auto id = static_cast<std::size_t>(members[i]);
       const int p = static_cast<int>(requests_[id].prompt.size());
       add(out, members[i], take[i], state_[id].fed + take[i] >= p);
@@ -213,7 +260,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       metrics_[id].admitted_s = now;
       members.push_back(seq);
       ++active_;
-      const int t = std::min({p, o_.prefill_chunk, budget});
+      const int t = std::min({p, o_.prefill_chunk, budget});  // budget >= 1 here
       budget -= t;
       add(out, seq, t, t >= p);
     }
@@ -230,10 +277,23 @@ class ServingBook final : public engine::detail::MicrobatchSource {
   std::vector<SeqState> state_;
   std::vector<RequestMetrics> metrics_;
   std::vector<RoundFeatures> features_;
+  std::map<std::pair<int, int>, std::size_t> index_;  // (micro-batch, round) -> features_
+  Rebalancer* rb_ = nullptr;
+  Measurements* measured_ = nullptr;
+  int stages_ = 0;
+  std::map<std::tuple<int, int, int>, double> pending_;  // (stage, micro-batch, round) -> s
   int active_ = 0, rounds_ = 0, peak_queue_ = 0;
 };
 
 }  // namespace
+
+const partition::Partition& ServeReport::plan_at(int round) const {
+  BRIGADE_CHECK(!plans.empty(), Errc::InvalidArgument, "ServeReport: no plans recorded");
+  const partition::Partition* p = &plans.front().second;
+  for (const auto& [from, plan] : plans)
+    if (from <= round) p = &plan;
+  return *p;
+}
 
 LatencySummary ServeReport::e2e() const {
   return summary_of(requests, [](const RequestMetrics& r) { return r.e2e_s(); });
@@ -317,8 +377,19 @@ ServeReport serve(const model::LlamaWeights& weights, const partition::Partition
   io.timeout_s += gap;  // the first stage may wait this long for an arrival
   io.weight_offload = false;
   cpu::set_blas_threads(io.blas_threads);
+  std::optional<Rebalancer> rebalancer;
+  Measurements measured;
+  if (o.rebalance) {
+    BRIGADE_CHECK(partition.num_stages() == P, Errc::InvalidArgument,
+                  "serve: dynamic rebalancing moves layers between ranks: the partition has {} "
+                  "stages on {} ranks, expected one stage per rank",
+                  partition.num_stages(), P);
+    rebalancer.emplace(weights, partition, M, io.migration_part_bytes, *o.rebalance);
+    io.on_compute = [&measured](const schedule::Action& a, double s) { measured.add(a, s); };
+  }
   const auto t0 = std::chrono::steady_clock::now();
   ServingBook book(requests, o, M, kv, t0);
+  if (rebalancer) book.set_rebalancer(&*rebalancer, &measured, partition.num_stages());
   transport::InProcessFabric fabric(P);
   auto endpoints = transport::endpoints(fabric);
   std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
@@ -338,6 +409,15 @@ ServeReport serve(const model::LlamaWeights& weights, const partition::Partition
   for (const auto& r : report.requests) report.generated_tokens += r.generated;
   report.rounds = book.rounds();
   report.round_features = book.take_features();
+  if (rebalancer) {
+    // A move ordered after the last round never switched: only the plans that ran count.
+    for (const auto& [from, plan] : rebalancer->plans())
+      if (from < book.rounds()) report.plans.emplace_back(from, plan);
+    for (const auto& m : rebalancer->moves())
+      if (m.switch_round < book.rounds()) report.moves.push_back(m);
+  } else {
+    report.plans.emplace_back(0, partition);
+  }
   report.kv_blocks = kv.num_blocks();
   report.kv_block_size = kv.block_size();
   report.peak_kv_blocks = kv.peak_blocks();

@@ -10,6 +10,7 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/partition/policies.hpp>
 #include <brigade/serve/predictor.hpp>
+#include <brigade/serve/rebalance.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
 
@@ -26,7 +27,9 @@ namespace {
 
 struct ServeArgs {
   std::string trace, model, tokenizer, synthetic = "42M", metrics, timeline;
-  std::string rebalance = "even";  // even, static, or a comma list of them
+  std::string rebalance = "even";  // even, static, dynamic, or a comma list of them
+  serve::RebalanceOptions dynamic;
+  double part_mib = 4.0;
   std::string profile = "auto";
   int stages = 2, max_requests = 0, threads = 1;
   double rate_scale = 1.0, prompt_scale = 1.0, output_scale = 1.0, timeout = 120.0;
@@ -54,9 +57,8 @@ int run_serve(ServeArgs& a) {
   {
     std::stringstream ss(a.rebalance);
     for (std::string p; std::getline(ss, p, ',');) {
-      BRIGADE_CHECK(p == "even" || p == "static", Errc::InvalidArgument,
-                    "--rebalance {}: expected even or static (or a comma list of them; dynamic "
-                    "rebalancing is not built yet)",
+      BRIGADE_CHECK(p == "even" || p == "static" || p == "dynamic", Errc::InvalidArgument,
+                    "--rebalance {}: expected even, static or dynamic (or a comma list of them)",
                     detail::excerpt(p));
       if (std::find(policies.begin(), policies.end(), p) == policies.end()) policies.push_back(p);
     }
@@ -87,6 +89,8 @@ int run_serve(ServeArgs& a) {
   a.serve.inference.sampler = {a.temperature, a.top_p, a.seed};
   a.serve.inference.blas_threads = a.threads;
   a.serve.inference.timeout_s = a.timeout;
+  a.serve.inference.migration_part_bytes =
+      static_cast<std::size_t>(std::max(1.0, a.part_mib * 1024 * 1024));
   const std::string model_name = a.model.empty() ? "synthetic " + a.synthetic : a.model;
   double prompt_sum = 0, output_sum = 0;
   for (const auto& r : requests) {
@@ -125,7 +129,13 @@ int run_serve(ServeArgs& a) {
     }
     std::vector<int> layers;
     for (const auto& st : part.stages()) layers.push_back(st.last - st.first);
-    const auto rep = serve::serve(weights, part, requests, a.serve);
+    // dynamic: starts from the even split and moves layers while serving (DynaPipe).
+    serve::ServeOptions so = a.serve;
+    if (policy == "dynamic") {
+      so.rebalance = a.dynamic;
+      so.rebalance->layer_seconds = layer_seconds;
+    }
+    const auto rep = serve::serve(weights, part, requests, so);
     const auto e2e = rep.e2e(), ttft = rep.ttft(), tpot = rep.tpot();
     if (policy == "even") even_mean = e2e.mean;
     fmt::print(stderr,
@@ -147,8 +157,48 @@ int run_serve(ServeArgs& a) {
                           {"kv_blocks", rep.kv_blocks},
                           {"kv_block_size", rep.kv_block_size},
                           {"peak_kv_blocks", rep.peak_kv_blocks},
-                          {"peak_queue", rep.peak_queue},
-                          {"moves", nlohmann::json::array()}};
+                          {"peak_queue", rep.peak_queue}};
+    nlohmann::json moves = nlohmann::json::array();
+    for (const auto& m : rep.moves) {
+      fmt::print(stderr,
+                 "serve: {:<6} move: layer {} stage {} -> {}, ordered in round {} ({:.2f} s), "
+                 "parts in rounds {}-{}, {} from round {}; layers per stage then {}\n",
+                 policy, m.layer, m.from, m.to, m.ordered_round, m.ordered_s, m.first_round,
+                 m.switch_round - 1, m.forced ? "forced, switched" : "switched", m.switch_round,
+                 m.layers_after);
+      moves.push_back({{"layer", m.layer},
+                       {"from", m.from},
+                       {"to", m.to},
+                       {"ordered_round", m.ordered_round},
+                       {"first_round", m.first_round},
+                       {"switch_round", m.switch_round},
+                       {"ordered_s", m.ordered_s},
+                       {"forced", m.forced},
+                       {"predicted_slowest_s", m.predicted_slowest_s},
+                       {"predicted_slowest_after_s", m.predicted_slowest_after_s},
+                       {"bytes", m.bytes},
+                       {"layers_per_stage_after", m.layers_after}});
+    }
+    run["moves"] = std::move(moves);
+    if (!rep.moves.empty()) {
+      const auto impact = serve::migration_impact(rep);
+      fmt::print(stderr,
+                 "serve: {:<6} migrations: {}, {:.1f} MiB in parts, {:.3f} s in MIGRATE / "
+                 "MIGRATE_RECV; slowest migration round {:.2f}x the median of its neighbours; "
+                 "the most a rank spent migrating in one round {:.1f}% of it\n",
+                 policy, impact.migrations, static_cast<double>(impact.migration_bytes) / (1 << 20),
+                 impact.migration_seconds, impact.max_round_ratio,
+                 100 * impact.max_migration_share);
+      run["migration"] = {{"migrations", impact.migrations},
+                          {"bytes", impact.migration_bytes},
+                          {"seconds", impact.migration_seconds},
+                          {"max_round_ratio_vs_neighbours", impact.max_round_ratio},
+                          {"max_migration_share_of_round", impact.max_migration_share}};
+    }
+    std::vector<int> final_layers;
+    for (const auto& st : rep.plans.back().second.stages())
+      final_layers.push_back(st.last - st.first);
+    run["layers_per_stage_at_end"] = final_layers;
     // The online latency predictor replayed over the run's rounds (predictor.hpp).
     const serve::StageLatencyPredictor fresh(cost::LatencyEstimator(spec, layer_seconds), part);
     nlohmann::json pred = nlohmann::json::array();
@@ -209,8 +259,32 @@ std::function<int()> setup(CLI::App& sub) {
       ->capture_default_str();
   sub.add_option("--rebalance", a->rebalance,
                  "layer split: even (uniform decoders), static (balanced once on the calibrated "
-                 "cost model, tail's LM head and sampler included), or a comma list, each run on "
-                 "the same arrivals")
+                 "cost model, tail's LM head and sampler included), dynamic (from the even split, "
+                 "boundary layers move between neighbours while serving, DynaPipe), or a comma "
+                 "list, each run on the same arrivals")
+      ->capture_default_str();
+  sub.add_option("--rebalance-threshold", a->dynamic.threshold,
+                 "dynamic: move when the predicted slowest stage exceeds the mean by this "
+                 "fraction")
+      ->check(cli::number_in(0.0, 100.0, "a number from 0 to 100"))
+      ->capture_default_str();
+  sub.add_option("--rebalance-patience", a->dynamic.patience,
+                 "dynamic: rounds the imbalance must persist before a move (hysteresis)")
+      ->check(cli::number_in(1, 1 << 20, "a whole number from 1"))
+      ->capture_default_str();
+  sub.add_option("--rebalance-cooldown", a->dynamic.cooldown,
+                 "dynamic: rounds after a move switched before the next one (hysteresis)")
+      ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
+      ->capture_default_str();
+  sub.add_option("--force-move-every", a->dynamic.force_every,
+                 "dynamic: move a layer every N rounds regardless of the predictor (a "
+                 "demonstration of migration; 0: the predictor decides)")
+      ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
+      ->capture_default_str();
+  sub.add_option("--migration-part-mib", a->part_mib,
+                 "dynamic: MiB of weights and KV rows one migration part carries per "
+                 "micro-batch and round (the last part carries what is left)")
+      ->check(cli::number_in(0.0, 1e6, "a number above 0", true))
       ->capture_default_str();
   sub.add_option("--rate-scale", a->rate_scale,
                  "divide the trace's arrival times by this (2 = twice its request rate)")

@@ -10,14 +10,18 @@
 #include <brigade/partition/partition.hpp>
 #include <brigade/serve/kv_blocks.hpp>
 #include <brigade/serve/predictor.hpp>
+#include <brigade/serve/rebalance.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace brigade;
@@ -442,4 +446,167 @@ TEST_CASE("serve.predictor: every round of a run is measured on every stage and 
     CHECK(e.prior_heldout_mape > 0);
   }
   test::error_of(Errc::InvalidArgument, [&] { serve::evaluate_predictor(rep, fresh, 1.0); });
+}
+
+// ---- DynaPipe's live rebalancing: layer moves with asynchronous KV-cache migration ----------
+
+TEST_CASE("serve.rebalance: greedy tokens equal run.c's while layers move mid-request, 2-4 "
+          "stages, moves forced every few rounds, parts spread over rounds") {
+  const model::ModelSpec spec(ref().weights.config);
+  // Eight requests in flight at once and staggered: every move migrates live KV caches.
+  const auto w = reference_workload({0, 0, 0.002, 0.004, 0.006, 0, 0.008, 0.01});
+  for (int stages = 2; stages <= 4; ++stages) {
+    CAPTURE(stages);
+    serve::ServeOptions o;
+    o.microbatches = 2;
+    o.max_seqs = 4;
+    o.max_batch_tokens = 8;  // prompts are chunked while layers move
+    o.prefill_chunk = 3;
+    o.inference.sampler.temperature = 0.0f;
+    // Parts of 8 KiB: a stories260K layer (about 200 KB of weights) and its KV rows take
+    // several rounds to migrate, so moves overlap decodes, prefills and new arrivals.
+    o.inference.migration_part_bytes = 8 << 10;
+    serve::RebalanceOptions rb;
+    rb.force_every = 3;
+    o.rebalance = rb;
+    const auto rep = serve::serve(ref().weights, partition::uniform(spec, stages), w.requests, o);
+    check_tokens(w, rep);
+    // Moves happened, across every boundary and in both directions, each after its parts.
+    REQUIRE(rep.moves.size() >= 4);
+    std::set<std::pair<int, int>> seen;
+    for (const auto& m : rep.moves) {
+      seen.insert({m.from, m.to});
+      CHECK(m.forced);
+      CHECK(m.first_round == m.ordered_round + 1);
+      CHECK(m.switch_round > m.first_round + 1);  // at least two rounds of parts
+      CHECK(std::abs(m.from - m.to) == 1);
+    }
+    for (int b = 0; b + 1 < stages; ++b) CHECK((seen.count({b, b + 1}) || seen.count({b + 1, b})));
+    CHECK(seen.size() >= 2);
+    // The plans follow the moves, and the Timeline holds the parts: every MIGRATE on the rank
+    // of its `from`, every MIGRATE_RECV on the rank of its `to`, with their bytes.
+    REQUIRE(rep.plans.size() == rep.moves.size() + 1);
+    std::int64_t sent = 0, received = 0;
+    int sends = 0, recvs = 0;
+    for (const auto& iv : rep.timeline.intervals()) {
+      if (iv.op == Op::Migrate) {
+        sent += iv.bytes;
+        ++sends;
+      }
+      if (iv.op == Op::MigrateRecv) {
+        received += iv.bytes;
+        ++recvs;
+      }
+    }
+    CHECK(sends == recvs);
+    CHECK(sent == received);
+    CHECK(sent > static_cast<std::int64_t>(rep.moves.size()) * 200000);  // weights at least
+    const auto impact = serve::migration_impact(rep);
+    CHECK(impact.migrations == static_cast<int>(rep.moves.size()));
+    CHECK(impact.migration_bytes == sent + received);
+  }
+}
+
+TEST_CASE("serve.rebalance: seeded top-p sampling is unchanged by layer moves") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto w = reference_workload({0, 0.002, 0.004, 0.006, 0.008});
+  std::vector<std::vector<int>> tokens[2];
+  for (int dynamic = 0; dynamic < 2; ++dynamic) {
+    serve::ServeOptions o;
+    o.microbatches = 3;
+    o.inference.sampler = {1.0f, 0.9f, 11};
+    o.inference.migration_part_bytes = 16 << 10;
+    if (dynamic) {
+      serve::RebalanceOptions rb;
+      rb.force_every = 2;
+      o.rebalance = rb;
+    }
+    const auto rep = serve::serve(ref().weights, partition::uniform(spec, 3), w.requests, o);
+    CHECK((dynamic == 0 || rep.moves.size() >= 3));
+    for (const auto& m : rep.requests) tokens[dynamic].push_back(m.tokens);
+  }
+  CHECK(tokens[0] == tokens[1]);
+}
+
+TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the predicted slowest "
+          "stage only after the imbalance persists, then waits out its cooldown") {
+  const auto& weights = ref().weights;
+  const model::ModelSpec spec(weights.config);
+  const auto even = partition::uniform(spec, 2);  // [emb + 3 decoders | 2 decoders + tail]
+  serve::RebalanceOptions o;
+  o.patience = 3;
+  o.cooldown = 5;
+  o.warmup = 4;
+  o.threshold = 0.1;
+  serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
+  // Stage 1 takes 3x its prior, stage 0 its prior: stage 1 is slowest by far.
+  std::vector<serve::RoundFeatures> rounds;
+  auto feed = [&](int round, double slow) {
+    serve::RoundFeatures f;
+    f.round = round;
+    f.decode_seqs = 4;
+    f.decode_context = 40;
+    f.sampled = 4;
+    rounds.push_back(f);
+    const auto& plan = rb.plan_at(round);
+    const auto& pred = rb.predictor();
+    rb.observe(0, f, pred.prior(plan, 0, f) + 1e-4);
+    rb.observe(1, f, slow * (pred.prior(plan, 1, f) + 1e-4));
+  };
+  int round = 0;
+  for (; round < 3; ++round) {
+    feed(round, 3.0);
+    CHECK_FALSE(rb.decide(round, 0.0, rounds, 100));  // warming up: 4 rounds per stage
+  }
+  // The imbalance must persist `patience` decisions: two pass, the third moves.
+  feed(round, 3.0);
+  CHECK_FALSE(rb.decide(round++, 0.0, rounds, 100));
+  feed(round, 3.0);
+  CHECK_FALSE(rb.decide(round++, 0.0, rounds, 100));
+  feed(round, 3.0);
+  const auto order = rb.decide(round, 1.5, rounds, 100);
+  REQUIRE(order);
+  CHECK(order->from == 1);
+  CHECK(order->to == 0);
+  CHECK(order->parts >= 2);
+  REQUIRE(rb.moves().size() == 1);
+  const auto& m = rb.moves()[0];
+  CHECK(m.layer == even.stage(1).first);
+  CHECK(m.switch_round == round + 1 + order->parts);
+  CHECK(m.predicted_slowest_after_s < m.predicted_slowest_s);
+  CHECK(rb.plan_at(m.switch_round).stage(0).last == even.stage(0).last + 1);
+  CHECK(rb.plan_at(m.switch_round - 1) == even);
+  // Nothing while the move is under way, nor during the cooldown after its switch.
+  for (++round; round < m.switch_round + o.cooldown; ++round) {
+    feed(round, 3.0);
+    CHECK_FALSE(rb.decide(round, 0.0, rounds, 100));
+  }
+  // A balanced load never moves.
+  serve::Rebalancer calm(weights, even, 2, 1 << 20, o);
+  std::vector<serve::RoundFeatures> flat;
+  for (int r = 0; r < 30; ++r) {
+    serve::RoundFeatures f;
+    f.round = r;
+    f.decode_seqs = 4;
+    f.decode_context = 40;
+    flat.push_back(f);
+    // Both stages take the same measured seconds.
+    calm.observe(0, f, 1e-3);
+    calm.observe(1, f, 1e-3);
+    CHECK_FALSE(calm.decide(r, 0.0, flat, 100));
+  }
+  // move_layer: only decoders move, and a stage keeps a layer.
+  CHECK_FALSE(serve::move_layer(even, 1, 0)->stage(1).first == even.stage(1).first);
+  // The embedding stays on stage 0: a stage 0 of one layer cannot give it away.
+  const partition::Partition tiny(spec.num_layers(), 2,
+                                  {{0, 0, 1}, {1, 1, spec.num_layers()}});
+  CHECK_FALSE(serve::move_layer(tiny, 0, 1));
+  CHECK(serve::move_layer(even, 0, 1)->stage(1).first == even.stage(1).first - 1);
+  CHECK(test::error_of(Errc::InvalidArgument, [&] { (void)serve::move_layer(even, 0, 0); })
+            .find("expected two neighbouring stages") != std::string::npos);
+  CHECK(test::error_of(Errc::InvalidArgument, [&] {
+          serve::RebalanceOptions bad;
+          bad.patience = 0;
+          serve::Rebalancer(weights, even, 2, 1, bad);
+        }).find("patience 0 (>= 1)") != std::string::npos);
 }

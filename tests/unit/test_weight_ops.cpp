@@ -1,6 +1,7 @@
-// The memory ops PREFETCH, RELEASE and MIGRATE: text form, the offload pass, validate()'s
-// residency rules and refusals, the simulator's I/O lane (closed forms of a 2-window ring),
-// the executor's dispatch, and the chunk index carried on SEND/RECV and compute.
+// The memory ops PREFETCH, RELEASE, MIGRATE and MIGRATE_RECV: text form, the offload pass,
+// validate()'s residency and migration rules and refusals, the simulator's I/O lane (closed forms
+// of a 2-window ring), the executor's dispatch, and the chunk index carried on SEND/RECV and
+// compute.
 #include "../test_util.hpp"
 
 #include <brigade/cost/cost_model.hpp>
@@ -16,7 +17,9 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -55,8 +58,11 @@ UnitCostModel ring_costs(const sch::Shape& shape, double f, double load) {
 
 }  // namespace
 
-TEST_CASE("ops.text: PREFETCH, RELEASE and MIGRATE print and parse back, kNumOps counts them") {
-  CHECK(brigade::kNumOps == 14);
+TEST_CASE("ops.text: PREFETCH, RELEASE, MIGRATE and MIGRATE_RECV print and parse back, kNumOps "
+          "counts them") {
+  CHECK(brigade::kNumOps == 15);
+  CHECK(sch::to_string(Action{Op::MigrateRecv, 1, 0, 2}) == "1MIGRATE_RECV0.c2");
+  CHECK(sch::parse_action("1MIGRATE_RECV0.c2") == Action{Op::MigrateRecv, 1, 0, 2});
   CHECK(sch::to_string(Action{Op::Prefetch, 2, 0, 3}) == "2PREFETCH0.c3");
   CHECK(sch::to_string(Action{Op::Release, 0, 1, 0}) == "0RELEASE1");
   CHECK(sch::to_string(Action{Op::Migrate, 5, 4, 1}) == "5MIGRATE4.c1");
@@ -65,9 +71,9 @@ TEST_CASE("ops.text: PREFETCH, RELEASE and MIGRATE print and parse back, kNumOps
   CHECK(sch::parse_action("5MIGRATE4.c1") == Action{Op::Migrate, 5, 4, 1});
   CHECK(contains(error_of(Errc::InvalidArgument, [] { sch::parse_action("0PREFECH0"); }),
                  "unknown op 'PREFECH', expected one of F, B, BI, BW, RECOMPUTE, SEND_F, RECV_F, "
-                 "SEND_B, RECV_B, SAMPLE, OPT, PREFETCH, RELEASE, MIGRATE"));
+                 "SEND_B, RECV_B, SAMPLE, OPT, PREFETCH, RELEASE, MIGRATE, MIGRATE_RECV"));
   // Classification: memory ops are neither compute nor communication.
-  for (Op op : {Op::Prefetch, Op::Release, Op::Migrate}) {
+  for (Op op : {Op::Prefetch, Op::Release, Op::Migrate, Op::MigrateRecv}) {
     CHECK(brigade::is_memory_op(op));
     CHECK_FALSE(brigade::is_compute(op));
     CHECK_FALSE(brigade::is_communication(op));
@@ -119,8 +125,7 @@ TEST_CASE("ops.offload-pass: one run ahead, released after the run and its sends
   CHECK(sch::validate(per_round).weight_actions == 16);
 }
 
-TEST_CASE("ops.validate: residency rules, placement, training and MIGRATE are refused with "
-          "reasons") {
+TEST_CASE("ops.validate: residency rules, placement and training are refused with reasons") {
   // A schedule without PREFETCH keeps every window resident: nothing changes.
   CHECK(sch::validate(ring(2, 2, 2, 3)).weight_actions == 0);
   const auto good = sch::with_weight_offload(ring(2, 2, 2, 3));
@@ -184,22 +189,96 @@ TEST_CASE("ops.validate: residency rules, placement, training and MIGRATE are re
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(train); }),
                  "validate: rank 0 step 0: 0PREFETCH0 in a training schedule: training stages "
                  "own their weights and the optimizer updates them in place"));
-  // MIGRATE: what it lacks is named, in validate and in the simulator without validation.
-  auto migrate = ring(2, 1, 1, 2);
-  migrate.ranks[1].push_back(Action{Op::Migrate, 1, 0, 1});
-  const std::string why = error_of(Errc::InvalidArgument, [&] { sch::validate(migrate); });
-  CHECK(contains(why, "1MIGRATE0.c1: MIGRATE (KV-cache migration, DynaPipe) is not executable "
-                      "yet: a schedule's placement is fixed for the whole run"));
-  CHECK(contains(why, "no counterpart on a receiving rank"));
+}
+
+namespace {
+
+/// A 2-stage inference ring of 2 micro-batches and 4 rounds in which virtual stage `from` hands
+/// a layer to `to` with parts in rounds 1 and 2, placed as engine::InferenceWorker emits them:
+/// MIGRATE(from, m, c) right after the last action of (from, m, c), MIGRATE_RECV(to, m, c)
+/// right before F(to, m, c + 1).
+sch::Schedule migrating(int from, int to) {
+  auto s = ring(2, 1, 2, 4);
+  for (int c : {1, 2})
+    for (int m = 1; m >= 0; --m) {
+      auto& snd = s.ranks[static_cast<std::size_t>(from)];
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < snd.size(); ++i)
+        if (snd[i].virtual_stage == from && snd[i].microbatch == m && snd[i].chunk == c) at = i + 1;
+      snd.insert(snd.begin() + static_cast<std::ptrdiff_t>(at), Action{Op::Migrate, from, m, c});
+      auto& rcv = s.ranks[static_cast<std::size_t>(to)];
+      const auto f = std::find(rcv.begin(), rcv.end(), Action{Op::F, to, m, c + 1});
+      rcv.insert(f, Action{Op::MigrateRecv, to, m, c});
+    }
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("ops.validate: MIGRATE pairs with MIGRATE_RECV; a half without its pair, a part sent "
+          "before its round's forward, or a layer used before its copy completes is refused") {
+  // Both directions validate under eager and rendezvous sends, with the migration channel.
+  for (auto [from, to] : {std::pair{0, 1}, std::pair{1, 0}}) {
+    CAPTURE(from);
+    const auto s = migrating(from, to);
+    const auto proof = sch::validate(s);
+    CHECK(proof.migrations == 4);
+    CHECK(proof.messages == sch::validate(ring(2, 1, 2, 4)).messages);
+    CHECK(sch::validate(s, {sch::SendSemantics::Rendezvous, {}}).migrations == 4);
+    CHECK(sch::parse_schedule(sch::to_text(s)) == s);
+  }
+  // A MIGRATE without its MIGRATE_RECV, and the other way round, named with their steps.
+  auto lone = migrating(0, 1);
+  auto& r1 = lone.ranks[1];
+  r1.erase(std::find(r1.begin(), r1.end(), Action{Op::MigrateRecv, 1, 1, 2}));
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(lone); }),
+                 "validate: rank 0 step 19: 0MIGRATE1.c2 has no pair: neither "));
+  auto orphan = migrating(0, 1);
+  auto& r0 = orphan.ranks[0];
+  r0.erase(std::find(r0.begin(), r0.end(), Action{Op::Migrate, 0, 0, 1}));
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(orphan); }),
+                 "validate: rank 1 step 17: 1MIGRATE_RECV0.c1 has no pair"));
+  // The new owner runs round 2 of micro-batch 0 before round 1's part arrived: the layer would
+  // be used before its copy completes.
+  auto early = migrating(0, 1);
+  auto& e1 = early.ranks[1];
+  const auto recv = std::find(e1.begin(), e1.end(), Action{Op::MigrateRecv, 1, 0, 1});
+  const Action part = *recv;
+  e1.erase(recv);
+  e1.insert(std::find(e1.begin(), e1.end(), Action{Op::F, 1, 0, 2}) + 1, part);
+  const std::string used = error_of(Errc::InvalidArgument, [&] { sch::validate(early); });
+  CHECK(contains(used, "validate: rank 1 step 17: 1F0.c2 uses the layer its virtual stage adopts "
+                       "before the copy completes: 1MIGRATE_RECV0.c1 (step 18)"));
+  // A part sent before the forward that writes its round's KV rows.
+  auto ahead = migrating(1, 0);
+  auto& a1 = ahead.ranks[1];
+  const auto snd = std::find(a1.begin(), a1.end(), Action{Op::Migrate, 1, 1, 2});
+  const Action send = *snd;
+  a1.erase(snd);
+  a1.insert(std::find(a1.begin(), a1.end(), Action{Op::F, 1, 1, 2}), send);
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(ahead); }),
+                 "1MIGRATE1.c2 sends its part of round 2 before 1F1.c2 wrote that round's KV "
+                 "rows"));
+  // Two neighbours receiving the same part, and migrations in training.
+  auto both = sch::lower(sch::inference({3, 1, 1, 1}));
+  both.ranks[1].push_back(Action{Op::Migrate, 1, 0, 1});
+  both.ranks[0].push_back(Action{Op::MigrateRecv, 0, 0, 1});
+  both.ranks[2].push_back(Action{Op::MigrateRecv, 2, 0, 1});
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(both); }),
+                 "1MIGRATE0.c1 pairs with both 0MIGRATE_RECV0.c1 and 2MIGRATE_RECV0.c1"));
+  auto train = sch::lower(sch::gpipe({2, 1}));
+  train.ranks[0].push_back(Action{Op::Migrate, 0, 0, 0});
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sch::validate(train); }),
+                 "validate: rank 0 step 4: 0MIGRATE0 in a training schedule"));
+  // The simulator has no cost for a migration's parts: refused by name, validated or not.
   brigade::sim::SimOptions no_check;
   no_check.validate = false;
+  const auto s = migrating(0, 1);
   CHECK(contains(error_of(Errc::InvalidArgument,
                           [&] {
-                            brigade::sim::simulate(migrate,
-                                                   UnitCostModel(migrate.shape, 1.0, 0.0),
-                                                   no_check);
+                            brigade::sim::simulate(s, UnitCostModel(s.shape, 1.0, 0.0), no_check);
                           }),
-                 "simulate: rank 1 step 7: 1MIGRATE0.c1: MIGRATE (KV-cache migration"));
+                 "the simulator has no cost for a layer migration"));
 }
 
 TEST_CASE("ops.lower: memory ops in a compute-only schedule keep their place") {
@@ -375,7 +454,8 @@ std::vector<brigade::Timeline> execute_all(const sch::Schedule& s,
 
 }  // namespace
 
-TEST_CASE("ops.executor: PREFETCH/RELEASE reach the worker and the Timeline, MIGRATE is refused") {
+TEST_CASE("ops.executor: PREFETCH/RELEASE reach the worker and the Timeline, MIGRATE needs a "
+          "migrating worker") {
   const auto s = sch::with_weight_offload(ring(2, 2, 2, 2));
   std::vector<std::vector<Action>> seen;
   const auto tls = execute_all(s, &seen);
@@ -396,8 +476,7 @@ TEST_CASE("ops.executor: PREFETCH/RELEASE reach the worker and the Timeline, MIG
   auto migrate = ring(1, 1, 1, 1);
   migrate.ranks[0].push_back(Action{Op::Migrate, 0, 0, 0});
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { execute_all(migrate); }),
-                 "execute: rank 0: 0MIGRATE0: MIGRATE (KV-cache migration, DynaPipe) is not "
-                 "executable yet"));
+                 "execute: rank 0: 0MIGRATE0: this worker does not migrate layers"));
 }
 
 // The chunk index travels with every action: lower() puts it on SEND/RECV, validate() keys its

@@ -22,22 +22,27 @@ inline namespace v0 {
 /// migration): Prefetch: start loading the weights of the action's virtual stage into memory,
 /// asynchronously (on the rank's I/O lane, overlapping compute; the next compute of that
 /// virtual stage waits for it); Release: drop that virtual stage's weights after their last use
-/// (a later compute needs a Prefetch first); Migrate: move the KV cache of the action's
-/// micro-batch at its virtual stage to another rank (refused by schedule::validate() for now:
-/// see docs/schedules.md).
+/// (a later compute needs a Prefetch first); Migrate: the action's virtual stage sends one part
+/// of a decoder layer it hands to a neighbouring virtual stage (a share of the layer's weights
+/// and the KV rows of the action's micro-batch's sequences for that layer not sent yet, as of
+/// the action's round); MigrateRecv: the neighbour that adopts the layer receives that part
+/// (DynaPipe's asynchronous KV-cache migration; the pairing and ordering rules are
+/// schedule::validate()'s, docs/schedules.md).
 enum class Op : std::uint8_t {
-  F, B, BI, BW, Recompute, SendF, RecvF, SendB, RecvB, Sample, Opt, Prefetch, Release, Migrate
+  F, B, BI, BW, Recompute, SendF, RecvF, SendB, RecvB, Sample, Opt, Prefetch, Release, Migrate,
+  MigrateRecv
 };
 
 /// Number of enumerators of Op.
-inline constexpr int kNumOps = 14;
+inline constexpr int kNumOps = 15;
 
 /// Text form of an op as the schedule IR prints it: "F", "B", "BI", "BW", "RECOMPUTE",
-/// "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SAMPLE", "OPT", "PREFETCH", "RELEASE", "MIGRATE".
+/// "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SAMPLE", "OPT", "PREFETCH", "RELEASE", "MIGRATE",
+/// "MIGRATE_RECV".
 constexpr std::string_view to_string(Op op) noexcept {
   constexpr std::array<std::string_view, kNumOps> names = {
-      "F",      "B",      "BI",     "BW",  "RECOMPUTE", "SEND_F",  "RECV_F",
-      "SEND_B", "RECV_B", "SAMPLE", "OPT", "PREFETCH",  "RELEASE", "MIGRATE"};
+      "F",      "B",      "BI",     "BW",  "RECOMPUTE", "SEND_F",  "RECV_F",  "SEND_B",
+      "RECV_B", "SAMPLE", "OPT",    "PREFETCH",  "RELEASE", "MIGRATE", "MIGRATE_RECV"};
   return names[static_cast<std::size_t>(op)];
 }
 
@@ -53,11 +58,15 @@ constexpr bool is_communication(Op op) noexcept {
   return op == Op::SendF || op == Op::RecvF || op == Op::SendB || op == Op::RecvB;
 }
 
-/// True for the three memory-movement ops (PREFETCH, RELEASE, MIGRATE): they move weights or
-/// KV cache, not activations, and are neither compute nor SEND/RECV.
+/// True for the four memory-movement ops (PREFETCH, RELEASE, MIGRATE, MIGRATE_RECV): they move
+/// weights or KV cache, not activations, and are neither compute nor SEND/RECV.
 constexpr bool is_memory_op(Op op) noexcept {
-  return op == Op::Prefetch || op == Op::Release || op == Op::Migrate;
+  return op == Op::Prefetch || op == Op::Release || op == Op::Migrate || op == Op::MigrateRecv;
 }
+
+/// True for the two halves of a layer migration (MIGRATE, MIGRATE_RECV): a message pair between
+/// neighbouring virtual stages.
+constexpr bool is_migration(Op op) noexcept { return op == Op::Migrate || op == Op::MigrateRecv; }
 
 /// True for the compute ops (F, B, BI, BW, RECOMPUTE, SAMPLE, OPT): the ones that keep a rank's
 /// compute lane busy and count as busy time in a Timeline.

@@ -81,6 +81,12 @@ class Outbox {
 ///
 /// A Worker may also report the bytes it holds for the program right now, `held_bytes()` ->
 /// std::size_t (an O(1) counter; see ExecutorStats): the executor then adds it to its own.
+///
+/// A Worker that migrates layers (MIGRATE / MIGRATE_RECV, DynaPipe) also has
+/// `migration_peer(a)` -> int: the rank the part of migration action `a` goes to or comes from
+/// (the IR pairs a migration with a neighbour that only the plan change names). MIGRATE then
+/// runs like a SEND (`send(a, out)` posts the part), MIGRATE_RECV like a RECV (posted in the
+/// receive window with `recv_messages`, handed over with `received`).
 template <class W>
 concept Worker = requires(W& w, const schedule::Action& a, std::vector<MessageSpec>& specs,
                           std::span<const Received> msgs, Outbox& out) {
@@ -244,8 +250,9 @@ class SendRing final : public Outbox {
 /// asynchronous within `run.windows.send_window` and completed at the end.
 ///
 /// @return the run's peak memory (ExecutorStats)
-/// @throws brigade::Error{InvalidArgument} for windows < 1 or a missing shape, or a MIGRATE
-///         action (schedule::kMigrateRefusal); the worker's and the transport's errors
+/// @throws brigade::Error{InvalidArgument} for windows < 1 or a missing shape, or a MIGRATE or
+///         MIGRATE_RECV for a worker without migration_peer(); the worker's and the transport's
+///         errors
 ///         (PeerTimeout, HeaderMismatch, Aborted)
 template <ProgramSource Source, Worker Wk, transport::Transport T>
 ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRun& run,
@@ -302,12 +309,25 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
     stats.peak_memory_bytes = std::max(stats.peak_memory_bytes, b);
   };
 
+  // The peer rank of a SEND/RECV (the shape's placement) or of a migration (the worker's).
+  auto peer_of = [&](const Action& a) -> int {
+    if (!is_migration(a.op)) return schedule::peer_rank(shape, a);
+    if constexpr (requires { { worker.migration_peer(a) } -> std::convertible_to<int>; }) {
+      return worker.migration_peer(a);
+    } else {
+      ::brigade::detail::fail(Errc::InvalidArgument,
+                              "execute: rank {}: {}: this worker does not migrate layers (a layer "
+                              "migration moves an inference stage's weights and KV cache)",
+                              run.rank, schedule::to_string(a));
+    }
+  };
+
   std::vector<Action> program;
   std::size_t pc = 0, post = 0;  // next action to run, next action to consider for posting
   auto post_receives = [&] {
     while (recv_count < W && post < program.size()) {
       const Action& a = program[post++];
-      if (a.op != Op::RecvF && a.op != Op::RecvB) continue;
+      if (a.op != Op::RecvF && a.op != Op::RecvB && a.op != Op::MigrateRecv) continue;
       auto& slot = recv[(recv_head + recv_count) % W];
       slot.action = a;
       specs.clear();
@@ -317,7 +337,7 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
         slot.requests.resize(specs.size());
         slot.buffers.resize(specs.size());
       }
-      const int peer = schedule::peer_rank(shape, a);
+      const int peer = peer_of(a);
       for (std::size_t i = 0; i < specs.size(); ++i) {
         auto& buf = slot.buffers[i];
         if (buf.size() < specs[i].capacity) recv_bytes += detail::fit(buf, specs[i].capacity);
@@ -341,7 +361,8 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
     const double start = now();
     switch (a.op) {
       case Op::RecvF:
-      case Op::RecvB: {
+      case Op::RecvB:
+      case Op::MigrateRecv: {
         BRIGADE_CHECK(recv_count > 0 && recv[recv_head].action == a, Errc::Internal,
                       "execute: rank {}: {} was not posted", run.rank, schedule::to_string(a));
         auto& slot = recv[recv_head];
@@ -361,14 +382,12 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
         break;
       }
       case Op::SendF:
-      case Op::SendB: {
-        sends.begin(schedule::peer_rank(shape, a), a, start);
+      case Op::SendB:
+      case Op::Migrate: {
+        sends.begin(peer_of(a), a, start);
         worker.send(a, sends);
         break;
       }
-      case Op::Migrate:
-        ::brigade::detail::fail(Errc::InvalidArgument, "execute: rank {}: {}: {}", run.rank,
-                                schedule::to_string(a), schedule::kMigrateRefusal);
       default: {
         const Work w = worker.compute(a);
         if (w.ran) record(a, a.op, start, now(), w.tokens, w.label);

@@ -21,7 +21,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -86,6 +89,14 @@ struct InferenceOptions {
   /// generate_mpi splits the mpirun world into that grid; generate_on is given the group.
   /// Greedy tokens equal those of tp = 1 up to float rounding of the split sums.
   int tp = 1;
+  /// Layer migrations (serve's dynamic rebalancer): the most bytes one MIGRATE part carries
+  /// besides the rows its round wrote (weights and backlog of KV rows; the last part of a
+  /// migration carries everything left). Bytes.
+  std::size_t migration_part_bytes = std::size_t{4} << 20;
+  /// Called on the rank's thread after every F and SAMPLE that ran, with the action and its
+  /// seconds (the serving rebalancer's measurements; empty: none). Must be thread-safe: every
+  /// rank calls it.
+  std::function<void(const schedule::Action&, double)> on_compute;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
@@ -127,7 +138,7 @@ namespace detail {
 
 /// Message tags of the inference protocol.
 inline constexpr int kTagDescriptor = 1;  // I32 [n_seq + 1, kDescriptorColumns]: (rows, width,
-                                          // next_layer, state, 0, 0), then per sequence (seq,
+                                          // next_layer, state, move, parts), then per sequence (seq,
                                           // pos0, tokens, kv first row, kv capacity, emit);
                                           // n_seq = 0 closes the micro-batch (state 0) or
                                           // passes an idle round (state kIdle); kv capacity 0
@@ -136,6 +147,10 @@ inline constexpr int kTagActivation = 2;  // F32 [rows, width] (rows = 0 with a 
 inline constexpr int kTagToken = 3;       // I32 [n_seq, 3]: (seq, position, token) per sequence,
                                           // last virtual stage -> virtual stage 0 (token -1: a
                                           // prompt chunk that samples nothing)
+inline constexpr int kTagMigrate = 4;     // U8 [bytes]: one part of a layer migration (its
+                                          // weight bytes, then per KV segment the key rows and
+                                          // the value rows), from the layer's owner to the
+                                          // neighbour adopting it
 inline constexpr int kDescriptorColumns = 6;
 inline constexpr int kIdle = 1;  // descriptor state: nothing to run this round, more to come
 
@@ -149,6 +164,18 @@ struct RoundInput {
   double now_s = 0.0;  ///< seconds since the run's origin
 };
 
+/// A layer move ordered by virtual stage 0's rebalancer (serve's dynamic policy): virtual stage
+/// `from` hands the decoder layer at its end facing `to` (a neighbour: from - 1 or from + 1) to
+/// `to`. Ordered in round D, it travels in round D's descriptors (header columns 4 and 5) to
+/// every rank; the parts run in rounds D + 1 .. D + parts, and `to` owns the layer from round
+/// D + parts + 1 on (every rank's plan changes at that round boundary).
+struct MoveOrder {
+  int from = 0;
+  int to = 1;
+  int parts = 1;  ///< rounds of parts (>= 1)
+  friend bool operator==(const MoveOrder&, const MoveOrder&) = default;
+};
+
 /// The owner of the sequences on virtual stage 0: it records what the last round sampled and
 /// builds each micro-batch's next round. engine::generate's SequenceBook (fixed groups, the
 /// whole prompt at round 0) and serve's ServingBook (requests arriving over time, continuous
@@ -160,6 +187,9 @@ class MicrobatchSource {
   /// in.microbatch's round in.round. Returns false to close the micro-batch for good; true with
   /// no sequences for an idle round (the micro-batch travels empty and stays live).
   virtual bool next(const RoundInput& in, runtime::Microbatch& out) = 0;
+  /// Asked when virtual stage 0's rank emits round `round`, before its micro-batches are built:
+  /// a layer move to order in this round (MoveOrder), or none (the default).
+  virtual std::optional<MoveOrder> rebalance(int /*round*/) { return std::nullopt; }
 };
 
 /// Stage 0's book of sequences for engine::generate: builds prefill and decode micro-batches
@@ -285,11 +315,15 @@ class InferenceWorker {
   /// @param background_prefetch PREFETCH loads on the rank's WeightPrefetcher thread
   ///        (InferenceOptions::background_prefetch); false: PREFETCH does nothing
   /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
+  /// @param migration_part_bytes InferenceOptions::migration_part_bytes
+  /// @param on_compute InferenceOptions::on_compute
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStageBase* const> stages,
                   const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
-                  DType pipeline_dtype = DType::F32, bool background_prefetch = true);
+                  DType pipeline_dtype = DType::F32, bool background_prefetch = true,
+                  std::size_t migration_part_bytes = std::size_t{4} << 20,
+                  std::function<void(const schedule::Action&, double)> on_compute = {});
   ~InferenceWorker();
   InferenceWorker(const InferenceWorker&) = delete;
   InferenceWorker& operator=(const InferenceWorker&) = delete;
@@ -301,7 +335,23 @@ class InferenceWorker {
   /// ProgramSource: appends the next round's lowered actions (append_inference_round) over the
   /// micro-batches still running, with add_weight_offload when weight offload is on; false once
   /// none is left or the shape's rounds are used up.
+  ///
+  /// Layer moves (DynaPipe; detail::MoveOrder): the rank of virtual stage 0 asks its book for a
+  /// move each round and writes it into that round's descriptors; every rank reads it there.
+  /// Over the move's part rounds c, the owner `from` emits MIGRATE(from, m, c) right after its
+  /// F (and SEND_F) of (m, c), for every live micro-batch m, and the adopting neighbour `to`
+  /// emits MIGRATE_RECV(to, m, c) in round c + 1 right before F(to, m, c + 1) (first in the
+  /// round for a micro-batch that closed in c). A part carries a share of the layer's weights
+  /// (at most migration_part_bytes, all that is left in the last round) and the KV rows of
+  /// (m, c)'s sequences not sent yet (within the same budget; all of them in the last round):
+  /// both sides compute each part's content from the sequences of (m, c), so the receive is
+  /// posted with its exact size. The owner drops the layer when it emits the round after the
+  /// last part; the neighbour adopts it on receiving the first part of the last round (the
+  /// weights are complete then) and runs it from that round on.
   bool fill(std::vector<schedule::Action>& out);
+  /// The rank a MIGRATE or MIGRATE_RECV exchanges its part with (the executor's Worker hook).
+  /// @throws brigade::Error{InvalidArgument} when no migration is under way on this rank
+  int migration_peer(const schedule::Action& a) const;
   /// F: virtual stage 0 builds the round's micro-batch from the SequenceBook (prefill or the
   /// sampled tokens; an empty one closes the group), every stage runs its layers; SAMPLE: one
   /// token per sequence. A closed micro-batch computes nothing (Work::ran false).
@@ -327,6 +377,35 @@ class InferenceWorker {
 
  private:
   runtime::InferenceStageBase& stage(int v) const;
+  /// One part of the migration under way: weight bytes [w0, w1) and KV segments (first pool
+  /// row, rows), bytes in all.
+  struct Part {
+    std::size_t w0 = 0, w1 = 0;
+    std::vector<std::pair<std::int64_t, std::int64_t>> segments;
+    std::size_t bytes = 0;
+    bool last = false;  // a part of the last round
+  };
+  /// The migration under way on this rank (it holds `from` or `to`).
+  struct Migration {
+    detail::MoveOrder order;
+    int layer = -1;         // the ModelSpec layer that moves
+    int first = 0, last = 0;  // rounds of the parts
+    bool sending = false;   // this rank holds `from`
+    bool receiving = false;  // this rank holds `to`
+    bool adopted = false;
+    std::size_t weight_bytes = 0, weight_sent = 0;
+    std::size_t row_bytes = 0;               // one position's key and value rows
+    std::vector<std::int32_t> sent;          // per sequence id: positions sent
+    std::map<std::pair<int, int>, Part> posted;  // (micro-batch, round) -> part to receive
+  };
+  /// The next part of micro-batch m in round c over the sequences `seqs` of (m, c): advances the
+  /// replicated state (weights and rows sent), identically on both sides.
+  Part plan_part(int c, std::span<const backend::SequenceSlice> seqs,
+                 const runtime::InferenceStageBase& st);
+  /// Starts, ends or continues the move this rank takes part in at round round_ and adds its
+  /// MIGRATE / MIGRATE_RECV actions to the round's program out[begin..].
+  void migration_actions(std::vector<schedule::Action>& out, std::size_t begin,
+                         const std::vector<char>& was_live);
   /// Checks the sequences of micro-batch m's round message from `peer` against what this rank
   /// expects, and records them as the round's sequences.
   void check_sequences(int m, std::span<const backend::SequenceSlice> seen, int peer);
@@ -355,6 +434,10 @@ class InferenceWorker {
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
   std::vector<std::int32_t> scratch_;
   std::vector<std::byte> wire_;  // activations converted to the pipeline dtype for a send
+  std::size_t part_bytes_;       // InferenceOptions::migration_part_bytes
+  std::function<void(const schedule::Action&, double)> on_compute_;
+  std::optional<std::pair<int, detail::MoveOrder>> ordered_;  // (round, move) read or ordered
+  std::optional<Migration> mig_;
 };
 
 /// Makes the Backend of each inference stage (brigade/backend/backend.hpp): f(v) returns the
@@ -410,7 +493,8 @@ double run_inference_rank(T& transport, const model::LlamaWeights& weights,
     stages[static_cast<std::size_t>(v)] = owned.back().get();
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
-                         options.pipeline_dtype, options.background_prefetch);
+                         options.pipeline_dtype, options.background_prefetch,
+                         options.migration_part_bytes, options.on_compute);
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
   return worker.peak_resident_weight_bytes();

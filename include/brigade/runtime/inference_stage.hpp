@@ -10,6 +10,7 @@
 #include "brigade/partition/partition.hpp"
 #include "brigade/tp/tensor_parallel.hpp"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -158,6 +159,58 @@ class InferenceStageBase {
   }
   /// The model this stage's layers come from.
   [[nodiscard]] const model::LlamaWeights& weights() const noexcept { return *weights_; }
+
+  // ---- layer migration (DynaPipe's live layer moves; engine::InferenceWorker drives them) ----
+  // A decoder layer at one end of this stage's range moves to the neighbouring stage: the old
+  // owner sends its weights and the KV rows of the live sequences in parts (read_*), the new
+  // owner allocates the layer (begin_adopt), writes the parts in (adopt_weight_image,
+  // write_kv_rows), and at the round boundary where ownership switches the new owner
+  // adopt()s it and the old one drop()s it. KV rows are addressed by pool row: every stage's
+  // pool has the same rows and every sequence the same placement (kv_first_row).
+
+  /// Bytes of the weight image of decoder layer `layer` (a ModelSpec layer index) that a
+  /// migration carries: its nine tensors in model::DecoderWeights order, each in its stored
+  /// dtype, each starting at a multiple of 64 bytes.
+  /// @throws brigade::Error{InvalidArgument} if `layer` is not a decoder layer
+  [[nodiscard]] std::size_t migration_weight_bytes(int layer) const;
+  /// Copies bytes [offset, offset + out.size()) of that image from the host weights.
+  /// @throws brigade::Error{InvalidArgument} for a range outside the image or a non-decoder
+  void read_migration_weights(int layer, std::size_t offset, std::span<std::byte> out) const;
+  /// Bytes of one position of one layer's KV cache: its key row and its value row (2 x kv_dim
+  /// elements of the backend's kv_cache_dtype()).
+  [[nodiscard]] virtual std::size_t kv_position_bytes() const = 0;
+  /// The first pool row of sequence `seq` (its placement; 0 for a sequence never placed).
+  [[nodiscard]] std::int64_t kv_first_row(int seq) const noexcept {
+    const auto id = static_cast<std::size_t>(seq);
+    return seq >= 0 && id < cache_offsets_.size() ? cache_offsets_[id] : 0;
+  }
+  /// Copies pool rows [row, row + rows) of owned decoder layer `layer`'s KV cache to `out`
+  /// (rows x kv_position_bytes() bytes: the key rows, then the value rows).
+  /// @throws brigade::Error{InvalidArgument} if the stage does not hold the layer or the rows
+  ///         leave the pool
+  virtual void read_kv_rows(int layer, std::int64_t row, std::int64_t rows, std::byte* out) = 0;
+  /// Starts adopting decoder layer `layer`, adjacent to this stage's range (range().first - 1
+  /// or range().last): allocates its KV cache (the pool's rows) and its weight image.
+  /// @throws brigade::Error{InvalidArgument} if `layer` is not an adjacent decoder or an
+  ///         adoption is already under way; the backend's errors (out of memory)
+  virtual void begin_adopt(int layer) = 0;
+  /// The weight image of the layer being adopted (migration_weight_bytes(layer) bytes, host),
+  /// which the parts fill.
+  /// @throws brigade::Error{InvalidArgument} when no adoption is under way
+  virtual std::span<std::byte> adopt_weight_image() = 0;
+  /// Writes pool rows [row, row + rows) of decoder layer `layer`'s KV cache from `in` (the
+  /// layout of read_kv_rows): the layer being adopted, or one the stage holds.
+  /// @throws brigade::Error{InvalidArgument} if the stage neither adopts nor holds the layer or
+  ///         the rows leave the pool
+  virtual void write_kv_rows(int layer, std::int64_t row, std::int64_t rows, const std::byte* in) = 0;
+  /// Completes the adoption: the layer joins the range (its weights uploaded from the image).
+  /// @throws brigade::Error{InvalidArgument} when no adoption is under way
+  virtual void adopt() = 0;
+  /// Drops decoder layer `layer`, the first or the last of the range (the stage keeps at least
+  /// one layer): its weights and KV cache are freed and the range shrinks.
+  /// @throws brigade::Error{InvalidArgument} if `layer` is not a decoder at an end of the range
+  ///         or is the stage's only layer
+  virtual void drop(int layer) = 0;
   /// True when the weights are mapped from a file (LlamaWeights::mapped): PREFETCH and RELEASE
   /// really load and drop pages.
   [[nodiscard]] bool mapped() const noexcept { return weights_->mapped; }
@@ -189,6 +242,12 @@ class InferenceStageBase {
   [[nodiscard]] backend::KvCacheView kv_view(void* base, DType dtype) const;
   /// Rows of one layer's keys (or values): the sum of the capacities.
   [[nodiscard]] std::int64_t kv_cache_rows() const noexcept { return cache_rows_total_; }
+  /// The decoder index of ModelSpec layer `layer`.
+  /// @throws brigade::Error{InvalidArgument} naming `what` if it is not a decoder
+  [[nodiscard]] int decoder_of(int layer, const char* what) const;
+  /// The range becomes `r` (one layer more or less at an end); decoder counts and weight
+  /// bytes follow.
+  void set_range(partition::StageRange r);
 
   const model::LlamaWeights* weights_;
   model::ModelSpec spec_;
@@ -212,6 +271,11 @@ class InferenceStageBase {
   std::vector<model::Sampler> samplers_;
   model::SamplerConfig sampler_config_;
 };
+
+/// The weight image of decoder `d` of `weights` that a layer migration carries (DynaPipe): the
+/// byte offsets of its nine tensors (model::DecoderWeights order, each in its stored dtype, each
+/// at a multiple of 64 bytes), then the image's size in bytes.
+std::array<std::size_t, 10> decoder_image_layout(const model::LlamaWeights& weights, int d);
 
 /// Drops every page of a mapped model from this process (madvise MADV_DONTNEED over the whole
 /// mapping) and from the page cache (posix_fadvise POSIX_FADV_DONTNEED over the file): what
@@ -262,6 +326,16 @@ class InferenceStage final : public InferenceStageBase {
 
   void forward(Microbatch& mb) override;
 
+  std::size_t kv_position_bytes() const override {
+    return 2 * dtype_bytes(b_.kv_cache_dtype(), weights_->config.kv_dim());
+  }
+  void read_kv_rows(int layer, std::int64_t row, std::int64_t rows, std::byte* out) override;
+  void begin_adopt(int layer) override;
+  std::span<std::byte> adopt_weight_image() override;
+  void write_kv_rows(int layer, std::int64_t row, std::int64_t rows, const std::byte* in) override;
+  void adopt() override;
+  void drop(int layer) override;
+
   /// The backend the layers run on.
   [[nodiscard]] B& backend() noexcept { return b_; }
   /// This stage's TP shard (size 1: the whole model's layers).
@@ -279,12 +353,24 @@ class InferenceStage final : public InferenceStageBase {
   /// Floats at `n` in b_'s memory: the host vector `host` on a host backend, else `dev`
   /// (grown, contents dropped, when smaller).
   float* buffer(std::vector<float>& host, typename B::Buffer& dev, std::int64_t n);
+  /// Uploads decoder `d`'s tensors from `h` (host views) with b_.upload_weight.
+  model::DecoderWeights upload_decoder(const model::DecoderWeights& h);
+  /// Copies `rows` pool rows from `row` between the KV buffer `kv` (keys, then values) and the
+  /// host bytes `host` (key rows, then value rows): to the host when `read`, else from it.
+  void copy_kv_rows(typename B::Buffer& kv, std::int64_t row, std::int64_t rows, std::byte* host,
+                    bool read);
 
   B b_;
   model::WeightMatrix embedding_, wcls_;         // in b_'s memory
   const float* rms_final_ = nullptr;             // in b_'s memory
   std::vector<model::DecoderWeights> layers_;    // per owned decoder, in b_'s memory
   std::vector<typename B::Buffer> kv_;           // per owned decoder: K rows then V rows
+  // Per owned decoder: its migrated weight image (host; empty for the model's own weights),
+  // which the backend's views may point into.
+  std::vector<std::shared_ptr<std::vector<std::byte>>> images_;
+  int adopting_ = -1;                            // the layer being adopted (-1: none)
+  typename B::Buffer adopt_kv_{};                // its KV cache while the parts arrive
+  std::shared_ptr<std::vector<std::byte>> adopt_image_;  // its weight image
   backend::DecoderBuffers<B> scratch_;
   std::vector<float> tmp_;                       // host backends: the final norm's and head's
   typename B::Buffer x_dev_, tmp_dev_, ids_dev_; // device backends: activations, ids
@@ -344,27 +430,16 @@ InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition:
   }
   for (int i = 0; i < num_decoders_; ++i) {
     const auto& full = weights.layers[static_cast<std::size_t>(first_decoder_ + i)];
-    const model::DecoderWeights h =
-        split ? tp::shard_decoder(full, c, shard_, tp_storage_.emplace_back()) : full;
-    model::DecoderWeights d;
-    d.rms_att = vec(h.rms_att, dim);
-    d.wq = b_.upload_weight(h.wq, q_dim, dim);
-    d.wk = b_.upload_weight(h.wk, kv, dim);
-    d.wv = b_.upload_weight(h.wv, kv, dim);
-    d.wo = b_.upload_weight(h.wo, dim, q_dim);
-    d.rms_ffn = vec(h.rms_ffn, dim);
-    d.w1 = b_.upload_weight(h.w1, hid, dim);
-    d.w2 = b_.upload_weight(h.w2, dim, hid);
-    d.w3 = b_.upload_weight(h.w3, hid, dim);
-    layers_.push_back(d);
+    layers_.push_back(upload_decoder(full));
+    images_.emplace_back();
     held += 2 * static_cast<std::size_t>(dim) * sizeof(float);
-    count(h.wq, q_dim, dim);
-    count(h.wk, kv, dim);
-    count(h.wv, kv, dim);
-    count(h.wo, dim, q_dim);
-    count(h.w1, hid, dim);
-    count(h.w2, dim, hid);
-    count(h.w3, hid, dim);
+    count(full.wq, q_dim, dim);
+    count(full.wk, kv, dim);
+    count(full.wv, kv, dim);
+    count(full.wo, dim, q_dim);
+    count(full.w1, hid, dim);
+    count(full.w2, dim, hid);
+    count(full.w3, hid, dim);
     const std::size_t bytes = 2 * dtype_bytes(b_.kv_cache_dtype(), kv_cache_rows() * kv);
     kv_.push_back(b_.allocate(bytes));
     kv_bytes_ += bytes;
@@ -380,6 +455,157 @@ InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition:
   }
   if (split) weight_bytes_ = held;  // the slices; otherwise the base's count of the tensors
   b_.synchronize();
+}
+
+template <backend::Backend B>
+model::DecoderWeights InferenceStage<B>::upload_decoder(const model::DecoderWeights& full) {
+  const auto& c = weights_->config;
+  // A tensor-parallel stage holds its shard of the layer (its heads, its MLP rows).
+  const bool split = tp_ != nullptr;
+  const std::int64_t dim = c.dim, kv = kv_dim_;
+  const std::int64_t q_dim = split ? std::int64_t{shard_.n_heads} * c.head_size() : dim;
+  const std::int64_t hid = split ? shard_.hidden : c.hidden_dim;
+  const model::DecoderWeights h =
+      split ? tp::shard_decoder(full, c, shard_, tp_storage_.emplace_back()) : full;
+  const auto vec = [&](const float* p, std::int64_t n) {
+    return b_.upload_weight(model::WeightMatrix(p), 1, n).f32();
+  };
+  model::DecoderWeights d;
+  d.rms_att = vec(h.rms_att, dim);
+  d.wq = b_.upload_weight(h.wq, q_dim, dim);
+  d.wk = b_.upload_weight(h.wk, kv, dim);
+  d.wv = b_.upload_weight(h.wv, kv, dim);
+  d.wo = b_.upload_weight(h.wo, dim, q_dim);
+  d.rms_ffn = vec(h.rms_ffn, dim);
+  d.w1 = b_.upload_weight(h.w1, hid, dim);
+  d.w2 = b_.upload_weight(h.w2, dim, hid);
+  d.w3 = b_.upload_weight(h.w3, hid, dim);
+  return d;
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::copy_kv_rows(typename B::Buffer& kv, std::int64_t row, std::int64_t rows,
+                                     std::byte* host, bool read) {
+  const DType t = b_.kv_cache_dtype();
+  const std::int64_t kvd = weights_->config.kv_dim();
+  BRIGADE_CHECK(row >= 0 && rows >= 0 && row + rows <= kv_cache_rows(), Errc::InvalidArgument,
+                "InferenceStage [{}, {}): KV rows [{}, {}) outside the pool of {} rows",
+                range_.first, range_.last, row, row + rows, kv_cache_rows());
+  const std::size_t bytes = dtype_bytes(t, rows * kvd);
+  auto* base = static_cast<std::byte*>(kv.data());
+  std::byte* keys = base + dtype_bytes(t, row * kvd);
+  std::byte* values = base + dtype_bytes(t, (kv_cache_rows() + row) * kvd);
+  if (read) {
+    b_.download(host, keys, bytes);
+    b_.download(host + bytes, values, bytes);
+  } else {
+    b_.upload(keys, host, bytes);
+    b_.upload(values, host + bytes, bytes);
+  }
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::read_kv_rows(int layer, std::int64_t row, std::int64_t rows,
+                                     std::byte* out) {
+  const int d = decoder_of(layer, "read_kv_rows");
+  BRIGADE_CHECK(first_decoder_ >= 0 && d >= first_decoder_ && d < first_decoder_ + num_decoders_,
+                Errc::InvalidArgument,
+                "InferenceStage [{}, {}): read_kv_rows of layer {}, which it does not hold",
+                range_.first, range_.last, layer);
+  copy_kv_rows(kv_[static_cast<std::size_t>(d - first_decoder_)], row, rows, out, true);
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::begin_adopt(int layer) {
+  BRIGADE_CHECK(adopting_ < 0, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): adopting layer {} while layer {} is under way",
+                range_.first, range_.last, layer, adopting_);
+  (void)decoder_of(layer, "begin_adopt");
+  BRIGADE_CHECK(layer == range_.first - 1 || layer == range_.last, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): layer {} is not adjacent to the range", range_.first,
+                range_.last, layer);
+  const std::size_t bytes = kv_position_bytes() * static_cast<std::size_t>(kv_cache_rows());
+  adopt_kv_ = b_.allocate(bytes);
+  adopt_image_ = std::make_shared<std::vector<std::byte>>(migration_weight_bytes(layer));
+  adopting_ = layer;
+}
+
+template <backend::Backend B>
+std::span<std::byte> InferenceStage<B>::adopt_weight_image() {
+  BRIGADE_CHECK(adopting_ >= 0, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): no layer is being adopted", range_.first, range_.last);
+  return {adopt_image_->data(), adopt_image_->size()};
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::write_kv_rows(int layer, std::int64_t row, std::int64_t rows,
+                                      const std::byte* in) {
+  auto* host = const_cast<std::byte*>(in);  // copy_kv_rows only reads it when writing
+  if (layer == adopting_) {
+    copy_kv_rows(adopt_kv_, row, rows, host, false);
+    return;
+  }
+  const int d = decoder_of(layer, "write_kv_rows");
+  BRIGADE_CHECK(first_decoder_ >= 0 && d >= first_decoder_ && d < first_decoder_ + num_decoders_,
+                Errc::InvalidArgument,
+                "InferenceStage [{}, {}): write_kv_rows of layer {}, which it neither holds nor "
+                "adopts",
+                range_.first, range_.last, layer);
+  copy_kv_rows(kv_[static_cast<std::size_t>(d - first_decoder_)], row, rows, host, false);
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::adopt() {
+  BRIGADE_CHECK(adopting_ >= 0, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): no layer is being adopted", range_.first, range_.last);
+  const int layer = adopting_;
+  const int d = decoder_of(layer, "adopt");
+  const auto off = decoder_image_layout(*weights_, d);
+  const auto& h = weights_->layers[static_cast<std::size_t>(d)];
+  const std::byte* img = adopt_image_->data();
+  auto at = [&](int k, DType t) { return model::WeightMatrix(img + off[static_cast<std::size_t>(k)], t); };
+  model::DecoderWeights view;
+  view.rms_att = reinterpret_cast<const float*>(img + off[0]);
+  view.wq = at(1, h.wq.dtype);
+  view.wk = at(2, h.wk.dtype);
+  view.wv = at(3, h.wv.dtype);
+  view.wo = at(4, h.wo.dtype);
+  view.rms_ffn = reinterpret_cast<const float*>(img + off[5]);
+  view.w1 = at(6, h.w1.dtype);
+  view.w2 = at(7, h.w2.dtype);
+  view.w3 = at(8, h.w3.dtype);
+  const bool front = layer == range_.first - 1;
+  const auto pos = front ? std::size_t{0} : layers_.size();
+  layers_.insert(layers_.begin() + static_cast<std::ptrdiff_t>(pos), upload_decoder(view));
+  images_.insert(images_.begin() + static_cast<std::ptrdiff_t>(pos), adopt_image_);
+  kv_.insert(kv_.begin() + static_cast<std::ptrdiff_t>(pos), std::move(adopt_kv_));
+  kv_bytes_ += kv_position_bytes() * static_cast<std::size_t>(kv_cache_rows());
+  adopt_kv_ = typename B::Buffer{};
+  adopt_image_.reset();
+  adopting_ = -1;
+  partition::StageRange r = range_;
+  (front ? r.first : r.last) = front ? layer : layer + 1;
+  set_range(r);
+  b_.synchronize();
+}
+
+template <backend::Backend B>
+void InferenceStage<B>::drop(int layer) {
+  (void)decoder_of(layer, "drop");
+  const bool front = layer == range_.first, back = layer == range_.last - 1;
+  BRIGADE_CHECK((front || back) && range_.last - range_.first >= 2, Errc::InvalidArgument,
+                "InferenceStage [{}, {}): cannot drop layer {}: only a decoder at an end of a "
+                "range of two layers or more moves",
+                range_.first, range_.last, layer);
+  b_.synchronize();
+  const auto pos = static_cast<std::ptrdiff_t>(front ? 0 : layers_.size() - 1);
+  layers_.erase(layers_.begin() + pos);
+  images_.erase(images_.begin() + pos);
+  kv_.erase(kv_.begin() + pos);
+  kv_bytes_ -= kv_position_bytes() * static_cast<std::size_t>(kv_cache_rows());
+  partition::StageRange r = range_;
+  (front ? r.first : r.last) = front ? layer + 1 : layer;
+  set_range(r);
 }
 
 template <backend::Backend B>

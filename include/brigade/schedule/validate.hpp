@@ -57,29 +57,24 @@ struct ValidationResult {
   std::size_t compute_actions = 0;  ///< of which compute (is_compute: F, B, BI, BW, ...)
   std::size_t weight_actions = 0;   ///< of which PREFETCH or RELEASE
   std::size_t messages = 0;         ///< SEND/RECV pairs matched
+  std::size_t migrations = 0;       ///< MIGRATE/MIGRATE_RECV pairs matched
   bool has_backward = false;        ///< whether the schedule holds B/BI/BW actions
   std::string semantics;            ///< describe() of the ExecutionModel it was checked under
 };
 
 /// The message channel of a communication action, as the executor's workers tag them:
 /// 0 = activations (SEND_F/RECV_F between consecutive virtual stages), 1 = gradients
-/// (SEND_B/RECV_B), 2 = the inference token edge (last virtual stage -> virtual stage 0).
+/// (SEND_B/RECV_B), 2 = the inference token edge (last virtual stage -> virtual stage 0),
+/// 3 = layer migrations (MIGRATE/MIGRATE_RECV between neighbouring virtual stages).
 /// Messages between two ranks on one channel are received in the order they were sent.
 inline int channel_of(const Shape& shape, const Action& a) noexcept {
   if (a.op == Op::SendB || a.op == Op::RecvB) return 1;
+  if (is_migration(a.op)) return 3;
   const bool token = shape.mode == Mode::Inference &&
                      ((a.op == Op::SendF && a.virtual_stage == shape.num_virtual_stages - 1) ||
                       (a.op == Op::RecvF && a.virtual_stage == 0));
   return token ? 2 : 0;
 }
-
-/// Why validate() refuses MIGRATE: what the op would need that the IR and the executor lack.
-inline constexpr std::string_view kMigrateRefusal =
-    "MIGRATE (KV-cache migration, DynaPipe) is not executable yet: a schedule's placement is "
-    "fixed for the whole run (Shape::placement), so the action cannot name the rank the KV rows "
-    "of its virtual stage would move to, there is no counterpart on a receiving rank to pair it "
-    "with, and no worker moves KV rows; it needs a plan change between rounds (a new Partition) "
-    "and a MIGRATE message pair";
 
 namespace detail {
 
@@ -103,6 +98,10 @@ enum KeyBits : std::uint32_t {
   kDoneRecvB = 1u << 15,
   kPostedF = 1u << 16 /* on the receiver's key */,
   kPostedB = 1u << 17,
+  kSeenMigrate = 1u << 18,
+  kSeenMigrateRecv = 1u << 19,
+  kPostedM = 1u << 20 /* on the MIGRATE_RECV's key */,
+  kDoneRecvM = 1u << 21,
 };
 
 inline std::uint32_t seen_bit(Op op) noexcept {
@@ -127,13 +126,30 @@ inline std::uint32_t seen_bit(Op op) noexcept {
       return kSeenSendB;
     case Op::RecvB:
       return kSeenRecvB;
+    case Op::Migrate:
+      return kSeenMigrate;
+    case Op::MigrateRecv:
+      return kSeenMigrateRecv;
     case Op::Opt:
     case Op::Prefetch:
     case Op::Release:
-    case Op::Migrate:
       return 0;
   }
   return 0;
+}
+
+/// The posted and done bits of a receive (RECV_F, RECV_B, MIGRATE_RECV) on its own key.
+inline std::uint32_t posted_bit(Op op) noexcept {
+  return op == Op::RecvF ? kPostedF : op == Op::RecvB ? kPostedB : kPostedM;
+}
+inline std::uint32_t done_bit(Op op) noexcept {
+  return op == Op::RecvF ? kDoneRecvF : op == Op::RecvB ? kDoneRecvB : kDoneRecvM;
+}
+inline bool is_receive(Op op) noexcept {
+  return op == Op::RecvF || op == Op::RecvB || op == Op::MigrateRecv;
+}
+inline bool is_send(Op op) noexcept {
+  return op == Op::SendF || op == Op::SendB || op == Op::Migrate;
 }
 
 
@@ -162,6 +178,8 @@ class Validator {
     bits_.assign(static_cast<std::size_t>(keys), 0);
     send_f_.assign(static_cast<std::size_t>(keys), Where{});
     send_b_.assign(static_cast<std::size_t>(keys), Where{});
+    send_m_.assign(static_cast<std::size_t>(keys), Where{});
+    migrate_peer_.assign(static_cast<std::size_t>(keys), -1);
     weights_.assign(static_cast<std::size_t>(n_), WeightState{});
   }
 
@@ -232,6 +250,14 @@ class Validator {
             auto& where = (a.op == Op::SendF ? send_f_ : send_b_)[key(*peer)];
             where = {r, static_cast<std::int32_t>(i)};
           }
+        } else if (is_migration(a.op)) {
+          if (sh_.mode == Mode::Training)
+            fail_grid(Errc::InvalidArgument,
+                      fmt::format("validate: rank {} step {}: {} in a training schedule: a layer "
+                                  "migration moves an inference stage's weights and KV cache "
+                                  "(DynaPipe); training stages do not migrate",
+                                  r, i, to_string(a)),
+                      {{r, static_cast<int>(i)}});
         } else if (is_memory_op(a.op)) {
           weight_step(r, i, a);
         } else {
@@ -289,6 +315,7 @@ class Validator {
             missing(fmt::format("no {} (inference samples every round on the last stage)",
                                 to_string(Action{Op::Sample, v, m, c})));
         }
+    pair_migrations();
     // Every send has a receive (a receive without a send shows up as a deadlock instead).
     for (int r = 0; r < sh_.num_ranks; ++r) {
       const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
@@ -318,14 +345,76 @@ class Validator {
     std::int32_t step = -1;  // the step of the PREFETCH or RELEASE that set the state
   };
 
-  /// Checks PREFETCH / RELEASE / MIGRATE action `a` at rank r step i and records its effect.
+  // ---- migrations: MIGRATE on the layer's owner, MIGRATE_RECV on the neighbour adopting it --
+  /// Where the program position of action `a` (by its seen bit) is: searched in rank r.
+  [[nodiscard]] int step_of(int r, const Action& a) const {
+    const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < prog.size(); ++i)
+      if (prog[i] == a) return static_cast<int>(i);
+    return -1;
+  }
+
+  /// Pairs every MIGRATE(v, m, c) with the one MIGRATE_RECV(v +- 1, m, c) of a neighbouring
+  /// virtual stage on another rank, and every MIGRATE_RECV with its MIGRATE.
+  void pair_migrations() {
+    for (int r = 0; r < sh_.num_ranks; ++r) {
+      const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < prog.size(); ++i) {
+        const Action& a = prog[i];
+        if (!is_migration(a.op)) continue;
+        const bool send = a.op == Op::Migrate;
+        const Op other = send ? Op::MigrateRecv : Op::Migrate;
+        const std::uint32_t want = send ? kSeenMigrateRecv : kSeenMigrate;
+        std::vector<int> found;
+        for (int w : {a.virtual_stage - 1, a.virtual_stage + 1})
+          if (w >= 0 && w < n_ && (bits_[key(w, a.microbatch, a.chunk)] & want)) found.push_back(w);
+        const auto step = static_cast<int>(i);
+        if (found.empty())
+          fail_grid(Errc::InvalidArgument,
+                    fmt::format("validate: rank {} step {}: {} has no pair: neither {} nor {} is "
+                                "in any program ({} {} of a layer between neighbouring virtual "
+                                "stages)",
+                                r, i, to_string(a),
+                                to_string(Action{other, a.virtual_stage - 1, a.microbatch, a.chunk}),
+                                to_string(Action{other, a.virtual_stage + 1, a.microbatch, a.chunk}),
+                                send ? "a MIGRATE sends a part to the MIGRATE_RECV" : "a MIGRATE_RECV receives the part of the MIGRATE",
+                                send ? "of the neighbour adopting the layer" : "of the neighbour handing the layer over"),
+                    {{r, step}});
+        if (found.size() > 1)
+          fail_grid(Errc::InvalidArgument,
+                    fmt::format("validate: rank {} step {}: {} pairs with both {} and {}: a "
+                                "virtual stage migrates one layer to one neighbour at a time",
+                                r, i, to_string(a),
+                                to_string(Action{other, found[0], a.microbatch, a.chunk}),
+                                to_string(Action{other, found[1], a.microbatch, a.chunk})),
+                    {{r, step}});
+        const int w = found.front();
+        if (sh_.rank_of(w) == r)
+          fail_grid(Errc::InvalidArgument,
+                    fmt::format("validate: rank {} step {}: {} pairs with {} on the same rank; a "
+                                "layer moving within a rank needs no migration",
+                                r, i, to_string(a),
+                                to_string(Action{other, w, a.microbatch, a.chunk})),
+                    {{r, step}});
+        migrate_peer_[key(a)] = w;
+        if (send) {
+          send_m_[key(w, a.microbatch, a.chunk)] = {r, static_cast<std::int32_t>(i)};
+          ++result_.migrations;
+        }
+      }
+    }
+  }
+
+  /// The action `a` (a SEND/RECV or MIGRATE/MIGRATE_RECV) exchanges its message with.
+  [[nodiscard]] Action peer_of(const Action& a) const {
+    if (!is_migration(a.op)) return *counterpart(sh_, a);
+    return {a.op == Op::Migrate ? Op::MigrateRecv : Op::Migrate, migrate_peer_[key(a)],
+            a.microbatch, a.chunk};
+  }
+
+  /// Checks PREFETCH / RELEASE action `a` at rank r step i and records its effect.
   void weight_step(int r, std::size_t i, const Action& a) {
     const int v = a.virtual_stage;
-    if (a.op == Op::Migrate)
-      fail_grid(Errc::InvalidArgument,
-                fmt::format("validate: rank {} step {}: {}: {}", r, i, to_string(a),
-                            kMigrateRefusal),
-                {{r, static_cast<int>(i)}});
     if (sh_.mode == Mode::Training)
       fail_grid(Errc::InvalidArgument,
                 fmt::format("validate: rank {} step {}: {} in a training schedule: training "
@@ -423,9 +512,31 @@ class Validator {
                 "filled in round order",
                 a.chunk - 1, to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk - 1}));
           });
+        if (a.chunk > 0) {
+          const std::uint32_t part = bits_[key(a.virtual_stage, a.microbatch, a.chunk - 1)];
+          if ((part & kSeenMigrateRecv) && !(part & kDoneRecvM)) {
+            const Action recv{Op::MigrateRecv, a.virtual_stage, a.microbatch, a.chunk - 1};
+            const int j = step_of(r, recv);
+            dependency_error(
+                r, i,
+                fmt::format("uses the layer its virtual stage adopts before the copy completes: "
+                            "{} (step {}) receives round {}'s part of it later; the new owner "
+                            "runs round c + 1 of a micro-batch only after the part of round c "
+                            "(the last part completes the copy)",
+                            to_string(recv), j, a.chunk - 1),
+                {{r, j}});
+          }
+        }
         b |= kDoneF;
         return;
       }
+      case Op::Migrate:
+        need(b & kDoneF, r, i, [&] {
+          return fmt::format("sends its part of round {} before {} wrote that round's KV rows",
+                             a.chunk,
+                             to_string(Action{Op::F, a.virtual_stage, a.microbatch, a.chunk}));
+        });
+        return;
       case Op::B:
       case Op::BI: {
         need(b & kDoneF, r, i, [&] {
@@ -505,7 +616,7 @@ class Validator {
       case Op::RecvB:
       case Op::Prefetch:
       case Op::Release:
-      case Op::Migrate:
+      case Op::MigrateRecv:
         return;
     }
   }
@@ -525,22 +636,21 @@ class Validator {
       blocked[static_cast<std::size_t>(r)] = 0;
       while (i < prog.size()) {
         const Action& a = prog[i];
-        if (a.op == Op::RecvF || a.op == Op::RecvB) {
+        if (is_receive(a.op)) {
           std::uint32_t& b = bits_[key(a)];
-          const std::uint32_t posted = a.op == Op::RecvF ? kPostedF : kPostedB;
-          if (!(b & posted)) {
+          if (!(b & posted_bit(a.op))) {
             blocked[static_cast<std::size_t>(r)] = 1;
             break;
           }
-          b |= a.op == Op::RecvF ? kDoneRecvF : kDoneRecvB;
-          ++result_.messages;
+          b |= done_bit(a.op);
+          if (a.op != Op::MigrateRecv) ++result_.messages;
           ++i;
           continue;
         }
         execute_local(r, i, a);
-        if (a.op == Op::SendF || a.op == Op::SendB) {
-          const Action peer = *counterpart(sh_, a);
-          bits_[key(peer)] |= a.op == Op::SendF ? kPostedF : kPostedB;
+        if (is_send(a.op)) {
+          const Action peer = peer_of(a);
+          bits_[key(peer)] |= posted_bit(peer.op);
           const int q = sh_.rank_of(peer.virtual_stage);
           const auto& qprog = s_.ranks[static_cast<std::size_t>(q)];
           const std::size_t qi = pc[static_cast<std::size_t>(q)];
@@ -571,28 +681,29 @@ class Validator {
     };
     const auto P = static_cast<std::size_t>(sh_.num_ranks);
     auto chan = [&](int from, int to, int c) {
-      return (static_cast<std::size_t>(from) * P + static_cast<std::size_t>(to)) * 3 +
+      return (static_cast<std::size_t>(from) * P + static_cast<std::size_t>(to)) * 4 +
              static_cast<std::size_t>(c);
     };
-    std::vector<std::vector<Entry>> sends(P * P * 3), recvs(P * P * 3);
+    std::vector<std::vector<Entry>> sends(P * P * 4), recvs(P * P * 4);
     for (int r = 0; r < sh_.num_ranks; ++r) {
       const auto& prog = s_.ranks[static_cast<std::size_t>(r)];
       for (std::size_t i = 0; i < prog.size(); ++i) {
         const Action& a = prog[i];
-        if (!is_communication(a.op)) continue;
-        const int peer = sh_.rank_of(counterpart(sh_, a)->virtual_stage);
-        const bool send = a.op == Op::SendF || a.op == Op::SendB;
+        if (!is_communication(a.op) && !is_migration(a.op)) continue;
+        const int peer = sh_.rank_of(peer_of(a).virtual_stage);
+        const bool send = is_send(a.op);
         const int c = channel_of(sh_, a);
         (send ? sends[chan(r, peer, c)] : recvs[chan(peer, r, c)])
             .push_back({a, r, static_cast<int>(i)});
       }
     }
-    static constexpr std::array<std::string_view, 3> names = {"activation", "gradient", "token"};
+    static constexpr std::array<std::string_view, 4> names = {"activation", "gradient", "token",
+                                                              "migration"};
     for (std::size_t ch = 0; ch < sends.size(); ++ch) {
       const auto& snd = sends[ch];
       const auto& rcv = recvs[ch];
       for (std::size_t k = 0; k < std::min(snd.size(), rcv.size()); ++k) {
-        if (*counterpart(sh_, snd[k].action) == rcv[k].action) continue;
+        if (peer_of(snd[k].action) == rcv[k].action) continue;
         fail_grid(Errc::InvalidArgument,
                   fmt::format("validate: rank {} step {}: {} is receive #{} from rank {} on the "
                               "{} channel, but message #{} that rank {} sends on it is {} (step "
@@ -600,7 +711,7 @@ class Validator {
                               "executor would fail with HeaderMismatch: send them in the order "
                               "they are received",
                               rcv[k].rank, rcv[k].index, to_string(rcv[k].action), k + 1,
-                              snd[k].rank, names[ch % 3], k + 1, snd[k].rank,
+                              snd[k].rank, names[ch % 4], k + 1, snd[k].rank,
                               to_string(snd[k].action), snd[k].index),
                   {{rcv[k].rank, rcv[k].index}, {snd[k].rank, snd[k].index}});
       }
@@ -617,13 +728,15 @@ class Validator {
     const auto W = static_cast<std::size_t>(model_.windows.recv_window);
     const auto SW = static_cast<std::size_t>(model_.windows.send_window);
     // Rank-local index of every RECV among its rank's receives, by the receiver's key.
-    std::vector<std::int32_t> recv_index_f(bits_.size(), -1), recv_index_b(bits_.size(), -1);
+    std::vector<std::int32_t> recv_index_f(bits_.size(), -1), recv_index_b(bits_.size(), -1),
+        recv_index_m(bits_.size(), -1);
+    auto index_of = [&](Op op) -> std::vector<std::int32_t>& {
+      return op == Op::RecvF ? recv_index_f : op == Op::RecvB ? recv_index_b : recv_index_m;
+    };
     for (int r = 0; r < P; ++r) {
       std::int32_t k = 0;
-      for (const auto& a : s_.ranks[static_cast<std::size_t>(r)]) {
-        if (a.op == Op::RecvF) recv_index_f[key(a)] = k++;
-        if (a.op == Op::RecvB) recv_index_b[key(a)] = k++;
-      }
+      for (const auto& a : s_.ranks[static_cast<std::size_t>(r)])
+        if (is_receive(a.op)) index_of(a.op)[key(a)] = k++;
     }
     struct InFlight {
       int to;
@@ -654,21 +767,21 @@ class Validator {
             break;
           }
           const Action& a = prog[pc[ur]];
-          if (a.op == Op::RecvF || a.op == Op::RecvB) {
+          if (is_receive(a.op)) {
             std::uint32_t& b = bits_[key(a)];
-            if (!(b & (a.op == Op::RecvF ? kPostedF : kPostedB))) break;
-            b |= a.op == Op::RecvF ? kDoneRecvF : kDoneRecvB;
-            ++result_.messages;
+            if (!(b & posted_bit(a.op))) break;
+            b |= done_bit(a.op);
+            if (a.op != Op::MigrateRecv) ++result_.messages;
             ++rdone[ur];
-          } else if (a.op == Op::SendF || a.op == Op::SendB) {
+          } else if (is_send(a.op)) {
             if (in_flight == SW) {
               if (!posted(fl[head[ur]])) break;
               ++head[ur];
             }
             execute_local(r, pc[ur], a);
-            const Action peer = *counterpart(sh_, a);
-            bits_[key(peer)] |= a.op == Op::SendF ? kPostedF : kPostedB;
-            const auto idx = (a.op == Op::SendF ? recv_index_f : recv_index_b)[key(peer)];
+            const Action peer = peer_of(a);
+            bits_[key(peer)] |= posted_bit(peer.op);
+            const auto idx = index_of(peer.op)[key(peer)];
             fl.push_back({sh_.rank_of(peer.virtual_stage), idx, pc[ur]});
           } else {
             execute_local(r, pc[ur], a);
@@ -691,7 +804,7 @@ class Validator {
       const auto& prog = s_.ranks[ur];
       const bool at_end = pc[ur] == prog.size();
       const Action* a = at_end ? nullptr : &prog[pc[ur]];
-      if (a && (a->op == Op::RecvF || a->op == Op::RecvB)) {
+      if (a && is_receive(a->op)) {
         msg += fmt::format("  rank {} blocks at step {} on {} (not yet sent)\n", r, pc[ur],
                            to_string(*a));
       } else {
@@ -719,7 +832,7 @@ class Validator {
       if (pc[static_cast<std::size_t>(r)] >= s_.ranks[static_cast<std::size_t>(r)].size())
         return Where{};  // cannot happen: a sender that finished has posted its sends
       const Action& a = recv_of(r);
-      return (a.op == Op::RecvF ? send_f_ : send_b_)[key(a)];
+      return (a.op == Op::RecvF ? send_f_ : a.op == Op::RecvB ? send_b_ : send_m_)[key(a)];
     };
     // Functional graph r -> sender rank; find a cycle by walking from each stuck rank.
     std::vector<int> color(static_cast<std::size_t>(P), 0);  // 0 new, 1 on path, 2 done
@@ -744,7 +857,7 @@ class Validator {
     auto describe = [&](int r) {
       const Action& a = recv_of(r);
       const Where w = sender_of(r);
-      const Action peer = *counterpart(sh_, a);
+      const Action peer = peer_of(a);
       if (w.rank < 0)
         return fmt::format(
             "  rank {} blocks at step {} on {}, but no rank sends it ({} is absent "
@@ -774,7 +887,7 @@ class Validator {
         if (chain.size() > static_cast<std::size_t>(P)) break;
       }
       const int end = chain.back();
-      const Action peer = *counterpart(sh_, recv_of(end));
+      const Action peer = peer_of(recv_of(end));
       msg = fmt::format(
           "validate: deadlock: rank {} waits on {}, which no rank sends (receive "
           "without send)\n",
@@ -797,7 +910,8 @@ class Validator {
   ExecutionModel model_;
   int n_ = 0, m_ = 0, c_ = 0;
   std::vector<std::uint32_t> bits_;
-  std::vector<Where> send_f_, send_b_;  // indexed by the receiver's key
+  std::vector<Where> send_f_, send_b_, send_m_;  // indexed by the receiver's key
+  std::vector<std::int32_t> migrate_peer_;  // per MIGRATE / MIGRATE_RECV key: the paired stage
   std::vector<WeightState> weights_;    // per virtual stage
   ValidationResult result_;
 };
@@ -830,7 +944,15 @@ class Validator {
 ///    resident weights, RELEASE of weights not resident (RELEASE twice), and a compute action
 ///    of a virtual stage after its RELEASE without a PREFETCH in between are refused;
 ///    PREFETCH/RELEASE in a training schedule are refused (training stages own and update their
-///    weights); MIGRATE is refused (kMigrateRefusal says what it lacks).
+///    weights);
+/// 7. migrations (DynaPipe's layer moves, one message pair per part): every MIGRATE(v, m, c)
+///    pairs with exactly one MIGRATE_RECV(v +- 1, m, c) on the neighbour's rank and every
+///    MIGRATE_RECV with its MIGRATE (a half without its pair is refused naming its step); the
+///    sender's MIGRATE(v, m, c) comes after F(v, m, c) (the part carries the KV rows that round
+///    wrote); the receiver's F(w, m, c + 1) comes after MIGRATE_RECV(w, m, c) (a layer is not
+///    used by its new owner before the copy completes: the last part completes it); a
+///    MIGRATE_RECV blocks until its MIGRATE is issued, like a RECV, on a channel of its own;
+///    migrations in a training schedule are refused.
 ///
 /// Runs in O(actions + stages x micro-batches x chunks) time with eager sends; the rendezvous
 /// run is a fixed point over the ranks, O(ranks x actions) in the worst case.

@@ -59,9 +59,23 @@ class StageLatencyPredictor {
   /// The features of stage v for round `f` (see the class comment).
   /// @throws brigade::Error{InvalidArgument} for v outside the partition
   [[nodiscard]] Features features(int v, const RoundFeatures& f) const {
-    BRIGADE_CHECK(v >= 0 && v < part_.num_stages(), Errc::InvalidArgument,
-                  "StageLatencyPredictor: stage {} of {}", v, part_.num_stages());
-    const auto& st = part_.stage(v);
+    return features(part_, v, f);
+  }
+
+  /// The features of stage v for round `f` when the stages hold the layers of `p` (a plan the
+  /// rebalancer moves layers in: the fit stays, the layers priced change).
+  /// @throws brigade::Error{InvalidArgument} for v outside the partition or a partition of
+  ///         another model or stage count
+  [[nodiscard]] Features features(const partition::Partition& p, int v,
+                                  const RoundFeatures& f) const {
+    BRIGADE_CHECK(v >= 0 && v < part_.num_stages() && p.num_stages() == part_.num_stages() &&
+                      p.num_layers() == part_.num_layers(),
+                  Errc::InvalidArgument,
+                  "StageLatencyPredictor: stage {} of {} (a partition of {} stages and {} layers "
+                  "for one of {} and {})",
+                  v, part_.num_stages(), p.num_stages(), p.num_layers(), part_.num_stages(),
+                  part_.num_layers());
+    const auto& st = p.stage(v);
     Features x{0.0, 0.0, 0.0, 1e-3};
     if (f.decode_seqs > 0)
       x[0] = est_.prior(st.first, st.last, {f.decode_seqs, f.decode_seqs, f.decode_context},
@@ -69,13 +83,16 @@ class StageLatencyPredictor {
     if (f.prefill_tokens > 0)
       x[1] = est_.prior(st.first, st.last, {f.prefill_tokens, f.prefill_seqs, f.prefill_context},
                         model::Phase::Prefill);
-    if (st.last == part_.num_layers()) x[2] = 1e-3 * f.sampled;
+    if (st.last == p.num_layers()) x[2] = 1e-3 * f.sampled;
     return x;
   }
 
   /// Predicted seconds of stage v on round `f`.
-  [[nodiscard]] double predict(int v, const RoundFeatures& f) const {
-    const auto x = features(v, f);
+  [[nodiscard]] double predict(int v, const RoundFeatures& f) const { return predict(part_, v, f); }
+
+  /// Predicted seconds of stage v on round `f` with the layers of `p` (features(p, v, f)).
+  [[nodiscard]] double predict(const partition::Partition& p, int v, const RoundFeatures& f) const {
+    const auto x = features(p, v, f);
     const auto& w = fits_[static_cast<std::size_t>(v)].w;
     double y = 0.0;
     for (int i = 0; i < kFeatures; ++i) y += w[static_cast<std::size_t>(i)] * x[static_cast<std::size_t>(i)];
@@ -83,18 +100,25 @@ class StageLatencyPredictor {
   }
 
   /// The prior alone (the calibrated cost model): x[0] + x[1].
-  [[nodiscard]] double prior(int v, const RoundFeatures& f) const {
-    const auto x = features(v, f);
+  [[nodiscard]] double prior(int v, const RoundFeatures& f) const { return prior(part_, v, f); }
+
+  /// The prior alone with the layers of `p`.
+  [[nodiscard]] double prior(const partition::Partition& p, int v, const RoundFeatures& f) const {
+    const auto x = features(p, v, f);
     return x[0] + x[1];
   }
 
   /// Folds in one measurement: stage v took `seconds` on round `f`; refits w_v.
   /// @throws brigade::Error{InvalidArgument} for seconds not finite and > 0, v outside
-  void observe(int v, const RoundFeatures& f, double seconds) {
+  void observe(int v, const RoundFeatures& f, double seconds) { observe(part_, v, f, seconds); }
+
+  /// Folds in one measurement of a round that ran with the layers of `p`.
+  /// @throws brigade::Error{InvalidArgument} as observe() and features(p, v, f)
+  void observe(const partition::Partition& p, int v, const RoundFeatures& f, double seconds) {
     BRIGADE_CHECK(seconds > 0.0 && std::isfinite(seconds), Errc::InvalidArgument,
                   "StageLatencyPredictor: a measurement of {} s, expected finite and > 0",
                   seconds);
-    const auto x = features(v, f);
+    const auto x = features(p, v, f);
     auto& fit = fits_[static_cast<std::size_t>(v)];
     const double wgt = 1.0 / (seconds * seconds);
     for (std::size_t i = 0; i < kFeatures; ++i) {
@@ -224,17 +248,19 @@ inline std::vector<PredictorError> evaluate_predictor(const ServeReport& report,
     std::int64_t n_on = 0, n_held = 0;
     for (std::size_t i = 0; i < rs.size(); ++i) {
       const auto& f = report.round_features[rs[i].round];
+      // The layers the stages held in that round (a rebalanced run changes them).
+      const auto& plan = report.plans.empty() ? fresh.partition() : report.plan_at(f.round);
       const double y = rs[i].seconds;
       if (static_cast<int>(i) >= warmup) {
-        on += std::abs(online.predict(v, f) - y) / y;
+        on += std::abs(online.predict(plan, v, f) - y) / y;
         ++n_on;
       }
-      online.observe(v, f, y);
+      online.observe(plan, v, f, y);
       if (i < split) {
-        frozen.observe(v, f, y);
+        frozen.observe(plan, v, f, y);
       } else {
-        held += std::abs(frozen.predict(v, f) - y) / y;
-        prior += std::abs(frozen.prior(v, f) - y) / y;
+        held += std::abs(frozen.predict(plan, v, f) - y) / y;
+        prior += std::abs(frozen.prior(plan, v, f) - y) / y;
         ++n_held;
       }
     }

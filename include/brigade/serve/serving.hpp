@@ -4,11 +4,14 @@
 
 #include "brigade/core/timeline.hpp"
 #include "brigade/engine/inference.hpp"
+#include "brigade/model/layer_cost.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace brigade::serve {
@@ -22,6 +25,52 @@ struct ServeRequest {
   /// ServeOptions::ignore_eos. Its KV cache holds prompt + max_new_tokens - 1 positions (the
   /// last sampled token is not fed), which must fit the model's seq_len.
   int max_new_tokens = 1;
+};
+
+/// One layer move of a serving run (times in seconds from the run's start; rounds are the
+/// executor's rounds).
+struct LayerMove {
+  int ordered_round = 0;  ///< the round whose descriptors carried the order
+  int first_round = 0;    ///< the round of the first part (ordered_round + 1)
+  int switch_round = 0;   ///< the first round the new owner runs the layer
+  int from = 0;           ///< the stage that held the layer
+  int to = 0;             ///< the neighbour that adopts it
+  int layer = 0;          ///< the ModelSpec layer that moved
+  double ordered_s = 0.0; ///< when it was ordered
+  bool forced = false;    ///< RebalanceOptions::force_every (not the predictor) ordered it
+  /// The predicted seconds per micro-batch round of the slowest stage before and after the
+  /// move, over the recent rounds (0 for a forced move).
+  double predicted_slowest_s = 0.0, predicted_slowest_after_s = 0.0;
+  /// Bytes the migration was sized for when ordered: the layer's weight image and the KV rows
+  /// of the live sequences (float32 keys and values).
+  std::int64_t bytes = 0;
+  std::vector<int> layers_after;  ///< layers per stage from switch_round on
+};
+
+/// Settings of the dynamic rebalancer (DynaPipe, inference: layers move between neighbouring
+/// stages when the predicted per-stage latency is imbalanced).
+struct RebalanceOptions {
+  /// Imbalance: the predicted slowest stage exceeds the mean over the stages by more than this
+  /// fraction (0.1 = 10%).
+  double threshold = 0.10;
+  /// Hysteresis: the imbalance must persist this many consecutive rounds before a move.
+  int patience = 4;
+  /// Hysteresis: rounds after a move's switch round before the next move may be ordered.
+  int cooldown = 16;
+  /// Measured rounds per stage before the first move (the predictor's fit warms up).
+  int warmup = 8;
+  /// The load a decision weighs: the last `window` micro-batch rounds built (0: two per
+  /// micro-batch).
+  int window = 0;
+  /// A move is made only when it lowers the predicted slowest stage by at least this fraction.
+  double min_gain = 0.02;
+  /// Testing and demonstration: order a move every `force_every` rounds after the previous
+  /// switch, regardless of the predictor, cycling over the boundaries and alternating the
+  /// direction (0: off, the predictor decides).
+  int force_every = 0;
+  /// The predictor's prior (calibrated layer times: cost::ProfiledLayerTimes); empty: the
+  /// roofline (model::roofline_layer_seconds()).
+  model::LayerSeconds layer_seconds;
 };
 
 /// Settings of a serving run (the scheduler's knobs follow Orca's iteration-level scheduling
@@ -46,6 +95,11 @@ struct ServeOptions {
   int kv_blocks = 0;
   /// Keep sampling after a BOS (trace replay: every request runs its max_new_tokens).
   bool ignore_eos = false;
+  /// DynaPipe's live rebalancing (rebalance.hpp): set, layers move between neighbouring stages
+  /// while serving, starting from the partition serve() is given (one stage per rank; the
+  /// rebalancer's measurements reach it through memory shared by the rank threads, so it runs
+  /// in process). Unset: the partition stays.
+  std::optional<RebalanceOptions> rebalance;
   /// Sampler, intra-op threads, peer timeout (the longest gap between arrivals is added, as
   /// the first stage waits for arrivals), executor windows, pipeline dtype. `microbatches` and
   /// `weight_offload` of it are not used.
@@ -110,6 +164,13 @@ struct ServeReport {
   int peak_queue = 0;                    ///< most requests arrived and waiting for KV blocks
   /// Every micro-batch round that ran, in the order the first stage built them.
   std::vector<RoundFeatures> round_features;
+  /// The plans the stages ran, each with the round it starts at (one, at round 0, without
+  /// rebalancing).
+  std::vector<std::pair<int, partition::Partition>> plans;
+  /// The layer moves made (ServeOptions::rebalance).
+  std::vector<LayerMove> moves;
+  /// The plan of round `round` (plans).
+  [[nodiscard]] const partition::Partition& plan_at(int round) const;
   LatencySummary e2e() const;   ///< over requests, e2e_s
   LatencySummary ttft() const;  ///< over requests, ttft_s
   LatencySummary tpot() const;  ///< over requests with >= 2 generated tokens, tpot_s

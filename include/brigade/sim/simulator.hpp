@@ -204,7 +204,8 @@ inline SimResult run(const schedule::Schedule& s, const CostTable& costs, const 
           resident[ur] -= ac.weights;
           record(r, a, t, t);
           break;
-        case Op::Migrate:  // refused before the run (schedule::kMigrateRefusal)
+        case Op::Migrate:  // refused before the run (no cost model of a migration's parts)
+        case Op::MigrateRecv:
           break;
         default: {
           const double ready = weights_ready[static_cast<std::size_t>(a.virtual_stage)];
@@ -378,7 +379,9 @@ void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::
 /// blocking compute; the next compute action of its virtual stage waits for it (reported as
 /// io_wait_seconds). Resident bytes (`cost_model.weight_bytes(a)`, optional,
 /// cost::HasWeightBytes) grow at a PREFETCH and shrink at a RELEASE; their per-rank maximum is
-/// peak_weight_bytes. MIGRATE is refused (schedule::kMigrateRefusal).
+/// peak_weight_bytes. MIGRATE and MIGRATE_RECV are refused: a migration's parts carry the KV
+/// rows of the sequences live at the time, which the cost model does not know (serving
+/// measures them: docs/serving.md).
 ///
 /// @param lowered a lowered schedule (lower()'s output or hand-written with SEND/RECV)
 /// @param cost_model a CostModel built for `lowered.shape`
@@ -390,17 +393,19 @@ template <cost::CostModel Cost>
 SimResult simulate(const schedule::Schedule& lowered, const Cost& cost_model,
                    const SimOptions& options = {}) {
   using schedule::Op;
-  if (options.validate) {
-    schedule::validate(lowered);
-  } else {
+  if (options.validate) schedule::validate(lowered);
+  {
     schedule::detail::check_program_shape(lowered, "simulate");
     for (int r = 0; r < lowered.shape.num_ranks; ++r) {
       const auto& prog = lowered.ranks[static_cast<std::size_t>(r)];
       for (std::size_t i = 0; i < prog.size(); ++i) {
         schedule::detail::check_action_range(lowered.shape, prog[i], r, i, "simulate");
-        BRIGADE_CHECK(prog[i].op != Op::Migrate, Errc::InvalidArgument,
-                      "simulate: rank {} step {}: {}: {}", r, i, schedule::to_string(prog[i]),
-                      schedule::kMigrateRefusal);
+        BRIGADE_CHECK(!is_migration(prog[i].op), Errc::InvalidArgument,
+                      "simulate: rank {} step {}: {}: the simulator has no cost for a layer "
+                      "migration (its parts carry the KV rows of the sequences live when it "
+                      "runs, which a schedule does not know); simulate the plans before and "
+                      "after the move",
+                      r, i, schedule::to_string(prog[i]));
         if (is_communication(prog[i].op))
           BRIGADE_CHECK(schedule::counterpart(lowered.shape, prog[i]).has_value(),
                         Errc::InvalidArgument, "simulate: rank {} step {}: {} has no counterpart",

@@ -75,6 +75,7 @@ inline std::string_view op_color(Op op) noexcept {
     case Op::Release:
       return "#edc948";
     case Op::Migrate:
+    case Op::MigrateRecv:
       return "#9c755f";
     default:
       return "#bab0ac";

@@ -1,0 +1,111 @@
+// DynaPipe's live layer rebalancer for serving: between rounds, when the online latency predictor
+// says the slowest stage exceeds the mean by a threshold (for long enough), a boundary decoder
+// layer moves to the neighbouring stage; its weights and KV caches migrate in parts overlapped
+// with serving (engine::InferenceWorker, MIGRATE / MIGRATE_RECV), and the plan changes at one
+// round boundary on every rank.
+#pragma once
+
+#include "brigade/engine/inference.hpp"
+#include "brigade/model/layer_cost.hpp"
+#include "brigade/model/weights.hpp"
+#include "brigade/partition/partition.hpp"
+#include "brigade/serve/predictor.hpp"
+#include "brigade/serve/serving.hpp"
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace brigade::serve {
+inline namespace v0 {
+
+/// The partition `p` with the decoder layer at virtual stage `from`'s end facing its neighbour
+/// `to` (from - 1 or from + 1) moved to `to`; std::nullopt when that layer is not a decoder
+/// (the embedding, the final norm, the LM head and the sampler stay where they are) or `from`
+/// would be left without a layer.
+/// @throws brigade::Error{InvalidArgument} if from or to lies outside p or they are not
+///         neighbours
+std::optional<partition::Partition> move_layer(const partition::Partition& p, int from, int to);
+
+/// DynaPipe's rebalancer: the online latency predictor (StageLatencyPredictor) fitted on every
+/// stage's measured rounds, and the decision, made between rounds by virtual stage 0's book:
+/// over the recent rounds' features, predict each stage's seconds per micro-batch round with
+/// the current layers; when the slowest exceeds the mean by `threshold` for `patience`
+/// consecutive rounds (and `cooldown` rounds have passed since the last switch, and no move is
+/// under way), move one boundary decoder from the slowest stage to the neighbour for which the
+/// predicted slowest stage after the move is lowest, if that lowers it by `min_gain`. The move's
+/// parts are sized so that each part carries at most `part_bytes` (parts = 1 + ceil(bytes /
+/// (micro-batches x part_bytes)) rounds). One move at a time. Not thread-safe: the book owns it.
+class Rebalancer {
+ public:
+  /// @param weights      the served model (layer sizes)
+  /// @param start        the partition serving starts with (one stage per rank)
+  /// @param microbatches micro-batches in flight
+  /// @param part_bytes   engine::InferenceOptions::migration_part_bytes
+  /// @throws brigade::Error{InvalidArgument} for options out of range (threshold < 0, patience
+  ///         < 1, cooldown < 0, warmup < 0, window < 0, min_gain outside [0, 1), force_every <
+  ///         0), a partition of another model, microbatches < 1, part_bytes < 1
+  Rebalancer(const model::LlamaWeights& weights, partition::Partition start, int microbatches,
+             std::size_t part_bytes, RebalanceOptions options);
+
+  /// Folds in a measurement: stage v took `seconds` on the round of `f` (F, plus SAMPLE on the
+  /// tail), which ran with plan_at(f.round).
+  void observe(int v, const RoundFeatures& f, double seconds);
+
+  /// The decision at round `round` (see the class comment): a move to order, or none.
+  /// @param recent the micro-batch rounds built so far, in order (the last `window` are weighed)
+  /// @param live_positions KV positions held by the live sequences (sizes the migration)
+  std::optional<engine::detail::MoveOrder> decide(int round, double now_s,
+                                                  std::span<const RoundFeatures> recent,
+                                                  std::int64_t live_positions);
+
+  /// The layers the stages hold in round `round`.
+  [[nodiscard]] const partition::Partition& plan_at(int round) const;
+  /// Every plan with the round it starts at, in order (the first at round 0).
+  [[nodiscard]] const std::vector<std::pair<int, partition::Partition>>& plans() const noexcept {
+    return plans_;
+  }
+  [[nodiscard]] const std::vector<LayerMove>& moves() const noexcept { return moves_; }
+  [[nodiscard]] const StageLatencyPredictor& predictor() const noexcept { return pred_; }
+
+ private:
+  /// Predicted seconds per micro-batch round of every stage with `p` over `recent`.
+  std::vector<double> stage_seconds(const partition::Partition& p,
+                                    std::span<const RoundFeatures> recent) const;
+
+  const model::LlamaWeights* weights_;
+  RebalanceOptions o_;
+  int microbatches_;
+  std::size_t part_bytes_;
+  StageLatencyPredictor pred_;
+  std::vector<std::pair<int, partition::Partition>> plans_;
+  std::vector<LayerMove> moves_;
+  int streak_ = 0;
+  int forced_ = 0;
+};
+
+/// What the migrations of a run did to its rounds, from its Timeline. A round's time is the gap
+/// between the starts of consecutive rounds on virtual stage 0 (its first F of each round);
+/// a migration's rounds are [first_round, switch_round]; its neighbours are the `neighbours`
+/// rounds before first_round and after switch_round, outside every migration.
+struct MigrationImpact {
+  int migrations = 0;
+  /// The largest ratio of a migration round's time to the median of its neighbours' (1 = as
+  /// fast as them; the target is <= 1.2).
+  double max_round_ratio = 0.0;
+  /// The largest share of a migration round's time that one rank spent in its MIGRATE and
+  /// MIGRATE_RECV actions (copying parts, or waiting for one): the latency a migration adds to
+  /// the round directly.
+  double max_migration_share = 0.0;
+  double migration_seconds = 0.0;  ///< seconds in MIGRATE / MIGRATE_RECV, all ranks
+  std::int64_t migration_bytes = 0;  ///< bytes the parts carried
+};
+
+/// The MigrationImpact of `report` (see there).
+/// @throws brigade::Error{InvalidArgument} for neighbours < 1
+MigrationImpact migration_impact(const ServeReport& report, int neighbours = 4);
+
+}  // namespace v0
+}  // namespace brigade::serve

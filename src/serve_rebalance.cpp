@@ -1,0 +1,224 @@
+// DynaPipe's live layer rebalancer (serve::Rebalancer) and what its migrations did to the rounds.
+#include "brigade/serve/rebalance.hpp"
+
+#include "brigade/runtime/inference_stage.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <numeric>
+
+namespace brigade::serve {
+inline namespace v0 {
+
+std::optional<partition::Partition> move_layer(const partition::Partition& p, int from, int to) {
+  const int S = p.num_stages();
+  BRIGADE_CHECK(from >= 0 && from < S && to >= 0 && to < S && std::abs(from - to) == 1,
+                Errc::InvalidArgument,
+                "move_layer: stages {} -> {} of {}: expected two neighbouring stages", from, to,
+                S);
+  auto stages = p.stages();
+  auto& a = stages[static_cast<std::size_t>(from)];
+  auto& b = stages[static_cast<std::size_t>(to)];
+  if (a.last - a.first < 2) return std::nullopt;
+  const int layer = to > from ? a.last - 1 : a.first;
+  // Only decoders move: in ModelSpec order the embedding is layer 0, the final norm, the LM
+  // head and the sampler the last three.
+  if (layer == 0 || layer >= p.num_layers() - 3) return std::nullopt;
+  if (to > from) {
+    --a.last;
+    --b.first;
+  } else {
+    ++a.first;
+    ++b.last;
+  }
+  return partition::Partition(p.num_layers(), p.num_ranks(), std::move(stages));
+}
+
+Rebalancer::Rebalancer(const model::LlamaWeights& weights, partition::Partition start,
+                       int microbatches, std::size_t part_bytes, RebalanceOptions options)
+    : weights_(&weights), o_(std::move(options)), microbatches_(microbatches),
+      part_bytes_(part_bytes),
+      pred_(cost::LatencyEstimator(model::ModelSpec(weights.config),
+                                   o_.layer_seconds ? o_.layer_seconds
+                                                    : model::roofline_layer_seconds()),
+            start) {
+  BRIGADE_CHECK(o_.threshold >= 0 && std::isfinite(o_.threshold) && o_.patience >= 1 &&
+                    o_.cooldown >= 0 && o_.warmup >= 0 && o_.window >= 0 && o_.min_gain >= 0 &&
+                    o_.min_gain < 1 && o_.force_every >= 0,
+                Errc::InvalidArgument,
+                "Rebalancer: threshold {} (>= 0), patience {} (>= 1), cooldown {} (>= 0), warmup "
+                "{} (>= 0), window {} (>= 0), min_gain {} (in [0, 1)), force_every {} (>= 0)",
+                o_.threshold, o_.patience, o_.cooldown, o_.warmup, o_.window, o_.min_gain,
+                o_.force_every);
+  BRIGADE_CHECK(microbatches >= 1 && part_bytes >= 1, Errc::InvalidArgument,
+                "Rebalancer: {} micro-batches and parts of {} bytes, expected both >= 1",
+                microbatches, part_bytes);
+  plans_.emplace_back(0, std::move(start));
+}
+
+const partition::Partition& Rebalancer::plan_at(int round) const {
+  const partition::Partition* p = &plans_.front().second;
+  for (const auto& [from, plan] : plans_)
+    if (from <= round) p = &plan;
+  return *p;
+}
+
+void Rebalancer::observe(int v, const RoundFeatures& f, double seconds) {
+  if (seconds > 0.0 && std::isfinite(seconds)) pred_.observe(plan_at(f.round), v, f, seconds);
+}
+
+std::vector<double> Rebalancer::stage_seconds(const partition::Partition& p,
+                                              std::span<const RoundFeatures> recent) const {
+  std::vector<double> t(static_cast<std::size_t>(p.num_stages()), 0.0);
+  for (const auto& f : recent)
+    for (int v = 0; v < p.num_stages(); ++v)
+      t[static_cast<std::size_t>(v)] += pred_.predict(p, v, f);
+  for (auto& x : t) x /= static_cast<double>(std::max<std::size_t>(recent.size(), 1));
+  return t;
+}
+
+std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double now_s,
+                                                            std::span<const RoundFeatures> recent,
+                                                            std::int64_t live_positions) {
+  const auto& current = plans_.back().second;
+  const int S = current.num_stages();
+  if (S < 2) return std::nullopt;
+  const int last_switch = plans_.back().first;
+  if (round < last_switch) return std::nullopt;  // a move is under way
+  LayerMove mv;
+  std::optional<partition::Partition> next;
+  if (o_.force_every > 0) {
+    if (round < last_switch + o_.force_every) return std::nullopt;
+    // Cycle over the boundaries, alternating the direction; the first valid move.
+    const int b = forced_ % (S - 1);
+    const bool down_first = (forced_ / (S - 1)) % 2 == 0;
+    for (const bool down : {down_first, !down_first}) {
+      const int from = down ? b : b + 1, to = down ? b + 1 : b;
+      if ((next = move_layer(current, from, to))) {
+        mv.from = from;
+        mv.to = to;
+        break;
+      }
+    }
+    ++forced_;
+    if (!next) return std::nullopt;
+    mv.forced = true;
+  } else {
+    if (round < last_switch + (moves_.empty() ? 0 : o_.cooldown)) return std::nullopt;
+    for (int v = 0; v < S; ++v)
+      if (pred_.observations(v) < o_.warmup) return std::nullopt;
+    const auto w = static_cast<std::size_t>(o_.window > 0 ? o_.window : 2 * microbatches_);
+    if (recent.empty()) return std::nullopt;
+    const auto window = recent.subspan(recent.size() - std::min(w, recent.size()));
+    const auto t = stage_seconds(current, window);
+    const double mean = std::accumulate(t.begin(), t.end(), 0.0) / S;
+    const auto slow = static_cast<int>(std::max_element(t.begin(), t.end()) - t.begin());
+    const double worst = t[static_cast<std::size_t>(slow)];
+    streak_ = worst > mean * (1.0 + o_.threshold) ? streak_ + 1 : 0;
+    if (streak_ < o_.patience) return std::nullopt;
+    double best = worst;
+    for (const int to : {slow - 1, slow + 1}) {
+      if (to < 0 || to >= S) continue;
+      auto cand = move_layer(current, slow, to);
+      if (!cand) continue;
+      const auto t2 = stage_seconds(*cand, window);
+      const double m2 = *std::max_element(t2.begin(), t2.end());
+      if (m2 < best) {
+        best = m2;
+        next = std::move(cand);
+        mv.from = slow;
+        mv.to = to;
+      }
+    }
+    if (!next || best > worst * (1.0 - o_.min_gain)) return std::nullopt;
+    streak_ = 0;
+    mv.predicted_slowest_s = worst;
+    mv.predicted_slowest_after_s = best;
+  }
+  // Parts: the layer's weights and the live sequences' KV rows (float32 keys and values), at
+  // most part_bytes per micro-batch and round, then one round for the rows written meanwhile.
+  const auto& c = weights_->config;
+  const auto& from = current.stage(mv.from);
+  mv.layer = mv.to > mv.from ? from.last - 1 : from.first;
+  const int d = model::ModelSpec(c).layer(mv.layer).decoder_index;
+  const auto image = runtime::decoder_image_layout(*weights_, d)[9];
+  mv.bytes = static_cast<std::int64_t>(image) +
+             live_positions * 2 * c.kv_dim() * static_cast<std::int64_t>(sizeof(float));
+  const auto per_round = static_cast<std::int64_t>(part_bytes_) * microbatches_;
+  const auto parts = static_cast<int>(1 + (mv.bytes + per_round - 1) / per_round);
+  mv.ordered_round = round;
+  mv.first_round = round + 1;
+  mv.switch_round = round + 1 + parts;
+  mv.ordered_s = now_s;
+  for (const auto& st : next->stages()) mv.layers_after.push_back(st.last - st.first);
+  plans_.emplace_back(mv.switch_round, std::move(*next));
+  moves_.push_back(mv);
+  return engine::detail::MoveOrder{mv.from, mv.to, parts};
+}
+
+MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
+  BRIGADE_CHECK(neighbours >= 1, Errc::InvalidArgument,
+                "migration_impact: neighbours = {}, expected >= 1", neighbours);
+  MigrationImpact out;
+  out.migrations = static_cast<int>(report.moves.size());
+  // Round starts on virtual stage 0 (its first F of each round).
+  std::map<int, double> start;
+  std::map<std::pair<int, int>, double> migrating;  // (rank, round) -> seconds in migration ops
+  for (const auto& iv : report.timeline.intervals()) {
+    if (iv.op == Op::F && iv.virtual_stage == 0) {
+      auto [it, fresh] = start.emplace(iv.chunk, iv.start);
+      if (!fresh) it->second = std::min(it->second, iv.start);
+    }
+    if (is_migration(iv.op)) {
+      // A part of round c is sent in round c and received in round c + 1.
+      const int round = iv.op == Op::Migrate ? iv.chunk : iv.chunk + 1;
+      migrating[{iv.rank, round}] += iv.duration();
+      out.migration_seconds += iv.duration();
+      out.migration_bytes += iv.bytes;
+    }
+  }
+  std::map<int, double> length;  // round -> seconds to the next round's start
+  for (auto it = start.begin(); it != start.end(); ++it) {
+    const auto next = std::next(it);
+    if (next != start.end() && next->first == it->first + 1)
+      length[it->first] = next->second - it->second;
+  }
+  auto in_migration = [&](int r) {
+    return std::any_of(report.moves.begin(), report.moves.end(), [&](const LayerMove& m) {
+      return r >= m.first_round && r <= m.switch_round;
+    });
+  };
+  for (const auto& m : report.moves) {
+    std::vector<double> around;
+    for (int r = m.first_round - 1, k = 0; r >= 0 && k < neighbours; --r)
+      if (!in_migration(r) && length.count(r)) {
+        around.push_back(length[r]);
+        ++k;
+      }
+    const int last = length.empty() ? 0 : length.rbegin()->first;
+    for (int r = m.switch_round + 1, k = 0; r <= last && k < neighbours; ++r)
+      if (!in_migration(r) && length.count(r)) {
+        around.push_back(length[r]);
+        ++k;
+      }
+    if (around.empty()) continue;
+    std::sort(around.begin(), around.end());
+    const double median = around.size() % 2 ? around[around.size() / 2]
+                                            : 0.5 * (around[around.size() / 2 - 1] +
+                                                     around[around.size() / 2]);
+    for (int r = m.first_round; r <= m.switch_round; ++r) {
+      const auto it = length.find(r);
+      if (it == length.end() || !(median > 0)) continue;
+      out.max_round_ratio = std::max(out.max_round_ratio, it->second / median);
+      for (const auto& [key, secs] : migrating)
+        if (key.second == r && it->second > 0)
+          out.max_migration_share = std::max(out.max_migration_share, secs / it->second);
+    }
+  }
+  return out;
+}
+
+}  // namespace v0
+}  // namespace brigade::serve
