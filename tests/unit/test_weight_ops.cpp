@@ -215,7 +215,7 @@ sch::Schedule migrating(int from, int to) {
 
 }  // namespace
 
-TEST_CASE("ops.validate: MIGRATE pairs with MIGRATE_RECV; a half without its pair, a part sent "
+TEST_CASE("ops.validate: MIGRATE pairs with MIGRATE_RECV, a half without its pair, a part sent "
           "before its round's forward, or a layer used before its copy completes is refused") {
   // Both directions validate under eager and rendezvous sends, with the migration channel.
   for (auto [from, to] : {std::pair{0, 1}, std::pair{1, 0}}) {
