@@ -48,6 +48,7 @@ std::vector<data::PackedBatch> batches(const model::Tokenizer& tok, int m) {
     b.offsets.push_back(b.rows());
     b.tasks.push_back(samples[i].task);
   }
+  for (auto& b : out) b.task_offsets = b.offsets;  // one task span per sequence
   out[1].targets.back() = -1;  // a pad target
   return out;
 }
