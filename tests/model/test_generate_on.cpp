@@ -19,6 +19,9 @@
 #include <functional>
 #include <filesystem>
 #include <fstream>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 using namespace brigade;
@@ -286,8 +289,8 @@ TEST_CASE("engine.generate_on: a decode descriptor naming the wrong sequence sto
   CHECK(ok[0].sequences[1].tokens == ok[0].sequences[2].tokens);
 }
 
-TEST_CASE("engine.generate: the inference Timeline holds F, SAMPLE, SEND and RECV of every round, "
-          "and the two stages compute at the same time") {
+TEST_CASE("engine.generate: the inference Timeline holds F, SAMPLE, SEND and RECV of every "
+          "round") {
   const auto& F = fixture();
   const model::ModelSpec spec(F.weights.config);
   const std::vector<engine::GenerationRequest> req{{F.prompt(0), 256}, {F.prompt(1), 64}};
@@ -328,25 +331,87 @@ TEST_CASE("engine.generate: the inference Timeline holds F, SAMPLE, SEND and REC
   }
 }
 
-TEST_CASE("engine.generate: two stages compute at the same time (15M synthetic model, two "
-          "micro-batches in flight)") {
-  const auto w = model::make_synthetic_weights(model::named_config("15M"), 7);
-  const model::ModelSpec spec(w.config);
-  std::vector<engine::GenerationRequest> req;
-  for (int i = 0; i < 2; ++i) req.push_back({{1, 100 + i, 200 + i, 300 + i}, 24});
+namespace {
+
+/// A pipeline gate between two ranks: rank 1's first wait() blocks until rank 0 has sent
+/// the activations of micro-batch 1 in round 0 (or until 30 s pass, which fails the test).
+struct RunAheadGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool opened = false;     ///< rank 0 sent micro-batch 1's round-0 activations
+  bool rank1_held = false; ///< rank 1 had entered a wait and was held there
+  bool released = false;   ///< rank 0's send opened the gate while rank 1 was held (no timeout)
+};
+
+/// Rank 0's side opens the gate on that send; rank 1's side holds its first wait() at it.
+template <transport::Transport Inner>
+class GatedTransport : public transport::ForwardingTransport<Inner> {
+ public:
+  GatedTransport(Inner& inner, RunAheadGate& gate)
+      : transport::ForwardingTransport<Inner>(inner), gate_(&gate) {}
+  transport::Request isend(int peer, int tag, const transport::MessageHeader& h,
+                           transport::ConstBytes payload) {
+    auto r = this->inner_->isend(peer, tag, h, payload);
+    if (this->rank() == 0 && h.kind == transport::MessageKind::Activation && h.microbatch == 1 &&
+        h.chunk == 0) {
+      const std::lock_guard lock(gate_->mu);
+      gate_->opened = true;
+      gate_->cv.notify_all();
+    }
+    return r;
+  }
+  void wait(transport::Request& r, transport::Deadline deadline) {
+    if (this->rank() == 1 && !held_) {
+      held_ = true;
+      std::unique_lock lock(gate_->mu);
+      gate_->rank1_held = true;
+      gate_->released =
+          gate_->cv.wait_for(lock, std::chrono::seconds(30), [&] { return gate_->opened; });
+    }
+    this->inner_->wait(r, deadline);
+  }
+
+ private:
+  RunAheadGate* gate_;
+  bool held_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("engine.generate: stage 0 computes micro-batch 1 while stage 1 has not yet received "
+          "micro-batch 0 (two micro-batches in flight, tokens unchanged)") {
+  // Pipelining, without relying on the machine's scheduler: rank 1 is held before it receives
+  // anything, and rank 0 must still run micro-batch 0 and then micro-batch 1 and send both.
+  // An executor that made stage 0 wait for stage 1 within a round never opens the gate.
+  const auto& F = fixture();
+  const model::ModelSpec spec(F.weights.config);
+  const std::vector<engine::GenerationRequest> req{{F.prompt(0), 256}, {F.prompt(1), 64}};
   engine::InferenceOptions opt;
   opt.sampler.temperature = 0.0f;
   opt.microbatches = 2;
-  const auto rep = engine::generate(w, partition::uniform(spec, 2), req, opt);
-  const auto& tl = rep.timeline;
-  // Pipelining: some forward of stage 0 runs while a forward of stage 1 runs.
-  bool overlap = false;
-  for (const auto& a : tl.intervals())
-    for (const auto& b : tl.intervals())
-      if (a.rank == 0 && b.rank == 1 && a.op == Op::F && b.op == Op::F &&
-          a.microbatch != b.microbatch && a.start < b.end && b.start < a.end)
-        overlap = true;
-  CHECK(overlap);
+  const auto part = partition::uniform(spec, 2);
+  const auto plan = engine::inference_plan(F.weights.config, part, req, 2);
+  transport::InProcessFabric fabric(2);
+  auto endpoints = transport::endpoints(fabric);
+  RunAheadGate gate;
+  std::vector<GatedTransport<transport::InProcessTransport>> gated;
+  for (auto& e : endpoints) gated.emplace_back(e, gate);
+  const auto rep = engine::generate(std::span(gated), F.weights, plan, req, opt);
+  CHECK(gate.rank1_held);
+  CHECK(gate.released);
+  for (int m = 0; m < 2; ++m) CHECK(rep.sequences[static_cast<std::size_t>(m)].tokens == F.ids(m));
+  // In the Timeline, stage 0's forward of micro-batch 1 in round 0 ended before stage 1's
+  // forward of micro-batch 0 began.
+  const Interval* f0m1 = nullptr;
+  const Interval* f1m0 = nullptr;
+  for (const auto& iv : rep.timeline.intervals()) {
+    if (iv.op != Op::F || iv.chunk != 0) continue;
+    if (iv.rank == 0 && iv.microbatch == 1) f0m1 = &iv;
+    if (iv.rank == 1 && iv.microbatch == 0) f1m0 = &iv;
+  }
+  REQUIRE(f0m1 != nullptr);
+  REQUIRE(f1m0 != nullptr);
+  CHECK(f0m1->end <= f1m0->start);
 }
 
 TEST_CASE("engine.generate: an inference Plan runs token for token like its partition, the "
