@@ -74,3 +74,14 @@ if(NCCL_FOUND AND NOT TARGET NCCL::nccl)
     IMPORTED_LOCATION "${NCCL_LIBRARY}"
     INTERFACE_INCLUDE_DIRECTORIES "${NCCL_INCLUDE_DIR}")
 endif()
+# Leave only the results (NCCL_*) in the caller's scope. _nccl_python3 is a cache entry
+# (find_program); it stays so later runs skip the search.
+unset(_nccl_hints)
+unset(_nccl_include_hints)
+unset(_nccl_library_hints)
+unset(_nccl_wheel)
+unset(_nccl_wheel_rc)
+unset(_nccl_defines)
+unset(_nccl_MAJOR)
+unset(_nccl_MINOR)
+unset(_nccl_PATCH)

@@ -13,11 +13,30 @@ execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "consumer configure failed: ${rc}\n${out}\n${err}")
 endif()
-# The package leaks no build choice into the consumer: no variable set in its scope (the
-# consumer prints them after find_package), no OpenMP or -march flag in its compile commands.
-if(NOT out MATCHES "consumer scope: BLA_VENDOR=\\[\\] MPI_CXX_SKIP_MPICXX=\\[\\]")
-  message(FATAL_ERROR "find_package(brigade) set variables in the consumer's scope:\n${out}")
+# The package leaks no build choice into the consumer. Its scope (the consumer prints what
+# find_package added and which build choices it changed): no choice changed or defined, and
+# every new variable a result of brigade or of a dependency's own find module, none of
+# brigade's temporaries. Its cache: no choice of brigade's. Its compile commands: no OpenMP or
+# -march flag.
+if(NOT out MATCHES "consumer changed choices: \\[\\]")
+  message(FATAL_ERROR "find_package(brigade) changed build choices in the consumer's scope:\n${out}")
 endif()
+if(NOT out MATCHES "consumer new variables: \\[([^]]*)\\]")
+  message(FATAL_ERROR "the consumer did not print its new variables:\n${out}")
+endif()
+string(REPLACE " " ";" _new "${CMAKE_MATCH_1}")
+set(_allowed "^(brigade_(FOUND|DIR|CONFIG|CONSIDERED_.*|VERSION.*|[a-z]+_FOUND)|BLAS_|Eigen3_|EIGEN3_|fmt_|nlohmann_json_|NLOHMANN_JSON_|Threads_|THREADS_|CMAKE_THREAD_LIBS_INIT|CMAKE_USE_PTHREADS_INIT|CMAKE_HAVE_LIBC_PTHREAD|PTHREAD_C_CXX_TEST_SOURCE|FIND_PACKAGE_MESSAGE_DETAILS_|PACKAGE_PREFIX_DIR|MPI_|MPIEXEC|_MPI|CBC_|pkgcfg_lib_CBC_|PKG_CONFIG|PKGCONFIG_FOUND|PkgConfig_|_pkg|__pkg_config|_PKG_CONFIG|pkg_count|prefix_result|_imp_target|_no_cmake|CUDAToolkit_|CUDA_|cuda_driver_LIBRARY|NCCL_)")
+foreach(_v IN LISTS _new)
+  if(_v MATCHES "^(BLA_VENDOR|MPI_CXX_SKIP_MPICXX)$" OR NOT _v MATCHES "${_allowed}")
+    message(FATAL_ERROR "find_package(brigade) left '${_v}' in the consumer's scope:\n${out}")
+  endif()
+endforeach()
+file(STRINGS ${WORK_DIR}/build/CMakeCache.txt _cache)
+foreach(_line IN LISTS _cache)
+  if(_line MATCHES "^(BLA_VENDOR|MPI_CXX_SKIP_MPICXX|_brigade)[:=]" OR _line MATCHES "-fopenmp|-march=")
+    message(FATAL_ERROR "the consumer's cache holds a choice of brigade's build: ${_line}")
+  endif()
+endforeach()
 file(READ ${WORK_DIR}/build/compile_commands.json _commands)
 foreach(_flag -fopenmp -march= -mavx -mfma)
   string(FIND "${_commands}" "${_flag}" _at)

@@ -1,0 +1,40 @@
+# Included by the package tests' consumers (tests/package, tests/mpi/package) in place of their
+# find_package(brigade ...) call: finds brigade with CONSUMER_COMPONENTS and prints what the
+# call left in the consumer's scope, for tests/package/run.cmake to check.
+# What find_package leaves behind: every variable of this scope, and the build choices among
+# them, before and after (tests/package/run.cmake checks the lists).
+get_cmake_property(_consumer_before VARIABLES)
+set(_consumer_choices BLA_VENDOR MPI_CXX_SKIP_MPICXX CMAKE_CXX_FLAGS CMAKE_CXX_FLAGS_RELEASE
+    CMAKE_EXE_LINKER_FLAGS CMAKE_MODULE_PATH CMAKE_CXX_STANDARD CMAKE_CXX_EXTENSIONS
+    CMAKE_POSITION_INDEPENDENT_CODE CMAKE_INTERPROCEDURAL_OPTIMIZATION CMAKE_BUILD_TYPE)
+foreach(_v IN LISTS _consumer_choices)
+  set(_consumer_was_${_v} "defined=[${${_v}}]")
+  if(NOT DEFINED ${_v})
+    set(_consumer_was_${_v} "undefined")
+  endif()
+endforeach()
+if(CONSUMER_COMPONENTS)
+  find_package(brigade CONFIG REQUIRED COMPONENTS ${CONSUMER_COMPONENTS})
+else()
+  find_package(brigade CONFIG REQUIRED)
+endif()
+get_cmake_property(_consumer_after VARIABLES)
+set(_consumer_new)
+foreach(_v IN LISTS _consumer_after)
+  if(NOT _v IN_LIST _consumer_before AND NOT _v MATCHES "^_consumer_")
+    list(APPEND _consumer_new "${_v}")
+  endif()
+endforeach()
+set(_consumer_changed)
+foreach(_v IN LISTS _consumer_choices)
+  set(_now "defined=[${${_v}}]")
+  if(NOT DEFINED ${_v})
+    set(_now "undefined")
+  endif()
+  if(NOT _now STREQUAL _consumer_was_${_v})
+    list(APPEND _consumer_changed "${_v}")
+  endif()
+endforeach()
+string(REPLACE ";" " " _consumer_new "${_consumer_new}")
+message(STATUS "consumer new variables: [${_consumer_new}]")
+message(STATUS "consumer changed choices: [${_consumer_changed}]")
