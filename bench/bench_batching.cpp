@@ -6,15 +6,21 @@
 // 1.1B Llama shape on 4 uniform stages; cost: cost::ProfiledLayerTimes on the H100 datasheet
 // profile (profiles/nvidia_h100_sxm.json) through batching::stage_cost; memory limit per
 // micro-batch: the activation bytes of one 8,192-token sequence on the worst stage.
-//   BM_Dynamic/256         DynamicBatcher::solve with its default 256 candidate bounds
-//   BM_Dynamic/1073741824  every distinct micro-batch time a candidate bound (the exact DP)
+//   BM_Dynamic/bounds:256/recompute:1   DynamicBatcher::solve with its default 256 candidate
+//                          bounds and the recompute choice (full recompute where a micro-batch
+//                          does not fit, peak limit 4 x the micro-batch limit: what
+//                          brigade train and plan-batches use)
+//   BM_Dynamic/bounds:256/recompute:0   the same without the recompute choice
+//   BM_Dynamic/bounds:1073741824/...    every distinct micro-batch time a candidate bound (the
+//                          exact DP)
 //   BM_Offsets   OffsetsBatcher with an 8,192-token budget (the comparison in the same run)
 //   BM_Packing   PackingBatcher, rows of 2,048 tokens, 4 rows per micro-batch
-//   BM_Order     order_adaptive over BM_Dynamic/256's micro-batches (DynaPipe's ordering: every
+//   BM_Order     order_adaptive over BM_Dynamic/256/1's micro-batches (DynaPipe's ordering: every
 //                cluster order simulated under the adaptive schedule and 1F1B; rank limit 4 x
 //                the micro-batch limit); with BM_Dynamic, the whole plan of one global batch
 // Counters: samples, micro-batches, and (dynamic) the predicted iteration seconds and the
-// bounds its DP ran. Target (issue 15): BM_Dynamic under 50 ms.
+// bounds its DP ran, and the micro-batches it recomputes. Target (issue 15): BM_Dynamic under
+// 50 ms.
 #include <brigade/batching/batcher.hpp>
 #include <brigade/batching/dynamic.hpp>
 #include <brigade/batching/order.hpp>
@@ -25,6 +31,7 @@
 
 #include "machine_context.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -63,7 +70,11 @@ const Setup& setup() {
 
 void BM_Dynamic(benchmark::State& state) {
   const auto& s = setup();
-  const batching::DynamicBatcher dynamic(s.cost, 4, s.limit, static_cast<int>(state.range(0)));
+  batching::DynamicOptions opt;
+  opt.max_bounds = static_cast<int>(state.range(0));
+  opt.recompute = state.range(1) != 0;
+  opt.peak_limit_bytes = 4 * s.limit;
+  const batching::DynamicBatcher dynamic(s.cost, 4, s.limit, opt);
   batching::DynamicPlan plan;
   for (auto _ : state) {
     plan = dynamic.solve(s.samples);
@@ -73,6 +84,8 @@ void BM_Dynamic(benchmark::State& state) {
   state.counters["microbatches"] = static_cast<double>(plan.microbatches.size());
   state.counters["iteration_s"] = plan.iteration_seconds;
   state.counters["bounds"] = plan.bounds_tried;
+  state.counters["recomputed"] = static_cast<double>(
+      std::count(plan.costs.recompute.begin(), plan.costs.recompute.end(), 1));
 }
 
 void BM_Offsets(benchmark::State& state) {
@@ -99,10 +112,12 @@ void BM_Packing(benchmark::State& state) {
 
 void BM_Order(benchmark::State& state) {
   const auto& s = setup();
-  const auto plan = batching::DynamicBatcher(s.cost, 4, s.limit).solve(s.samples);
+  batching::DynamicOptions opt;
+  opt.peak_limit_bytes = 4 * s.limit;
+  const auto plan = batching::DynamicBatcher(s.cost, 4, s.limit, opt).solve(s.samples);
   batching::AdaptiveOrder order;
   for (auto _ : state) {
-    order = batching::order_adaptive(plan.seconds, plan.activation_bytes, 4, 4 * s.limit);
+    order = batching::order_adaptive(plan.costs, 4, 4 * s.limit);
     benchmark::DoNotOptimize(order);
   }
   state.counters["microbatches"] = static_cast<double>(plan.microbatches.size());
@@ -112,7 +127,13 @@ void BM_Order(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_Dynamic)->Arg(256)->Arg(1 << 30)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Dynamic)
+    ->ArgNames({"bounds", "recompute"})
+    ->Args({256, 1})
+    ->Args({256, 0})
+    ->Args({1 << 30, 1})
+    ->Args({1 << 30, 0})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Offsets)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Packing)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Order)->Unit(benchmark::kMillisecond);

@@ -1,6 +1,6 @@
 // `brigade plan-batches`: one global batch's samples (a lengths file or a corpus) through a
 // batcher of the batching joint; prints the micro-batches, each one's predicted seconds per
-// stage and activation bytes, and the pipeline's predicted iteration time.
+// stage, activation bytes and recompute mode, and the pipeline's predicted iteration time.
 #include "cli.hpp"
 #include "model_config.hpp"
 
@@ -16,6 +16,7 @@
 #include <brigade/partition/partition.hpp>
 #include <brigade/schedule/generators.hpp>
 #include <brigade/schedule/lower.hpp>
+#include <brigade/schedule/recompute.hpp>
 #include <brigade/sim/simulator.hpp>
 #include <brigade/sim/svg.hpp>
 
@@ -39,6 +40,7 @@ struct Options {
   std::int64_t token_budget = 0;
   double memory_limit = 0.0, rank_memory = 0.0;
   bool histogram = false;
+  std::string recompute = "auto";
 };
 
 /// The corpus's length histogram, per task and over all: samples, tokens, the shortest,
@@ -141,16 +143,48 @@ int run(const Options& o) {
                            ? o.memory_limit
                            : cost.activation_bytes(batching::varlen_work(
                                  budget, 1, batching::causal_pairs(budget)));
+  batching::DynamicOptions opt;
+  opt.recompute = o.recompute == "auto";
+  opt.peak_limit_bytes = o.rank_memory > 0.0 ? o.rank_memory : o.stages * limit;
   std::vector<batching::MicroBatch> mbs;
+  batching::MicroBatchTable table;  // each micro-batch's seconds, bytes and mode
+  std::vector<char> over;           // static batchers without --memory-limit: over the limit
   if (o.batching == "dynamic") {
-    mbs = batching::DynamicBatcher(cost, o.stages, limit).plan(samples);
-  } else if (o.batching == "padding") {
-    mbs = batching::PaddingBatcher{o.samples_per_microbatch}.plan(samples);
-  } else if (o.batching == "packing") {
-    mbs = batching::PackingBatcher{row, static_cast<int>(std::max<std::int64_t>(1, budget / row))}
-              .plan(samples);
+    auto plan = batching::DynamicBatcher(cost, o.stages, limit, opt).solve(samples);
+    mbs = std::move(plan.microbatches);
+    table = std::move(plan.costs);
+    over.assign(mbs.size(), 0);
   } else {
-    mbs = batching::OffsetsBatcher{budget}.plan(samples);
+    if (o.batching == "padding") {
+      mbs = batching::PaddingBatcher{o.samples_per_microbatch}.plan(samples);
+    } else if (o.batching == "packing") {
+      mbs = batching::PackingBatcher{row, static_cast<int>(std::max<std::int64_t>(1, budget / row))}
+                .plan(samples);
+    } else {
+      mbs = batching::OffsetsBatcher{budget}.plan(samples);
+    }
+    for (std::size_t m = 0; m < mbs.size(); ++m) {
+      batching::MicroBatchChoice c;
+      if (o.memory_limit > 0.0) {  // an explicit cap holds every batcher (choose_recompute)
+        c = batching::choose_recompute(cost, mbs[m].work, limit, opt);
+        BRIGADE_CHECK(c.fits, Errc::InvalidArgument,
+                      "plan-batches: {} micro-batch {} ({} tokens) needs {} bytes of activations "
+                      "on a stage, more than --memory-limit {} bytes{}",
+                      o.batching, m, mbs[m].work.tokens, c.activation_bytes, limit,
+                      opt.recompute
+                          ? fmt::format(", and with full recompute it keeps {} bytes and peaks "
+                                        "at {} (peak limit {} bytes)",
+                                        c.checkpoint_bytes, c.activation_bytes,
+                                        opt.peak_limit_bytes)
+                          : std::string(" (--recompute none)"));
+      } else {  // no cap given: as it is, flagged where it is over the default limit
+        c.fits = true;
+        c.seconds = cost.seconds(mbs[m].work);
+        c.activation_bytes = cost.activation_bytes(mbs[m].work);
+      }
+      table.push_back(c);
+      over.push_back(c.activation_bytes > limit && c.mode == batching::Recompute::None ? 1 : 0);
+    }
   }
   std::int64_t tokens = 0, useful = 0;
   for (const auto& mb : mbs) {
@@ -159,34 +193,41 @@ int run(const Options& o) {
   }
   fmt::print("plan-batches: {} samples, {} tokens from {}\n", samples.size(), useful, source);
   fmt::print("model {} on {} uniform stages, {} layer times; batching {}; memory limit {:.4g} "
-             "bytes of activations per micro-batch on a stage\n",
-             o.model, o.stages, o.profile.empty() ? "roofline" : o.profile, o.batching, limit);
-  fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>14}\n", "mb", "samples", "tokens",
-             "useful", "padding", "longest", "seconds", "activation B");
-  std::vector<double> seconds;
+             "bytes of activations per micro-batch on a stage (held from its forward to its "
+             "backward); recompute {}\n",
+             o.model, o.stages, o.profile.empty() ? "roofline" : o.profile, o.batching, limit,
+             o.recompute);
+  fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12} {:>14} {:>14} {:>9}\n", "mb", "samples",
+             "tokens", "useful", "padding", "longest", "seconds", "activation B", "held B",
+             "recompute");
   double peak = 0.0;
+  std::int64_t recomputed = 0;
   for (std::size_t m = 0; m < mbs.size(); ++m) {
     const auto& mb = mbs[m];
-    const double t = cost.seconds(mb.work), b = cost.activation_bytes(mb.work);
-    seconds.push_back(t);
+    const double t = table.seconds[m], b = table.peak_bytes[m];
     peak = std::max(peak, b);
-    fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12.6g} {:>14.6g}{}\n", m,
+    recomputed += table.recompute[m];
+    fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12.6g} {:>14.6g} {:>14.6g} {:>9}{}\n", m,
                mb.samples.size(), mb.work.tokens, mb.useful_tokens, mb.padding_tokens(),
-               mb.longest, t, b, b > limit ? "  over the limit" : "");
+               mb.longest, t, b, table.held_bytes[m],
+               table.recompute[m] != 0 ? "full" : "none", over[m] != 0 ? "  over the limit" : "");
   }
-  fmt::print("micro-batches {}; tokens {} ({} padding, {:.1f}%)\n", mbs.size(), tokens,
-             tokens - useful, 100.0 * static_cast<double>(tokens - useful) / static_cast<double>(tokens));
-  fmt::print("predicted iteration {:.6g} s ((S - 1) x slowest + sum over micro-batches)\n",
-             batching::predicted_iteration_seconds(seconds, o.stages));
+  fmt::print("micro-batches {}; tokens {} ({} padding, {:.1f}%); {} recompute\n", mbs.size(),
+             tokens, tokens - useful,
+             100.0 * static_cast<double>(tokens - useful) / static_cast<double>(tokens), recomputed);
+  fmt::print("predicted iteration {:.6g} s ((S - 1) x slowest + sum over micro-batches, "
+             "recomputing ones with their second forward)\n",
+             batching::predicted_iteration_seconds(table.seconds, o.stages));
   fmt::print("peak activation {:.6g} bytes (one micro-batch on the worst stage)\n", peak);
   // The schedule: DynaPipe's adaptive order under a rank's memory limit, simulated beside 1F1B
-  // on the same micro-batches (MicroBatchTableCost: each micro-batch's stage seconds and bytes).
-  std::vector<double> bytes;
-  for (const auto& mb : mbs) bytes.push_back(cost.activation_bytes(mb.work));
+  // on the same micro-batches (MicroBatchTableCost: each micro-batch's stage seconds and bytes,
+  // a RECOMPUTE before the backward of those that recompute).
   const double rank_limit =
-      o.rank_memory > 0.0 ? o.rank_memory
-                          : std::max(o.stages * limit, *std::max_element(bytes.begin(), bytes.end()));
-  const auto adaptive = batching::order_adaptive(seconds, bytes, o.stages, rank_limit);
+      o.rank_memory > 0.0
+          ? o.rank_memory
+          : std::max(o.stages * limit, *std::max_element(table.peak_bytes.begin(),
+                                                         table.peak_bytes.end()));
+  const auto adaptive = batching::order_adaptive(table, o.stages, rank_limit);
   std::string order;
   for (const int m : adaptive.order) order += fmt::format("{}{}", order.empty() ? "" : " ", m);
   fmt::print("schedule by DynaPipe's ordering (section 5), at most {:.4g} bytes of activations "
@@ -194,14 +235,9 @@ int run(const Options& o) {
              "adaptive schedule in the input order {:.6g} s)\n",
              rank_limit, adaptive.generator, order, adaptive.makespan_seconds,
              adaptive.orders_tried, adaptive.input_order_makespan_seconds);
-  const batching::MicroBatchTableCost table(seconds, bytes, 1.0 / 3.0);
-  std::vector<double> ordered_s, ordered_b;
-  for (const int m : adaptive.order) {
-    ordered_s.push_back(seconds[static_cast<std::size_t>(m)]);
-    ordered_b.push_back(bytes[static_cast<std::size_t>(m)]);
-  }
   const auto chosen = sim::simulate(schedule::lower(adaptive.schedule),
-                                    batching::MicroBatchTableCost(ordered_s, ordered_b, 1.0 / 3.0));
+                                    batching::MicroBatchTableCost(table.permuted(adaptive.order),
+                                                                  1.0 / 3.0));
   std::string peaks;
   for (const double b : chosen.peak_memory_bytes)
     peaks += fmt::format("{}{:.4g}", peaks.empty() ? "" : " ", b);
@@ -215,7 +251,10 @@ int run(const Options& o) {
   sim::SimOptions sopt;
   sopt.record_timeline = false;
   const auto ofob = sim::simulate(
-      schedule::lower(schedule::one_f_one_b({o.stages, static_cast<int>(mbs.size())})), table, sopt);
+      schedule::lower(schedule::with_recompute(
+          schedule::one_f_one_b({o.stages, static_cast<int>(mbs.size())}),
+          table.any_recompute() ? std::span<const char>(table.recompute) : std::span<const char>())),
+      batching::MicroBatchTableCost(table, 1.0 / 3.0), sopt);
   fmt::print("1f1b on the same micro-batches: simulated iteration {:.6g} s, peak {:.4g} bytes of "
              "activations on rank 0\n",
              ofob.makespan, ofob.peak_memory_bytes.front());
@@ -256,7 +295,10 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(cli::number_in<int>(1, 1 << 24, "a whole number from 1 to 16777216"))
       ->capture_default_str();
   sub.add_option("--memory-limit", o->memory_limit,
-                 "Dynamic: activation bytes one micro-batch may take on a stage")
+                 "Bytes of activations one micro-batch may keep on a stage from its forward to "
+                 "its backward (default: one --token-budget sequence's; dynamic's DP limit). "
+                 "Given, it holds every batcher: a micro-batch over it recomputes (full) where "
+                 "its stage input fits, else it is an error")
       ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
   sub.add_option("--svg", o->svg, "Write the chosen schedule's simulated timeline as SVG");
   sub.add_flag("--histogram", o->histogram,
@@ -264,9 +306,16 @@ std::function<int()> setup(CLI::App& sub) {
                "samples cut to --token-budget + 1) and stop")
       ->needs(corpus);
   sub.add_option("--rank-memory", o->rank_memory,
-                 "The adaptive schedule: activation bytes one rank may hold at once (default: "
-                 "stages x the micro-batch memory limit, or the largest micro-batch's bytes if more)")
+                 "The adaptive schedule: activation bytes one rank may hold at once, and a "
+                 "recomputing micro-batch's peak limit (default: stages x the micro-batch memory "
+                 "limit; for the schedule, the largest micro-batch's bytes if more)")
       ->check(cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  sub.add_option("--recompute", o->recompute,
+                 "auto: a micro-batch whose activations do not fit --memory-limit recomputes its "
+                 "stage's forward before the backward (DynaPipe's choice per micro-batch, priced "
+                 "in the DP); none: it may not")
+      ->check(CLI::IsMember({"auto", "none"}))
+      ->capture_default_str();
   return [o, lengths, corpus] {
     BRIGADE_CHECK(lengths->count() + corpus->count() > 0, Errc::InvalidArgument,
                   "plan-batches: give a lengths file or --corpus");

@@ -16,6 +16,7 @@
 #include <brigade/model/tokenizer.hpp>
 #include <brigade/model/weights.hpp>
 #include <brigade/partition/partition.hpp>
+#include <brigade/schedule/recompute.hpp>
 #include <brigade/schedule/registry.hpp>
 #include <brigade/sim/simulator.hpp>
 #include <brigade/transport/in_process.hpp>
@@ -53,6 +54,9 @@ struct TrainArgs {
   std::vector<std::string> batchings;  // --batching: one run per batcher, one after the other
   std::string batching;  // the run's batcher; empty: the Packer's stream under the fixed plan
   bool metrics_append = false;  // a later run of several --batching: add to the metrics file
+  double memory_limit = 0.0;  // --memory-limit: bytes per micro-batch on a stage (0: the default)
+  double rank_memory = 0.0;   // --rank-memory: bytes of activations per rank (0: the default)
+  std::string recompute = "auto";  // --recompute auto|none
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -87,15 +91,19 @@ struct BatchedStep {
   std::int64_t padding = 0;        ///< pad rows the forward computes (target -1)
   double predicted_seconds = 0.0;  ///< DynaPipe's (S - 1) x slowest + sum, stage_cost seconds
   std::int64_t position = 0;       ///< the data stream's position after this step's samples
+  std::vector<int> recomputed;     ///< the micro-batches (in the step's order) that recompute
 };
 
 /// A global batch of `samples` split by the --batching batcher: padding (samples_per_microbatch
 /// = ceil(n / M), padded to each micro-batch's longest), packing (Megatron rows of
 /// --tokens-per-microbatch tokens, one row per micro-batch), offsets (a token budget of
 /// --tokens-per-microbatch) under --schedule with as many micro-batches as the batcher made;
-/// dynamic (DynaPipe's DP under a memory limit of one --tokens-per-microbatch sequence per
-/// micro-batch, ordered by order_adaptive under ranks x that limit per rank) under the
-/// adaptive schedule.
+/// dynamic (DynaPipe's DP under a memory limit per micro-batch, --memory-limit or one
+/// --tokens-per-microbatch sequence's activations, each micro-batch in the fastest recompute
+/// mode that fits, ordered by order_adaptive under --rank-memory per rank, default ranks x that
+/// limit) under the adaptive schedule (or 1F1B). With an explicit --memory-limit the other
+/// batchers' micro-batches are held to it too: one over it recomputes (choose_recompute, the
+/// dynamic batcher's rule), one that fits in no mode is a named error.
 BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample> samples,
                        const brigade::plan::Plan& base, const brigade::batching::MicroBatchCost& cost) {
   using namespace brigade;
@@ -105,16 +113,26 @@ BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample
     lengths.push_back({static_cast<std::int64_t>(smp.tokens.size()) - 1, smp.task,
                        static_cast<std::int64_t>(lengths.size())});
   const std::int64_t budget = a.tokens_per_microbatch;
+  const double limit =
+      a.memory_limit > 0.0
+          ? a.memory_limit
+          : cost.activation_bytes(batching::varlen_work(budget, 1, batching::causal_pairs(budget)));
+  const double rank_limit = a.rank_memory > 0.0 ? a.rank_memory : P * limit;
+  batching::DynamicOptions opt;
+  opt.recompute = a.recompute == "auto";
+  opt.peak_limit_bytes = rank_limit;
   BatchedStep out;
   std::vector<batching::MicroBatch> mbs;
+  std::vector<double> seconds;
   if (a.batching == "dynamic") {
-    const double limit =
-        cost.activation_bytes(batching::varlen_work(budget, 1, batching::causal_pairs(budget)));
-    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
-    const double rank_limit = std::max(
-        P * limit, *std::max_element(dyn.activation_bytes.begin(), dyn.activation_bytes.end()));
-    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, rank_limit);
-    for (const int m : ordered.order) mbs.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+    const auto dyn = batching::DynamicBatcher(cost, P, limit, opt).solve(lengths);
+    const auto ordered = batching::order_adaptive(dyn.costs, P, rank_limit);
+    for (const int m : ordered.order) {
+      const auto k = static_cast<std::size_t>(m);
+      mbs.push_back(dyn.microbatches[k]);
+      seconds.push_back(dyn.costs.seconds[k]);
+      if (dyn.costs.recompute[k] != 0) out.recomputed.push_back(static_cast<int>(mbs.size()) - 1);
+    }
     out.plan.emplace(base.partition(), ordered.schedule, batching::work_of(mbs));
   } else {
     if (a.batching == "padding") {
@@ -125,16 +143,39 @@ BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample
     } else {
       mbs = batching::OffsetsBatcher{budget}.plan(lengths);
     }
+    std::vector<char> flags(mbs.size(), 0);
+    for (std::size_t m = 0; m < mbs.size(); ++m) {
+      if (a.memory_limit <= 0.0) {  // no cap given: the static batchers run as they are
+        seconds.push_back(cost.seconds(mbs[m].work));
+        continue;
+      }
+      const auto c = batching::choose_recompute(cost, mbs[m].work, limit, opt);
+      BRIGADE_CHECK(c.fits, Errc::InvalidArgument,
+                    "--batching {}: micro-batch {} ({} rows, {} samples) needs {} bytes of "
+                    "activations on a stage, more than --memory-limit {} bytes{}",
+                    a.batching, m, mbs[m].work.tokens, mbs[m].samples.size(), c.activation_bytes,
+                    limit,
+                    opt.recompute ? fmt::format(", and with full recompute it keeps {} bytes and "
+                                                "peaks at {} (--rank-memory {} bytes)",
+                                                c.checkpoint_bytes, c.activation_bytes, rank_limit)
+                                  : std::string(" (--recompute none)"));
+      seconds.push_back(c.seconds);
+      if (c.mode == batching::Recompute::Full) {
+        flags[m] = 1;
+        out.recomputed.push_back(static_cast<int>(m));
+      }
+    }
     schedule::Params params;
     params.ranks = P;
     params.virtual_stages = base.shape().num_virtual_stages / P;
     params.microbatches = static_cast<int>(mbs.size());
-    out.plan.emplace(base.partition(), schedule::generate(a.schedule, params),
+    out.plan.emplace(base.partition(),
+                     schedule::with_recompute(schedule::generate(a.schedule, params),
+                                              out.recomputed.empty() ? std::span<const char>()
+                                                                     : std::span<const char>(flags)),
                      batching::work_of(mbs));
   }
-  std::vector<double> seconds;
   for (const auto& mb : mbs) {
-    seconds.push_back(cost.seconds(mb.work));
     out.padding += mb.padding_tokens();
     out.batches.push_back(a.batching == "padding"   ? data::pack_padded(samples, mb)
                           : a.batching == "packing" ? data::pack_rows(samples, mb, budget)
@@ -154,6 +195,8 @@ struct RunSummary {
   double predicted_seconds = 0.0;  ///< the cost model's iteration seconds, summed
   std::vector<double> peak_measured, peak_simulated;  ///< per rank, bytes, the most over steps
   double loss = 0.0;                                  ///< the last step's loss
+  std::int64_t microbatches = 0;  ///< micro-batches run, over all steps
+  std::int64_t recomputed = 0;    ///< of them, those that recomputed
 };
 
 /// What the loop calls to run a step over the integrity decorators and to read what they saw.
@@ -219,6 +262,7 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
   std::vector<double> peak_measured, peak_simulated;  // per rank, the most over the steps
   std::int64_t tokens = 0, padding = 0;
   double predicted_sum = 0;  // --batching: the cost model's iteration seconds, summed
+  std::int64_t microbatches = 0, recomputed = 0;  // over the steps
   double last_loss = 0;
   int done = 0, dropped = 0, skipped = 0;
   cli::IntegrityCounts seen;  // the integrity counts up to the last step
@@ -275,6 +319,8 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
     }
     padding += bs.padding;
     predicted_sum += bs.predicted_seconds;
+    microbatches += static_cast<std::int64_t>(batches.size());
+    recomputed += static_cast<std::int64_t>(bs.recomputed.size());
     seconds += r.seconds;
     tokens += r.tokens;
     ++done;
@@ -313,6 +359,7 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
         j["microbatches"] = batches.size();
         j["padding_tokens"] = bs.padding;
         j["predicted_seconds"] = bs.predicted_seconds;
+        j["recompute_microbatches"] = bs.recomputed;
       }
       std::int64_t sent = 0;
       for (int rank = 0; rank < r.timeline.num_ranks(); ++rank) sent += r.timeline.bytes(rank, true);
@@ -349,9 +396,11 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
         simulated_sum / done);
     if (!a.batching.empty())
       say("batching {}: {:.1f} useful (non-pad) tokens/s measured, {:.1f} predicted by the cost "
-          "model ((S - 1) x slowest + sum of micro-batch seconds); {} pad tokens computed\n",
+          "model ((S - 1) x slowest + sum of micro-batch seconds); {} pad tokens computed; {} of "
+          "{} micro-batches recomputed (full recompute where a micro-batch's activations did "
+          "not fit)\n",
           a.batching, static_cast<double>(tokens) / seconds,
-          static_cast<double>(tokens) / predicted_sum, padding);
+          static_cast<double>(tokens) / predicted_sum, padding, recomputed, microbatches);
     auto mib = [](const std::vector<double>& v) {
       std::string out;
       for (double x : v) out += fmt::format("{}{:.2f}", out.empty() ? "" : " ", x / (1 << 20));
@@ -375,8 +424,8 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
     say("checkpoint: {} (brigade generate --model {})\n", (ckpt / "model.bin").string(),
         (ckpt / "model.bin").string());
   if (root && !a.trace.empty()) io::write_chrome_trace(a.trace, trace_tl, "rank");
-  return {a.batching,    done,          tokens,         padding,  seconds,
-          predicted_sum, peak_measured, peak_simulated, last_loss};
+  return {a.batching,    done,           tokens,    padding,      seconds,   predicted_sum,
+          peak_measured, peak_simulated, last_loss, microbatches, recomputed};
 }
 
 /// The --batching table of several runs: useful tokens/s measured and predicted, pad tokens,
@@ -388,16 +437,17 @@ std::string batching_table(std::span<const RunSummary> runs) {
     for (double x : v) out += fmt::format("{}{:.1f}", out.empty() ? "" : "/", x / (1 << 20));
     return out;
   };
-  std::string out = fmt::format("{:<9} {:>10} {:>10} {:>10} {:>10} {:>10}  {:<24} {:<24}\n",
-                                "batching", "useful t/s", "predicted", "pad tokens", "step s",
-                                "predicted", "peak MiB/rank measured", "peak MiB/rank simulated");
+  std::string out = fmt::format(
+      "{:<9} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10}  {:<24} {:<24}\n", "batching",
+      "useful t/s", "predicted", "pad tokens", "recomputed", "step s", "predicted",
+      "peak MiB/rank measured", "peak MiB/rank simulated");
   for (const auto& r : runs) {
     const double steps = std::max(1, r.steps);
-    out += fmt::format("{:<9} {:>10.1f} {:>10.1f} {:>10} {:>10.4f} {:>10.4f}  {:<24} {:<24}\n",
+    out += fmt::format("{:<9} {:>10.1f} {:>10.1f} {:>10} {:>12} {:>10.4f} {:>10.4f}  {:<24} {:<24}\n",
                        r.batching, static_cast<double>(r.tokens) / r.seconds,
                        static_cast<double>(r.tokens) / r.predicted_seconds, r.padding,
-                       r.seconds / steps, r.predicted_seconds / steps, mib(r.peak_measured),
-                       mib(r.peak_simulated));
+                       fmt::format("{}/{}", r.recomputed, r.microbatches), r.seconds / steps,
+                       r.predicted_seconds / steps, mib(r.peak_measured), mib(r.peak_simulated));
   }
   const auto find = [&](const char* name) -> const RunSummary* {
     for (const auto& r : runs)
@@ -508,6 +558,10 @@ int run(const TrainArgs& a) {
                 "--batching dynamic runs DynaPipe's adaptive schedule over one stage per rank; "
                 "--virtual {} (from --schedule {}) must be 1",
                 a.virtual_stages, a.schedule);
+  BRIGADE_CHECK(!a.batchings.empty() || (a.memory_limit <= 0.0 && a.rank_memory <= 0.0),
+                Errc::InvalidArgument,
+                "--memory-limit and --rank-memory hold the micro-batches of --batching; without "
+                "--batching a step runs --microbatches micro-batches of the data stream");
   const bool several =
       std::set<std::string>(a.batchings.begin(), a.batchings.end()).size() > 1;
   BRIGADE_CHECK(!several || (a.checkpoint_dir.empty() && !a.resume), Errc::InvalidArgument,
@@ -645,6 +699,24 @@ std::function<int()> setup(CLI::App& sub) {
                  "under the one plan of --schedule")
       ->delimiter(',')
       ->check(CLI::IsMember({"padding", "packing", "offsets", "dynamic"}));
+  sub.add_option("--memory-limit", a->memory_limit,
+                 "--batching: bytes of activations one micro-batch may keep on a stage from its "
+                 "forward to its backward (DynaPipe's per-micro-batch limit); default: one "
+                 "--tokens-per-microbatch sequence's, for dynamic only. Given, it holds every "
+                 "batcher's micro-batches: one over it recomputes its stage's forward before the "
+                 "backward (full recompute, where the stage input fits), one that fits in no way "
+                 "is an error")
+      ->check(brigade::cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  sub.add_option("--rank-memory", a->rank_memory,
+                 "--batching: bytes of activations one rank may hold at once (the adaptive "
+                 "schedule's limit, and a recomputing micro-batch's peak); default: ranks x "
+                 "--memory-limit")
+      ->check(brigade::cli::number_in<double>(0, 1e18, "a number of bytes above 0", true));
+  sub.add_option("--recompute", a->recompute,
+                 "--batching: auto (a micro-batch whose activations do not fit --memory-limit "
+                 "recomputes, DynaPipe's choice per micro-batch, priced in the DP) or none")
+      ->check(CLI::IsMember({"auto", "none"}))
+      ->capture_default_str();
   sub.add_option("--steps", a->steps,
                  "optimizer steps (the total, when resuming; keep it the same to continue exactly: "
                  "the learning-rate schedule depends on it)")

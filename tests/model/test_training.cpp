@@ -750,9 +750,11 @@ TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive 
     // A memory limit of two of the longest samples: several micro-batches of unequal size.
     const double limit =
         cost.activation_bytes(batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
-    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
+    batching::DynamicOptions opt;
+    opt.peak_limit_bytes = 2 * limit;  // the schedule's per-rank limit
+    const auto dyn = batching::DynamicBatcher(cost, P, limit, opt).solve(lengths);
     REQUIRE(dyn.microbatches.size() >= 3);
-    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, 2 * limit);
+    const auto ordered = batching::order_adaptive(dyn.costs, P, 2 * limit);
     std::vector<data::PackedBatch> batches;
     std::vector<batching::MicroBatch> in_order;
     for (const int m : ordered.order) {
@@ -767,6 +769,102 @@ TEST_CASE("training.gradients.dynamic: dynamic micro-batches under the adaptive 
     const auto step = eng.compute_gradients(batches);
     CHECK(step.tokens == ref_step.tokens);
     check_matches_reference(step, eng.gradients(), ref_step, ref_grads);
+  }
+}
+
+// issue 15: DynaPipe's recompute choice per micro-batch. Under a memory limit tighter than the
+// longest samples' activations the DP recomputes the micro-batches that do not fit; the plan's
+// schedule carries RECOMPUTE for them, the executor drops their activations after F and
+// rebuilds them, the gradients are the same bits as without recompute, and the memory the
+// executor measures is the simulator's (to the byte) and lower than without recompute.
+TEST_CASE("training.recompute: micro-batches the DP recomputes give the no-recompute gradients "
+          "bit for bit, and the measured peak per rank is the simulated one under the limit "
+          "(1-3 stages)") {
+  const auto samples = varied_samples();
+  const auto lengths = lengths_of(samples);
+  std::int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l.tokens);
+  const model::ModelSpec spec(stories().config);
+  auto strip_recompute = [](schedule::Schedule s) {
+    for (auto& prog : s.ranks)
+      prog.erase(std::remove_if(prog.begin(), prog.end(),
+                                [](const schedule::Action& a) { return a.op == schedule::Op::Recompute; }),
+                 prog.end());
+    return s;
+  };
+  for (int P = 1; P <= 3; ++P) {
+    CAPTURE(P);
+    const auto partition = partition::uniform(spec, P);
+    const auto cost = batching::stage_cost(spec, partition, model::roofline_layer_seconds());
+    // Per micro-batch: 60% of the longest sample's activations, so the longest samples fit only
+    // with recompute; per rank (the schedule's limit, and a recomputing micro-batch's peak):
+    // twice the longest sample's.
+    const double alone = cost.activation_bytes(batching::varlen_work(longest, 1, batching::causal_pairs(longest)));
+    const double limit = 0.6 * alone, rank_limit = 2.0 * alone;
+    batching::DynamicOptions opt;
+    opt.peak_limit_bytes = rank_limit;
+    const auto dyn = batching::DynamicBatcher(cost, P, limit, opt).solve(lengths);
+    REQUIRE(dyn.costs.any_recompute());
+    REQUIRE(std::count(dyn.costs.recompute.begin(), dyn.costs.recompute.end(), 0) >= 1);
+    // Without the recompute choice the same limit has no split: the longest sample is named.
+    batching::DynamicOptions none = opt;
+    none.recompute = false;
+    CHECK(test::error_of(Errc::InvalidArgument,
+                         [&] { (void)batching::DynamicBatcher(cost, P, limit, none).solve(lengths); })
+              .find(fmt::format("({} tokens) needs", longest)) != std::string::npos);
+
+    const auto ordered = batching::order_adaptive(dyn.costs, P, rank_limit);
+    const auto table = dyn.costs.permuted(ordered.order);
+    std::vector<data::PackedBatch> batches;
+    std::vector<batching::MicroBatch> in_order;
+    for (const int m : ordered.order) {
+      in_order.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);
+      batches.push_back(data::pack_offsets(samples, in_order.back()));
+    }
+    // The plan's schedule recomputes exactly the micro-batches the DP chose, on every rank.
+    for (const auto& prog : ordered.schedule.ranks) {
+      std::vector<int> rc;
+      for (const auto& a : prog)
+        if (a.op == schedule::Op::Recompute) rc.push_back(a.microbatch);
+      std::vector<int> want;
+      for (std::size_t m = 0; m < table.size(); ++m)
+        if (table.recompute[m] != 0) want.push_back(static_cast<int>(m));
+      std::sort(rc.begin(), rc.end());
+      CHECK(rc == want);
+    }
+    const plan::Plan with_rc(partition, ordered.schedule, batching::work_of(in_order));
+    const plan::Plan without_rc(partition, strip_recompute(ordered.schedule),
+                                batching::work_of(in_order));
+    engine::TrainingEngine a(stories(), with_rc), b(stories(), without_rc);
+    const auto sa = a.compute_gradients(batches);
+    const auto sb = b.compute_gradients(batches);
+    // Recomputing re-runs the same kernels on the same input: the same bits.
+    CHECK(sa.loss == sb.loss);
+    CHECK(sa.tokens == sb.tokens);
+    CHECK(a.gradients() == b.gradients());
+    // Memory: the simulator over the plan's micro-batches (the roofline model's sizes: stashes,
+    // checkpoints, messages, windows) is what the executor measured, rank by rank.
+    const engine::MeasuredCostModel sizes(
+        with_rc.shape(), sa.timeline, cost::RooflineCostModel(spec, with_rc));
+    const auto sim = sim::simulate(with_rc, sizes);
+    // The activations the schedule holds (MicroBatchTableCost: each micro-batch's bytes on its
+    // worst stage, checkpoints until RECOMPUTE) stay under the per-rank limit.
+    const auto held = sim::simulate(schedule::lower(ordered.schedule),
+                                    batching::MicroBatchTableCost(table, 1.0 / 3.0));
+    REQUIRE(sa.peak_memory_bytes.size() == static_cast<std::size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      CAPTURE(r);
+      const auto ur = static_cast<std::size_t>(r);
+      CHECK(held.peak_memory_bytes[ur] <= rank_limit * (1 + 1e-9));
+      CHECK(std::abs(sa.peak_memory_bytes[ur] - sim.peak_memory_bytes[ur]) <=
+            0.10 * sim.peak_memory_bytes[ur]);
+#ifdef __GLIBCXX__
+      CHECK(sa.peak_memory_bytes[ur] == sim.peak_memory_bytes[ur]);
+#endif
+    }
+    // Dropping the recomputed micro-batches' activations after F lowers the measured peak of the
+    // first rank (it holds the most in flight).
+    CHECK(sa.peak_memory_bytes[0] < sb.peak_memory_bytes[0]);
   }
 }
 
@@ -869,8 +967,10 @@ TEST_CASE("training.task-loss: each task's mean loss equals a direct one-stage c
     const auto cost = batching::stage_cost(spec, partition, model::roofline_layer_seconds());
     const double limit = cost.activation_bytes(
         batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
-    const auto dyn = batching::DynamicBatcher(cost, P, limit).solve(lengths);
-    const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, P, 2 * limit);
+    batching::DynamicOptions opt;
+    opt.peak_limit_bytes = 2 * limit;
+    const auto dyn = batching::DynamicBatcher(cost, P, limit, opt).solve(lengths);
+    const auto ordered = batching::order_adaptive(dyn.costs, P, 2 * limit);
     std::vector<data::PackedBatch> batches;
     std::vector<batching::MicroBatch> in_order;
     for (const int m : ordered.order) {
@@ -979,8 +1079,10 @@ TEST_CASE("training.step-plans: steps of offsets, dynamic and 2 micro-batches ru
       for (const auto& l : lens) longest = std::max(longest, l.tokens);
       const double limit = cost.activation_bytes(
           batching::varlen_work(2 * longest, 2, 2 * batching::causal_pairs(longest)));
-      const auto dyn = batching::DynamicBatcher(cost, 2, limit).solve(lens);
-      const auto ordered = batching::order_adaptive(dyn.seconds, dyn.activation_bytes, 2, 2 * limit);
+      batching::DynamicOptions opt;
+      opt.peak_limit_bytes = 2 * limit;
+      const auto dyn = batching::DynamicBatcher(cost, 2, limit, opt).solve(lens);
+      const auto ordered = batching::order_adaptive(dyn.costs, 2, 2 * limit);
       std::vector<batching::MicroBatch> in_order;
       for (const int m : ordered.order) {
         in_order.push_back(dyn.microbatches[static_cast<std::size_t>(m)]);

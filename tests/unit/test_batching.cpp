@@ -38,54 +38,87 @@ void check_work(const MicroBatch& mb, std::int64_t tokens, std::int64_t sequence
 }
 
 // A closed-form cost: a fixed overhead per micro-batch, linear work per token, attention
-// per causal pair; memory = tokens.
-batching::MicroBatchCost toy_cost() {
-  return {[](const model::WorkItem& w) {
-            const double t = static_cast<double>(w.tokens);
-            return 0.5 + 0.1 * t + 0.01 * t * w.context;
-          },
-          [](const model::WorkItem& w) { return static_cast<double>(w.tokens); }};
+// per causal pair; memory = tokens. With `recompute`, full recompute adds 0.05 s a token (the
+// forward again) and keeps a tenth of the bytes.
+batching::MicroBatchCost toy_cost(bool recompute = false) {
+  batching::MicroBatchCost c;
+  c.seconds = [](const model::WorkItem& w) {
+    const double t = static_cast<double>(w.tokens);
+    return 0.5 + 0.1 * t + 0.01 * t * w.context;
+  };
+  c.activation_bytes = [](const model::WorkItem& w) { return static_cast<double>(w.tokens); };
+  if (recompute) {
+    c.recompute_seconds = [s = c.seconds](const model::WorkItem& w) {
+      return s(w) + 0.05 * static_cast<double>(w.tokens);
+    };
+    c.checkpoint_bytes = [](const model::WorkItem& w) { return static_cast<double>(w.tokens) / 10.0; };
+  }
+  return c;
 }
 
-// Brute force: every split of the length-sorted samples into consecutive ranges.
+// Brute force: every split of the length-sorted samples into consecutive ranges, and every
+// assignment of a mode (none, or full recompute where the cost offers it) to the ranges; a
+// range fits without recompute when its activation bytes are at most `limit`, with full
+// recompute when its checkpoint bytes are and its activation bytes are at most `peak`.
 double brute_force(std::span<const SampleLength> samples, const batching::MicroBatchCost& cost,
-                   int stages, double limit) {
+                   int stages, double limit,
+                   double peak = std::numeric_limits<double>::infinity()) {
   std::vector<std::int64_t> sorted;
   for (const auto& s : samples) sorted.push_back(s.tokens);
   std::stable_sort(sorted.begin(), sorted.end());
   const auto n = sorted.size();
+  const bool rc = cost.offers_recompute();
   double best = std::numeric_limits<double>::infinity();
   for (std::uint64_t mask = 0; mask < (std::uint64_t{1} << (n - 1)); ++mask) {
-    std::vector<double> times;
-    bool fits = true;
+    std::vector<model::WorkItem> ranges;
     std::int64_t tokens = 0;
     double pairs = 0.0, count = 0;
-    for (std::size_t k = 0; k < n && fits; ++k) {
+    for (std::size_t k = 0; k < n; ++k) {
       tokens += sorted[k];
       pairs += static_cast<double>(sorted[k]) * static_cast<double>(sorted[k] + 1) / 2.0;
       ++count;
       if (k + 1 == n || ((mask >> k) & 1U)) {
-        const model::WorkItem w{tokens, static_cast<std::int64_t>(count),
-                                pairs / static_cast<double>(tokens)};
-        fits = cost.activation_bytes(w) <= limit;
-        times.push_back(cost.seconds(w));
+        ranges.push_back({tokens, static_cast<std::int64_t>(count),
+                          pairs / static_cast<double>(tokens)});
         tokens = 0;
         pairs = 0.0;
         count = 0;
       }
     }
-    if (fits) best = std::min(best, batching::predicted_iteration_seconds(times, stages));
+    const std::uint64_t modes = rc ? std::uint64_t{1} << ranges.size() : 1;
+    for (std::uint64_t mode = 0; mode < modes; ++mode) {
+      std::vector<double> times;
+      bool fits = true;
+      for (std::size_t r = 0; r < ranges.size() && fits; ++r) {
+        const auto& w = ranges[r];
+        if ((mode >> r) & 1U) {
+          fits = cost.checkpoint_bytes(w) <= limit && cost.activation_bytes(w) <= peak;
+          times.push_back(cost.recompute_seconds(w));
+        } else {
+          fits = cost.activation_bytes(w) <= limit;
+          times.push_back(cost.seconds(w));
+        }
+      }
+      if (fits) best = std::min(best, batching::predicted_iteration_seconds(times, stages));
+    }
   }
   return best;
 }
 
-// Every sample exactly once, and each micro-batch under the limit.
+// Every sample exactly once, and each micro-batch in a mode that fits.
 void check_cover(std::span<const SampleLength> samples, const batching::DynamicPlan& plan,
-                 double limit) {
+                 double limit, double peak = std::numeric_limits<double>::infinity()) {
   std::vector<int> seen(samples.size(), 0);
+  REQUIRE(plan.costs.size() == plan.microbatches.size());
   for (std::size_t m = 0; m < plan.microbatches.size(); ++m) {
     for (const auto p : plan.microbatches[m].samples) ++seen[static_cast<std::size_t>(p)];
-    CHECK(plan.activation_bytes[m] <= limit);
+    CHECK(plan.costs.held_bytes[m] <= limit);
+    if (plan.costs.recompute[m] != 0) {
+      CHECK(plan.costs.peak_bytes[m] > limit);  // recompute only where it must
+      CHECK(plan.costs.peak_bytes[m] <= peak);
+    } else {
+      CHECK(plan.costs.peak_bytes[m] == plan.costs.held_bytes[m]);
+    }
   }
   for (const int s : seen) CHECK(s == 1);
 }
@@ -150,8 +183,8 @@ TEST_CASE("batching: dynamic splits the length-sorted samples by the pipeline's 
     CHECK(plan.microbatches[0].samples == Positions{2, 0, 4});
     CHECK(plan.microbatches[1].samples == Positions{3, 1});
     check_work(plan.microbatches[1], 12, 2, (15.0 + 28.0) / 12.0, 12, 7);
-    CHECK(plan.seconds[0] == doctest::Approx(1.59));
-    CHECK(plan.seconds[1] == doctest::Approx(2.13));
+    CHECK(plan.costs.seconds[0] == doctest::Approx(1.59));
+    CHECK(plan.costs.seconds[1] == doctest::Approx(2.13));
     CHECK(plan.iteration_seconds == doctest::Approx(3.72));
   }
   SUBCASE("three stages: the slowest micro-batch weighs twice more, so it is split") {
@@ -161,14 +194,55 @@ TEST_CASE("batching: dynamic splits the length-sorted samples by the pipeline's 
     CHECK(plan.microbatches[1].samples == Positions{3});
     CHECK(plan.microbatches[2].samples == Positions{1});
     CHECK(plan.iteration_seconds == doctest::Approx(2 * 1.59 + 1.59 + 1.15 + 1.48));
-    CHECK(plan.activation_bytes == std::vector<double>{9.0, 5.0, 7.0});
+    CHECK(plan.costs.peak_bytes == std::vector<double>{9.0, 5.0, 7.0});
+    CHECK(plan.costs.recompute == std::vector<char>{0, 0, 0});
   }
 }
 
-TEST_CASE("batching: the dynamic DP equals brute force over all consecutive splits") {
+TEST_CASE("batching: dynamic recomputes the micro-batches that do not fit, where it pays") {
+  // Sorted 2 3 4 7 12 = positions 2 0 4 1 3; a micro-batch keeps its tokens in bytes (a tenth
+  // with full recompute, which costs 0.05 s a token), at most 10 bytes held and 20 at the peak.
+  // One stage: the objective is the sum, 0.5 per micro-batch + 0.1 per token + 0.01 per causal
+  // pair (fixed: 2.8 + 1.25) + 0.05 per recomputed token. Sample 3 (12 tokens) must recompute;
+  // joining 7 to it (19 tokens recomputed, 2 micro-batches: 1.95) beats every other split
+  // (2 3 4 7 | 12: 2.4; 2 3 4 | 7 | 12 unjoined: 2.1; 28 tokens at once peaks over 20).
+  const auto s = lengths({3, 7, 2, 12, 4});
+  batching::DynamicOptions opt;
+  opt.peak_limit_bytes = 20.0;
+  const auto plan = batching::DynamicBatcher(toy_cost(true), 1, 10.0, opt).solve(s);
+  REQUIRE(plan.microbatches.size() == 2);
+  CHECK(plan.microbatches[0].samples == Positions{2, 0, 4});
+  CHECK(plan.microbatches[1].samples == Positions{1, 3});
+  CHECK(plan.costs.recompute == std::vector<char>{0, 1});
+  CHECK(plan.costs.seconds[0] == doctest::Approx(1.59));
+  CHECK(plan.costs.seconds[1] == doctest::Approx(0.5 + 1.9 + 1.06 + 0.95));
+  CHECK(plan.costs.held_bytes == std::vector<double>{9.0, 1.9});
+  CHECK(plan.costs.peak_bytes == std::vector<double>{9.0, 19.0});
+  CHECK(plan.iteration_seconds == doctest::Approx(6.0));
+  CHECK(plan.iteration_seconds == doctest::Approx(brute_force(s, toy_cost(true), 1, 10.0, 20.0)));
+  // Without recompute (not offered, or turned off) the 12-token sample fits no micro-batch.
+  opt.recompute = false;
+  CHECK_THROWS_WITH_AS(batching::DynamicBatcher(toy_cost(true), 1, 10.0, opt).plan(s),
+                       doctest::Contains("sample 3 (12 tokens) needs 12 bytes"), Error);
+  // choose_recompute, the rule the DP applies to each range (and the CLI to static batchers'
+  // micro-batches): none when it fits, full when only its checkpoint does, else nothing fits.
+  opt.recompute = true;
+  const auto rc = toy_cost(true);
+  const auto none = batching::choose_recompute(rc, {8, 1, 4.5}, 10.0, opt);
+  CHECK((none.fits && none.mode == batching::Recompute::None && none.held_bytes() == 8.0));
+  const auto full = batching::choose_recompute(rc, {15, 1, 8.0}, 10.0, opt);
+  CHECK((full.fits && full.mode == batching::Recompute::Full));
+  CHECK(full.held_bytes() == 1.5);
+  CHECK(full.seconds == doctest::Approx(rc.seconds({15, 1, 8.0}) + 0.75));
+  CHECK_FALSE(batching::choose_recompute(rc, {25, 1, 13.0}, 10.0, opt).fits);   // over the peak
+  CHECK_FALSE(batching::choose_recompute(rc, {15, 1, 8.0}, 1.0, opt).fits);     // checkpoint over
+  CHECK_FALSE(batching::choose_recompute(toy_cost(), {15, 1, 8.0}, 10.0, opt).fits);  // not offered
+}
+
+TEST_CASE("batching: the dynamic DP equals brute force over all consecutive splits and modes") {
   std::mt19937_64 rng(15);
   const model::ModelSpec spec(model::named_config("42M"));
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < 90; ++trial) {
     const int n = std::uniform_int_distribution<int>(1, 11)(rng);
     std::lognormal_distribution<double> len(4.0, 1.2);
     std::vector<SampleLength> s;
@@ -180,25 +254,38 @@ TEST_CASE("batching: the dynamic DP equals brute force over all consecutive spli
       longest = std::max(longest, l);
     }
     const int stages = std::uniform_int_distribution<int>(1, 8)(rng);
-    // The calibrated cost's roofline form on the 42M shape, and the toy cost, alternately.
-    const bool real = trial % 2 == 0;
-    const auto cost = real ? batching::stage_cost(spec, partition::uniform(spec, std::min(stages, 8)),
-                                                  model::roofline_layer_seconds())
-                           : toy_cost();
+    // The calibrated cost's roofline form on the 42M shape (with full recompute), the toy cost
+    // with recompute and without, in turn.
+    const int kind = trial % 3;
+    const auto cost = kind == 0 ? batching::stage_cost(spec, partition::uniform(spec, std::min(stages, 8)),
+                                                       model::roofline_layer_seconds())
+                                : toy_cost(kind == 1);
     const double lo = cost.activation_bytes({longest, 1, static_cast<double>(longest + 1) / 2.0});
     const double hi = cost.activation_bytes({total, n, 1.0});
-    const double limit = lo + (hi - lo) * std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+    // The limit: anywhere from the longest sample's bytes (so each fits alone) to all of them;
+    // with recompute offered, down to a third of the longest's (it must recompute), and a peak
+    // limit from the longest's bytes to twice all of them, or none.
+    const double from = cost.offers_recompute() ? lo / 3.0 : lo;
+    const double limit = from + (hi - from) * std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+    batching::DynamicOptions opt;
+    if (trial % 4 != 3)
+      opt.peak_limit_bytes = lo + (2 * hi - lo) * std::uniform_real_distribution<double>(0.0, 1.0)(rng);
     CAPTURE(trial);
     CAPTURE(n);
     CAPTURE(stages);
-    const auto plan = batching::DynamicBatcher(cost, stages, limit).solve(s);
-    CHECK(plan.iteration_seconds == doctest::Approx(brute_force(s, cost, stages, limit)).epsilon(1e-12));
-    check_cover(s, plan, limit);
+    CAPTURE(limit);
+    CAPTURE(opt.peak_limit_bytes);
+    const auto plan = batching::DynamicBatcher(cost, stages, limit, opt).solve(s);
+    CHECK(plan.iteration_seconds ==
+          doctest::Approx(brute_force(s, cost, stages, limit, opt.peak_limit_bytes)).epsilon(1e-12));
+    check_cover(s, plan, limit, opt.peak_limit_bytes);
     // Quantised bounds (two tried): never better than the optimum, still a valid split.
-    const auto coarse = batching::DynamicBatcher(cost, stages, limit, 2).solve(s);
+    batching::DynamicOptions coarse_opt = opt;
+    coarse_opt.max_bounds = 2;
+    const auto coarse = batching::DynamicBatcher(cost, stages, limit, coarse_opt).solve(s);
     CHECK(coarse.bounds_tried <= 2);
     CHECK(coarse.iteration_seconds >= plan.iteration_seconds * (1 - 1e-12));
-    check_cover(s, coarse, limit);
+    check_cover(s, coarse, limit, opt.peak_limit_bytes);
   }
 }
 
@@ -219,11 +306,27 @@ TEST_CASE("batching: bad inputs are named errors") {
                                          "a stage as a micro-batch of its own, more than the "
                                          "micro-batch memory limit of 10 bytes"),
                        Error);
+  // With full recompute: sample 3 of 25 tokens keeps 2.5 bytes from its forward to its
+  // recompute, within the limit, but peaks at 25, over the peak limit of 20.
+  batching::DynamicOptions peak20;
+  peak20.peak_limit_bytes = 20.0;
+  CHECK_THROWS_WITH_AS(
+      batching::DynamicBatcher(toy_cost(true), 2, 10.0, peak20).plan(lengths({3, 7, 2, 25, 4})),
+      doctest::Contains("sample 3 (25 tokens) needs 25 bytes of activations on a stage as a "
+                        "micro-batch of its own, more than the micro-batch memory limit of 10 "
+                        "bytes, and does not fit with full recompute either: it keeps 2.5 bytes "
+                        "from its forward to its recompute (limit 10 bytes) and peaks at 25 "
+                        "bytes (peak limit 20 bytes)"),
+      Error);
   CHECK_THROWS_WITH_AS(batching::OffsetsBatcher{8}.plan(lengths({3, 0})),
                        doctest::Contains("sample 1 has 0 tokens"), Error);
   CHECK_THROWS_AS(batching::DynamicBatcher(toy_cost(), 0, 10.0), Error);
   CHECK_THROWS_AS(batching::DynamicBatcher(toy_cost(), 2, 0.0), Error);
   CHECK_THROWS_AS(batching::DynamicBatcher({}, 2, 10.0), Error);
+  batching::DynamicOptions no_peak;
+  no_peak.peak_limit_bytes = 0.0;
+  CHECK_THROWS_WITH_AS(batching::DynamicBatcher(toy_cost(), 2, 10.0, no_peak),
+                       doctest::Contains("peak limit 0 bytes"), Error);
 }
 
 TEST_CASE("batching: stage_cost prices the slowest stage from the layer times") {
@@ -247,6 +350,20 @@ TEST_CASE("batching: stage_cost prices the slowest stage from the layer times") 
   CHECK(cost.activation_bytes(w) ==
         std::max({first.forward, first.backward_input, last.forward, last.backward_input}));
   CHECK(cost.seconds({600, 3, 50.5}) > cost.seconds(w));
+  // Full recompute: each stage's forward twice; it keeps the stage's input (300 x dim floats on
+  // the second stage, nothing on the first).
+  double with_rc = 0.0;
+  for (const auto& st : part.stages()) {
+    double sum = 0.0;
+    for (int l = st.first; l < st.last; ++l)
+      sum += 2 * ls(spec, l, w, model::Phase::Forward) + ls(spec, l, w, model::Phase::BackwardInput) +
+             ls(spec, l, w, model::Phase::BackwardWeight);
+    with_rc = std::max(with_rc, sum);
+  }
+  REQUIRE(cost.offers_recompute());
+  CHECK(cost.recompute_seconds(w) == doctest::Approx(with_rc).epsilon(1e-12));
+  CHECK(cost.checkpoint_bytes(w) == 300.0 * spec.config().dim * 4.0);
+  CHECK(cost::recompute_checkpoint_bytes(spec, part.stage(0), 300) == 0.0);
 }
 
 // issue 15 item 3: the next global batch is planned on a background thread while the current
@@ -284,7 +401,7 @@ TEST_CASE("batching.plan-ahead: plans made one ahead on another thread equal seq
     CHECK(got.microbatches.size() >= 2);
     for (std::size_t m = 0; m < got.microbatches.size(); ++m)
       CHECK(got.microbatches[m].samples == want[static_cast<std::size_t>(i)].microbatches[m].samples);
-    CHECK(got.seconds == want[static_cast<std::size_t>(i)].seconds);
+    CHECK(got.costs.seconds == want[static_cast<std::size_t>(i)].costs.seconds);
     CHECK(got.iteration_seconds == want[static_cast<std::size_t>(i)].iteration_seconds);
   }
   CHECK_THROWS_WITH_AS((void)ahead.next(), doctest::Contains("all 6 plans were taken"), Error);

@@ -61,15 +61,17 @@ TEST_CASE("plan-batches.cli: the four batchers on a lengths file") {
       batching::stage_cost(spec, partition::uniform(spec, 2), model::roofline_layer_seconds());
   const double limit = cost.activation_bytes(batching::varlen_work(10, 1, batching::causal_pairs(10)));
   const std::vector<batching::SampleLength> s{{3, 0, 0}, {7, 0, 1}, {2, 0, 2}, {5, 0, 3}, {4, 0, 4}};
-  const auto plan = batching::DynamicBatcher(cost, 2, limit).solve(s);
+  batching::DynamicOptions opt;
+  opt.peak_limit_bytes = 2 * limit;  // --rank-memory's default: stages x the micro-batch limit
+  const auto plan = batching::DynamicBatcher(cost, 2, limit, opt).solve(s);
   CHECK(has(dyn.out, fmt::format("micro-batches {};", plan.microbatches.size())));
   CHECK(has(dyn.out, fmt::format("predicted iteration {:.6g} s", plan.iteration_seconds)));
   double peak = 0.0;
-  for (const double b : plan.activation_bytes) peak = std::max(peak, b);
+  for (const double b : plan.costs.peak_bytes) peak = std::max(peak, b);
   CHECK(has(dyn.out, fmt::format("peak activation {:.6g} bytes", peak)));
   // The schedule lines: order_adaptive and 1F1B simulated over the same micro-batches, under a
   // rank limit of stages x the micro-batch limit (the default).
-  const auto ordered = batching::order_adaptive(plan.seconds, plan.activation_bytes, 2, 2 * limit);
+  const auto ordered = batching::order_adaptive(plan.costs, 2, 2 * limit);
   CHECK(has(dyn.out, fmt::format("simulated iteration {:.6g} s ({} orders tried",
                                  ordered.makespan_seconds, ordered.orders_tried)));
   CHECK(has(dyn.out, "1f1b on the same micro-batches: simulated iteration"));

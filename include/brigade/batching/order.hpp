@@ -3,9 +3,11 @@
 #pragma once
 
 #include "brigade/core/error.hpp"
+#include "brigade/batching/dynamic.hpp"
 #include "brigade/cost/cost_model.hpp"
 #include "brigade/schedule/adaptive.hpp"
 #include "brigade/schedule/lower.hpp"
+#include "brigade/schedule/recompute.hpp"
 #include "brigade/sim/simulator.hpp"
 
 #include <algorithm>
@@ -14,39 +16,53 @@
 #include <numeric>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace brigade::batching {
 inline namespace v0 {
 
-/// A cost model of per-micro-batch costs, the same on every stage: micro-batch m's forward
-/// takes forward_fraction x seconds[m], its backward the rest, it keeps bytes[m] from F to B,
-/// messages are free. What order_adaptive scores candidate orders with; a cost::CostModel.
+/// A cost model of per-micro-batch costs, the same on every stage (a MicroBatchTable): micro-
+/// batch m's forward takes forward_fraction x base[m], its backward the rest, a RECOMPUTE
+/// another forward, with base[m] = seconds[m] (seconds[m] / (1 + forward_fraction) when it
+/// recomputes, so that its F, RECOMPUTE and B add up to seconds[m]); its stash is peak_bytes[m]
+/// after F, RECOMPUTE and BI, and held_bytes[m] after an F whose RECOMPUTE follows
+/// (checkpoint_bytes); messages are free. What order_adaptive scores candidate orders with; a
+/// cost::CostModel.
 class MicroBatchTableCost {
  public:
-  /// @param seconds per micro-batch: F + B seconds on one stage (the slowest), >= 0
-  /// @param bytes   per micro-batch: activation bytes a stage keeps from F to B, >= 0
-  /// @param forward_fraction the forward's share of seconds, in (0, 1)
-  /// @throws brigade::Error{InvalidArgument} for spans of different sizes, a negative or
-  ///         non-finite entry, or a fraction outside (0, 1)
-  MicroBatchTableCost(std::span<const double> seconds, std::span<const double> bytes,
-                      double forward_fraction)
-      : seconds_(seconds.begin(), seconds.end()), bytes_(bytes.begin(), bytes.end()),
-        fraction_(forward_fraction) {
-    BRIGADE_CHECK(seconds.size() == bytes.size(), Errc::InvalidArgument,
-                  "MicroBatchTableCost: {} times and {} byte counts", seconds.size(), bytes.size());
+  /// @param table per micro-batch: seconds (>= 0), held and peak bytes (0 <= held <= peak; held
+  ///              = peak unless it recomputes), recompute flags (or none: no recompute)
+  /// @param forward_fraction the forward's share of a micro-batch's F + B seconds, in (0, 1)
+  /// @throws brigade::Error{InvalidArgument} for columns of different sizes, a negative or
+  ///         non-finite entry, held bytes above the peak (or below it without recompute), or a
+  ///         fraction outside (0, 1)
+  MicroBatchTableCost(MicroBatchTable table, double forward_fraction)
+      : t_(std::move(table)), fraction_(forward_fraction) {
+    const auto M = t_.seconds.size();
+    BRIGADE_CHECK(t_.held_bytes.size() == M && t_.peak_bytes.size() == M &&
+                      (t_.recompute.empty() || t_.recompute.size() == M),
+                  Errc::InvalidArgument,
+                  "MicroBatchTableCost: {} times, {} held and {} peak byte counts, {} recompute "
+                  "flags",
+                  M, t_.held_bytes.size(), t_.peak_bytes.size(), t_.recompute.size());
     BRIGADE_CHECK(forward_fraction > 0.0 && forward_fraction < 1.0, Errc::InvalidArgument,
                   "MicroBatchTableCost: forward fraction {}, expected in (0, 1)", forward_fraction);
-    for (std::size_t m = 0; m < seconds.size(); ++m)
-      BRIGADE_CHECK(seconds[m] >= 0.0 && std::isfinite(seconds[m]) && bytes[m] >= 0.0 &&
-                        std::isfinite(bytes[m]),
+    if (t_.recompute.empty()) t_.recompute.assign(M, 0);
+    for (std::size_t m = 0; m < M; ++m)
+      BRIGADE_CHECK(t_.seconds[m] >= 0.0 && std::isfinite(t_.seconds[m]) &&
+                        t_.held_bytes[m] >= 0.0 && std::isfinite(t_.peak_bytes[m]) &&
+                        (t_.recompute[m] != 0 ? t_.held_bytes[m] <= t_.peak_bytes[m]
+                                              : t_.held_bytes[m] == t_.peak_bytes[m]),
                     Errc::InvalidArgument,
-                    "MicroBatchTableCost: micro-batch {}: {} s, {} bytes, expected finite and "
-                    ">= 0",
-                    m, seconds[m], bytes[m]);
+                    "MicroBatchTableCost: micro-batch {}: {} s, {} bytes held, {} at its peak, "
+                    "recompute {}; expected finite, >= 0, and held <= peak (equal without "
+                    "recompute)",
+                    m, t_.seconds[m], t_.held_bytes[m], t_.peak_bytes[m], t_.recompute[m] != 0);
   }
   [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept {
-    const double s = seconds_[static_cast<std::size_t>(a.microbatch)];
+    const auto m = static_cast<std::size_t>(a.microbatch);
+    const double s = t_.recompute[m] != 0 ? t_.seconds[m] / (1.0 + fraction_) : t_.seconds[m];
     if (a.op == schedule::Op::F || a.op == schedule::Op::Recompute) return fraction_ * s;
     if (a.op == schedule::Op::B) return (1.0 - fraction_) * s;
     if (a.op == schedule::Op::BI || a.op == schedule::Op::BW) return (1.0 - fraction_) * s / 2;
@@ -54,24 +70,30 @@ class MicroBatchTableCost {
   }
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
     return a.op == schedule::Op::F || a.op == schedule::Op::BI || a.op == schedule::Op::Recompute
-               ? bytes_[static_cast<std::size_t>(a.microbatch)]
+               ? t_.peak_bytes[static_cast<std::size_t>(a.microbatch)]
                : 0.0;
+  }
+  /// held_bytes: what a recomputed micro-batch keeps from its F to its RECOMPUTE.
+  [[nodiscard]] double checkpoint_bytes(const schedule::Action& a) const noexcept {
+    return t_.held_bytes[static_cast<std::size_t>(a.microbatch)];
   }
   [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
   [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
 
  private:
-  std::vector<double> seconds_, bytes_;
+  MicroBatchTable t_;
   double fraction_;
 };
+
+static_assert(cost::CostModel<MicroBatchTableCost> && cost::HasCheckpointBytes<MicroBatchTableCost>);
 
 /// The order order_adaptive chose and the schedule it runs.
 struct AdaptiveOrder {
   /// order[k] = the caller's micro-batch that runs as micro-batch k (enters rank 0 k-th).
   std::vector<int> order;
-  /// The chosen schedule over the micro-batches in `order` (compute-only; lower() it).
+  /// The chosen schedule over the micro-batches in `order` (compute-only; lower() it), with a
+  /// RECOMPUTE before the backward of each micro-batch that recomputes (with_recompute).
   schedule::Schedule schedule;
-  /// Its generator: "adaptive", or "1f1b" where 1F1B's order fits the limit and is faster.
   std::string_view generator = "adaptive";
   double makespan_seconds = 0.0;  ///< simulated iteration time of `schedule` (MicroBatchTableCost)
   double input_order_makespan_seconds = 0.0;  ///< the adaptive schedule's in the input order
@@ -84,32 +106,36 @@ struct AdaptiveOrder {
 /// and 3 above, as DynaPipe does), every one of the k! orders of the clusters is tried (within
 /// a cluster the input order; DynaPipe shuffles it at random), and the input order too; with
 /// at most k micro-batches every permutation is tried. Each candidate is run through
-/// schedule::adaptive under the memory limit and simulated (MicroBatchTableCost, free links);
-/// 1F1B on the same order is a candidate too wherever its simulated peak fits the limit
-/// (DynaPipe's planner likewise tries each schedule method its placement allows, 1F1B among
-/// them: with micro-batches of nearly one size the cycle order runs more forwards ahead on the
-/// middle ranks than 1F1B and delays their first backward). The fastest wins, the earliest
-/// tried on ties (the input order first, adaptive before 1F1B).
+/// schedule::adaptive under the memory limit (each micro-batch's held bytes, and its peak for
+/// those that recompute) and simulated (MicroBatchTableCost, free links); 1F1B on the same
+/// order is a candidate too wherever its simulated peak fits the limit (DynaPipe's planner
+/// likewise tries each schedule method its placement allows, 1F1B among them: with
+/// micro-batches of nearly one size the cycle order runs more forwards ahead on the middle
+/// ranks than 1F1B and delays their first backward). Either schedule gets a RECOMPUTE before
+/// the backward of each micro-batch that recomputes (schedule::with_recompute). The fastest
+/// wins, the earliest tried on ties (the input order first, adaptive before 1F1B).
 /// Our clustering is one-dimensional, on the stage seconds (DynaPipe clusters the forward and
 /// backward times of the first and last stage, which our slowest-stage cost folds into one).
 ///
-/// @param seconds  [M] F + B seconds of each micro-batch on the slowest stage (MicroBatchCost)
-/// @param bytes    [M] activation bytes each keeps on a stage (MicroBatchCost)
+/// @param table    [M] each micro-batch's seconds, held and peak bytes, recompute flag
+///                 (DynamicPlan::costs; a static batcher's micro-batches through
+///                 choose_recompute)
 /// @param ranks    pipeline ranks P, >= 1
 /// @param memory_limit_bytes activation bytes a rank may hold at once (> 0; infinity: none)
 /// @param clusters k, 0 for DynaPipe's default, else 1..5 (5! = 120 orders)
-/// @param forward_fraction the forward's share of a micro-batch's seconds (backward = 2 x
-///        forward for a transformer layer: 1/3)
-/// @throws brigade::Error{InvalidArgument} for no micro-batches, spans of different sizes, a bad
-///         entry or parameter, or a micro-batch over the limit (schedule::adaptive's error)
-inline AdaptiveOrder order_adaptive(std::span<const double> seconds, std::span<const double> bytes,
-                                    int ranks, double memory_limit_bytes, int clusters = 0,
+/// @param forward_fraction the forward's share of a micro-batch's F + B seconds (backward = 2
+///        x forward for a transformer layer: 1/3)
+/// @throws brigade::Error{InvalidArgument} for no micro-batches, a malformed table, a bad
+///         parameter, or a micro-batch over the limit (schedule::adaptive's error)
+inline AdaptiveOrder order_adaptive(const MicroBatchTable& table, int ranks,
+                                    double memory_limit_bytes, int clusters = 0,
                                     double forward_fraction = 1.0 / 3.0) {
-  BRIGADE_CHECK(!seconds.empty(), Errc::InvalidArgument, "order_adaptive: no micro-batches");
+  BRIGADE_CHECK(table.size() > 0, Errc::InvalidArgument, "order_adaptive: no micro-batches");
   BRIGADE_CHECK(clusters >= 0 && clusters <= 5, Errc::InvalidArgument,
                 "order_adaptive: {} clusters, expected 0 (DynaPipe's default) to 5", clusters);
-  const MicroBatchTableCost check(seconds, bytes, forward_fraction);  // validates the entries
+  const MicroBatchTableCost check(table, forward_fraction);  // validates the entries
   (void)check;
+  const std::span<const double> seconds = table.seconds;
   const int M = static_cast<int>(seconds.size());
   const int k = clusters > 0 ? clusters : (M > 20 ? 3 : 4);
 
@@ -171,20 +197,19 @@ inline AdaptiveOrder order_adaptive(std::span<const double> seconds, std::span<c
   }
 
   AdaptiveOrder best;
+  const bool recompute = table.any_recompute();
   for (const auto& order : candidates) {
+    const MicroBatchTable t = table.permuted(order);
     schedule::Params p{ranks, M};
     p.memory_limit_bytes = memory_limit_bytes;
-    std::vector<double> s(static_cast<std::size_t>(M));
-    p.microbatch_bytes.resize(static_cast<std::size_t>(M));
-    for (int j = 0; j < M; ++j) {
-      const auto from = static_cast<std::size_t>(order[static_cast<std::size_t>(j)]);
-      s[static_cast<std::size_t>(j)] = seconds[from];
-      p.microbatch_bytes[static_cast<std::size_t>(j)] = bytes[from];
-    }
-    const MicroBatchTableCost cost(s, p.microbatch_bytes, forward_fraction);
+    p.microbatch_bytes = t.held_bytes;
+    if (recompute) p.microbatch_peak_bytes = t.peak_bytes;
+    const MicroBatchTableCost cost(t, forward_fraction);
     sim::SimOptions opt;
     opt.record_timeline = false;
     auto consider = [&](schedule::Schedule compute, std::string_view generator) {
+      compute = schedule::with_recompute(compute, recompute ? std::span<const char>(t.recompute)
+                                                            : std::span<const char>());
       const auto r = sim::simulate(schedule::lower(compute), cost, opt);
       // 1F1B must fit (to rounding: P equal micro-batches at a limit of P of them do).
       if (generator != "adaptive" &&

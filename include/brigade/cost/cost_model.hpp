@@ -82,6 +82,16 @@ concept HasWeightBytes = requires(const C& c, const schedule::Action& a) {
   { c.weight_bytes(a) } -> std::convertible_to<double>;
 };
 
+/// Optional member of a cost model: `checkpoint_bytes(a)`, the bytes the stash of F `a`'s
+/// (virtual stage, micro-batch) holds when its activations are dropped because a RECOMPUTE of
+/// them follows later in the program (activation checkpointing: the stage keeps only its input).
+/// Without it the simulator counts the message the F consumed (message_bytes() of the previous
+/// virtual stage's SEND_F), 0 on virtual stage 0.
+template <class C>
+concept HasCheckpointBytes = requires(const C& c, const schedule::Action& a) {
+  { c.checkpoint_bytes(a) } -> std::convertible_to<double>;
+};
+
 /// Optional member of a cost model: `weight_load_seconds(a)`, the seconds a PREFETCH `a` keeps
 /// its rank's I/O lane busy loading its virtual stage's weights (from disk or host memory).
 /// Without it a PREFETCH takes no time.
@@ -255,6 +265,22 @@ inline StageStash training_stash(const model::ModelSpec& spec, partition::StageR
   return s;
 }
 
+/// Bytes a training stage of layers `range` keeps for one micro-batch of `tokens` rows between
+/// a forward that drops its activations and the RECOMPUTE that rebuilds them
+/// (runtime::TrainStage with keep_activations = false): the float32 copy of its input, tokens x
+/// dim floats, whatever the pipeline's dtype; nothing on the stage with the embedding (it
+/// re-reads the token ids of the batch).
+/// @throws brigade::Error{InvalidArgument} for a range outside the model or tokens < 1
+inline double recompute_checkpoint_bytes(const model::ModelSpec& spec, partition::StageRange range,
+                                         std::int64_t tokens) {
+  BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= spec.num_layers() &&
+                    tokens >= 1,
+                Errc::InvalidArgument, "recompute_checkpoint_bytes: layers [{}, {}) of {}, {} tokens",
+                range.first, range.last, spec.num_layers(), tokens);
+  return range.first == 0 ? 0.0
+                          : static_cast<double>(tokens) * spec.config().dim * 4.0;
+}
+
 /// The work of one micro-batch, from which RooflineCostModel derives each action's WorkItem.
 struct Workload {
   int batch = 1;      ///< sequences per micro-batch, >= 1
@@ -305,8 +331,10 @@ struct RooflineOptions {
 /// Memory (training only): activation_bytes() is training_stash() of the virtual stage for the
 /// micro-batch's WorkItem (tokens and sequences; what our kernels keep: the attention's
 /// log-sum-exp, not its probabilities), so a plan whose work is the step's micro-batches
-/// (engine::microbatch_work) gives their memory to the byte. Messages: SEND_F/SEND_B move tokens x dim floats; the
-/// inference token edge moves one int32 per sequence.
+/// (engine::microbatch_work) gives their memory to the byte; checkpoint_bytes() is what an F
+/// keeps when a RECOMPUTE follows (recompute_checkpoint_bytes()). Messages: SEND_F/SEND_B move
+/// tokens x dim values of the pipeline dtype; the inference token edge moves one int32 per
+/// sequence.
 class RooflineCostModel {
  public:
   /// @param spec      the model
@@ -402,7 +430,10 @@ class RooflineCostModel {
           e.backward_input += t;
           e.backward_weight += t;
         }
-        if (shape_.mode == schedule::Mode::Training) e.stash = training_stash(spec, st, w.tokens, w.sequences);
+        if (shape_.mode == schedule::Mode::Training) {
+          e.stash = training_stash(spec, st, w.tokens, w.sequences);
+          e.checkpoint = recompute_checkpoint_bytes(spec, st, w.tokens);
+        }
         e.optimizer = 3.0 * 2.0 * weight_bytes / rates.bytes_per_s;
         e.weights = weight_bytes;
         e.message = static_cast<double>(w.tokens) * cfg.dim * dtype_element_bytes(opt_.pipeline_dtype);
@@ -457,6 +488,12 @@ class RooflineCostModel {
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
     return entry(a).stash.after(a.op);
   }
+  /// Bytes an F's stash holds when a RECOMPUTE of it follows (cost::HasCheckpointBytes):
+  /// recompute_checkpoint_bytes() of the virtual stage for the micro-batch's tokens; 0 in
+  /// inference.
+  [[nodiscard]] double checkpoint_bytes(const schedule::Action& a) const noexcept {
+    return entry(a).checkpoint;
+  }
   /// Bytes a SEND moves: the hidden state (or its gradient), or the sampled token ids.
   [[nodiscard]] double message_bytes(const schedule::Action& a) const noexcept {
     const bool token = shape_.mode == schedule::Mode::Inference &&
@@ -491,7 +528,8 @@ class RooflineCostModel {
   struct Entry {
     double forward = 0.0, backward_input = 0.0, backward_weight = 0.0, sample = 0.0,
            optimizer = 0.0, message = 0.0, token_message = 0.0, weights = 0.0;
-    StageStash stash;  // zero in inference
+    StageStash stash;         // zero in inference
+    double checkpoint = 0.0;  // recompute_checkpoint_bytes; zero in inference
   };
   [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {
     const std::size_t Mw = per_mb_.empty() ? 1 : per_mb_.size();
@@ -519,6 +557,7 @@ static_assert(CostModel<UnitCostModel>, "UnitCostModel must model CostModel");
 static_assert(CostModel<RooflineCostModel>, "RooflineCostModel must model CostModel");
 static_assert(HasWeightBytes<UnitCostModel> && HasWeightLoad<UnitCostModel>);
 static_assert(HasWeightBytes<RooflineCostModel> && HasWeightLoad<RooflineCostModel>);
+static_assert(HasCheckpointBytes<RooflineCostModel>);
 
 }  // namespace v0
 }  // namespace brigade::cost

@@ -689,7 +689,7 @@ std::vector<model::WorkItem> microbatch_work(std::span<const data::PackedBatch> 
 /// - send overhead: the part of each rank's run (first start to last end) in neither a compute
 ///   interval nor a RECV wait (the executor and the worker building, copying and posting
 ///   messages and receives between actions), divided evenly over its SEND actions;
-/// - sizes (activation and message bytes): another model's, optionally; a roofline model of
+/// - sizes (activation, checkpoint and message bytes): another model's, optionally; a roofline model of
 ///   the plan with the step's micro-batches as work (microbatch_work()) is exact for them, and
 ///   the simulator then predicts the run's peak memory; without one every size is 0 (the
 ///   simulator's memory columns are then zero). Sizes take no time: the links have unlimited
@@ -709,6 +709,11 @@ class MeasuredCostModel {
   /// The sizes model's stash after `a`; 0 without one.
   [[nodiscard]] double activation_bytes(const schedule::Action& a) const noexcept {
     return sizes_ ? sizes_->activation_bytes(a) : 0.0;
+  }
+  /// The sizes model's checkpoint_bytes (what an F keeps when a RECOMPUTE follows); 0 without
+  /// one.
+  [[nodiscard]] double checkpoint_bytes(const schedule::Action& a) const noexcept {
+    return sizes_ ? sizes_->checkpoint_bytes(a) : 0.0;
   }
   /// The sizes model's message size; 0 without one (either way it takes no time).
   [[nodiscard]] double message_bytes(const schedule::Action& a) const noexcept {

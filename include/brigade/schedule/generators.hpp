@@ -25,6 +25,11 @@ struct Params {
   /// (the rank that holds the most, e.g. batching::MicroBatchCost::activation_bytes), [M] or
   /// empty (then every micro-batch counts 1 byte), each finite and >= 0.
   std::vector<double> microbatch_bytes = {};
+  /// adaptive only: bytes micro-batch m holds at its peak on a rank, >= microbatch_bytes[m]:
+  /// what its stash grows to during its own passes (a micro-batch whose activations are dropped
+  /// after F keeps microbatch_bytes = its checkpoint until its RECOMPUTE, then its whole stash
+  /// until the backward frees it), [M] or empty (then equal to microbatch_bytes).
+  std::vector<double> microbatch_peak_bytes = {};
   /// adaptive only: bytes of micro-batch activations one rank may hold at once (> 0); infinity:
   /// no limit.
   double memory_limit_bytes = std::numeric_limits<double>::infinity();

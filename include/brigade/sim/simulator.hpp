@@ -40,7 +40,9 @@ struct SimResult {
   std::vector<double> utilization;   ///< per rank: busy_seconds / makespan, in [0, 1]
   /// Per rank: the most bytes held at once between two actions (training; 0 in inference), the
   /// figure engine::execute measures (ExecutorStats::peak_memory_bytes), with the cost model's
-  /// sizes: the stashes (activation_bytes() after F, BI, RECOMPUTE; 0 after B, BW) + received
+  /// sizes: the stashes (activation_bytes() after F, BI, RECOMPUTE; 0 after B, BW; after an F
+/// whose RECOMPUTE follows, cost::HasCheckpointBytes' checkpoint_bytes(), else the message the
+/// F consumed) + received
   /// copies from their RECV until the F or BI that consumes them + each F's output and each BI's
   /// input gradient until their SEND (or the next virtual stage's F or BI, when it is on the same
   /// rank) + the receive window's buffers (recv_window slots, each as large as the largest message
@@ -275,6 +277,15 @@ void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::
     const Action a{send, v, mb, c};
     return size(static_cast<double>(cost.message_bytes(a)), a, "message");
   };
+  // What an F keeps when a RECOMPUTE of it follows: the cost model's checkpoint_bytes, else the
+  // message it consumed (nothing on virtual stage 0).
+  auto checkpoint = [&](const Action& f) {
+    if constexpr (cost::HasCheckpointBytes<Cost>)
+      return size(static_cast<double>(cost.checkpoint_bytes(f)), f, "checkpoint");
+    else
+      return f.virtual_stage > 0 ? message(Op::SendF, f.virtual_stage - 1, f.microbatch, f.chunk)
+                                 : 0.0;
+  };
   const auto W = static_cast<std::size_t>(windows.recv_window);
   const auto SW = static_cast<std::size_t>(windows.send_window);
   std::vector<double> stash(keys), out(keys), grad(keys), in_f(keys), in_b(keys);
@@ -325,9 +336,9 @@ void peak_memory(const schedule::Schedule& s, const Cost& cost, const schedule::
         case Op::F:
           set(in_f[k], 0.0);
           if (v > 0 && sh.rank_of(v - 1) == r) set(out[key(v - 1, mb, c)], 0.0);
-          set(stash[k], recomputed[k] ? (v > 0 ? message(Op::SendF, v - 1, mb, c) : 0.0)
-                                      : size(static_cast<double>(cost.activation_bytes(a)), a,
-                                             "activation"));
+          set(stash[k], !recomputed[k] ? size(static_cast<double>(cost.activation_bytes(a)), a,
+                                              "activation")
+                        : checkpoint(a));
           if (v < N - 1) set(out[k], message(Op::SendF, v, mb, c));
           peak_held = std::max(peak_held, ++held);
           break;
