@@ -104,6 +104,24 @@ struct BatchedStep {
 /// limit) under the adaptive schedule (or 1F1B). With an explicit --memory-limit the other
 /// batchers' micro-batches are held to it too: one over it recomputes (choose_recompute, the
 /// dynamic batcher's rule), one that fits in no mode is a named error.
+/// The --batching memory limits: per micro-batch on a stage (--memory-limit, default one
+/// --tokens-per-microbatch sequence's activations) and per rank (--rank-memory, default ranks x
+/// the first).
+struct MemoryCaps {
+  double microbatch = 0.0, rank = 0.0;
+};
+MemoryCaps memory_caps(const TrainArgs& a, const brigade::batching::MicroBatchCost& cost, int P) {
+  using namespace brigade;
+  const std::int64_t budget = a.tokens_per_microbatch;
+  MemoryCaps c;
+  c.microbatch =
+      a.memory_limit > 0.0
+          ? a.memory_limit
+          : cost.activation_bytes(batching::varlen_work(budget, 1, batching::causal_pairs(budget)));
+  c.rank = a.rank_memory > 0.0 ? a.rank_memory : P * c.microbatch;
+  return c;
+}
+
 BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample> samples,
                        const brigade::plan::Plan& base, const brigade::batching::MicroBatchCost& cost) {
   using namespace brigade;
@@ -113,11 +131,7 @@ BatchedStep batch_step(const TrainArgs& a, std::span<const brigade::data::Sample
     lengths.push_back({static_cast<std::int64_t>(smp.tokens.size()) - 1, smp.task,
                        static_cast<std::int64_t>(lengths.size())});
   const std::int64_t budget = a.tokens_per_microbatch;
-  const double limit =
-      a.memory_limit > 0.0
-          ? a.memory_limit
-          : cost.activation_bytes(batching::varlen_work(budget, 1, batching::causal_pairs(budget)));
-  const double rank_limit = a.rank_memory > 0.0 ? a.rank_memory : P * limit;
+  const auto [limit, rank_limit] = memory_caps(a, cost, P);
   batching::DynamicOptions opt;
   opt.recompute = a.recompute == "auto";
   opt.peak_limit_bytes = rank_limit;
@@ -246,6 +260,16 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
   const auto cost = batching::stage_cost(model::ModelSpec(d.weights.config),
                                          eng.plan().partition(), d.layer_seconds);
   say("partition: {} (profile {})\n", eng.plan().partition().to_string(), d.profile_origin);
+  if (a.batching == "dynamic" || a.memory_limit > 0.0) {
+    const auto caps = memory_caps(a, cost, eng.plan().shape().num_ranks);
+    say("memory: {:.6g} bytes of activations per micro-batch on a stage ({}), {:.6g} per rank "
+        "({}); recompute {}\n",
+        caps.microbatch,
+        a.memory_limit > 0.0 ? "--memory-limit"
+                             : fmt::format("one {}-token sequence's", a.tokens_per_microbatch),
+        caps.rank, a.rank_memory > 0.0 ? "--rank-memory" : "ranks x the micro-batch limit",
+        a.recompute);
+  }
   if (d.mpi) say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
   const double eval_before = eng.evaluate(eval);
   say("held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);

@@ -382,6 +382,69 @@ TEST_CASE("cli.train: --batching padding,packing,offsets,dynamic runs the four i
   CHECK(c.err.find("--checkpoint-dir and --resume take one batcher") != std::string::npos);
 }
 
+// issue 15: a memory limit tighter than the longest samples: DynaPipe's DP recomputes the
+// micro-batches that do not fit (and says which, per step), offsets' micro-batches over the
+// limit recompute by the same rule, the simulated peak per rank is the measured one, the loss
+// is what attention within each sample gives without recompute; without recompute the limit is
+// a named error.
+TEST_CASE("cli.train: --memory-limit makes micro-batches that do not fit recompute, listed per "
+          "step; --recompute none refuses them by name" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("brigade_cli_recompute_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path metrics = dir / "m.jsonl";
+  // Samples up to 128 tokens; at most 600 kB held per micro-batch on a stage (a 64-token
+  // sequence's activations are about 760 kB on these stages), 3.1 MB per rank.
+  const std::string base = "train " + model_flags() + " --profile none --stages 2 --microbatches 4 " +
+                           "--tokens-per-microbatch 128 --steps 2 --memory-limit 600000 " +
+                           "--rank-memory 3100000";
+  auto r = run_cli(base + " --batching offsets,dynamic --metrics " + metrics.string());
+  CAPTURE(r.err);
+  REQUIRE(r.rc == 0);
+  CHECK(r.err.find("memory: 600000 bytes of activations per micro-batch on a stage "
+                   "(--memory-limit), 3.1e+06 per rank (--rank-memory); recompute auto") !=
+        std::string::npos);
+  std::map<std::string, std::vector<nlohmann::json>> steps;
+  std::ifstream mf(metrics);
+  for (std::string line; std::getline(mf, line);) {
+    auto j = nlohmann::json::parse(line);
+    steps[j["batching"].get<std::string>()].push_back(std::move(j));
+  }
+  REQUIRE(steps["offsets"].size() == 2);
+  REQUIRE(steps["dynamic"].size() == 2);
+  std::size_t offsets_recomputed = 0;
+  for (const std::string b : {"offsets", "dynamic"})
+    for (const auto& j : steps[b]) {
+      CAPTURE(b);
+      REQUIRE(j["recompute_microbatches"].is_array());
+      for (const auto& m : j["recompute_microbatches"]) {
+        CHECK(m.get<int>() >= 0);
+        CHECK(m.get<int>() < j["microbatches"].get<int>());
+      }
+      if (b == "offsets") offsets_recomputed += j["recompute_microbatches"].size();
+      CHECK(j["peak_memory_bytes"] == j["peak_memory_bytes_simulated"]);
+    }
+  CHECK(offsets_recomputed >= 1);
+  for (int s = 0; s < 2; ++s)
+    CHECK(steps["dynamic"][s]["loss"].get<double>() ==
+          doctest::Approx(steps["offsets"][s]["loss"].get<double>()).epsilon(1e-5));
+  CHECK(r.err.find(" micro-batches recomputed (full recompute where") != std::string::npos);
+  CHECK(r.err.find("recomputed     step s") != std::string::npos);  // the table's column
+
+  auto none = run_cli(base + " --batching dynamic --recompute none");
+  CHECK(none.rc != 0);
+  CHECK(none.err.find("more than the micro-batch memory limit of 600000 bytes") != std::string::npos);
+  auto off = run_cli(base + " --batching offsets --recompute none");
+  CHECK(off.rc != 0);
+  CHECK(off.err.find("more than --memory-limit 600000 bytes (--recompute none)") != std::string::npos);
+  auto alone = run_cli("train " + model_flags() + " --memory-limit 600000");
+  CHECK(alone.rc != 0);
+  CHECK(alone.err.find("--memory-limit and --rank-memory hold the micro-batches of --batching") !=
+        std::string::npos);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("cli.train: bad input gets one clear line and a non-zero exit" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   auto r = run_cli("train --schedule nope");

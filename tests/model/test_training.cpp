@@ -806,12 +806,14 @@ TEST_CASE("training.recompute: micro-batches the DP recomputes give the no-recom
     const auto dyn = batching::DynamicBatcher(cost, P, limit, opt).solve(lengths);
     REQUIRE(dyn.costs.any_recompute());
     REQUIRE(std::count(dyn.costs.recompute.begin(), dyn.costs.recompute.end(), 0) >= 1);
-    // Without the recompute choice the same limit has no split: the longest sample is named.
+    // Without the recompute choice the same limit has no split: a sample is named.
     batching::DynamicOptions none = opt;
     none.recompute = false;
     CHECK(test::error_of(Errc::InvalidArgument,
                          [&] { (void)batching::DynamicBatcher(cost, P, limit, none).solve(lengths); })
-              .find(fmt::format("({} tokens) needs", longest)) != std::string::npos);
+              .find(fmt::format("as a micro-batch of its own, more than the micro-batch memory "
+                                "limit of {} bytes",
+                                limit)) != std::string::npos);
 
     const auto ordered = batching::order_adaptive(dyn.costs, P, rank_limit);
     const auto table = dyn.costs.permuted(ordered.order);
@@ -863,8 +865,12 @@ TEST_CASE("training.recompute: micro-batches the DP recomputes give the no-recom
 #endif
     }
     // Dropping the recomputed micro-batches' activations after F lowers the measured peak of the
-    // first rank (it holds the most in flight).
-    CHECK(sa.peak_memory_bytes[0] < sb.peak_memory_bytes[0]);
+    // first rank where it holds several micro-batches at once (on one stage the adaptive order
+    // holds one at a time, and its peak is a recomputed one's whole stash either way).
+    if (P == 1)
+      CHECK(sa.peak_memory_bytes[0] == sb.peak_memory_bytes[0]);
+    else
+      CHECK(sa.peak_memory_bytes[0] < sb.peak_memory_bytes[0]);
   }
 }
 

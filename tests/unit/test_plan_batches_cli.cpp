@@ -11,6 +11,7 @@
 #include "test_util.hpp"
 
 #include <unistd.h>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -64,7 +65,10 @@ TEST_CASE("plan-batches.cli: the four batchers on a lengths file") {
   batching::DynamicOptions opt;
   opt.peak_limit_bytes = 2 * limit;  // --rank-memory's default: stages x the micro-batch limit
   const auto plan = batching::DynamicBatcher(cost, 2, limit, opt).solve(s);
-  CHECK(has(dyn.out, fmt::format("micro-batches {};", plan.microbatches.size())));
+  const auto recomputed = std::count(plan.costs.recompute.begin(), plan.costs.recompute.end(), 1);
+  CHECK(has(dyn.out, fmt::format("micro-batches {}; tokens 21 (0 padding, 0.0%); {} recompute",
+                                 plan.microbatches.size(), recomputed)));
+  CHECK(has(dyn.out, "activation B         held B recompute"));
   CHECK(has(dyn.out, fmt::format("predicted iteration {:.6g} s", plan.iteration_seconds)));
   double peak = 0.0;
   for (const double b : plan.costs.peak_bytes) peak = std::max(peak, b);
@@ -76,6 +80,27 @@ TEST_CASE("plan-batches.cli: the four batchers on a lengths file") {
                                  ordered.makespan_seconds, ordered.orders_tried)));
   CHECK(has(dyn.out, "1f1b on the same micro-batches: simulated iteration"));
   CHECK(has(dyn.out, "peak activation bytes per rank under that schedule: "));
+  // A limit below the 7-token sample's activations: it (and whatever joins it) recomputes,
+  // the row says so; with --recompute none the same limit is refused, naming the sample.
+  const double tight = cost.activation_bytes(batching::varlen_work(5, 1, batching::causal_pairs(5)));
+  const auto rc = test::run_cli(base + fmt::format(" --memory-limit {}", tight));
+  CAPTURE(rc.err);
+  REQUIRE(rc.rc == 0);
+  batching::DynamicOptions rc_opt;
+  rc_opt.peak_limit_bytes = 2 * tight;
+  const auto rc_plan = batching::DynamicBatcher(cost, 2, tight, rc_opt).solve(s);
+  REQUIRE(rc_plan.costs.any_recompute());
+  for (std::size_t m = 0; m < rc_plan.microbatches.size(); ++m) {
+    CAPTURE(m);
+    const auto& mb = rc_plan.microbatches[m];
+    CHECK(has(rc.out, fmt::format("{:>4} {:>8} {:>8}", m, mb.samples.size(), mb.work.tokens)));
+    CHECK(has(rc.out, fmt::format("{:>14.6g} {:>9}\n", rc_plan.costs.held_bytes[m],
+                                  rc_plan.costs.recompute[m] != 0 ? "full" : "none")));
+  }
+  CHECK(has(rc.out, fmt::format("predicted iteration {:.6g} s", rc_plan.iteration_seconds)));
+  const auto refused = test::run_cli(base + fmt::format(" --memory-limit {} --recompute none", tight));
+  CHECK(refused.rc != 0);
+  CHECK(has(refused.err, "sample 1 (7 tokens) needs"));
   const auto svg = write_file("dyn.svg", "");
   fs::remove(svg);
   const auto with_svg = test::run_cli(base + " --svg " + svg.string());
