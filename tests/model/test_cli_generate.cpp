@@ -388,7 +388,7 @@ TEST_CASE("cli.train: --batching padding,packing,offsets,dynamic runs the four i
 // is what attention within each sample gives without recompute; without recompute the limit is
 // a named error.
 TEST_CASE("cli.train: --memory-limit makes micro-batches that do not fit recompute, listed per "
-          "step; --recompute none refuses them by name" *
+          "step, --recompute none refuses them by name" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const fs::path dir =
       fs::temp_directory_path() / ("brigade_cli_recompute_" + std::to_string(::getpid()));
