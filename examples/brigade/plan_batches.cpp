@@ -210,7 +210,9 @@ int run(const Options& o) {
     fmt::print("{:>4} {:>8} {:>8} {:>8} {:>8} {:>8} {:>12.6g} {:>14.6g} {:>14.6g} {:>9}{}\n", m,
                mb.samples.size(), mb.work.tokens, mb.useful_tokens, mb.padding_tokens(),
                mb.longest, t, b, table.held_bytes[m],
-               table.recompute[m] != 0 ? "full" : "none", over[m] != 0 ? "  over the limit" : "");
+               batching::to_string(table.recompute[m] != 0 ? batching::Recompute::Full
+                                                           : batching::Recompute::None),
+               over[m] != 0 ? "  over the limit" : "");
   }
   fmt::print("micro-batches {}; tokens {} ({} padding, {:.1f}%); {} recompute\n", mbs.size(),
              tokens, tokens - useful,
