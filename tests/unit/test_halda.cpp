@@ -1,6 +1,8 @@
 // Halda (prima.cpp §4) over CBC against brute force over every window assignment.
+#include <brigade/cost/memory.hpp>
 #include <brigade/model/config.hpp>
 #include <brigade/partition/halda.hpp>
+#include <brigade/partition/ring.hpp>
 
 #include <fmt/format.h>
 
@@ -282,4 +284,48 @@ TEST_CASE("halda: Llama-3-70B (Q4_K) on prima.cpp's four home devices: Halda, Ha
   MESSAGE(line("Halda", h));
   MESSAGE(line("Halda without device removal", all));
   MESSAGE(line("even split", even));
+}
+
+TEST_CASE("halda: the ring plan of Halda's windows holds what Halda's memory model puts on each "
+          "device, the head's output layers included") {
+  // A small untied Llama at f32 (Halda's bytes at 32 bits are the stored bytes): three CPU
+  // devices with ample RAM (all M4: everything resident), the head first.
+  model::LlamaConfig c = model::named_config("260K");  // dim 64, hidden 172, vocab 512
+  c.n_layers = 6;
+  c.shared_classifier = false;
+  const int context = 32;
+  const auto m = HaldaModel::of(c, 32, context);
+  std::vector<HaldaDevice> devs;
+  for (int i = 0; i < 3; ++i) {
+    HaldaDevice d;
+    d.name = fmt::format("d{}", i);
+    d.cpu_flops_per_s = (1 + i) * 1e11;
+    d.cpu_memory_bytes_per_s = 2e10;
+    d.ram_bytes = 1e9;
+    d.disk_bytes_per_s = 1e9;
+    d.link_seconds = 1e-5;
+    devs.push_back(d);
+  }
+  partition::HaldaOptions keep;
+  keep.remove_devices = false;
+  const auto h = partition::halda(devs, m, keep);
+  REQUIRE(h.kept().size() == 3);
+  const auto mem = partition::halda_memory(devs, m, h);
+  const model::ModelSpec spec(c);
+  const auto part = partition::ring_partition(
+      spec, 3, partition::ring_window_sizes(c.n_layers, 3, h.k, h.windows));
+  const auto bytes = cost::layer_weight_bytes(spec);
+  const auto held = partition::resident_weight_bytes(part, bytes, false);
+  // Halda's head holds one embedding row (prima.cpp pages in the rows it reads); the plan
+  // counts the whole table. The output layers (b_o: final norm and LM head) are on the head
+  // in both.
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const double kv = h.k * h.windows[i] * m.kv_bytes;
+    const double head = i == 0 ? m.input_bytes - m.input_bytes / m.vocab_size : 0.0;
+    CHECK(held[i] == doctest::Approx(mem[i].ram_bytes - kv + head).epsilon(1e-12));
+  }
+  CHECK(part.stage(part.num_stages() - 1).rank == 0);
+  CHECK(bytes[static_cast<std::size_t>(spec.num_layers() - 2)] + bytes[static_cast<std::size_t>(spec.num_layers() - 3)] ==
+        doctest::Approx(m.output_bytes).epsilon(1e-12));
 }

@@ -88,8 +88,13 @@ inline std::vector<int> ring_window_sizes(int decoder_layers, int ranks, int rou
 }
 
 /// The Partition of a ring: window j of `window_sizes` (decoder layers, ring order) on rank
-/// j mod `ranks`; the embedding joins window 0 and the final norm, LM head and sampler join
-/// the last window, so the Partition covers every ModelSpec layer.
+/// j mod `ranks`, the embedding in window 0, and the output layers (final norm, LM head and
+/// sampler) on rank 0, the head device, after the last window, as prima.cpp places them (Li et
+/// al. 2025, §3.2: the head device holds the embedding and the output layers): with one rank
+/// they join its last window; with more, they are a last virtual stage of rank 0, so a
+/// position's last hop carries the activations of the last window back to the head, which
+/// samples, and the sampled token stays there for the next position's embedding. The
+/// Partition covers every ModelSpec layer: M x k stages for one rank, M x k + 1 for more.
 /// @param window_sizes as ring_window_sizes returns (M x k entries, each >= 1, sum = L)
 /// @throws brigade::Error{InvalidArgument} if the sizes do not sum to the decoder count, an
 ///         entry is < 1, or there are fewer windows than ranks
@@ -111,21 +116,27 @@ inline Partition ring_partition(const model::ModelSpec& spec, int ranks,
                   window_sizes[j]);
     const int first = j == 0 ? 0 : model::ModelSpec::decoder_layer(d);
     d += window_sizes[j];
-    const int last = j + 1 == window_sizes.size() ? spec.num_layers()
-                                                  : model::ModelSpec::decoder_layer(d);
-    st.push_back({static_cast<int>(j) % ranks, first, last});
+    st.push_back({static_cast<int>(j) % ranks, first, model::ModelSpec::decoder_layer(d)});
   }
+  // The output layers: on the head, after the last window.
+  if (st.back().rank == 0)
+    st.back().last = spec.num_layers();
+  else
+    st.push_back({0, st.back().last, spec.num_layers()});
   return Partition(spec.num_layers(), ranks, std::move(st));
 }
 
 /// The weight bytes each rank holds resident while a ring runs: without offload every window it
 /// owns; with weight offload (schedule::add_weight_offload: PREFETCH one run ahead, RELEASE
 /// after) the largest sum of two windows it runs one after the other (cyclically: the last
-/// window of a position is followed by the first of the next), or its one window.
+/// window of a position is followed by the first of the next), or its one window. On a ring of
+/// ring_partition the head (rank 0) holds the embedding (window 0) and the output layers (its
+/// last stage): with offload its largest pair may be the output layers and window 0, which run
+/// one after the other (the sampled token feeds the next position's embedding).
 /// @param layer_bytes the weight bytes of each ModelSpec layer (model::layer_weight_bytes)
-/// @param tied_embedding_bytes with a shared classifier, the embedding table's bytes: the
-///        window holding the LM head reads those pages too (layer_bytes counts them once, at
-///        the embedding); 0 otherwise
+/// @param tied_embedding_bytes with a shared classifier, the embedding table's bytes: a window
+///        holding the LM head reads those pages too (layer_bytes counts them once, at the
+///        embedding), counted once where two windows held together both read them; 0 otherwise
 /// @return one value per rank, in bytes
 /// @throws brigade::Error{InvalidArgument} if layer_bytes does not have one entry per layer
 inline std::vector<double> resident_weight_bytes(const Partition& part,
@@ -134,21 +145,38 @@ inline std::vector<double> resident_weight_bytes(const Partition& part,
   BRIGADE_CHECK(static_cast<int>(layer_bytes.size()) == part.num_layers(), Errc::InvalidArgument,
                 "resident_weight_bytes: {} layer sizes for {} layers", layer_bytes.size(),
                 part.num_layers());
-  std::vector<std::vector<double>> windows(static_cast<std::size_t>(part.num_ranks()));
+  struct Window {
+    double bytes = 0;
+    bool embedding = false;  // reads the embedding table's pages (holds it, or a tied LM head)
+  };
+  std::vector<std::vector<Window>> windows(static_cast<std::size_t>(part.num_ranks()));
   for (const auto& s : part.stages()) {
-    double b = 0;
-    for (int l = s.first; l < s.last; ++l) b += layer_bytes[static_cast<std::size_t>(l)];
+    Window w;
+    for (int l = s.first; l < s.last; ++l) w.bytes += layer_bytes[static_cast<std::size_t>(l)];
+    w.embedding = s.first == 0;
     // The LM head (the layer before the sampler) reading the tied embedding, in another window.
-    if (s.last == part.num_layers() && s.first > 0) b += tied_embedding_bytes;
-    windows[static_cast<std::size_t>(s.rank)].push_back(b);
+    if (s.last == part.num_layers() && s.first > 0 && tied_embedding_bytes > 0) {
+      w.bytes += tied_embedding_bytes;
+      w.embedding = true;
+    }
+    windows[static_cast<std::size_t>(s.rank)].push_back(w);
   }
   std::vector<double> out;
   for (const auto& w : windows) {
     double r = 0;
     if (!offload || w.size() == 1) {
-      r = std::accumulate(w.begin(), w.end(), 0.0);
+      int readers = 0;
+      for (const auto& x : w) {
+        r += x.bytes;
+        readers += x.embedding;
+      }
+      if (readers > 1) r -= (readers - 1) * tied_embedding_bytes;
     } else {
-      for (std::size_t i = 0; i < w.size(); ++i) r = std::max(r, w[i] + w[(i + 1) % w.size()]);
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        const Window& a = w[i];
+        const Window& b = w[(i + 1) % w.size()];
+        r = std::max(r, a.bytes + b.bytes - (a.embedding && b.embedding ? tied_embedding_bytes : 0.0));
+      }
     }
     out.push_back(r);
   }
