@@ -611,18 +611,9 @@ std::string shape_text(const std::vector<std::int64_t>& s) {
   return fmt::format("[{}]", fmt::join(s, ", "));
 }
 
-/// A matrix tensor as a typed view into the mapping (f32, f16, bf16 or q8_0, kept in its dtype:
-/// the kernels read it), after a scan for non-finite values.
-/// @throws brigade::Error{BadFile} naming the tensor for another dtype, a q8_0 row that is not
-///         whole blocks, or a non-finite element (row and column)
-WeightMatrix matrix_data(const GgufFile& f, const GgufTensor& t) {
-  if (!is_weight_dtype(t.dtype))
-    detail::fail(Errc::BadFile, "{}: tensor {} is {}; brigade reads weight matrices in f32, f16, "
-                 "bf16 and q8_0", f.path().string(), t.name, to_string(t.dtype));
+/// Throws if an element of tensor `t` is NaN or infinite, naming the tensor and the element.
+void check_finite_tensor(const GgufFile& f, const GgufTensor& t) {
   const auto cols = static_cast<std::size_t>(t.shape[0]);
-  if (t.dtype == DType::Q8_0 && cols % 32 != 0)
-    detail::fail(Errc::BadFile, "{}: tensor {} is q8_0 with rows of {} values, not whole blocks "
-                 "of 32", f.path().string(), t.name, cols);
   const std::int64_t rows = cols == 0 ? 0 : t.elements / static_cast<std::int64_t>(cols);
   const std::size_t i = first_non_finite_weight(WeightMatrix(t.data, t.dtype), rows,
                                          static_cast<std::int64_t>(cols));
@@ -631,16 +622,52 @@ WeightMatrix matrix_data(const GgufFile& f, const GgufTensor& t) {
                  "{}: tensor {}, element {} (row {}, column {}) is not finite: a model's weights "
                  "must be finite",
                  f.path().string(), t.name, i, i / cols, i % cols);
+}
+
+/// A matrix tensor as a typed view into the mapping (f32, f16, bf16 or q8_0, kept in its dtype:
+/// the kernels read it), after a scan for non-finite values unless `scan` is false (the scan
+/// deferred: LoadOptions::defer_finite_check).
+/// @throws brigade::Error{BadFile} naming the tensor for another dtype, a q8_0 row that is not
+///         whole blocks, or a non-finite element (row and column)
+WeightMatrix matrix_data(const GgufFile& f, const GgufTensor& t, bool scan) {
+  if (!is_weight_dtype(t.dtype))
+    detail::fail(Errc::BadFile, "{}: tensor {} is {}; brigade reads weight matrices in f32, f16, "
+                 "bf16 and q8_0", f.path().string(), t.name, to_string(t.dtype));
+  const auto cols = static_cast<std::size_t>(t.shape[0]);
+  if (t.dtype == DType::Q8_0 && cols % 32 != 0)
+    detail::fail(Errc::BadFile, "{}: tensor {} is q8_0 with rows of {} values, not whole blocks "
+                 "of 32", f.path().string(), t.name, cols);
+  if (scan) check_finite_tensor(f, t);
   return WeightMatrix(t.data, t.dtype);
 }
 
 /// A norm gain ([dim]): float32, as llama.cpp writes them in every file type.
 /// @throws brigade::Error{BadFile} naming the tensor for another dtype or a non-finite element
-const float* gain_data(const GgufFile& f, const GgufTensor& t) {
+const float* gain_data(const GgufFile& f, const GgufTensor& t, bool scan) {
   if (t.dtype != DType::F32)
     detail::fail(Errc::BadFile, "{}: tensor {} is {}; norm gains must be f32", f.path().string(),
                  t.name, to_string(t.dtype));
-  return matrix_data(f, t).f32();
+  return matrix_data(f, t, scan).f32();
+}
+
+/// The scan load_gguf_llama defers: the tensors of ModelSpec layers [first, last) of the
+/// model in `f` (the LM head of a shared classifier is token_embd).
+void check_finite_layers(const GgufFile& f, const LlamaConfig& c, int first, int last) {
+  auto scan = [&](const std::string& name) { check_finite_tensor(f, *f.find_tensor(name)); };
+  const int L = c.n_layers;
+  for (int s = std::max(first, 0); s < std::min(last, L + 3); ++s) {
+    if (s == 0) {
+      scan("token_embd.weight");
+    } else if (s <= L) {
+      for (const LayerTensor& lt : kLayerTensors) scan(fmt::format("blk.{}.{}.weight", s - 1, lt.suffix));
+    } else if (s == L + 1) {
+      scan("output_norm.weight");
+    } else if (!c.shared_classifier) {
+      scan("output.weight");
+    } else if (first > 0) {
+      scan("token_embd.weight");
+    }
+  }
 }
 
 /// A positive int metadata value (the config's fields are int).
@@ -654,7 +681,7 @@ int config_int(const GgufFile& f, std::string_view key) {
 
 }  // namespace
 
-LlamaWeights load_gguf_llama(const GgufFile& f) {
+LlamaWeights load_gguf_llama(const GgufFile& f, const LoadOptions& options) {
   const std::string name = f.path().string();
   const std::string_view arch = f.get_string("general.architecture");
   if (arch != "llama")
@@ -788,25 +815,28 @@ LlamaWeights load_gguf_llama(const GgufFile& f) {
   const GgufTensor* norm = f.find_tensor("output_norm.weight");
   if (!norm) detail::fail(Errc::BadFile, "{}: tensor output_norm.weight is missing", name);
 
-  w.token_embedding = matrix_data(f, *embd);
-  w.rms_final = gain_data(f, *norm);
-  w.wcls = output ? matrix_data(f, *output) : w.token_embedding;
+  const bool scan = !options.defer_finite_check;
+  w.token_embedding = matrix_data(f, *embd, scan);
+  w.rms_final = gain_data(f, *norm, scan);
+  w.wcls = output ? matrix_data(f, *output, scan) : w.token_embedding;
   w.layers.assign(static_cast<std::size_t>(c.n_layers), DecoderWeights{});
   for (std::size_t l = 0; l < w.layers.size(); ++l)
     for (const LayerTensor& lt : kLayerTensors) {
       const GgufTensor& t = *f.find_tensor(fmt::format("blk.{}.{}.weight", l, lt.suffix));
       if (lt.gain != nullptr)
-        w.layers[l].*lt.gain = gain_data(f, t);
+        w.layers[l].*lt.gain = gain_data(f, t, scan);
       else
-        w.layers[l].*lt.matrix = matrix_data(f, t);
+        w.layers[l].*lt.matrix = matrix_data(f, t, scan);
     }
   w.storage = f.storage();
   w.mapped = true;
+  if (!scan)
+    w.check_finite = [f, c](int first, int last) { check_finite_layers(f, c, first, last); };
   return w;
 }
 
-LlamaWeights load_gguf_llama(const std::filesystem::path& path) {
-  return load_gguf_llama(GgufFile::open(path));
+LlamaWeights load_gguf_llama(const std::filesystem::path& path, const LoadOptions& options) {
+  return load_gguf_llama(GgufFile::open(path), options);
 }
 
 // ---- tokenizer ----------------------------------------------------------------------------
@@ -1083,20 +1113,31 @@ void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
   g.boolean("tokenizer.ggml.add_bos_token", true);
   g.boolean("tokenizer.ggml.add_eos_token", false);
 
+  // Matrices in the dtype `w` holds them (llama.cpp's layouts: F16/BF16 16-bit values, Q8_0
+  // blocks of 34 bytes), the gains float32.
   const std::int64_t d = c.dim, v = c.vocab_size;
-  auto add = [&](std::string tname, std::vector<std::int64_t> shape, const float* p) {
-    std::int64_t n = 1;
-    for (const std::int64_t x : shape) n *= x;
-    g.tensor(std::move(tname), std::move(shape), DType::F32, p,
-             static_cast<std::uint64_t>(n) * sizeof(float));
+  auto matrix = [&](std::string tname, std::vector<std::int64_t> shape, WeightMatrix m) {
+    BRIGADE_CHECK(is_weight_dtype(m.dtype), Errc::InvalidArgument,
+                  "save_gguf_llama({}): tensor {} is {}, expected f32, f16, bf16 or q8_0", name,
+                  tname, to_string(m.dtype));
+    const auto bytes = static_cast<std::uint64_t>(weight_row_bytes(m.dtype, shape[0])) *
+                       static_cast<std::uint64_t>(shape[1]);
+    g.tensor(std::move(tname), std::move(shape), m.dtype, m.data, bytes);
   };
-  add("token_embd.weight", {d, v}, w.token_embedding.f32());
+  auto gain = [&](std::string tname, const float* p) {
+    g.tensor(std::move(tname), {d}, DType::F32, p, static_cast<std::uint64_t>(d) * sizeof(float));
+  };
+  matrix("token_embd.weight", {d, v}, w.token_embedding);
   for (std::size_t l = 0; l < w.layers.size(); ++l)
-    for (const LayerTensor& lt : kLayerTensors)
-      add(fmt::format("blk.{}.{}.weight", l, lt.suffix), layer_shape(lt.suffix, c),
-          lt.gain != nullptr ? w.layers[l].*lt.gain : (w.layers[l].*lt.matrix).f32());
-  add("output_norm.weight", {d}, w.rms_final);
-  if (!c.shared_classifier) add("output.weight", {d, v}, w.wcls.f32());
+    for (const LayerTensor& lt : kLayerTensors) {
+      const std::string tname = fmt::format("blk.{}.{}.weight", l, lt.suffix);
+      if (lt.gain != nullptr)
+        gain(tname, w.layers[l].*lt.gain);
+      else
+        matrix(tname, layer_shape(lt.suffix, c), w.layers[l].*lt.matrix);
+    }
+  gain("output_norm.weight", w.rms_final);
+  if (!c.shared_classifier) matrix("output.weight", {d, v}, w.wcls);
   g.write(path);
 }
 

@@ -121,8 +121,14 @@ bool InferenceStageBase::advise_weights(int advice, const char* name) {
   return true;
 }
 
+void InferenceStageBase::check_weights_finite() {
+  if (!weights_->check_finite) return;
+  std::call_once(*scanned_, [this] { weights_->check_finite(range_.first, range_.last); });
+}
+
 bool InferenceStageBase::prefetch_weights() {
   if (!advise_weights(MADV_WILLNEED, "MADV_WILLNEED")) return false;
+  check_weights_finite();
   // One read per page: each page is resident in this process when this returns.
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   unsigned sum = 0;

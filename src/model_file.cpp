@@ -23,13 +23,13 @@ ModelFileFormat model_file_format(const std::filesystem::path& path) {
   return ModelFileFormat::Llama2c;
 }
 
-LlamaWeights load_model_weights(const std::filesystem::path& path) {
+LlamaWeights load_model_weights(const std::filesystem::path& path, const LoadOptions& options) {
   switch (model_file_format(path)) {
-    case ModelFileFormat::Gguf: return load_gguf_llama(path);
+    case ModelFileFormat::Gguf: return load_gguf_llama(path, options);
     case ModelFileFormat::Safetensors: return load_safetensors_llama(path);
     case ModelFileFormat::Llama2c: break;
   }
-  return load_llama2c_checkpoint(path);
+  return load_llama2c_checkpoint(path, options);
 }
 
 }  // namespace v0

@@ -150,10 +150,10 @@ void fill_rope_tables(const LlamaConfig& c, float* real, float* imag) {
 
 std::string errno_text(int e) { return std::generic_category().message(e); }
 
-/// Throws if any weight of `w` is NaN or infinite, naming the tensor, the decoder layer and
-/// the element (flat index, and row/column for a matrix).
+/// Throws if a weight of ModelSpec layers [first, last) of `w` is NaN or infinite, naming the
+/// tensor, the decoder layer and the element (flat index, and row/column for a matrix).
 void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_view where,
-                          Errc errc) {
+                          Errc errc, int first, int last) {
   const LlamaConfig& c = w.config;
   const auto d = static_cast<std::uint64_t>(c.dim);
   auto check = [&](WeightMatrix m, std::uint64_t n, std::uint64_t cols, std::string_view tensor,
@@ -170,22 +170,36 @@ void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_vi
     detail::fail(errc, "{}: {}, {} is {}: a checkpoint's weights must be finite", where,
                  at, elem, p[i]);
   };
-  check(w.token_embedding, l.cls, d, "token_embedding", -1);
-  for (std::size_t i = 0; i < w.layers.size(); ++i) {
-    const DecoderWeights& x = w.layers[i];
-    const int li = static_cast<int>(i);
-    check(x.rms_att, l.dim, l.dim, "rms_att", li);
-    check(x.wq, l.qo, d, "wq", li);
-    check(x.wk, l.kv, d, "wk", li);
-    check(x.wv, l.kv, d, "wv", li);
-    check(x.wo, l.qo, d, "wo", li);
-    check(x.rms_ffn, l.dim, l.dim, "rms_ffn", li);
-    check(x.w1, l.ffn, d, "w1", li);
-    check(x.w2, l.ffn, static_cast<std::uint64_t>(c.hidden_dim), "w2", li);
-    check(x.w3, l.ffn, d, "w3", li);
+  const int L = c.n_layers;
+  for (int s = std::max(first, 0); s < std::min(last, ModelSpec::decoder_layer(L) + 2); ++s) {
+    if (s == 0) {
+      check(w.token_embedding, l.cls, d, "token_embedding", -1);
+    } else if (s <= L) {
+      const int li = s - 1;
+      const DecoderWeights& x = w.layers[static_cast<std::size_t>(li)];
+      check(x.rms_att, l.dim, l.dim, "rms_att", li);
+      check(x.wq, l.qo, d, "wq", li);
+      check(x.wk, l.kv, d, "wk", li);
+      check(x.wv, l.kv, d, "wv", li);
+      check(x.wo, l.qo, d, "wo", li);
+      check(x.rms_ffn, l.dim, l.dim, "rms_ffn", li);
+      check(x.w1, l.ffn, d, "w1", li);
+      check(x.w2, l.ffn, static_cast<std::uint64_t>(c.hidden_dim), "w2", li);
+      check(x.w3, l.ffn, d, "w3", li);
+    } else if (s == L + 1) {
+      check(w.rms_final, l.dim, l.dim, "rms_final", -1);
+    } else if (!c.shared_classifier) {  // the LM head
+      check(w.wcls, l.cls, d, "wcls", -1);
+    } else if (first > 0) {  // a shared classifier is the embedding table, scanned here too
+      check(w.token_embedding, l.cls, d, "token_embedding", -1);
+    }
   }
-  check(w.rms_final, l.dim, l.dim, "rms_final", -1);
-  if (!c.shared_classifier) check(w.wcls, l.cls, d, "wcls", -1);
+}
+
+/// check_finite_weights over every layer.
+void check_finite_weights(const LlamaWeights& w, const Layout& l, std::string_view where,
+                          Errc errc) {
+  check_finite_weights(w, l, where, errc, 0, ModelSpec::decoder_layer(w.config.n_layers) + 3);
 }
 
 /// Owns a read-only mapping and its file descriptor.
@@ -369,7 +383,8 @@ bool is_llama2c_checkpoint(const std::filesystem::path& path) {
   return layout && !ec && size == layout->file_bytes();
 }
 
-LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
+LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path,
+                                     const LoadOptions& options) {
   detail::OpenFile file = detail::open_file(path, "llama2.c checkpoint");
   const std::string& name = file.name();
   const int fd = file.fd();
@@ -448,7 +463,14 @@ LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path) {
   w.mapped = true;
   const auto* base = reinterpret_cast<const float*>(m.bytes + kHeaderBytes);
   bind(w, base, *layout);
-  check_finite_weights(w, *layout, name, Errc::BadFile);
+  if (!options.defer_finite_check) {
+    check_finite_weights(w, *layout, name, Errc::BadFile);
+    return w;
+  }
+  // The scan of a stage's layers when it first uses them (the views share the mapping).
+  w.check_finite = [view = w, l = *layout, name](int first, int last) {
+    check_finite_weights(view, l, name, Errc::BadFile, first, last);
+  };
   return w;
 }
 

@@ -162,14 +162,18 @@ int run(const GenerateArgs& a) {
   model::Tokenizer tok;
   std::string model_name;
   if (!a.model.empty()) {
+    // With --offload the scan for NaN and infinite weights runs on each window when a stage
+    // first loads it (LoadOptions::defer_finite_check), so the load reads no weight pages.
+    model::LoadOptions load;
+    load.defer_finite_check = a.offload;
     // The format from the file's magic: a GGUF file carries its tokenizer.
     if (model::model_file_format(a.model) == model::ModelFileFormat::Gguf) {
       const model::GgufFile file = model::GgufFile::open(a.model);
-      weights = model::load_gguf_llama(file);
+      weights = model::load_gguf_llama(file, load);
       tok = a.tokenizer.empty() ? model::load_gguf_tokenizer(file, weights.config.vocab_size)
                                 : model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
     } else {
-      weights = model::load_model_weights(a.model);
+      weights = model::load_model_weights(a.model, load);
       BRIGADE_CHECK(!a.tokenizer.empty(), Errc::InvalidArgument,
                     "--model with a llama2.c or safetensors checkpoint needs --tokenizer (the "
                     "llama2.c tokenizer file)");
@@ -289,9 +293,11 @@ int run(const GenerateArgs& a) {
                            : fmt::format("--stages {} x --threads {}", stages_used, threads_used));
   // Ring windows (prima.cpp): k = --ring rounds of one window per rank over the decoder
   // layers, --windows sizes them; without either, one stage per rank from the policy.
-  BRIGADE_CHECK(!planned || (a.ring == 1 && a.windows.empty()), Errc::InvalidArgument,
+  BRIGADE_CHECK(!planned || (a.ring_option->count() == 0 && a.windows.empty()), Errc::InvalidArgument,
                 "--plan auto picks one layer range per stage; give --stages with --ring/--windows");
-  const bool ring_mode = a.ring > 1 || !a.windows.empty() || halda.has_value();
+  // An explicit --ring (k = 1 included: one window per rank, the output layers on the head)
+  // makes a ring plan.
+  const bool ring_mode = a.ring_option->count() > 0 || !a.windows.empty() || halda.has_value();
   const std::vector<int>& window_list = halda ? halda_windows : a.windows;
   // --windows without --ring: k from the list (M x k entries, or M entries repeated L / sum times).
   int ring_rounds = halda ? halda->k : a.ring;
@@ -323,7 +329,7 @@ int run(const GenerateArgs& a) {
                                                    std::max(a.threads, stages_used * a.threads));
     return partition::make_partition(spec, a.partition, req);
   }();
-  const int rounds = part.num_stages() / part.num_ranks();
+  const int rounds = ring_mode ? ring_rounds : 1;
   const std::vector<std::size_t> layer_bytes_held = model::layer_weight_bytes(weights);
   const std::vector<double> layer_bytes(layer_bytes_held.begin(), layer_bytes_held.end());
   const double tied = weights.config.shared_classifier ? layer_bytes.front() : 0.0;
@@ -493,9 +499,10 @@ int run(const GenerateArgs& a) {
     const auto& r = part.stage(s);
     const double busy =
         report.wall_s > 0 ? report.timeline.busy(r.rank * row_scale) / report.wall_s : 0.0;
-    if (rounds > 1)
-      fmt::print(stderr, "window {}: layers [{}, {}) on rank {}, rank busy {:.1f}%\n", s, r.first,
-                 r.last, r.rank, busy * 100);
+    if (ring_mode)
+      fmt::print(stderr, "{} {}: layers [{}, {}) on rank {}, rank busy {:.1f}%\n",
+                 spec.layer(r.first).kind == model::LayerKind::FinalNorm ? "output" : "window", s,
+                 r.first, r.last, r.rank, busy * 100);
     else
       fmt::print(stderr, "stage {}: layers [{}, {}), busy {:.1f}%\n", s, r.first, r.last,
                  busy * 100);
@@ -630,8 +637,9 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_flag("--offload", a->offload,
                "weight offload (prima.cpp): each rank prefetches a window's weights one run "
                "ahead (madvise WILLNEED on the mapped checkpoint) and releases them after its "
-               "run (madvise and posix_fadvise DONTNEED), every round; synthetic weights stay "
-               "resident");
+               "run (madvise and posix_fadvise DONTNEED), every round; the scan for NaN and "
+               "infinite weights runs on each window when it is first loaded, not on the whole "
+               "file at load; synthetic weights stay resident");
   sub.add_option("--halda", a->halda,
                  "prima.cpp's Halda: a devices file (brigade.halda_devices/1, docs/ring.md); it "
                  "picks k and each device's window, drops devices that slow the ring, and the "

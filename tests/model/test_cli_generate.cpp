@@ -1,4 +1,5 @@
 // `brigade generate` as a user runs it: byte-exact stdout, metrics and trace files, clear errors.
+#include <brigade/model/gguf.hpp>
 #include <doctest/doctest.h>
 #include "test_util.hpp"
 #include <nlohmann/json.hpp>
@@ -110,6 +111,9 @@ TEST_CASE("cli.generate: --ring K / --windows put k rounds of windows on the ran
   REQUIRE(r.rc == 0);
   CHECK(r.out == one);
   CHECK(r.err.find("window 2: layers [4, 5) on rank 0, rank busy") != std::string::npos);
+  // The output layers (final norm, LM head, sampler) on the head, after the last window.
+  CHECK(r.err.find("window 3: layers [5, 6) on rank 1, rank busy") != std::string::npos);
+  CHECK(r.err.find("output 4: layers [6, 9) on rank 0, rank busy") != std::string::npos);
   // 1 rank, k = 5 (even: one layer per window), with offload and a RAM budget it fits.
   const auto tag = std::to_string(::getpid());
   const auto metrics = (std::filesystem::temp_directory_path() / ("ring-" + tag + ".json")).string();
@@ -564,6 +568,42 @@ TEST_CASE("cli.generate: a GGUF model (format from its magic, tokenizer from the
                    (dir / "tok.bin").string() + " --temperature 0 --steps 64 --prompt \"Once upon a time\"");
   REQUIRE(g.rc == 0);
   CHECK(g.out == one);
+}
+
+TEST_CASE("cli.convert: --dtype f16 writes an f16 GGUF (half the file) that prints run.c's story, and "
+          "a bad --dtype, q8_0 on stories260K's shape and --dtype to a llama2.c file are named "
+          "errors that write nothing" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto ref = reference();
+  const std::string one = ref.cases[1].stdout_text;  // "Once upon a time", 64 steps
+  brigade::test::TempDir dir("brigade-cli-convert-dtype");
+  const std::string in = (kData / "stories260K.bin").string() + " ";
+  const std::string tok = " --tokenizer " + (kData / "tok512.bin").string();
+  auto h = run_cli("convert " + in + (dir / "h.gguf").string() + tok + " --dtype f16");
+  REQUIRE(h.rc == 0);
+  CHECK(h.err.find("(GGUF v3, f16 matrices, f32 norms; 0.5 MB of weights)") != std::string::npos);
+  CHECK(brigade::model::GgufFile::open(dir / "h.gguf").find_tensor("blk.0.attn_q.weight")->ggml_type == 1u);
+  auto g = run_cli("generate --model " + (dir / "h.gguf").string() +
+                   " --temperature 0 --stages 2 --steps 64 --prompt \"Once upon a time\"");
+  REQUIRE(g.rc == 0);
+  CHECK(g.out == one);
+  // The f16 GGUF back to llama2.c: widened to float32 exactly (f16 values are float32 values).
+  auto back = run_cli("convert " + (dir / "h.gguf").string() + " " + (dir / "h.bin").string());
+  REQUIRE(back.rc == 0);
+  CHECK(fs::file_size(dir / "h.bin") == fs::file_size(kData / "stories260K.bin"));
+  auto bad = run_cli("convert " + in + (dir / "x.gguf").string() + tok + " --dtype q4_0");
+  CHECK(bad.rc != 0);
+  CHECK(bad.err.find("--dtype: q4_0 not in {f32,f16,bf16,q8_0}") != std::string::npos);
+  auto q = run_cli("convert " + in + (dir / "q.gguf").string() + tok + " --dtype q8_0");
+  CHECK(q.rc != 0);
+  CHECK(q.err.find("convert_weights: w2 of layer 0 has rows of 172 elements, not whole q8_0 "
+                   "blocks of 32") != std::string::npos);
+  auto to_bin = run_cli("convert " + (dir / "h.gguf").string() + " " + (dir / "y.bin").string() +
+                        " --dtype f16");
+  CHECK(to_bin.rc != 0);
+  CHECK(to_bin.err.find("--dtype f16 is for a GGUF output; a llama2.c checkpoint (from the GGUF "
+                        "input") != std::string::npos);
+  for (const char* f : {"x.gguf", "q.gguf", "q.gguf.tmp", "y.bin", "y.bin.tmp"}) CHECK_FALSE(fs::exists(dir / f));
 }
 
 TEST_CASE("cli.generate: --weights-dtype keeps the matrices in f16 (run.c's story still, at half "

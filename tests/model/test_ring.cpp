@@ -19,6 +19,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -93,7 +94,8 @@ TEST_CASE("ring.stories260K: k = 1..5 rounds, llama2.c and GGUF, weight offload 
         CAPTURE(ranks);
         const auto sizes = windows_for(L, ranks, k);
         const auto part = partition::ring_partition(spec, ranks, sizes);
-        REQUIRE(part.num_stages() == ranks * k);
+        // M x k windows, and with two ranks the output layers' own stage on the head.
+        REQUIRE(part.num_stages() == ranks * k + (ranks > 1));
         for (const bool offload : {false, true}) {
           CAPTURE(offload);
           std::vector<engine::GenerationRequest> req;
@@ -112,14 +114,24 @@ TEST_CASE("ring.stories260K: k = 1..5 rounds, llama2.c and GGUF, weight offload 
                   std::vector<int>(cases[i].expect.begin(), cases[i].expect.begin() + static_cast<std::ptrdiff_t>(n)));
           }
           REQUIRE(rep.resident_weight_bytes.size() == static_cast<std::size_t>(ranks));
-          // The token walked the ring k times: every window computed, rank of window j is j mod ranks.
+          // The token walked the ring k times: every window computed, rank of window j is j mod
+          // ranks; the output stage (after the last window) is the head's, which samples.
           std::set<int> ran;
-          for (const auto& iv : rep.timeline.intervals())
+          int samples = 0;
+          for (const auto& iv : rep.timeline.intervals()) {
             if (iv.op == Op::F) {
               ran.insert(iv.virtual_stage);
-              CHECK(iv.rank == iv.virtual_stage % ranks);
+              CHECK(iv.rank == part.stage(iv.virtual_stage).rank);
+              CHECK(iv.rank == (iv.virtual_stage < ranks * k ? iv.virtual_stage % ranks : 0));
             }
-          CHECK(static_cast<int>(ran.size()) == ranks * k);
+            if (iv.op == Op::Sample) {
+              ++samples;
+              CHECK(iv.rank == 0);
+              CHECK(iv.virtual_stage == part.num_stages() - 1);
+            }
+          }
+          CHECK(samples > 0);
+          CHECK(static_cast<int>(ran.size()) == part.num_stages());
           int loads = 0, drops = 0;
           for (const auto& iv : rep.timeline.intervals()) {
             if (iv.op == Op::Prefetch) {
@@ -169,7 +181,7 @@ TEST_CASE("ring.offload: resident weights measured with mincore stay within two 
       for (int r = 0; r < ranks; ++r) {
         const double got = rep.resident_weight_bytes[static_cast<std::size_t>(r)];
         const double cap = bound[static_cast<std::size_t>(r)];
-        MESSAGE("rank " << r << " of " << ranks << " x k " << k << (background ? " (background)" : " (demand)")
+        MESSAGE("rank " << r << " of " << ranks << " x k " << k << std::string(background ? " (background)" : " (demand)")
                         << ": peak resident " << got << " bytes, two-window bound " << cap
                         << ", model " << model_bytes);
         CHECK(got > 0);
@@ -222,6 +234,144 @@ TEST_CASE("ring.offload: WeightPrefetcher loads a released stage's pages in the 
   CHECK_FALSE(mine.release_weights());
   CHECK_FALSE(runtime::release_model_pages(owned));
   CHECK(mine.resident_weight_bytes() == mine.weight_bytes());
+}
+
+TEST_CASE("ring.partition: the head (rank 0) owns the embedding and the output layers (final "
+          "norm, LM head, sampler) after the last window, and its resident bytes count them") {
+  const auto w = model::load_llama2c_checkpoint(kModels / "stories260K.bin");
+  const model::ModelSpec spec(w.config);
+  const int L = w.config.n_layers;
+  const int norm = model::ModelSpec::decoder_layer(L);  // FinalNorm, then LMHead, Sampler
+  REQUIRE(spec.layer(norm).kind == model::LayerKind::FinalNorm);
+  // Exact plans: two ranks, k = 2 (windows 2,1,1,1): the output layers are a fifth stage on
+  // rank 0; one rank: they join its last window (no hop to itself).
+  const std::vector<int> list{2, 1, 1, 1};
+  CHECK(partition::ring_partition(spec, 2, partition::ring_window_sizes(L, 2, 2, list)).to_string() ==
+        "[0,3)@0 [3,4)@1 [4,5)@0 [5,6)@1 [6,9)@0");
+  CHECK(partition::ring_partition(spec, 2, partition::ring_window_sizes(L, 2, 1)).to_string() ==
+        "[0,4)@0 [4,6)@1 [6,9)@0");
+  CHECK(partition::ring_partition(spec, 1, partition::ring_window_sizes(L, 1, 1)).to_string() ==
+        "[0,9)@0");
+  const std::vector<int> five{1, 1, 1, 1, 1};
+  CHECK(partition::ring_partition(spec, 5, five).to_string() ==
+        "[0,2)@0 [2,3)@1 [3,4)@2 [4,5)@3 [5,6)@4 [6,9)@0");
+  for (int ranks = 1; ranks <= 3; ++ranks)
+    for (int k = 1; ranks * k <= L; ++k) {
+      CAPTURE(ranks);
+      CAPTURE(k);
+      const auto part = partition::ring_partition(spec, ranks, windows_for(L, ranks, k));
+      CHECK(part.stage(part.stage_of_layer(0)).rank == 0);
+      for (int l = norm; l < spec.num_layers(); ++l) CHECK(part.stage(part.stage_of_layer(l)).rank == 0);
+      CHECK(part.stage(part.num_stages() - 1).rank == 0);
+      // The last window (the last decoder) is rank ((M k - 1) mod M)'s; the output follows it.
+      CHECK(part.stage(part.stage_of_layer(norm - 1)).rank == (ranks * k - 1) % ranks);
+    }
+  // Resident bytes (offload off): rank 0 = its windows + embedding + output layers, rank 1 only
+  // its windows; with offload, rank 0's largest pair includes the output stage (two ranks,
+  // k = 1: [0,4) then [6,9) are consecutive on it, cyclically).
+  const auto held = model::layer_weight_bytes(w);
+  const std::vector<double> bytes(held.begin(), held.end());
+  auto sum = [&](int a, int b) {
+    double t = 0;
+    for (int l = a; l < b; ++l) t += bytes[static_cast<std::size_t>(l)];
+    return t;
+  };
+  const auto part = partition::ring_partition(spec, 2, partition::ring_window_sizes(L, 2, 1));
+  const double tied = bytes.front();  // stories260K's classifier is the embedding table
+  REQUIRE(w.config.shared_classifier);
+  const auto all = partition::resident_weight_bytes(part, bytes, false, tied);
+  CHECK(all[0] == sum(0, 4) + sum(6, 9));  // the tied LM head reads rank 0's own embedding
+  CHECK(all[1] == sum(4, 6));
+  const auto two = partition::resident_weight_bytes(part, bytes, true, tied);
+  CHECK(two[0] == sum(0, 4) + sum(6, 9));
+  CHECK(two[1] == sum(4, 6));
+  // k = 2: rank 0 runs [0,3) [4,5) [6,9) in turn; the output stage (which reads the tied
+  // table) and window 0 (which holds it) share its pages when held together.
+  const auto ring2 = partition::ring_partition(spec, 2, partition::ring_window_sizes(L, 2, 2, list));
+  const auto pairs = partition::resident_weight_bytes(ring2, bytes, true, tied);
+  CHECK(pairs[0] == std::max({sum(0, 3) + sum(4, 5), sum(4, 5) + sum(6, 9) + tied,
+                              sum(6, 9) + sum(0, 3)}));
+  CHECK(pairs[1] == sum(3, 4) + sum(5, 6));
+}
+
+TEST_CASE("ring.offload: with the NaN scan deferred the load reads no weight page, each window is "
+          "scanned when first used, and a NaN in a later window is refused by name (llama2.c "
+          "and GGUF) before any token") {
+  const test::TempDir dir("brigade-ring-scan");
+  const auto path = private_copy(kModels / "stories260K.bin", dir);
+  model::LoadOptions later;
+  later.defer_finite_check = true;
+  const std::vector<int> caps{8};
+  const model::SamplerConfig greedy{0.0f, 0.9f, 1};
+  {
+    const auto w = model::load_llama2c_checkpoint(path, later);
+    REQUIRE(w.check_finite);
+    const model::ModelSpec spec(w.config);
+    runtime::InferenceStage all(w, {0, 0, spec.num_layers()}, caps, greedy);
+    // The header read (and its read-ahead) only: no weight pages yet.
+    CHECK(all.resident_weight_bytes() < all.weight_bytes() / 10);
+    all.check_weights_finite();  // the scan reads the whole stage: every weight (and the pages' rest)
+    CHECK(all.resident_weight_bytes() >= model::weight_bytes(w));
+    // Tokens on a ring with offload: every window scanned when first loaded.
+    const auto cases = reference_cases();
+    engine::InferenceOptions opt;
+    opt.sampler.temperature = 0.0f;
+    opt.weight_offload = true;
+    std::vector<engine::GenerationRequest> req{{cases[1].prompt_ids, cases[1].steps}};
+    const auto part = partition::ring_partition(spec, 2, windows_for(5, 2, 2));
+    CHECK(engine::generate(w, part, req, opt).sequences[0].tokens == cases[1].expect);
+    const auto eager = model::load_llama2c_checkpoint(path);
+    CHECK_FALSE(eager.check_finite);
+  }
+  // A NaN in decoder layer 3's wq, element 5 (llama2.c order: header, embedding, the rms_att of
+  // every layer, then wq of every layer).
+  const auto bad = dir / "nan.bin";
+  fs::copy_file(path, bad);
+  {
+    const long at = 28 + 4L * (512 * 64 + 5 * 64 + 3 * 64 * 64 + 5);
+    std::fstream f(bad, std::ios::in | std::ios::out | std::ios::binary);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    f.seekp(at);
+    f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+  }
+  const std::string named = "tensor wq of decoder layer 3 (layers count from 0), element 5 (row 0, "
+                            "column 5) is nan";
+  CHECK(test::error_of(Errc::BadFile, [&] { (void)model::load_llama2c_checkpoint(bad); })
+            .find(named) != std::string::npos);
+  const auto w = model::load_llama2c_checkpoint(bad, later);
+  const model::ModelSpec spec(w.config);
+  // The windows without layer 3 (ModelSpec layer 4) are scanned clean; the one with it throws,
+  // from a forward, a background load or the scan itself.
+  runtime::InferenceStage front(w, {0, 0, 4}, caps, greedy);
+  front.check_weights_finite();
+  runtime::InferenceStage tail(w, {0, 5, spec.num_layers()}, caps, greedy);
+  tail.check_weights_finite();
+  runtime::InferenceStage with(w, {0, 4, 5}, caps, greedy);
+  CHECK(test::error_of(Errc::BadFile, [&] { with.check_weights_finite(); }).find(named) != std::string::npos);
+  CHECK(test::error_of(Errc::BadFile, [&] { (void)with.prefetch_weights(); }).find(named) != std::string::npos);
+  for (const bool background : {true, false}) {
+    CAPTURE(background);
+    engine::InferenceOptions opt;
+    opt.sampler.temperature = 0.0f;
+    opt.weight_offload = true;
+    opt.background_prefetch = background;
+    std::vector<engine::GenerationRequest> req{{{1, 403}, 8}};
+    const auto part = partition::ring_partition(spec, 2, windows_for(5, 2, 2));
+    CHECK(test::error_of(Errc::BadFile, [&] { (void)engine::generate(w, part, req, opt); })
+              .find(named) != std::string::npos);
+  }
+  // The same model as GGUF (written without a scan: the saver does not read values twice).
+  const model::Tokenizer tok = model::Tokenizer::load_llama2c(kModels / "tok512.bin", 512);
+  model::save_gguf_llama(dir / "nan.gguf", w, tok);
+  const std::string gguf_named = "tensor blk.3.attn_q.weight, element 5 (row 0, column 5) is not finite";
+  CHECK(test::error_of(Errc::BadFile, [&] { (void)model::load_gguf_llama(dir / "nan.gguf"); })
+            .find(gguf_named) != std::string::npos);
+  const auto g = model::load_gguf_llama(dir / "nan.gguf", later);
+  runtime::InferenceStage gfront(g, {0, 0, 4}, caps, greedy);
+  gfront.check_weights_finite();
+  runtime::InferenceStage gwith(g, {0, 3, 6}, caps, greedy);
+  CHECK(test::error_of(Errc::BadFile, [&] { gwith.check_weights_finite(); }).find(gguf_named) !=
+        std::string::npos);
 }
 
 TEST_CASE("ring.errors: k not dividing the layers, a window list that does not cover them, and a "

@@ -179,14 +179,19 @@ std::string_view ggml_type_name(std::uint32_t type) noexcept;
 ///         a missing, mistyped or out-of-range key; llama.rope.dimension_count != head size;
 ///         RoPE scaling (llama.rope.scaling.type other than "none"); a missing tensor, one of
 ///         another shape (seen vs expected), a tensor brigade does not use (e.g. rope_freqs),
-///         a blk.N tensor with N >= block_count; a weight whose dtype brigade cannot yet use
-///         (only f32 weights are bound); a NaN or infinite weight; a config failing
+///         a blk.N tensor with N >= block_count; a weight whose dtype brigade cannot use
+///         (matrices are bound in their dtype if f32, f16, bf16 or q8_0; norm gains must be
+///         f32); a NaN or infinite weight; a config failing
 ///         LlamaConfig::validate; vocabulary sizes that disagree (llama.vocab_size,
 ///         tokenizer.ggml.tokens, token_embd, output)
-LlamaWeights load_gguf_llama(const GgufFile& file);
+///
+/// With options.defer_finite_check the tensors are bound without reading their data (the
+/// mapping's pages stay on disk) and LlamaWeights::check_finite scans a layer range's tensors
+/// when a stage first uses it, with the same error.
+LlamaWeights load_gguf_llama(const GgufFile& file, const LoadOptions& options = {});
 
-/// load_gguf_llama(GgufFile::open(path)).
-LlamaWeights load_gguf_llama(const std::filesystem::path& path);
+/// load_gguf_llama(GgufFile::open(path), options).
+LlamaWeights load_gguf_llama(const std::filesystem::path& path, const LoadOptions& options = {});
 
 /// The tokenizer of a GGUF file with tokenizer.ggml.model == "llama" (SentencePiece BPE):
 /// tokenizer.ggml.tokens, .scores, .token_type, .bos_token_id, .eos_token_id. Pieces are
@@ -200,12 +205,19 @@ LlamaWeights load_gguf_llama(const std::filesystem::path& path);
 ///         or non-finite score (Tokenizer::from_vocabulary)
 Tokenizer load_gguf_tokenizer(const GgufFile& file, int vocab_size = 0);
 
-/// Writes `w` and `tok` as a GGUF v3 file (general.architecture "llama", every tensor f32,
-/// alignment 32, the tokenizer as tokenizer.ggml.* with pieces in SentencePiece form), atomically
-/// (`path` + ".tmp", fsync, rename; the temporary is removed on failure). load_gguf_llama and
-/// load_gguf_tokenizer read back the same config, weights (bit for bit) and vocabulary.
-/// @throws brigade::Error{InvalidArgument} if `w` fails save_llama2c_checkpoint's checks (config,
-///         layer count, null tensors) or tok.vocab_size() != w.config.vocab_size
+/// Writes `w` and `tok` as a GGUF v3 file (general.architecture "llama", alignment 32, the
+/// tokenizer as tokenizer.ggml.* with pieces in SentencePiece form), atomically (`path` +
+/// ".tmp", fsync, rename; the temporary is removed on failure). Every matrix (token_embd, the
+/// blocks' attn_q/k/v/output and ffn_gate/down/up, output) is written in the dtype `w` holds it
+/// in, in llama.cpp's layouts: f32 (ggml type 0), f16 (1), bf16 (30), q8_0 (8: blocks of 32
+/// values, a binary16 scale and 32 int8, 34 bytes); the norm gains are f32, as llama.cpp writes
+/// them in every file type. To write another dtype, convert first:
+/// `save_gguf_llama(path, convert_weights(w, DType::F16), tok)` (`brigade convert --dtype`).
+/// load_gguf_llama and load_gguf_tokenizer read back the same config, weights (bit for bit, in
+/// the same dtypes) and vocabulary.
+/// @throws brigade::Error{InvalidArgument} if `w` fails check_complete (config, layer count,
+///         null tensors), a matrix is of a dtype other than those four (naming the tensor), or
+///         tok.vocab_size() != w.config.vocab_size
 /// @throws brigade::Error{BadFile} naming the file if it cannot be written or renamed
 void save_gguf_llama(const std::filesystem::path& path, const LlamaWeights& w,
                      const Tokenizer& tok);

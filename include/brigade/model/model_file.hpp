@@ -22,10 +22,11 @@ enum class ModelFileFormat : std::uint8_t {
 /// (load_llama2c_checkpoint then names any other format it recognises). Never throws.
 ModelFileFormat model_file_format(const std::filesystem::path& path);
 
-/// Loads a model in the format model_file_format names: load_llama2c_checkpoint,
-/// load_gguf_llama or load_safetensors_llama.
+/// Loads a model in the format model_file_format names: load_llama2c_checkpoint or
+/// load_gguf_llama with `options`, or load_safetensors_llama (its weights are not a file
+/// mapping, so they are always scanned at load: options.defer_finite_check does not apply).
 /// @throws brigade::Error{BadFile} as the chosen loader
-LlamaWeights load_model_weights(const std::filesystem::path& path);
+LlamaWeights load_model_weights(const std::filesystem::path& path, const LoadOptions& options = {});
 
 }  // namespace v0
 }  // namespace brigade::model

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -44,6 +45,25 @@ struct LlamaWeights {
   /// dropped with madvise(MADV_DONTNEED) are read back from the file on their next use. False
   /// for owned memory (make_synthetic_weights), where dropping pages would lose the weights.
   bool mapped = false;
+  /// Set when the loader deferred its scan for NaN and infinite weights
+  /// (LoadOptions::defer_finite_check): check_finite(first, last) scans the tensors of ModelSpec
+  /// layers [first, last) (the embedding table for layer 0, a decoder's nine tensors, the final
+  /// norm's gain, the classifier: the embedding table when shared) and throws the loader's
+  /// error, Errc::BadFile naming the file, the tensor and the element, as the load would have.
+  /// runtime::InferenceStage runs it over its range before its first forward (or its first
+  /// background load), so a window's pages are read when the window is first used, not at load.
+  /// Empty: every weight was scanned at load. Copies share the function (it holds `storage`).
+  std::function<void(int first, int last)> check_finite;
+};
+
+/// How a loader (load_llama2c_checkpoint, load_gguf_llama, load_model_weights) reads the weights.
+struct LoadOptions {
+  /// False (default): every weight is scanned for NaN and infinity at load (reading the whole
+  /// file once). True: the tensors are bound without reading them and
+  /// LlamaWeights::check_finite scans each layer range when it is first used: the mmap weight
+  /// offload of a model larger than RAM (prima.cpp's setting), where reading the whole file at
+  /// load would page in everything the offload keeps out.
+  bool defer_finite_check = false;
 };
 
 /// Checks that `w` is a whole model for its config: LlamaConfig::validate passes, it has
@@ -111,8 +131,11 @@ LlamaWeights convert_weights(const LlamaWeights& w, DType dtype);
 ///         another format's magic (io::foreign_format: "is a GGUF file (llama.cpp)", safetensors,
 ///         a zip or pickle PyTorch file, ELF, ...); naming the tensor, the decoder layer
 ///         (counting from 0) and the element when a weight is NaN or infinite (the whole file
-///         is scanned at load, at memory speed: docs/benchmarks.md)
-LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path);
+///         is scanned at load, at memory speed: docs/benchmarks.md; with
+///         options.defer_finite_check, each layer range when a stage first uses it:
+///         LlamaWeights::check_finite)
+LlamaWeights load_llama2c_checkpoint(const std::filesystem::path& path,
+                                     const LoadOptions& options = {});
 
 /// True when `path` is a regular file whose first 28 bytes are a valid llama2.c header (every
 /// field positive, LlamaConfig::validate passes) and whose size is exactly the size that header

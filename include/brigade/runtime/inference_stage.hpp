@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <utility>
 #include <vector>
@@ -96,6 +97,8 @@ class InferenceStageBase {
   ///         layer, the sequence and position of the row and the column (on a host-memory
   ///         backend every layer's output is scanned once: docs/benchmarks.md has the cost; on a
   ///         device backend the stage's output, once it is downloaded, naming its last layer)
+  /// @throws brigade::Error{BadFile} check_weights_finite()'s, before any layer runs, when the
+  ///         loader deferred its scan and the stage's weights hold a NaN or an infinity
   virtual void forward(Microbatch& mb) = 0;
 
   /// Runs the sampler layer on `mb` (after forward() on the stage that owns it): one token per
@@ -129,14 +132,25 @@ class InferenceStageBase {
   /// sampler has none), each matrix in its dtype (F16/BF16: 2 bytes per weight, Q8_0: 34 per 32).
   [[nodiscard]] std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
+  /// The scan for NaN and infinite weights a loader deferred (LlamaWeights::check_finite, set
+  /// by LoadOptions::defer_finite_check), over this stage's layers, once: the first call reads
+  /// every byte of the stage's tensors; later calls return at once (a call while another
+  /// thread scans waits for it; a scan that threw runs again, and throws again). Nothing when
+  /// the loader scanned at load. forward() and prefetch_weights() call it first, so no output
+  /// is computed from a window that was not scanned.
+  /// @throws brigade::Error{BadFile} the loader's error naming the file, tensor and element
+  void check_weights_finite();
+
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
   /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors
-  /// (the kernel starts reading them), then one read per page, so every page is resident in
-  /// this process when it returns. It blocks for the disk: runtime::WeightPrefetcher runs it on
-  /// a thread of its own while the rank computes or waits. Owned weights are always resident:
-  /// nothing is done.
+  /// (the kernel starts reading them), then check_weights_finite() (the first load of a model
+  /// whose scan was deferred reads the window there) and one read per page, so every page is
+  /// resident in this process when it returns. It blocks for the disk:
+  /// runtime::WeightPrefetcher runs it on a thread of its own while the rank computes or
+  /// waits. Owned weights are always resident: nothing is done.
   /// @return true when the pages were loaded, false for owned weights
-  /// @throws brigade::Error{Internal} naming the range and errno if madvise fails
+  /// @throws brigade::Error{Internal} naming the range and errno if madvise fails;
+  ///         check_weights_finite()'s error
   bool prefetch_weights();
   /// RELEASE: when the weights are mapped, madvise(MADV_DONTNEED) over the pages of this
   /// stage's tensors (the process drops them: its resident set shrinks), then
@@ -264,6 +278,7 @@ class InferenceStageBase {
   bool advise_weights(int advice, const char* name);
 
   std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
+  std::unique_ptr<std::once_flag> scanned_ = std::make_unique<std::once_flag>();  // check_weights_finite
   unsigned touched_ = 0;  // what prefetch_weights' page reads summed (kept so they are not elided)
   std::vector<int> capacities_;
   std::vector<std::int64_t> cache_offsets_;      // per sequence, its first row in a layer's cache
@@ -624,6 +639,7 @@ template <backend::Backend B>
 void InferenceStage<B>::forward(Microbatch& mb) {
   using model::LayerKind;
   const auto& c = weights_->config;
+  check_weights_finite();
   place_sequences(mb);
   check_entry(mb);
   const auto n_seq = static_cast<std::int64_t>(mb.seqs.size());
