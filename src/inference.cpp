@@ -258,7 +258,9 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   cur_.resize(M);
   slot_.resize(M);
   tokens_.resize(M);
-  released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), 0);
+  // With offload every window is PREFETCHed before its first compute (add_weight_offload), and
+  // nothing is held before: the offload starts by dropping every page.
+  released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), weight_offload ? 1 : 0);
   bool mapped = false;
   for (const auto* s : stages_) {
     if (s == nullptr) continue;
@@ -566,7 +568,22 @@ Work InferenceWorker::compute(const Action& a) {
     if (!offload_mapped_) return {true, 0, std::string_view("owned: resident")};
     if (!prefetch) {
       if (prefetcher_) prefetcher_->settle(&st);
-      st.release_weights();
+      // The pages another window of this rank still holds stay (a tied LM head on the head
+      // reads window 0's embedding table): only the sorted, merged union of theirs is kept.
+      keep_.clear();
+      for (std::size_t u = 0; u < stages_.size(); ++u)
+        if (u != v && stages_[u] != nullptr && !released_[u])
+          keep_.insert(keep_.end(), stages_[u]->weight_pages().begin(), stages_[u]->weight_pages().end());
+      std::sort(keep_.begin(), keep_.end());
+      std::size_t n = 0;
+      for (const auto& r : keep_) {
+        if (n > 0 && r.first <= keep_[n - 1].first + keep_[n - 1].second)
+          keep_[n - 1].second = std::max(keep_[n - 1].first + keep_[n - 1].second, r.first + r.second) - keep_[n - 1].first;
+        else
+          keep_[n++] = r;
+      }
+      keep_.resize(n);
+      st.release_weights(keep_);
       return {true, 0, std::string_view("madvise+fadvise")};
     }
     if (!prefetcher_) return {true, 0, std::string_view("demand paging")};

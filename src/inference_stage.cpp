@@ -108,16 +108,24 @@ InferenceStageBase::InferenceStageBase(const model::LlamaWeights& weights,
   }
 }
 
-bool InferenceStageBase::advise_weights(int advice, const char* name) {
+bool InferenceStageBase::advise_weights(
+    std::span<const std::pair<std::uintptr_t, std::size_t>> ranges, int advice, const char* name) {
   if (!weights_->mapped) return false;
-  for (const auto& [begin, bytes] : weight_pages_) {
-    if (::madvise(reinterpret_cast<void*>(begin), bytes, advice) != 0) {
-      const int err = errno;
-      ::brigade::detail::fail(Errc::Internal,
-                              "InferenceStage [{}, {}): madvise({}) over {} bytes failed: {}",
-                              range_.first, range_.last, name, bytes, std::strerror(err));
+  // In pieces of 2 MiB: one MADV_WILLNEED call starts the reads of at most a few megabytes
+  // (8 MB on Linux 6.18, force_page_cache_ra's limit), and the rest of a larger range would
+  // come in by page faults, one page at a time under the run's MADV_RANDOM (10-14 MB/s against
+  // 250-580 MB/s in pieces on this machine: docs/ring.md).
+  constexpr std::size_t kPiece = std::size_t{2} << 20;
+  for (const auto& [begin, bytes] : ranges)
+    for (std::size_t off = 0; off < bytes; off += kPiece) {
+      const std::size_t n = std::min(kPiece, bytes - off);
+      if (::madvise(reinterpret_cast<void*>(begin + off), n, advice) != 0) {
+        const int err = errno;
+        ::brigade::detail::fail(Errc::Internal,
+                                "InferenceStage [{}, {}): madvise({}) over {} bytes failed: {}",
+                                range_.first, range_.last, name, n, std::strerror(err));
+      }
     }
-  }
   return true;
 }
 
@@ -127,7 +135,7 @@ void InferenceStageBase::check_weights_finite() {
 }
 
 bool InferenceStageBase::prefetch_weights() {
-  if (!advise_weights(MADV_WILLNEED, "MADV_WILLNEED")) return false;
+  if (!advise_weights(weight_pages_, MADV_WILLNEED, "MADV_WILLNEED")) return false;
   check_weights_finite();
   // One read per page: each page is resident in this process when this returns.
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
@@ -139,12 +147,37 @@ bool InferenceStageBase::prefetch_weights() {
   return true;
 }
 
-bool InferenceStageBase::release_weights() {
-  if (!advise_weights(MADV_DONTNEED, "MADV_DONTNEED")) return false;
+namespace {
+
+/// `from` without `keep` (both sorted, merged, page-aligned (address, bytes) ranges).
+std::vector<std::pair<std::uintptr_t, std::size_t>> without(
+    std::span<const std::pair<std::uintptr_t, std::size_t>> from,
+    std::span<const std::pair<std::uintptr_t, std::size_t>> keep) {
+  std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+  std::size_t k = 0;
+  for (const auto& [begin, bytes] : from) {
+    std::uintptr_t at = begin;
+    const std::uintptr_t end = begin + bytes;
+    while (k < keep.size() && keep[k].first + keep[k].second <= at) ++k;
+    for (std::size_t j = k; j < keep.size() && keep[j].first < end && at < end; ++j) {
+      if (keep[j].first > at) out.emplace_back(at, keep[j].first - at);
+      at = std::max(at, keep[j].first + keep[j].second);
+    }
+    if (at < end) out.emplace_back(at, end - at);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool InferenceStageBase::release_weights(
+    std::span<const std::pair<std::uintptr_t, std::size_t>> keep) {
+  const auto drop = without(weight_pages_, keep);
+  if (!advise_weights(drop, MADV_DONTNEED, "MADV_DONTNEED")) return false;
   const int fd = ::brigade::detail::MappedFiles::instance().fd(weights_->storage.get());
   if (fd < 0) return true;  // not one of OpenFile::map's mappings: the process's pages are dropped
   const auto base = reinterpret_cast<std::uintptr_t>(weights_->storage.get());
-  for (const auto& [begin, bytes] : weight_pages_) {
+  for (const auto& [begin, bytes] : drop) {
     const int rc = ::posix_fadvise(fd, static_cast<off_t>(begin - base),
                                    static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
     if (rc != 0)

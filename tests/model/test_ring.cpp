@@ -228,6 +228,14 @@ TEST_CASE("ring.offload: WeightPrefetcher loads a released stage's pages in the 
   CHECK(stage.resident_weight_bytes() >= stage.weight_bytes());
   CHECK(stage.release_weights());
   CHECK(stage.resident_weight_bytes() <= shared);
+  // A release keeps the pages another held window shares (here: the first range).
+  CHECK(stage.prefetch_weights());
+  const std::vector<std::pair<std::uintptr_t, std::size_t>> keep{stage.weight_pages().front()};
+  CHECK(stage.release_weights(keep));
+  CHECK(stage.resident_weight_bytes() >= keep[0].second);
+  CHECK(stage.resident_weight_bytes() <= keep[0].second + shared);
+  CHECK(stage.release_weights());
+  CHECK(stage.resident_weight_bytes() <= shared);
   // Owned weights: nothing to load or drop; resident is their size.
   const auto owned = model::make_synthetic_weights(model::named_config("260K"), 3);
   runtime::InferenceStage mine(owned, {0, 1, 3}, caps, model::SamplerConfig{0.0f, 0.9f, 1});

@@ -357,7 +357,9 @@ class InferenceWorker {
   /// token per sequence. A closed micro-batch computes nothing (Work::ran false).
   /// PREFETCH: on mapped weights the stage goes to the rank's WeightPrefetcher (label
   /// "background"; "demand paging" without background_prefetch, where nothing is done);
-  /// RELEASE: settles that load, then the stage's release_weights() (label "madvise+fadvise").
+  /// RELEASE: settles that load, then the stage's release_weights() (label "madvise+fadvise"),
+  /// keeping the pages it shares with the rank's other windows held since their PREFETCH (the
+  /// tied embedding table of window 0 and the head's output layers).
   /// Owned weights: recorded no-ops (label "owned: resident").
   /// @throws brigade::Error{InvalidArgument} for another op, or a compute on a virtual stage
   ///         whose weights were released and not prefetched since; the stage's errors
@@ -429,6 +431,8 @@ class InferenceWorker {
   bool offload_mapped_ = false;  // weight offload over mapped weights: the ops really advise
   std::vector<std::pair<std::uintptr_t, std::size_t>> pages_;  // this rank's weight pages
   std::vector<char> released_;  // per virtual stage: weights released, not prefetched since
+                                // (with offload every stage starts released: nothing is held)
+  std::vector<std::pair<std::uintptr_t, std::size_t>> keep_;  // a RELEASE's pages still held
   std::vector<std::vector<backend::SequenceSlice>> prev_, cur_;  // sequences of the last/this round
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received

@@ -142,8 +142,9 @@ class InferenceStageBase {
   void check_weights_finite();
 
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
-  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors
-  /// (the kernel starts reading them), then check_weights_finite() (the first load of a model
+  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors in
+  /// pieces of 2 MiB (the kernel starts reading them; one call reads at most a few megabytes
+  /// ahead, 8 MB on Linux 6.18), then check_weights_finite() (the first load of a model
   /// whose scan was deferred reads the window there) and one read per page, so every page is
   /// resident in this process when it returns. It blocks for the disk:
   /// runtime::WeightPrefetcher runs it on a thread of its own while the rank computes or
@@ -158,10 +159,13 @@ class InferenceStageBase {
   /// pages no other mapping holds, so the memory is really free; prima.cpp's release). The next
   /// use reads them back from the file, so results do not change. The ranges are rounded out to
   /// whole pages, so a neighbouring tensor sharing a page is dropped too (and read back the same
-  /// way). Owned weights: nothing is done (dropping anonymous pages would zero them).
+  /// way). Pages under `keep` (page-aligned, sorted, merged (address, bytes) ranges: the
+  /// weight_pages() of the rank's other windows still held, such as the output layers' stage
+  /// whose tied LM head reads the embedding table of window 0) are left resident. Owned
+  /// weights: nothing is done (dropping anonymous pages would zero them).
   /// @return true when the kernel was advised, false for owned weights
   /// @throws brigade::Error{Internal} naming the range and errno if madvise or posix_fadvise fails
-  bool release_weights();
+  bool release_weights(std::span<const std::pair<std::uintptr_t, std::size_t>> keep = {});
   /// Bytes of this stage's weight pages resident in memory now: mincore(2) over its page
   /// ranges (whole pages, so up to a page more per range than weight_bytes() at the ends) for
   /// mapped weights; weight_bytes() for owned ones.
@@ -274,8 +278,10 @@ class InferenceStageBase {
   std::size_t weight_bytes_ = 0;                 // the stage's tensors (a TP stage: its slices)
 
  private:
-  /// madvise(advice) over every page range of weight_pages_; false for owned weights.
-  bool advise_weights(int advice, const char* name);
+  /// madvise(advice) over every page range of `ranges` (weight_pages_ or part of it) in pieces
+  /// of 2 MiB; false for owned weights.
+  bool advise_weights(std::span<const std::pair<std::uintptr_t, std::size_t>> ranges, int advice,
+                      const char* name);
 
   std::vector<std::pair<std::uintptr_t, std::size_t>> weight_pages_;  // page-aligned (start, bytes)
   std::unique_ptr<std::once_flag> scanned_ = std::make_unique<std::once_flag>();  // check_weights_finite
