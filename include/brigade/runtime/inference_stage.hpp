@@ -142,9 +142,11 @@ class InferenceStageBase {
   void check_weights_finite();
 
   /// PREFETCH (prima.cpp's mmap offload): when the weights are mapped from a file
-  /// (LlamaWeights::mapped), madvise(MADV_WILLNEED) over the pages of this stage's tensors in
-  /// pieces of 2 MiB (the kernel starts reading them; one call reads at most a few megabytes
-  /// ahead, 8 MB on Linux 6.18), then check_weights_finite() (the first load of a model
+  /// (LlamaWeights::mapped), advises the kernel over the page ranges of this stage's tensors:
+  /// madvise(MADV_WILLNEED) over each range of up to 8 MiB (in pieces of 2 MiB: one call reads
+  /// at most 8 MB ahead on Linux 6.18), madvise(MADV_SEQUENTIAL) over each larger one (the
+  /// reads below then fault it in with the kernel's read-ahead, at most one read-ahead window
+  /// past its end; several times faster than MADV_WILLNEED there), then check_weights_finite() (the first load of a model
   /// whose scan was deferred reads the window there) and one read per page, so every page is
   /// resident in this process when it returns. It blocks for the disk:
   /// runtime::WeightPrefetcher runs it on a thread of its own while the rank computes or
