@@ -568,11 +568,22 @@ Work InferenceWorker::compute(const Action& a) {
     if (!offload_mapped_) return {true, 0, std::string_view("owned: resident")};
     if (!prefetch) {
       if (prefetcher_) prefetcher_->settle(&st);
-      // The pages another window of this rank still holds stay (a tied LM head on the head
-      // reads window 0's embedding table): only the sorted, merged union of theirs is kept.
+      // The pages another window of this rank still holds stay, and those of the window it
+      // runs next (cyclically: after the head's output layers, window 0 of the next position),
+      // which its PREFETCH would read back at once: a tied LM head on the head reads window 0's
+      // embedding table. The planner counts them once the same way
+      // (partition::resident_weight_bytes). Only the sorted, merged union is kept.
+      std::size_t next = v;
+      for (std::size_t i = 1; i <= stages_.size(); ++i) {
+        const std::size_t u = (v + i) % stages_.size();
+        if (stages_[u] != nullptr) {
+          next = u;
+          break;
+        }
+      }
       keep_.clear();
       for (std::size_t u = 0; u < stages_.size(); ++u)
-        if (u != v && stages_[u] != nullptr && !released_[u])
+        if (u != v && stages_[u] != nullptr && (!released_[u] || u == next))
           keep_.insert(keep_.end(), stages_[u]->weight_pages().begin(), stages_[u]->weight_pages().end());
       std::sort(keep_.begin(), keep_.end());
       std::size_t n = 0;
