@@ -37,7 +37,7 @@ model=${MODEL:-$tmp/synthetic-$size-$dtype.gguf}
 model_bytes=$(stat -c %s "$model")
 drop() { python3 -c "import os,sys; fd=os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)" "$1"; }
 
-echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(grep -o -w -m1 -E 'avx512f|avx2' /proc/cpuinfo | head -1)"
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(if grep -q -w avx512f /proc/cpuinfo; then echo AVX-512; elif grep -q -w avx2 /proc/cpuinfo; then echo AVX2; else echo SSE; fi), kernel $(uname -r)"
 echo "model: $model ($size synthetic, $dtype, $(awk -v b="$model_bytes" 'BEGIN{printf "%.2f GB", b/1e9}')), $np processes, RAM budget $(awk -v b="$budget" 'BEGIN{printf "%.0f MB", b/1e6}') each ($(awk -v b="$budget" -v n="$np" -v m="$model_bytes" 'BEGIN{printf "model / sum of budgets = %.1f", m/(b*n)}'))"
 echo
 echo "| run | k | TPOT ms | tokens/s | resident weight MB per process (mincore peak) | within budget | cached at start | load avg before |"

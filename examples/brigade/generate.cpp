@@ -623,7 +623,8 @@ std::function<int()> setup(CLI::App& sub) {
       ->capture_default_str();
   a->ring_option = sub.add_option("--ring", a->ring,
                  "ring rounds k (prima.cpp's pipelined ring): the decoder layers are split into k "
-                 "rounds of one window per rank (window j on rank j mod --stages), and the token "
+                 "rounds of one window per rank (window j on rank j mod --stages; the output "
+                 "layers on rank 0, the head, after the last window), and the token "
                  "walks the ring of ranks k times per position; k must divide the decoder layers "
                  "unless --windows sizes the windows")
       ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
