@@ -474,8 +474,12 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
       return out;
     };
     say("peak memory per rank (MiB of activations, messages held and window buffers): "
-        "measured {}, simulated {}\n",
-        mib(peak_measured), mib(peak_simulated));
+        "measured {}, simulated {}{}\n",
+        mib(peak_measured), mib(peak_simulated),
+        d.tp > 1 ? fmt::format(" (measured: TP rank 0 of each stage; simulated: the whole "
+                               "stage, the memory model does not split TP {})",
+                               d.tp)
+                 : std::string());
     if (a.integrity.active()) {
       say("integrity: {} messages checked, {} flagged; {} micro-batches dropped, {} updates "
           "skipped; {} messages corrupted, {} of them flagged\n",
@@ -646,8 +650,12 @@ int run(const TrainArgs& a) {
       cost::TrainingMemoryOptions mo;
       mo.tied_gradient_copies = 0;
       mo.workload = {1, cfg.seq_len_hint};
-      cost::check_one_process(cost::training_memory(spec, engine::training_plan(weights.config, cfg), mo),
-                              *resolved.profile, "brigade train");
+      // --dp replicas each hold their own copies; a TP rank's shards of the weights, gradients
+      // and moments add up to its stage's (TP is priced as the TP 1 pipeline).
+      const auto pipeline = cost::training_memory(spec, engine::training_plan(weights.config, cfg), mo);
+      std::vector<cost::MemoryBreakdown> ranks;
+      for (int r = 0; r < a.dp; ++r) ranks.insert(ranks.end(), pipeline.begin(), pipeline.end());
+      cost::check_one_process(ranks, *resolved.profile, "brigade train");
     }
   }
   const bool dynamic = std::find(a.batchings.begin(), a.batchings.end(), "dynamic") !=

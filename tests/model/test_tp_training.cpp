@@ -3,8 +3,9 @@
 // vocabulary 512, tied classifier): TP2 x PP1 and TP2 x PP2 give the single rank's loss and every
 // gradient tensor (shards assembled) to 1e-5 relative under 1f1b, gpipe and zb-h1; one AdamW step
 // leaves the same weights; a TP checkpoint is one llama2.c file that resumes at TP 1 and TP 2;
-// DP2 x TP2 on threads equals the single rank; the vocabulary-parallel cross-entropy equals the
-// whole one; degrees the model does not divide are refused by name.
+// DP2 x TP2 on threads and DistributedTrainer ranks with TP and DP groups equal the single rank;
+// the vocabulary-parallel cross-entropy equals the whole one; `brigade train --tp 2 --dp 2` gives
+// the single pipeline's losses; degrees the model does not divide are refused by name.
 #include <brigade/backend/cpu_train.hpp>
 #include <brigade/backend/decoder.hpp>
 #include <brigade/data/corpus.hpp>
@@ -19,11 +20,13 @@
 #include <brigade/transport/in_process.hpp>
 
 #include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
 
 #include "test_util.hpp"
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -410,4 +413,57 @@ TEST_CASE("tp.train.errors: TP degrees the model does not divide, a TP group tha
                        [&] { eng.compute_gradients(std::span(eps), batches); })
             .find("a TP 2 engine runs its 2 pipelines over its own in-process fabrics") !=
         std::string::npos);
+}
+
+namespace {
+
+/// Every step's loss in a `brigade train --metrics` file, in order.
+std::vector<double> metric_losses(const fs::path& file) {
+  std::ifstream in(file);
+  std::vector<double> out;
+  for (std::string line; std::getline(in, line);)
+    out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tp.train.cli: brigade train --tp 2 and --dp 2 on threads give the single pipeline's "
+          "step losses, and what they do not run is refused by name") {
+  const test::TempDir dir("tp_train_cli");
+  const std::string base = "train --model " + (kData / "stories260K.bin").string() +
+                           " --tokenizer " + (kData / "tok512.bin").string() +
+                           " --tokens-per-microbatch 32 --steps 2 --warmup 1 --profile none"
+                           " --stages 2";
+  const auto run = [&](const std::string& flags, const std::string& name) {
+    const auto r = test::run_cli(base + " " + flags + " --metrics " + (dir / name).string());
+    INFO(r.err);
+    REQUIRE(r.rc == 0);
+    return std::pair{r, metric_losses(dir / name)};
+  };
+  const auto [one, want] = run("--microbatches 4", "one.jsonl");
+  REQUIRE(want.size() == 2);
+  const auto [tp, tp_losses] = run("--microbatches 4 --tp 2", "tp.jsonl");
+  CHECK(tp.err.find("tensor x data x pipeline parallel: grid TP 2 x PP 2 = 4 threads") !=
+        std::string::npos);
+  // DP2 of 2 micro-batches each: the same 4 micro-batches per step as the single pipeline.
+  const auto [dp, dp_losses] = run("--microbatches 2 --dp 2 --tp 2", "dp.jsonl");
+  CHECK(dp.err.find("grid TP 2 x PP 2 x DP 2 = 8 threads") != std::string::npos);
+  CHECK(dp.err.find("2 (per replica) x 2 replicas micro-batches") != std::string::npos);
+  for (const auto* got : {&tp_losses, &dp_losses}) {
+    REQUIRE(got->size() == want.size());
+    for (std::size_t s = 0; s < want.size(); ++s)
+      CHECK((*got)[s] == doctest::Approx(want[s]).epsilon(1e-5));
+  }
+  // Refused before anything runs.
+  const auto refused = [&](const std::string& flags, const std::string& message) {
+    CAPTURE(flags);
+    const auto r = test::run_cli(base + " " + flags);
+    CHECK(r.rc != 0);
+    CHECK(r.err.find(message) != std::string::npos);
+  };
+  refused("--tp 3", "TP 3: the model's 8 attention heads are not divisible by the TP degree");
+  refused("--tp 8", "TP 8: the model's hidden_dim 172 is not divisible by the TP degree");
+  refused("--tp 2 --verify log", "--tp 2 --dp 1 does not combine with --verify/--inject");
+  refused("--dp 2 --batching padding", "--tp 1 --dp 2 does not combine with --batching (with --dp)");
 }

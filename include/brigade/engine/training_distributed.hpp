@@ -544,9 +544,20 @@ class DistributedTrainer {
   /// replica's share of the targets and all-reduced (DataParallelTrainer's rule).
   void reduce_replicas(StepResult& res, const cpu::CrossEntropyLoss& loss) {
     tp::Group& dp = *groups_.dp;
-    std::vector<double> tot{static_cast<double>(loss.count), loss.sum,
-                            res.update_skipped ? 1.0 : 0.0};
-    dp.all_reduce(std::span<double>(tot));
+    // Every replica's (targets, mean loss, skipped), combined in replica order as
+    // DataParallelTrainer does (the same bits as the threads).
+    const std::vector<double> mine{static_cast<double>(loss.count), loss.mean(),
+                                   res.update_skipped ? 1.0 : 0.0};
+    std::vector<double> every(3 * static_cast<std::size_t>(dp.size()));
+    dp.all_gather(std::span<const double>(mine), std::span<double>(every));
+    double total = every[0], skipped = 0.0;
+    for (int r = 1; r < dp.size(); ++r) total += every[3 * static_cast<std::size_t>(r)];
+    double mean = 0.0;
+    for (int r = 0; r < dp.size(); ++r) {
+      const auto at = 3 * static_cast<std::size_t>(r);
+      mean += every[at + 1] * (every[at] / total);
+      skipped += every[at + 2];
+    }
     // Per task: the replicas' task counts may differ (the largest task id each saw).
     std::vector<double> sizes(static_cast<std::size_t>(dp.size()));
     const double mine_size = static_cast<double>(res.task_loss.size());
@@ -563,10 +574,10 @@ class DistributedTrainer {
       for (std::size_t t = 0; t < tasks; ++t)
         res.task_loss[t] = {per[2 * t], static_cast<std::int64_t>(per[2 * t + 1])};
     }
-    const double share = tot[0] > 0.0 ? static_cast<double>(loss.count) / tot[0] : 0.0;
-    res.tokens = static_cast<std::int64_t>(tot[0]);
-    res.loss = tot[0] > 0.0 ? tot[1] / tot[0] : 0.0;
-    if (tot[2] > 0.0) {  // a replica skips its update: every replica does
+    const double share = static_cast<double>(loss.count) / total;
+    res.tokens = static_cast<std::int64_t>(total);
+    res.loss = mean;
+    if (skipped > 0.0) {  // a replica skips its update: every replica does
       skip_update_ = true;
       res.update_skipped = true;
       return;
