@@ -489,27 +489,42 @@ void swiglu_backward(const float* gate, const float* up, const float* dh, float*
   }
 }
 
+namespace {
+
+/// A cross-entropy's counted targets (checked: -1 or an id in [0, vocab)) and the gradient's
+/// 1 / denominator (grad_denominator when > 0, else the counted targets).
+std::pair<std::int64_t, float> count_targets(const char* what, const std::int32_t* targets,
+                                             std::int64_t tokens, std::int64_t vocab,
+                                             double grad_denominator) {
+  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
+                "{}: grad_denominator = {}; expected >= 0 (0 = mean over targets)", what,
+                grad_denominator);
+  std::int64_t count = 0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    BRIGADE_CHECK(targets[t] == -1 || (targets[t] >= 0 && targets[t] < vocab),
+                  Errc::InvalidArgument,
+                  "{}: targets[{}] = {}; expected -1 (ignore) or an id in [0, {})", what, t,
+                  targets[t], vocab);
+    if (targets[t] != -1) ++count;
+  }
+  const double denom = grad_denominator > 0.0
+                           ? grad_denominator
+                           : static_cast<double>(std::max<std::int64_t>(count, 1));
+  return {count, static_cast<float>(1.0 / denom)};
+}
+
+}  // namespace
+
 CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
                                std::int64_t tokens, std::int64_t vocab, float* dlogits,
                                double grad_denominator, double* row_loss) {
   BRIGADE_CHECK(tokens >= 0 && vocab > 0, Errc::InvalidArgument,
                 "cross_entropy: tokens = {}, vocab = {}; expected tokens >= 0 and vocab > 0",
                 tokens, vocab);
-  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
-                "cross_entropy: grad_denominator = {}; expected >= 0 (0 = mean over targets)",
-                grad_denominator);
   CrossEntropyLoss loss;
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    BRIGADE_CHECK(targets[t] == -1 || (targets[t] >= 0 && targets[t] < vocab),
-                  Errc::InvalidArgument,
-                  "cross_entropy: targets[{}] = {}; expected -1 (ignore) or an id in [0, {})", t,
-                  targets[t], vocab);
-    if (targets[t] != -1) ++loss.count;
-  }
-  const double denom = grad_denominator > 0.0 ? grad_denominator
-                                              : static_cast<double>(std::max<std::int64_t>(
-                                                    loss.count, 1));
-  const float inv_denom = static_cast<float>(1.0 / denom);
+  const auto [count, inv_denom] =
+      count_targets("cross_entropy", targets, tokens, vocab, grad_denominator);
+  loss.count = count;
   for (std::int64_t t = 0; t < tokens; ++t) {
     const std::int32_t y = targets[t];
     if (y == -1) {
@@ -549,23 +564,10 @@ CrossEntropyLoss vocab_parallel_cross_entropy(const float* logits, const std::in
                 "vocabulary of {}; expected tokens >= 0, a non-empty shard inside it and both "
                 "all-reduces",
                 tokens, v0, v0 + v, vocab_size);
-  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
-                "vocab_parallel_cross_entropy: grad_denominator = {}; expected >= 0 (0 = mean "
-                "over targets)",
-                grad_denominator);
   CrossEntropyLoss loss;
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    BRIGADE_CHECK(targets[t] == -1 || (targets[t] >= 0 && targets[t] < vocab_size),
-                  Errc::InvalidArgument,
-                  "vocab_parallel_cross_entropy: targets[{}] = {}; expected -1 (ignore) or an id "
-                  "in [0, {})",
-                  t, targets[t], vocab_size);
-    if (targets[t] != -1) ++loss.count;
-  }
-  const double denom = grad_denominator > 0.0 ? grad_denominator
-                                              : static_cast<double>(std::max<std::int64_t>(
-                                                    loss.count, 1));
-  const float inv_denom = static_cast<float>(1.0 / denom);
+  const auto [count, inv_denom] = count_targets("vocab_parallel_cross_entropy", targets, tokens,
+                                                vocab_size, grad_denominator);
+  loss.count = count;
   const auto in_shard = [&](std::int32_t y) { return y >= v0 && y < v0 + v; };
   // 1. The row maxima over the whole vocabulary: each shard's, then the group's maximum.
   std::vector<float> mx(usize(tokens));

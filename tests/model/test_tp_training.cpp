@@ -42,15 +42,10 @@ const model::LlamaWeights& stories() {
   return w;
 }
 
-/// The story samples in file order, packed into `n` micro-batches of at most 24 rows (task spans
-/// included, so the per-task loss is checked too).
+/// The story samples in file order, packed into `n` micro-batches of at most 24 rows.
 std::vector<data::PackedBatch> story_batches(int n) {
   static const auto tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
-  static const auto samples = test::story_samples(tok);
-  data::Packer packer(samples, 24, 0);
-  std::vector<data::PackedBatch> out;
-  for (int i = 0; i < n; ++i) out.push_back(packer.next());
-  return out;
+  return test::story_batches(tok, n);
 }
 
 /// Every tensor of `got` within 1e-5 relative of `want`'s (the same names).
@@ -94,7 +89,7 @@ std::map<std::string, std::vector<float>> tensors_of(const model::LlamaWeights& 
 }  // namespace
 
 TEST_CASE("tp.train.gradients: TP2 x PP1 and TP2 x PP2 give the single rank's loss and every "
-          "gradient tensor to 1e-5 relative under 1f1b, gpipe and zb-h1") {
+          "gradient tensor to 1e-5 relative under 1f1b, gpipe, zb-h1, interleaved-1f1b and zb-v") {
   const auto& weights = stories();
   REQUIRE(weights.config.shared_classifier);  // the tied embedding crosses stages at PP2
   const auto batches = story_batches(4);
@@ -103,29 +98,37 @@ TEST_CASE("tp.train.gradients: TP2 x PP1 and TP2 x PP2 give the single rank's lo
   engine::TrainingEngine ref(weights, whole);
   const auto want = ref.compute_gradients(batches);
   const auto ref_grads = ref.gradients();
-  for (const char* schedule : {"1f1b", "gpipe", "zb-h1"})
-    for (int pp : {1, 2}) {
-      CAPTURE(schedule);
-      CAPTURE(pp);
-      engine::TrainingConfig cfg = whole;
-      cfg.schedule = schedule;
-      cfg.ranks = pp;
-      cfg.tp = 2;
-      engine::TrainingEngine eng(weights, cfg);
-      const auto got = eng.compute_gradients(batches);
-      CHECK(got.tokens == want.tokens);
-      CHECK(got.loss == doctest::Approx(want.loss).epsilon(1e-6));
-      REQUIRE(got.task_loss.size() == want.task_loss.size());
-      for (std::size_t t = 0; t < want.task_loss.size(); ++t) {
-        CHECK(got.task_loss[t].count == want.task_loss[t].count);
-        CHECK(got.task_loss[t].sum == doctest::Approx(want.task_loss[t].sum).epsilon(1e-6));
-      }
-      // A Timeline row per rank of the grid, every one busy.
-      REQUIRE(got.timeline.num_ranks() == 2 * pp);
-      for (int g = 0; g < 2 * pp; ++g) CHECK(got.timeline.busy(g) > 0.0);
-      REQUIRE(got.peak_memory_bytes.size() == static_cast<std::size_t>(2 * pp));
-      check_tensors(eng.gradients(), ref_grads);
+  struct Case {
+    const char* schedule;
+    int pp, virtual_stages;
+  };
+  // zb-h1 splits the backward into BI and BW; interleaved-1f1b and zb-v run two virtual stages
+  // per rank (4 stages of the 5 decoder layers on 2 ranks).
+  for (const Case c : {Case{"1f1b", 1, 1}, Case{"1f1b", 2, 1}, Case{"gpipe", 1, 1},
+                       Case{"gpipe", 2, 1}, Case{"zb-h1", 2, 1}, Case{"interleaved-1f1b", 2, 2},
+                       Case{"zb-v", 2, 2}}) {
+    CAPTURE(c.schedule);
+    CAPTURE(c.pp);
+    engine::TrainingConfig cfg = whole;
+    cfg.schedule = c.schedule;
+    cfg.ranks = c.pp;
+    cfg.virtual_stages = c.virtual_stages;
+    cfg.tp = 2;
+    engine::TrainingEngine eng(weights, cfg);
+    const auto got = eng.compute_gradients(batches);
+    CHECK(got.tokens == want.tokens);
+    CHECK(got.loss == doctest::Approx(want.loss).epsilon(1e-6));
+    REQUIRE(got.task_loss.size() == want.task_loss.size());
+    for (std::size_t t = 0; t < want.task_loss.size(); ++t) {
+      CHECK(got.task_loss[t].count == want.task_loss[t].count);
+      CHECK(got.task_loss[t].sum == doctest::Approx(want.task_loss[t].sum).epsilon(1e-6));
     }
+    // A Timeline row per rank of the grid, every one busy.
+    REQUIRE(got.timeline.num_ranks() == 2 * c.pp);
+    for (int g = 0; g < 2 * c.pp; ++g) CHECK(got.timeline.busy(g) > 0.0);
+    REQUIRE(got.peak_memory_bytes.size() == static_cast<std::size_t>(2 * c.pp));
+    check_tensors(eng.gradients(), ref_grads);
+  }
 }
 
 TEST_CASE("tp.train.step: one AdamW step of TP2 x PP2 gives the single rank's global norm (each "

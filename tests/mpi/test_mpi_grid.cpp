@@ -40,10 +40,7 @@ TEST_CASE("mpi.grid: DistributedTrainer over DP x PP x TP processes gives the si
           "gradient shards, norm and checkpoint") {
   const auto weights = model::load_llama2c_checkpoint(kData / "stories260K.bin");
   const auto tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
-  const auto samples = test::story_samples(tok);
-  data::Packer packer(samples, 24, 0);
-  std::vector<data::PackedBatch> batches;
-  for (int m = 0; m < 4; ++m) batches.push_back(packer.next());
+  const auto batches = test::story_batches(tok, 4);
   // The reference: one rank, every micro-batch, one step.
   engine::TrainingConfig whole;
   whole.microbatches = 4;

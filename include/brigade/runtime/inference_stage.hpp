@@ -399,13 +399,7 @@ InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition:
                   range.first, range.last, tp->size());
     tp_ = tp;
     shard_ = tp::shard_of(c, tp->rank(), tp->size());
-    split_.n_heads = shard_.n_heads;
-    split_.n_kv_heads = shard_.n_kv_heads;
-    split_.hidden = shard_.hidden;
-    split_.adds_residual = shard_.rank == 0;
-    split_.all_reduce = [g = tp_](float* data, std::int64_t n) {
-      g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
-    };
+    split_ = tp::decoder_split(shard_, *tp_);
     kv_dim_ = std::int64_t{shard_.n_kv_heads} * c.head_size();
   }
   const bool split = tp_ != nullptr;

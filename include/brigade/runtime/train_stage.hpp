@@ -487,19 +487,8 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
     tp::check_tensor_parallel_training(config_, tp->size());
     tp_ = tp;
     shard_ = tp::shard_of(config_, tp->rank(), tp->size());
-    split_.n_heads = shard_.n_heads;
-    split_.n_kv_heads = shard_.n_kv_heads;
-    split_.hidden = shard_.hidden;
-    split_.adds_residual = shard_.rank == 0;
-    split_.all_reduce = [g = tp_](float* data, std::int64_t n) {
-      g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
-    };
-    vsplit_.vocab0 = shard_.vocab0;
-    vsplit_.vocab = shard_.vocab;
-    vsplit_.all_reduce = split_.all_reduce;
-    vsplit_.all_reduce_max = [g = tp_](float* data, std::int64_t n) {
-      g->all_reduce_max(std::span<float>(data, static_cast<std::size_t>(n)));
-    };
+    split_ = tp::decoder_split(shard_, *tp_);
+    vsplit_ = tp::vocab_split(shard_, *tp_);
   } else {
     shard_ = tp::shard_of(config_, 0, 1);
   }

@@ -24,6 +24,7 @@
 // - KV cache: each rank holds its KV heads only.
 #pragma once
 
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weight_matrix.hpp"
@@ -206,6 +207,36 @@ class GroupOver final : public Group {
   C* c_;
   double timeout_s_;
 };
+
+/// The decoder layer's split of shard `s` over `group` (backend::decoder_layer_forward and the
+/// training kernels take it): its query heads, KV heads and MLP rows, the residual added on rank
+/// 0, and the group's all-reduce (host float32 buffers). The group must outlive the split.
+inline backend::DecoderSplit decoder_split(const Shard& s, Group& group) {
+  backend::DecoderSplit d;
+  d.n_heads = s.n_heads;
+  d.n_kv_heads = s.n_kv_heads;
+  d.hidden = s.hidden;
+  d.adds_residual = s.rank == 0;
+  d.all_reduce = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  return d;
+}
+
+/// The LM head's vocabulary split of shard `s` over `group` for training (its rows, the group's
+/// sum and max all-reduces). The group must outlive the split.
+inline backend::VocabSplit vocab_split(const Shard& s, Group& group) {
+  backend::VocabSplit v;
+  v.vocab0 = s.vocab0;
+  v.vocab = s.vocab;
+  v.all_reduce = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  v.all_reduce_max = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce_max(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  return v;
+}
 
 /// The tokens of `ids` whose rows a vocabulary-parallel shard holds (Megatron's
 /// VocabParallelEmbedding): `local` receives each such id minus s.vocab0 (in [0, s.vocab)),
