@@ -329,6 +329,9 @@ struct DecoderTrainScratch {
 ///   dh3, dy, hb; 32.1 KiB per token for the shape above) plus 2d per micro-batch (the norm-gain
 ///   gradients).
 /// - after decoder_backward_weight: nothing (memory released).
+/// With a TP split (backend::DecoderSplit) the rank's widths replace dim in q, att and dq, kv in
+/// k, v, dk and dv, hidden in h1, h3, hb, dh1 and dh3, n_heads in lse; the dim-wide rows (x_in,
+/// xb_att, x_mid, xb_ffn, d_mid, dy) are whole on every rank.
 struct DecoderActivations {
   /// Which pass the stash is ready for.
   enum class Phase : std::uint8_t {

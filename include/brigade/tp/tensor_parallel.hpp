@@ -65,8 +65,8 @@ inline void check_tensor_parallel(const model::LlamaConfig& config, int tp) {
 /// head on tp / n_kv_heads ranks when tp > n_kv_heads; training refuses it, as Megatron-LM does
 /// (its attention asserts num_query_groups % tensor_model_parallel_size == 0): the gradient of a
 /// replicated Wk or Wv slice would be the sum over the ranks that share it.
-/// @throws brigade::Error{InvalidArgument} as check_tensor_parallel, or "TP 8: training needs the
-///         model's 4 KV heads divisible by the TP degree (a KV head replicated over TP ranks is
+/// @throws brigade::Error{InvalidArgument} as check_tensor_parallel, or "TP 4: training needs the
+///         model's 2 KV heads divisible by the TP degree (a KV head replicated over TP ranks is
 ///         for inference only)"
 inline void check_tensor_parallel_training(const model::LlamaConfig& config, int tp) {
   check_tensor_parallel(config, tp);
