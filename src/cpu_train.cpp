@@ -5,6 +5,7 @@
 #include "brigade/backend/cpu_train.hpp"
 
 #include "brigade/backend/cpu.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "cpu_checks.hpp"
 #include "intra_op.hpp"
@@ -488,27 +489,42 @@ void swiglu_backward(const float* gate, const float* up, const float* dh, float*
   }
 }
 
+namespace {
+
+/// A cross-entropy's counted targets (checked: -1 or an id in [0, vocab)) and the gradient's
+/// 1 / denominator (grad_denominator when > 0, else the counted targets).
+std::pair<std::int64_t, float> count_targets(const char* what, const std::int32_t* targets,
+                                             std::int64_t tokens, std::int64_t vocab,
+                                             double grad_denominator) {
+  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
+                "{}: grad_denominator = {}; expected >= 0 (0 = mean over targets)", what,
+                grad_denominator);
+  std::int64_t count = 0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    BRIGADE_CHECK(targets[t] == -1 || (targets[t] >= 0 && targets[t] < vocab),
+                  Errc::InvalidArgument,
+                  "{}: targets[{}] = {}; expected -1 (ignore) or an id in [0, {})", what, t,
+                  targets[t], vocab);
+    if (targets[t] != -1) ++count;
+  }
+  const double denom = grad_denominator > 0.0
+                           ? grad_denominator
+                           : static_cast<double>(std::max<std::int64_t>(count, 1));
+  return {count, static_cast<float>(1.0 / denom)};
+}
+
+}  // namespace
+
 CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
                                std::int64_t tokens, std::int64_t vocab, float* dlogits,
                                double grad_denominator, double* row_loss) {
   BRIGADE_CHECK(tokens >= 0 && vocab > 0, Errc::InvalidArgument,
                 "cross_entropy: tokens = {}, vocab = {}; expected tokens >= 0 and vocab > 0",
                 tokens, vocab);
-  BRIGADE_CHECK(grad_denominator >= 0.0, Errc::InvalidArgument,
-                "cross_entropy: grad_denominator = {}; expected >= 0 (0 = mean over targets)",
-                grad_denominator);
   CrossEntropyLoss loss;
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    BRIGADE_CHECK(targets[t] == -1 || (targets[t] >= 0 && targets[t] < vocab),
-                  Errc::InvalidArgument,
-                  "cross_entropy: targets[{}] = {}; expected -1 (ignore) or an id in [0, {})", t,
-                  targets[t], vocab);
-    if (targets[t] != -1) ++loss.count;
-  }
-  const double denom = grad_denominator > 0.0 ? grad_denominator
-                                              : static_cast<double>(std::max<std::int64_t>(
-                                                    loss.count, 1));
-  const float inv_denom = static_cast<float>(1.0 / denom);
+  const auto [count, inv_denom] =
+      count_targets("cross_entropy", targets, tokens, vocab, grad_denominator);
+  loss.count = count;
   for (std::int64_t t = 0; t < tokens; ++t) {
     const std::int32_t y = targets[t];
     if (y == -1) {
@@ -536,6 +552,59 @@ CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
   return loss;
 }
 
+CrossEntropyLoss vocab_parallel_cross_entropy(const float* logits, const std::int32_t* targets,
+                                              std::int64_t tokens, std::int64_t vocab_size,
+                                              const backend::VocabSplit& split, float* dlogits,
+                                              double grad_denominator, double* row_loss) {
+  const std::int64_t v = split.vocab, v0 = split.vocab0;
+  BRIGADE_CHECK(tokens >= 0 && v > 0 && v0 >= 0 && v0 + v <= vocab_size && split.all_reduce &&
+                    split.all_reduce_max,
+                Errc::InvalidArgument,
+                "vocab_parallel_cross_entropy: tokens = {}, a shard of rows [{}, {}) of a "
+                "vocabulary of {}; expected tokens >= 0, a non-empty shard inside it and both "
+                "all-reduces",
+                tokens, v0, v0 + v, vocab_size);
+  CrossEntropyLoss loss;
+  const auto [count, inv_denom] = count_targets("vocab_parallel_cross_entropy", targets, tokens,
+                                                vocab_size, grad_denominator);
+  loss.count = count;
+  const auto in_shard = [&](std::int32_t y) { return y >= v0 && y < v0 + v; };
+  // 1. The row maxima over the whole vocabulary: each shard's, then the group's maximum.
+  std::vector<float> mx(usize(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) mx[usize(t)] = ConstMapArr(logits + t * v, v).maxCoeff();
+  split.all_reduce_max(mx.data(), tokens);
+  // 2. Each shard's sum of exp(logit - max) and its target logit (0 when the target lies in
+  //    another shard), then the group's sums: [sums | target logits], one all-reduce.
+  std::vector<float> red(usize(2 * tokens), 0.0f);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int32_t y = targets[t];
+    if (y != -1 && in_shard(y)) red[usize(tokens + t)] = logits[t * v + (y - v0)];
+    red[usize(t)] = exp_affine_fixed(logits + t * v, dlogits == nullptr ? nullptr : dlogits + t * v,
+                                     v, 1.0f, mx[usize(t)]);
+  }
+  split.all_reduce(red.data(), 2 * tokens);
+  // 3. Loss log(sum) + max - target logit; dlogits = (softmax - onehot) / denominator on the
+  //    shard's columns.
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int32_t y = targets[t];
+    if (y == -1) {
+      if (dlogits != nullptr) std::fill(dlogits + t * v, dlogits + (t + 1) * v, 0.0f);
+      if (row_loss != nullptr) row_loss[t] = 0.0;
+      continue;
+    }
+    const float sum = red[usize(t)];
+    if (dlogits != nullptr) {
+      MapArr(dlogits + t * v, v) *= inv_denom / sum;
+      if (in_shard(y)) dlogits[t * v + (y - v0)] -= inv_denom;
+    }
+    const double l = static_cast<double>(mx[usize(t)]) + std::log(static_cast<double>(sum)) -
+                     static_cast<double>(red[usize(tokens + t)]);
+    if (row_loss != nullptr) row_loss[t] = l;
+    loss.sum += l;
+  }
+  return loss;
+}
+
 // ---- the LM head ------------------------------------------------------------------------------
 
 void head_forward(const model::LlamaConfig& config, const float* rms_final, const float* wcls,
@@ -557,14 +626,15 @@ CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                              const float* x, const std::int32_t* targets,
                                              std::int64_t tokens, float* dx,
                                              HeadActivations& acts, double grad_denominator,
-                                             double* row_loss) {
+                                             double* row_loss, const backend::VocabSplit* split) {
   config.validate("head_forward_backward_input");
   BRIGADE_CHECK(tokens >= 1, Errc::InvalidArgument,
                 "head_forward_backward_input: tokens = {}; expected >= 1", tokens);
   BRIGADE_CHECK(rms_final && wcls && x && targets && dx, Errc::InvalidArgument,
                 "head_forward_backward_input: a null pointer among rms_final, wcls, x, targets, "
                 "dx");
-  const std::int64_t dim = config.dim, vocab = config.vocab_size;
+  const std::int64_t dim = config.dim;
+  const std::int64_t vocab = split != nullptr ? split->vocab : config.vocab_size;
   acts = HeadActivations{};
   acts.tokens = tokens;
   std::vector<float> inv_rms(usize(tokens));
@@ -574,21 +644,28 @@ CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
   cpu::matmul_wt(xn, wcls, dl, tokens, dim, vocab);
   CrossEntropyLoss loss;
   try {
-    loss = cross_entropy(dl, targets, tokens, vocab, dl, grad_denominator, row_loss);
+    loss = split != nullptr
+               ? vocab_parallel_cross_entropy(dl, targets, tokens, config.vocab_size, *split, dl,
+                                              grad_denominator, row_loss)
+               : cross_entropy(dl, targets, tokens, vocab, dl, grad_denominator, row_loss);
   } catch (...) {
     acts = HeadActivations{};
     throw;
   }
   std::vector<float> dxn(usize(tokens * dim));
   matmul_wt_backward_input(dl, wcls, dxn.data(), tokens, dim, vocab);
+  // The classifier is column-parallel over the vocabulary: each shard's input gradient is a
+  // partial sum (Megatron's f operator in the backward).
+  if (split != nullptr) split->all_reduce(dxn.data(), tokens * dim);
   rmsnorm_backward(x, rms_final, inv_rms.data(), dxn.data(), dx, sized(acts.d_rms, dim, true),
                    tokens, dim);
   return loss;
 }
 
 void head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,
-                          float* d_rms_final, float* d_wcls) {
-  const std::int64_t dim = config.dim, vocab = config.vocab_size;
+                          float* d_rms_final, float* d_wcls, const backend::VocabSplit* split) {
+  const std::int64_t dim = config.dim;
+  const std::int64_t vocab = split != nullptr ? split->vocab : config.vocab_size;
   BRIGADE_CHECK(acts.tokens >= 1 && acts.xn.size() == usize(acts.tokens * dim) &&
                     acts.dlogits.size() == usize(acts.tokens * vocab) &&
                     acts.d_rms.size() == usize(dim),
@@ -648,12 +725,62 @@ void DecoderActivations::clear() noexcept {
     release(*vec);
 }
 
+namespace {
+
+/// The widths of one rank's share of a decoder layer: the whole layer, or a TP split's.
+struct LayerWidths {
+  int n_heads, n_kv_heads;
+  std::int64_t q_dim, kv_dim, hidden;
+};
+
+LayerWidths widths_of(const model::LlamaConfig& config, const backend::DecoderSplit* split) {
+  const int hs = config.head_size();
+  LayerWidths w{split ? split->n_heads : config.n_heads,
+                split ? split->n_kv_heads : config.n_kv_heads, 0, 0,
+                split ? split->hidden : config.hidden_dim};
+  w.q_dim = std::int64_t{w.n_heads} * hs;
+  w.kv_dim = std::int64_t{w.n_kv_heads} * hs;
+  return w;
+}
+
+void check_split(const char* what, const model::LlamaConfig& config,
+                 const backend::DecoderSplit* split) {
+  if (split == nullptr) return;
+  BRIGADE_CHECK(split->n_heads >= 1 && split->n_kv_heads >= 1 && split->hidden >= 1 &&
+                    split->n_heads <= config.n_heads && split->n_kv_heads <= config.n_kv_heads &&
+                    split->hidden <= config.hidden_dim && split->n_heads % split->n_kv_heads == 0 &&
+                    split->all_reduce,
+                Errc::InvalidArgument,
+                "{}: a TP split of {} query heads, {} KV heads and {} MLP rows does not fit a "
+                "layer of {}, {} and {} (or has no all-reduce)",
+                what, split->n_heads, split->n_kv_heads, split->hidden, config.n_heads,
+                config.n_kv_heads, config.hidden_dim);
+}
+
+/// A row-parallel product added to the residual stream `res` ([tokens x dim]) into `out`:
+/// out = res + in W^T, or with a split the group's sum of (res +) in W_r^T (the residual on the
+/// rank that adds it), Megatron's g operator.
+void row_parallel(const float* in, const float* w, const float* res, float* out,
+                  std::int64_t tokens, std::int64_t in_dim, std::int64_t dim,
+                  const backend::DecoderSplit* split) {
+  const std::int64_t n = tokens * dim;
+  if (split == nullptr || split->adds_residual)
+    std::copy(res, res + n, out);
+  else
+    std::fill(out, out + n, 0.0f);
+  cpu::matmul_wt_accumulate(in, w, out, tokens, in_dim, dim);
+  if (split != nullptr) split->all_reduce(out, n);
+}
+
+}  // namespace
+
 void decoder_train_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                            const float* x_in, float* x_out, std::int64_t tokens,
                            std::span<const std::int64_t> offsets, DecoderActivations& acts,
-                           DecoderTrainScratch* scratch) {
+                           DecoderTrainScratch* scratch, const backend::DecoderSplit* split) {
   config.validate("decoder_train_forward");
   check_weights("decoder_train_forward", w);
+  check_split("decoder_train_forward", config, split);
   BRIGADE_CHECK(tokens >= 1, Errc::InvalidArgument,
                 "decoder_train_forward: tokens = {}; expected >= 1", tokens);
   BRIGADE_CHECK(x_in != nullptr && x_out != nullptr, Errc::InvalidArgument,
@@ -662,7 +789,9 @@ void decoder_train_forward(const model::LlamaConfig& config, const model::Decode
   DecoderTrainScratch local;
   DecoderTrainScratch& sc = scratch != nullptr ? *scratch : local;
 
-  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  const std::int64_t dim = config.dim;
+  const LayerWidths lw = widths_of(config, split);
+  const std::int64_t q_dim = lw.q_dim, kv_dim = lw.kv_dim, hidden = lw.hidden;
   const int hs = config.head_size();
   acts.clear();
   acts.tokens = tokens;
@@ -670,25 +799,25 @@ void decoder_train_forward(const model::LlamaConfig& config, const model::Decode
   acts.pos = positions(offsets);
   acts.x_in.assign(x_in, x_in + tokens * dim);  // before x_out (which may alias) is written
 
-  // Attention block.
+  // Attention block (with a split: this rank's heads, then the group's sum after Wo).
   float* xb = sized(acts.xb_att, tokens * dim);
   rmsnorm_train(acts.x_in.data(), w.rms_att, xb, sized(acts.inv_rms_att, tokens), tokens, dim,
                 config.norm_eps);
-  float* q = sized(acts.q, tokens * dim);
+  float* q = sized(acts.q, tokens * q_dim);
   float* k = sized(acts.k, tokens * kv_dim);
   float* v = sized(acts.v, tokens * kv_dim);
-  cpu::matmul_wt(xb, w.wq, q, tokens, dim, dim);
+  cpu::matmul_wt(xb, w.wq, q, tokens, dim, q_dim);
   cpu::matmul_wt(xb, w.wk, k, tokens, dim, kv_dim);
   cpu::matmul_wt(xb, w.wv, v, tokens, dim, kv_dim);
-  rope_apply(q, k, acts.pos.data(), tokens, config.n_heads, config.n_kv_heads, hs,
-             config.rope_theta, false);
-  float* att = sized(acts.att, tokens * dim);
-  attention_varlen_forward(q, k, v, att, sized(acts.lse, tokens * config.n_heads), offsets,
-                           config.n_heads, config.n_kv_heads, hs);
-  acts.x_mid = acts.x_in;
-  cpu::matmul_wt_accumulate(att, w.wo, acts.x_mid.data(), tokens, dim, dim);
+  rope_apply(q, k, acts.pos.data(), tokens, lw.n_heads, lw.n_kv_heads, hs, config.rope_theta,
+             false);
+  float* att = sized(acts.att, tokens * q_dim);
+  attention_varlen_forward(q, k, v, att, sized(acts.lse, tokens * lw.n_heads), offsets,
+                           lw.n_heads, lw.n_kv_heads, hs);
+  row_parallel(att, w.wo.f32(), acts.x_in.data(), sized(acts.x_mid, tokens * dim), tokens, q_dim,
+               dim, split);
 
-  // FFN block.
+  // FFN block (with a split: this rank's MLP rows, then the group's sum after W2).
   float* xf = sized(acts.xb_ffn, tokens * dim);
   rmsnorm_train(acts.x_mid.data(), w.rms_ffn, xf, sized(acts.inv_rms_ffn, tokens), tokens, dim,
                 config.norm_eps);
@@ -699,16 +828,16 @@ void decoder_train_forward(const model::LlamaConfig& config, const model::Decode
   float* hb = grow(sc.a, tokens * hidden);
   std::copy(h1, h1 + tokens * hidden, hb);
   cpu::swiglu(hb, h3, tokens * hidden);
-  std::copy(acts.x_mid.begin(), acts.x_mid.end(), x_out);
-  cpu::matmul_wt_accumulate(hb, w.w2, x_out, tokens, hidden, dim);
+  row_parallel(hb, w.w2.f32(), acts.x_mid.data(), x_out, tokens, hidden, dim, split);
   acts.phase = DecoderActivations::Phase::Forward;
 }
 
 void decoder_backward_input(const model::LlamaConfig& config, const model::DecoderWeights& w,
                             DecoderActivations& acts, const float* dy, float* dx,
-                            DecoderTrainScratch* scratch) {
+                            DecoderTrainScratch* scratch, const backend::DecoderSplit* split) {
   config.validate("decoder_backward_input");
   check_weights("decoder_backward_input", w);
+  check_split("decoder_backward_input", config, split);
   BRIGADE_CHECK(acts.phase == DecoderActivations::Phase::Forward, Errc::InvalidUsage,
                 "decoder_backward_input: activations are in phase {}; expected {} (Forward: run "
                 "decoder_train_forward first)",
@@ -716,16 +845,25 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
   BRIGADE_CHECK(dy != nullptr && dx != nullptr, Errc::InvalidArgument,
                 "decoder_backward_input: dy or dx is null");
   const std::int64_t tokens = acts.tokens;
-  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
+  const std::int64_t dim = config.dim;
+  const LayerWidths lw = widths_of(config, split);
+  const std::int64_t q_dim = lw.q_dim, kv_dim = lw.kv_dim, hidden = lw.hidden;
   const int hs = config.head_size();
-  BRIGADE_CHECK(acts.x_in.size() == usize(tokens * dim) && acts.h1.size() == usize(tokens * hidden),
+  BRIGADE_CHECK(acts.x_in.size() == usize(tokens * dim) && acts.h1.size() == usize(tokens * hidden) &&
+                    acts.q.size() == usize(tokens * q_dim),
                 Errc::InvalidArgument,
                 "decoder_backward_input: activations of {} tokens do not match this config "
-                "(dim = {}, hidden_dim = {})",
-                tokens, dim, hidden);
+                "(dim = {}, {} MLP rows, {} query heads)",
+                tokens, dim, hidden, lw.n_heads);
   DecoderTrainScratch local;
   DecoderTrainScratch& sc = scratch != nullptr ? *scratch : local;
   acts.dy.assign(dy, dy + tokens * dim);  // before dx (which may alias) is written
+  // The input gradient of a column-parallel block is a partial sum on each rank; the group's
+  // sum (Megatron's f operator in the backward) is the whole gradient, which then flows into the
+  // replicated RMSNorm's backward.
+  const auto f_backward = [&](float* g) {
+    if (split != nullptr) split->all_reduce(g, tokens * dim);
+  };
 
   // FFN block: x_out = x_mid + hb W2^T, hb = silu(h1) * h3, h1/h3 = xb_ffn W1^T / W3^T.
   float* dhb = grow(sc.a, tokens * hidden);
@@ -736,6 +874,7 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
   float* dxb = grow(sc.b, tokens * dim);
   matmul_wt_backward_input(acts.h1.data(), w.w1.f32(), dxb, tokens, dim, hidden);
   matmul_wt_backward_input(acts.h3.data(), w.w3.f32(), dxb, tokens, dim, hidden, Store::Accumulate);
+  f_backward(dxb);
   acts.d_mid = acts.dy;
   rmsnorm_backward(acts.x_mid.data(), w.rms_ffn, acts.inv_rms_ffn.data(), dxb, acts.d_mid.data(),
                    sized(acts.d_rms_ffn, dim, true), tokens, dim, Store::Accumulate);
@@ -743,22 +882,23 @@ void decoder_backward_input(const model::LlamaConfig& config, const model::Decod
   release(acts.inv_rms_ffn);
 
   // Attention block: x_mid = x_in + att Wo^T.
-  float* datt = dxb;
-  matmul_wt_backward_input(acts.d_mid.data(), w.wo.f32(), datt, tokens, dim, dim);
-  std::vector<float> dq(usize(tokens * dim)), dk(usize(tokens * kv_dim)),
+  float* datt = grow(sc.a, tokens * q_dim);
+  matmul_wt_backward_input(acts.d_mid.data(), w.wo.f32(), datt, tokens, q_dim, dim);
+  std::vector<float> dq(usize(tokens * q_dim)), dk(usize(tokens * kv_dim)),
       dv(usize(tokens * kv_dim));
   attention_varlen_backward(acts.q.data(), acts.k.data(), acts.v.data(), acts.att.data(),
                             acts.lse.data(), datt, dq.data(), dk.data(), dv.data(), acts.offsets,
-                            config.n_heads, config.n_kv_heads, hs);
-  rope_apply(dq.data(), dk.data(), acts.pos.data(), tokens, config.n_heads, config.n_kv_heads, hs,
+                            lw.n_heads, lw.n_kv_heads, hs);
+  rope_apply(dq.data(), dk.data(), acts.pos.data(), tokens, lw.n_heads, lw.n_kv_heads, hs,
              config.rope_theta, true);
   acts.q = std::move(dq);
   acts.k = std::move(dk);
   acts.v = std::move(dv);
   release(acts.lse);
-  matmul_wt_backward_input(acts.q.data(), w.wq.f32(), dxb, tokens, dim, dim);
+  matmul_wt_backward_input(acts.q.data(), w.wq.f32(), dxb, tokens, dim, q_dim);
   matmul_wt_backward_input(acts.k.data(), w.wk.f32(), dxb, tokens, dim, kv_dim, Store::Accumulate);
   matmul_wt_backward_input(acts.v.data(), w.wv.f32(), dxb, tokens, dim, kv_dim, Store::Accumulate);
+  f_backward(dxb);
   std::copy(acts.d_mid.begin(), acts.d_mid.end(), dx);
   rmsnorm_backward(acts.x_in.data(), w.rms_att, acts.inv_rms_att.data(), dxb, dx,
                    sized(acts.d_rms_att, dim, true), tokens, dim, Store::Accumulate);
@@ -779,8 +919,9 @@ void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivation
 }
 
 void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
-                             const std::array<float*, 9>& g) {
+                             const std::array<float*, 9>& g, const backend::DecoderSplit* split) {
   config.validate("decoder_backward_weight");
+  check_split("decoder_backward_weight", config, split);
   BRIGADE_CHECK(acts.phase == DecoderActivations::Phase::BackwardInput, Errc::InvalidUsage,
                 "decoder_backward_weight: activations are in phase {}; expected {} "
                 "(BackwardInput: run decoder_backward_input first)",
@@ -790,16 +931,21 @@ void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivation
     BRIGADE_CHECK(g[i] != nullptr, Errc::InvalidArgument,
                   "decoder_backward_weight: gradient tensor {} is null", i);
   const std::int64_t tokens = acts.tokens;
-  const std::int64_t dim = config.dim, kv_dim = config.kv_dim(), hidden = config.hidden_dim;
-  BRIGADE_CHECK(acts.xb_att.size() == usize(tokens * dim) && acts.hb.size() == usize(tokens * hidden),
+  const std::int64_t dim = config.dim;
+  const LayerWidths lw = widths_of(config, split);
+  const std::int64_t q_dim = lw.q_dim, kv_dim = lw.kv_dim, hidden = lw.hidden;
+  BRIGADE_CHECK(acts.xb_att.size() == usize(tokens * dim) &&
+                    acts.hb.size() == usize(tokens * hidden) &&
+                    acts.att.size() == usize(tokens * q_dim),
                 Errc::InvalidArgument,
                 "decoder_backward_weight: activations of {} tokens do not match this config "
-                "(dim = {}, hidden_dim = {})",
-                tokens, dim, hidden);
-  matmul_wt_backward_weight(acts.q.data(), acts.xb_att.data(), g[1], tokens, dim, dim);
+                "(dim = {}, {} MLP rows, {} query heads)",
+                tokens, dim, hidden, lw.n_heads);
+  // Every weight gradient of a split layer is local: dY^T X of this rank's slices.
+  matmul_wt_backward_weight(acts.q.data(), acts.xb_att.data(), g[1], tokens, dim, q_dim);
   matmul_wt_backward_weight(acts.k.data(), acts.xb_att.data(), g[2], tokens, dim, kv_dim);
   matmul_wt_backward_weight(acts.v.data(), acts.xb_att.data(), g[3], tokens, dim, kv_dim);
-  matmul_wt_backward_weight(acts.d_mid.data(), acts.att.data(), g[4], tokens, dim, dim);
+  matmul_wt_backward_weight(acts.d_mid.data(), acts.att.data(), g[4], tokens, q_dim, dim);
   matmul_wt_backward_weight(acts.h1.data(), acts.xb_ffn.data(), g[6], tokens, dim, hidden);
   matmul_wt_backward_weight(acts.h3.data(), acts.xb_ffn.data(), g[8], tokens, dim, hidden);
   matmul_wt_backward_weight(acts.dy.data(), acts.hb.data(), g[7], tokens, hidden, dim);

@@ -77,6 +77,11 @@ StepResult DataParallelTrainer::compute_gradients(std::span<const data::PackedBa
     const auto& x = res[static_cast<std::size_t>(r)];
     out.loss += x.loss * share[static_cast<std::size_t>(r)];
     out.tokens += x.tokens;
+    if (out.task_loss.size() < x.task_loss.size()) out.task_loss.resize(x.task_loss.size());
+    for (std::size_t t = 0; t < x.task_loss.size(); ++t) {
+      out.task_loss[t].sum += x.task_loss[t].sum;
+      out.task_loss[t].count += x.task_loss[t].count;
+    }
     for (Interval iv : x.timeline.intervals()) {
       iv.rank += r * P;
       iv.start += std::chrono::duration<double>(x.origin - t0).count();
@@ -121,6 +126,20 @@ void DataParallelTrainer::save_checkpoint(const std::filesystem::path& dir,
                                           std::int64_t data_position) const {
   engines_.front()->save_checkpoint(dir, data_position);
 }
+
+std::int64_t DataParallelTrainer::load_optimizer_state(const std::filesystem::path& dir) {
+  std::int64_t position = 0;
+  for (auto& e : engines_) position = e->load_optimizer_state(dir);
+  return position;
+}
+
+double DataParallelTrainer::evaluate(std::span<const data::PackedBatch> batches) {
+  return engines_.front()->evaluate(batches);
+}
+
+const plan::Plan& DataParallelTrainer::plan() const noexcept { return engines_.front()->plan(); }
+
+std::int64_t DataParallelTrainer::steps() const noexcept { return engines_.front()->steps(); }
 
 }  // namespace v0
 }  // namespace brigade::engine

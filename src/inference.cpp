@@ -931,36 +931,24 @@ InferenceReport generate_tensor_parallel(const model::LlamaWeights& weights,
   for (int p = 0; p < P; ++p) groups.push_back(std::make_unique<transport::InProcessGroup>(T));
   std::vector<Timeline> timelines(static_cast<std::size_t>(G), Timeline(P));
   std::vector<double> resident(static_cast<std::size_t>(G), 0.0);
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(G));
   const auto t0 = std::chrono::steady_clock::now();
-  {
-    std::vector<std::jthread> threads;
-    threads.reserve(static_cast<std::size_t>(G));
-    for (int g = 0; g < G; ++g)
-      threads.emplace_back([&, g] {
-        const int p = grid.pp_rank(g), t = grid.tp_rank(g);
-        const auto at = static_cast<std::size_t>(g);
-        try {
-          transport::InProcessCollectives member(*groups[static_cast<std::size_t>(p)], t);
-          tp::GroupOver<transport::InProcessCollectives> group(member, options.timeout_s);
-          resident[at] = run_inference_rank(
-              pipes[static_cast<std::size_t>(t)][static_cast<std::size_t>(p)], weights, plan,
-              layout, p == root ? books[static_cast<std::size_t>(t)].get() : nullptr, options,
-              t0, timelines[at], CpuBackends{}, &group);
-        } catch (const std::exception& e) {
-          errors[at] = std::current_exception();
-          // Stop every pipeline and every group: their ranks wait on this one's messages or
-          // collectives.
-          for (auto& pipe : pipes) transport::abort_others(pipe.front(), e);
-          const std::string reason = fmt::format("rank {} (TP {} of stage rank {}) failed: {}",
-                                                 g, t, p, e.what());
-          for (auto& grp : groups) grp->abort(reason);
-        } catch (...) {
-          errors[at] = std::current_exception();
-        }
+  run_grid(
+      T, P,
+      [&](int t, int p) {
+        const auto at = static_cast<std::size_t>(grid.rank_of(0, p, t));
+        transport::InProcessCollectives member(*groups[static_cast<std::size_t>(p)], t);
+        tp::GroupOver<transport::InProcessCollectives> group(member, options.timeout_s);
+        resident[at] = run_inference_rank(
+            pipes[static_cast<std::size_t>(t)][static_cast<std::size_t>(p)], weights, plan,
+            layout, p == root ? books[static_cast<std::size_t>(t)].get() : nullptr, options, t0,
+            timelines[at], CpuBackends{}, &group);
+      },
+      // Stop every pipeline and every group: their ranks wait on this one's messages or
+      // collectives.
+      [&](const std::exception& e, const std::string& reason) {
+        for (auto& pipe : pipes) transport::abort_others(pipe.front(), e);
+        for (auto& grp : groups) grp->abort(reason);
       });
-  }
-  rethrow_root_cause(errors);
 
   InferenceReport report;
   report.timeline = Timeline(G);

@@ -8,7 +8,9 @@
 #include "brigade/schedule/registry.hpp"
 #include "brigade/schedule/validate.hpp"
 #include "brigade/sim/simulator.hpp"
+#include "brigade/transport/collectives.hpp"
 #include "brigade/transport/in_process.hpp"
+#include "brigade/tp/tensor_parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -32,14 +34,50 @@ struct TrainingEngine::Impl {
   plan::Plan plan;
   const schedule::Schedule& lowered;     // plan.schedule()
   const partition::Partition& part;      // plan.partition()
-  std::vector<std::unique_ptr<runtime::TrainStageBase>> stages;  // by virtual stage
-  std::vector<std::unique_ptr<AdamW>> optimizers;            // by virtual stage
+  int T = 1;                             // the TP degree
+  // [TP rank][virtual stage]; one TP rank without tensor parallelism.
+  std::vector<std::vector<std::unique_ptr<runtime::TrainStageBase>>> stages;
+  std::vector<std::vector<std::unique_ptr<AdamW>>> optimizers;
+  // With TP: one group per pipeline rank p, member t's endpoint and tp::Group at [p T + t].
+  std::vector<std::unique_ptr<transport::InProcessGroup>> groups;
+  std::vector<std::unique_ptr<transport::InProcessCollectives>> members;
+  std::vector<std::unique_ptr<tp::GroupOver<transport::InProcessCollectives>>> tp_groups;
   std::int64_t steps = 0;
   bool skip_update = false;  // the last compute_gradients' DropDecision::skip_update
 
-  /// Index of the tail stage's tied classifier copy in its params(), or -1.
+  [[nodiscard]] int N() const { return static_cast<int>(stages.front().size()); }
+  /// True when the first and the last virtual stage hold copies of the shared classifier.
   [[nodiscard]] bool tied_across_stages() const {
-    return config.shared_classifier && stages.size() > 1;
+    return config.shared_classifier && stages.front().size() > 1;
+  }
+  /// TP rank t's stages by virtual stage.
+  [[nodiscard]] std::vector<runtime::TrainStageBase*> pipeline(int t) const {
+    std::vector<runtime::TrainStageBase*> out;
+    for (const auto& st : stages[static_cast<std::size_t>(t)]) out.push_back(st.get());
+    return out;
+  }
+  /// Every stage, TP rank by TP rank.
+  [[nodiscard]] std::vector<runtime::TrainStageBase*> all() const {
+    std::vector<runtime::TrainStageBase*> out;
+    for (int t = 0; t < T; ++t)
+      for (auto* st : pipeline(t)) out.push_back(st);
+    return out;
+  }
+  /// Virtual stage v's TP members (stage, optimizer), by TP rank.
+  [[nodiscard]] std::vector<runtime::TrainStageBase*> members_of(int v) const {
+    std::vector<runtime::TrainStageBase*> out;
+    for (int t = 0; t < T; ++t) out.push_back(stages[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)].get());
+    return out;
+  }
+  [[nodiscard]] std::vector<AdamW*> optimizers_of(int v) const {
+    std::vector<AdamW*> out;
+    for (int t = 0; t < T; ++t)
+      out.push_back(optimizers[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)].get());
+    return out;
+  }
+  /// Aborts every TP group (a rank failed).
+  void abort_groups(const std::string& reason) noexcept {
+    for (auto& g : groups) g->abort(reason);
   }
 };
 
@@ -172,6 +210,9 @@ void check_training_plan(const plan::Plan& plan, const model::LlamaConfig& model
                          const TrainingOptions& options) {
   BRIGADE_CHECK(options.threads_per_rank >= 1, Errc::InvalidArgument,
                 "TrainingEngine: threads_per_rank = {}, expected >= 1", options.threads_per_rank);
+  BRIGADE_CHECK(options.tp >= 1, Errc::InvalidArgument, "TrainingEngine: tp = {}, expected >= 1",
+                options.tp);
+  if (options.tp > 1) tp::check_tensor_parallel_training(model, options.tp);
   BRIGADE_CHECK(is_float_dtype(options.pipeline_dtype), Errc::InvalidArgument,
                 "TrainingEngine: pipeline dtype {}; expected f32, f16 or bf16",
                 to_string(options.pipeline_dtype));
@@ -223,7 +264,9 @@ namespace detail {
 
 std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStageBase& stage, const AdamWConfig& config) {
   std::vector<ParamSlot> slots;
-  for (auto& p : stage.params()) slots.push_back({p.value, p.grad, p.size, p.decay});
+  // A replicated tensor (a TP stage's norm gains) counts in the norm on TP rank 0 only.
+  for (auto& p : stage.params())
+    slots.push_back({p.value, p.grad, p.size, p.decay, !p.replicated() || p.shard == 0});
   return std::make_unique<AdamW>(std::move(slots), config);
 }
 
@@ -261,10 +304,30 @@ TrainingEngine::TrainingEngine(const model::LlamaWeights& init, plan::Plan plan,
   detail::check_training_plan(plan, init.config, options);
   impl_ = std::make_unique<Impl>(init.config, std::move(plan), options);
   auto& I = *impl_;
-  for (int v = 0; v < I.lowered.shape.num_virtual_stages; ++v) {
-    I.stages.push_back(runtime::make_train_stage(options.stages, init, I.part.stage(v), v));
-    I.optimizers.push_back(detail::make_stage_optimizer(*I.stages.back(), options.optimizer));
+  I.T = options.tp;
+  const int P = I.lowered.shape.num_ranks;
+  if (I.T > 1) {
+    for (int p = 0; p < P; ++p) {
+      I.groups.push_back(std::make_unique<transport::InProcessGroup>(I.T));
+      for (int t = 0; t < I.T; ++t) {
+        I.members.push_back(std::make_unique<transport::InProcessCollectives>(*I.groups.back(), t));
+        I.tp_groups.push_back(std::make_unique<tp::GroupOver<transport::InProcessCollectives>>(
+            *I.members.back(), options.timeout_s));
+      }
+    }
   }
+  I.stages.resize(static_cast<std::size_t>(I.T));
+  I.optimizers.resize(static_cast<std::size_t>(I.T));
+  for (int t = 0; t < I.T; ++t)
+    for (int v = 0; v < I.lowered.shape.num_virtual_stages; ++v) {
+      tp::Group* group =
+          I.T > 1 ? I.tp_groups[static_cast<std::size_t>(I.lowered.shape.rank_of(v) * I.T + t)].get()
+                  : nullptr;
+      auto& mine = I.stages[static_cast<std::size_t>(t)];
+      mine.push_back(runtime::make_train_stage(options.stages, init, I.part.stage(v), v, group));
+      I.optimizers[static_cast<std::size_t>(t)].push_back(
+          detail::make_stage_optimizer(*mine.back(), options.optimizer));
+    }
 }
 
 TrainingEngine::~TrainingEngine() = default;
@@ -274,18 +337,22 @@ std::int64_t TrainingEngine::steps() const noexcept { return impl_->steps; }
 
 TrainingEngine::StepSetup TrainingEngine::begin_step(const plan::Plan& step,
                                                      std::span<const data::PackedBatch> batches,
-                                                     std::size_t ranks) {
+                                                     std::size_t ranks, bool caller_transports) {
   auto& I = *impl_;
+  BRIGADE_CHECK(!caller_transports || I.T == 1, Errc::InvalidArgument,
+                "TrainingEngine: a TP {} engine runs its {} pipelines over its own in-process "
+                "fabrics; compute_gradients over the caller's transports takes a TP 1 engine",
+                I.T, I.T);
   detail::check_step_plan(I.plan, step, batches);
   BRIGADE_CHECK(ranks == static_cast<std::size_t>(step.shape().num_ranks), Errc::InvalidArgument,
                 "TrainingEngine: {} transports for a plan of {} ranks", ranks,
                 step.shape().num_ranks);
   StepSetup s;
   s.targets = detail::step_targets(batches);
-  for (auto& st : I.stages) st->zero_grad();
+  for (auto* st : I.all()) st->zero_grad();
   cpu::set_blas_threads(I.cfg.threads_per_rank);
   s.lowered = &step.schedule();
-  for (auto& st : I.stages) s.stages.push_back(st.get());
+  s.stages = I.pipeline(0);
   s.timeout_s = I.cfg.timeout_s;
   s.dim = I.config.dim;
   s.windows = step.execution().windows;
@@ -305,28 +372,77 @@ StepResult TrainingEngine::end_step(int P, std::chrono::steady_clock::time_point
   res.timeline = Timeline(P);
   for (const auto& tl : tls) res.timeline.merge(tl);
   const auto decision = detail::decide_drops(drops, batches);
-  std::vector<runtime::TrainStageBase*> stages;
-  for (auto& st : I.stages) stages.push_back(st.get());
-  detail::apply_drops(decision, stages);
+  detail::apply_drops(decision, I.all());
   I.skip_update = decision.skip_update;
   res.dropped_microbatches = decision.dropped;
   res.update_skipped = decision.skip_update;
-  const auto loss =
-      detail::kept_loss(*I.stages.back(), static_cast<int>(batches.size()), decision.dropped);
+  // Every TP rank's tail computes the same loss; TP rank 0's is the step's.
+  const auto& tail = *I.stages.front().back();
+  const auto loss = detail::kept_loss(tail, static_cast<int>(batches.size()), decision.dropped);
   res.tokens = loss.count;
   res.loss = loss.mean();
-  res.task_loss = detail::kept_task_loss(*I.stages.back(), batches, decision.dropped);
-  // The tied classifier: both copies get the summed gradient.
+  res.task_loss = detail::kept_task_loss(tail, batches, decision.dropped);
+  // The tied classifier: both copies get the summed gradient (with TP, shard by shard: TP rank
+  // t's embedding and head hold the same vocabulary rows).
   if (I.tied_across_stages()) {
-    auto a = detail::find_param(*I.stages.front(), "tok_embeddings");
-    auto b = detail::find_param(*I.stages.back(), "tok_embeddings");
-    for (std::int64_t i = 0; i < a.size; ++i) {
-      const float g = a.grad[i] + b.grad[i];
-      a.grad[i] = g;
-      b.grad[i] = g;
+    for (int t = 0; t < I.T; ++t) {
+      const auto pipe = I.pipeline(t);
+      auto a = detail::find_param(*pipe.front(), "tok_embeddings");
+      auto b = detail::find_param(*pipe.back(), "tok_embeddings");
+      for (std::int64_t i = 0; i < a.size; ++i) {
+        const float g = a.grad[i] + b.grad[i];
+        a.grad[i] = g;
+        b.grad[i] = g;
+      }
     }
   }
   return res;
+}
+
+StepResult TrainingEngine::compute_gradients_tp(const plan::Plan& step,
+                                                std::span<const data::PackedBatch> batches) {
+  auto& I = *impl_;
+  const StepSetup s = begin_step(step, batches, static_cast<std::size_t>(step.shape().num_ranks),
+                                 false);
+  const int T = I.T, P = s.lowered->shape.num_ranks, G = T * P;
+  std::vector<std::unique_ptr<transport::InProcessFabric>> fabrics;
+  std::vector<std::vector<transport::InProcessTransport>> pipes;  // [TP rank][pipeline rank]
+  for (int t = 0; t < T; ++t) {
+    fabrics.push_back(std::make_unique<transport::InProcessFabric>(P));
+    pipes.push_back(transport::endpoints(*fabrics.back()));
+  }
+  std::vector<Timeline> tls(static_cast<std::size_t>(G), Timeline(P));
+  std::vector<double> peaks(static_cast<std::size_t>(G), 0.0);
+  std::vector<MicrobatchDrops> drops(static_cast<std::size_t>(G));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_grid(
+      T, P,
+      [&](int t, int p) {
+        const auto g = static_cast<std::size_t>(p * T + t);
+        const auto pipe = I.pipeline(t);
+        std::vector<runtime::TrainStageBase*> mine(pipe.size(), nullptr);
+        for (std::size_t v = 0; v < pipe.size(); ++v)
+          if (s.lowered->shape.rank_of(static_cast<int>(v)) == p) mine[v] = pipe[v];
+        peaks[g] = static_cast<double>(
+            run_training_program(s.lowered->ranks[static_cast<std::size_t>(p)], s.lowered->shape,
+                                 p, mine, batches, s.targets,
+                                 pipes[static_cast<std::size_t>(t)][static_cast<std::size_t>(p)],
+                                 t0, s.timeout_s, tls[g], s.dim, s.windows, &drops[g],
+                                 s.pipeline_dtype)
+                .peak_memory_bytes);
+      },
+      [&](const std::exception& e, const std::string& reason) {
+        for (auto& pipe : pipes) transport::abort_others(pipe.front(), e);
+        I.abort_groups(reason);
+      });
+  // One Timeline row per rank of the grid: pipeline t's rank p is global rank p T + t.
+  Timeline grid(G);
+  for (int g = 0; g < G; ++g)
+    for (Interval iv : tls[static_cast<std::size_t>(g)].intervals()) {
+      iv.rank = iv.rank * T + g % T;
+      grid.add(std::move(iv));
+    }
+  return end_step(G, t0, std::span(&grid, 1), std::move(peaks), batches, drops);
 }
 
 StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> batches) {
@@ -335,6 +451,7 @@ StepResult TrainingEngine::compute_gradients(std::span<const data::PackedBatch> 
 
 StepResult TrainingEngine::compute_gradients(const plan::Plan& step,
                                              std::span<const data::PackedBatch> batches) {
+  if (impl_->T > 1) return compute_gradients_tp(step, batches);
   transport::InProcessFabric fabric(step.shape().num_ranks);
   auto endpoints = transport::endpoints(fabric);
   return compute_gradients(std::span(endpoints), step, batches);
@@ -343,14 +460,23 @@ StepResult TrainingEngine::compute_gradients(const plan::Plan& step,
 std::pair<double, double> TrainingEngine::optimizer_step() {
   auto& I = *impl_;
   if (I.skip_update) return {0.0, 0.0};
+  // Per virtual stage, its TP ranks' squared sums in TP-rank order (each shard once, each
+  // replicated norm gain on TP rank 0 only); the tail's copy of the tied embedding counted once.
+  const int N = I.N();
+  std::vector<double> per_stage(static_cast<std::size_t>(N), 0.0);
+  double tied = 0.0;
   std::vector<AdamW*> opts;
-  for (auto& o : I.optimizers) opts.push_back(o.get());
-  // The tail's copy of the tied embedding is counted once.
-  const double norm = detail::global_grad_norm(
-      detail::grad_square_sums(opts),
-      I.tied_across_stages() ? detail::tied_square_sum(*I.stages.back()) : 0.0);
+  for (int t = 0; t < I.T; ++t) {
+    std::vector<AdamW*> mine;
+    for (auto& o : I.optimizers[static_cast<std::size_t>(t)]) mine.push_back(o.get());
+    const auto sums = detail::grad_square_sums(mine);
+    for (int v = 0; v < N; ++v) per_stage[static_cast<std::size_t>(v)] += sums[static_cast<std::size_t>(v)];
+    if (I.tied_across_stages()) tied += detail::tied_square_sum(*I.pipeline(t).back());
+    opts.insert(opts.end(), mine.begin(), mine.end());
+  }
+  const double norm = detail::global_grad_norm(per_stage, tied);
   const double lr = detail::step_optimizers(opts, norm);
-  for (auto& st : I.stages) st->upload_parameters();
+  for (auto* st : I.all()) st->upload_parameters();
   ++I.steps;
   return {lr, norm};
 }
@@ -361,49 +487,64 @@ StepResult TrainingEngine::train_step(std::span<const data::PackedBatch> batches
 
 StepResult TrainingEngine::train_step(const plan::Plan& step,
                                       std::span<const data::PackedBatch> batches) {
-  transport::InProcessFabric fabric(step.shape().num_ranks);
-  auto endpoints = transport::endpoints(fabric);
-  return train_step(std::span(endpoints), step, batches);
+  const auto t0 = std::chrono::steady_clock::now();
+  StepResult r = compute_gradients(step, batches);
+  const auto [lr, norm] = optimizer_step();
+  r.lr = lr;
+  r.grad_norm = norm;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
 }
 
 double TrainingEngine::evaluate(std::span<const data::PackedBatch> batches) {
   auto& I = *impl_;
   BRIGADE_CHECK(!batches.empty(), Errc::InvalidArgument, "TrainingEngine::evaluate: no batches");
   cpu::set_blas_threads(I.cfg.threads_per_rank);
+  // TP rank t's stages in order, micro-batch by micro-batch (with TP one thread per TP rank:
+  // the stages' collectives pair across them).
+  const auto forward_all = [&](int t) {
+    const auto pipe = I.pipeline(t);
+    for (std::size_t i = 0; i < batches.size(); ++i) {
+      const int mb = static_cast<int>(i);
+      const float* x = nullptr;
+      for (auto* s : pipe) {
+        s->forward(mb, batches[i], x, 1.0, false);
+        x = s->has_head() ? nullptr : s->output(mb).data();
+      }
+    }
+  };
+  if (I.T == 1)
+    forward_all(0);
+  else
+    run_grid(I.T, 1, [&](int t, int) { forward_all(t); },
+             [&](const std::exception&, const std::string& reason) { I.abort_groups(reason); });
   double sum = 0.0;
   std::int64_t count = 0;
   for (std::size_t i = 0; i < batches.size(); ++i) {
-    const int mb = static_cast<int>(i);
-    const float* x = nullptr;
-    for (auto& s : I.stages) {
-      s->forward(mb, batches[i], x, 1.0, false);
-      x = s->has_head() ? nullptr : s->output(mb).data();
-    }
-    const auto l = I.stages.back()->loss(mb);
+    const auto l = I.stages.front().back()->loss(static_cast<int>(i));
     sum += l.sum;
     count += l.count;
   }
-  for (auto& s : I.stages) s->clear_microbatches();
+  for (auto* s : I.all()) s->clear_microbatches();
   return count > 0 ? sum / static_cast<double>(count) : 0.0;
 }
 
 std::map<std::string, std::vector<float>> TrainingEngine::gradients() const {
   std::map<std::string, std::vector<float>> out;
-  for (auto& s : impl_->stages)
-    for (auto& p : s->params())
-      if (!out.count(p.name)) out[p.name].assign(p.grad, p.grad + p.size);
+  for (int v = 0; v < impl_->N(); ++v) detail::add_whole_gradients(impl_->members_of(v), out);
   return out;
 }
 
 void TrainingEngine::for_each_gradient(const std::function<void(std::span<float>)>& f) {
-  for (auto& s : impl_->stages)
+  for (auto* s : impl_->all())
     for (auto& p : s->params()) f(std::span<float>(p.grad, static_cast<std::size_t>(p.size)));
 }
 
 model::LlamaWeights TrainingEngine::export_weights() const {
   std::map<std::string, std::vector<float>> t;
-  for (auto it = impl_->stages.rbegin(); it != impl_->stages.rend(); ++it) (*it)->export_to(t);
   // Stage 0's embedding wins (written last); the tail's tied copy is identical anyway.
+  for (int v = impl_->N() - 1; v >= 0; --v)
+    for (auto& p : detail::whole_params(impl_->members_of(v), {})) t[p.name] = std::move(p.value);
   return detail::weights_from_tensors(impl_->config, t);
 }
 
@@ -470,17 +611,61 @@ std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position
   return out;
 }
 
-std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStageBase& stage,
-                                      AdamW& optimizer) {
-  auto params = stage.params();
-  auto state = optimizer.state();
-  for (std::size_t k = 0; k < params.size(); ++k) {
+std::vector<WholeParam> whole_params(std::span<runtime::TrainStageBase* const> members,
+                                     std::span<AdamW* const> optimizers) {
+  std::vector<std::vector<runtime::ParamRef>> refs;
+  std::vector<std::vector<std::span<float>>> states;
+  for (std::size_t t = 0; t < members.size(); ++t) {
+    refs.push_back(members[t]->params());
+    if (!optimizers.empty()) states.push_back(optimizers[t]->state());
+    BRIGADE_CHECK(refs.back().size() == refs.front().size(), Errc::Internal,
+                  "whole_params: TP rank {} has {} parameters, rank 0 {}", t, refs.back().size(),
+                  refs.front().size());
+  }
+  const std::size_t K = refs.front().size();
+  std::vector<WholeParam> out(K);
+  for (std::size_t k = 0; k < K; ++k) {
+    const auto& p0 = refs.front()[k];
+    auto& w = out[k];
+    w.name = p0.name;
+    const auto n = static_cast<std::size_t>(p0.full_size());
+    w.value.resize(n);
+    if (!optimizers.empty()) {
+      w.m.resize(n);
+      w.v.resize(n);
+    }
+    for (std::size_t t = 0; t < members.size(); ++t) {
+      const auto& p = refs[t][k];
+      runtime::place_shard(p, p.shard, p.value, w.value.data());
+      if (optimizers.empty()) continue;
+      runtime::place_shard(p, p.shard, states[t][k].data(), w.m.data());
+      runtime::place_shard(p, p.shard, states[t][K + k].data(), w.v.data());
+    }
+  }
+  return out;
+}
+
+void add_whole_gradients(std::span<runtime::TrainStageBase* const> members,
+                         std::map<std::string, std::vector<float>>& out) {
+  std::vector<std::vector<runtime::ParamRef>> refs;
+  for (auto* m : members) refs.push_back(m->params());
+  for (std::size_t k = 0; k < refs.front().size(); ++k) {
+    const auto& p0 = refs.front()[k];
+    if (out.count(p0.name)) continue;
+    auto& g = out[p0.name];
+    g.resize(static_cast<std::size_t>(p0.full_size()));
+    for (const auto& r : refs) runtime::place_shard(r[k], r[k].shard, r[k].grad, g.data());
+  }
+}
+
+std::int64_t append_optimizer_entries(std::string& out, int v, std::span<const WholeParam> params) {
+  for (const auto& p : params) {
     put_raw(out, static_cast<std::int32_t>(v));
-    put_raw(out, static_cast<std::int32_t>(params[k].name.size()));
-    out += params[k].name;
-    put_raw(out, params[k].size);
-    for (auto span : {state[k], state[params.size() + k]})
-      out.append(reinterpret_cast<const char*>(span.data()), span.size_bytes());
+    put_raw(out, static_cast<std::int32_t>(p.name.size()));
+    out += p.name;
+    put_raw(out, static_cast<std::int64_t>(p.value.size()));
+    for (const auto* moments : {&p.m, &p.v})
+      out.append(reinterpret_cast<const char*>(moments->data()), moments->size() * sizeof(float));
   }
   return static_cast<std::int64_t>(params.size());
 }
@@ -556,17 +741,22 @@ std::pair<std::int64_t, std::int64_t> read_optimizer_file(
       continue;
     }
     const std::size_t k = next[si]++;
-    BRIGADE_CHECK(k < params[si].size() && name == params[si][k].name && size == params[si][k].size,
+    BRIGADE_CHECK(k < params[si].size() && name == params[si][k].name &&
+                      size == params[si][k].full_size(),
                   Errc::BadFile,
                   "{}: entry (stage {}, {}, {} floats), expected (stage {}, {}, {} floats): "
                   "written for another model or split",
                   path.string(), stage, name, size, si,
                   k < params[si].size() ? params[si][k].name : std::string("none"),
-                  k < params[si].size() ? params[si][k].size : 0);
+                  k < params[si].size() ? params[si][k].full_size() : 0);
+    // The entry holds the whole tensor's moments; a TP rank keeps its slice.
+    const auto& p = params[si][k];
+    std::vector<float> whole(static_cast<std::size_t>(size));
     for (auto span : {state[si][k], state[si][params[si].size() + k]}) {
-      need(span.size_bytes(), "moments");
-      std::memcpy(span.data(), data.data() + pos, span.size_bytes());
-      pos += span.size_bytes();
+      need(bytes, "moments");
+      std::memcpy(whole.data(), data.data() + pos, bytes);
+      runtime::take_shard(p, p.shard, whole.data(), span.data());
+      pos += bytes;
     }
   }
   for (std::size_t v = 0; v < stages.size(); ++v) {
@@ -593,23 +783,23 @@ void TrainingEngine::save_checkpoint(const fs::path& dir, std::int64_t data_posi
   model::save_llama2c_checkpoint(dir / "model.bin", export_weights());
   std::string entries;
   std::int64_t count = 0;
-  for (std::size_t si = 0; si < I.stages.size(); ++si)
-    count += detail::append_optimizer_entries(entries, static_cast<int>(si), *I.stages[si],
-                                              *I.optimizers[si]);
+  for (int v = 0; v < I.N(); ++v)
+    count += detail::append_optimizer_entries(
+        entries, v, detail::whole_params(I.members_of(v), I.optimizers_of(v)));
   io::write_file_atomic(dir / "optimizer.bin",
                         detail::optimizer_file_header(I.steps, data_position, count) + entries);
 }
 
 std::int64_t TrainingEngine::load_optimizer_state(const fs::path& dir) {
   auto& I = *impl_;
-  std::vector<runtime::TrainStageBase*> stages;
-  std::vector<AdamW*> optimizers;
-  for (std::size_t v = 0; v < I.stages.size(); ++v) {
-    stages.push_back(I.stages[v].get());
-    optimizers.push_back(I.optimizers[v].get());
+  std::int64_t position = 0;
+  for (int t = 0; t < I.T; ++t) {  // each TP rank keeps its slices of the whole entries
+    std::vector<AdamW*> optimizers;
+    for (auto& o : I.optimizers[static_cast<std::size_t>(t)]) optimizers.push_back(o.get());
+    const auto [steps, pos] = detail::read_optimizer_file(dir, I.pipeline(t), optimizers);
+    I.steps = steps;
+    position = pos;
   }
-  const auto [steps, position] = detail::read_optimizer_file(dir, stages, optimizers);
-  I.steps = steps;
   return position;
 }
 

@@ -111,6 +111,17 @@ inline std::vector<data::Sample> story_samples(const model::Tokenizer& tok) {
   return out;
 }
 
+/// story_samples(tok) in file order packed by data::Packer (seed 0) into `n` micro-batches of at
+/// most `rows` rows (task spans included): the training tests' step of micro-batches.
+inline std::vector<data::PackedBatch> story_batches(const model::Tokenizer& tok, int n,
+                                                    std::int64_t rows = 24) {
+  const auto samples = story_samples(tok);  // the packer reads them: keep them alive
+  data::Packer packer(samples, rows, 0);
+  std::vector<data::PackedBatch> out;
+  for (int i = 0; i < n; ++i) out.push_back(packer.next());
+  return out;
+}
+
 /// One case of llama2.c run.c's greedy output for stories260K (reference/stories260K_greedy.json
 /// under the data dir; its README says how it was made).
 struct GreedyCase {

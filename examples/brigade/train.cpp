@@ -10,6 +10,7 @@
 #include <brigade/cost/memory.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/data/corpus.hpp>
+#include <brigade/engine/data_parallel.hpp>
 #include <brigade/engine/training.hpp>
 #include <brigade/engine/training_distributed.hpp>
 #include <brigade/io/trace.hpp>
@@ -20,6 +21,8 @@
 #include <brigade/schedule/registry.hpp>
 #include <brigade/sim/simulator.hpp>
 #include <brigade/transport/in_process.hpp>
+#include <brigade/tp/mpi_grid.hpp>   // declarations only; compiles without MPI
+#include <brigade/tp/tensor_parallel.hpp>
 #include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
@@ -57,6 +60,7 @@ struct TrainArgs {
   double memory_limit = 0.0;  // --memory-limit: bytes per micro-batch on a stage (0: the default)
   double rank_memory = 0.0;   // --rank-memory: bytes of activations per rank (0: the default)
   std::string recompute = "auto";  // --recompute auto|none
+  int tp = 1, dp = 1;  // --tp: tensor-parallel degree of every stage; --dp: data-parallel replicas
   int fail_rank = -1, fail_after_steps = 1;  // fault injection (tests of runs under mpirun)
   brigade::cli::IntegrityArgs integrity;     // --verify, --inject
   CLI::Option* stages_option = nullptr;      // to tell an explicit --stages from the default
@@ -81,6 +85,9 @@ struct RunData {
   bool mpi;   ///< started by mpirun: one process per rank
   std::string profile_origin;  ///< where the balanced split's layer times came from
   brigade::model::LayerSeconds layer_seconds;  ///< what the split (and --batching's cost) used
+  int tp = 1;       ///< TP degree of every stage (--tp)
+  int dp = 1;       ///< data-parallel replicas (--dp): a step takes dp x --microbatches batches
+  int replica = 0;  ///< under mpirun: this process's replica (its share of a step's batches)
 };
 
 /// One step by a --batching batcher: its plan (the engine's partition, its own schedule and
@@ -227,6 +234,26 @@ struct StepHooks {
   std::function<std::string()> report;
 };
 
+/// Pipeline 0 of replica 0's part of a step: its Timeline (P rows) and its ranks' peak memory.
+/// On threads with TP or DP the step's Timeline has a row per rank of the grid (replica r's grid
+/// rank g at row r G + g, pipeline rank p of TP rank 0 at g = p x tp); under mpirun it is already
+/// the pipeline's (gathered on its rank 0).
+std::pair<brigade::Timeline, std::vector<double>> pipeline_zero(const brigade::engine::StepResult& r,
+                                                                const RunData& d) {
+  if (d.mpi || (d.tp == 1 && d.dp == 1)) return {r.timeline, r.peak_memory_bytes};
+  brigade::Timeline tl(d.ranks);
+  for (brigade::Interval iv : r.timeline.intervals()) {
+    if (iv.rank >= d.ranks * d.tp || iv.rank % d.tp != 0) continue;
+    iv.rank /= d.tp;
+    tl.add(std::move(iv));
+  }
+  std::vector<double> peaks;
+  for (int p = 0; p < d.ranks; ++p)
+    if (static_cast<std::size_t>(p * d.tp) < r.peak_memory_bytes.size())
+      peaks.push_back(r.peak_memory_bytes[static_cast<std::size_t>(p * d.tp)]);
+  return {std::move(tl), std::move(peaks)};
+}
+
 /// The training loop, shared by the in-process TrainingEngine and the per-process
 /// DistributedTrainer (same member functions, every call collective for the latter); only
 /// `root` prints and writes the metrics, the checkpoint's files and the trace.
@@ -250,7 +277,9 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
       "schedule: {} on {} ranks x {} virtual, {} micro-batches of <= {} tokens{}\n",
       d.weights.config.n_layers, d.weights.config.dim, d.weights.config.vocab_size,
       d.data.string(), d.corpus.tasks.size(), d.train.samples.size(), d.held.samples.size(),
-      d.corpus.num_tokens(), a.schedule, d.ranks, a.virtual_stages, a.microbatches,
+      d.corpus.num_tokens(), a.schedule, d.ranks, a.virtual_stages,
+      d.dp > 1 ? fmt::format("{} (per replica) x {} replicas", a.microbatches, d.dp)
+               : std::to_string(a.microbatches),
       a.tokens_per_microbatch,
       a.batching.empty() ? std::string()
                          : fmt::format("; batching {}: a global batch of <= {} tokens per step",
@@ -270,7 +299,15 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
         caps.rank, a.rank_memory > 0.0 ? "--rank-memory" : "ranks x the micro-batch limit",
         a.recompute);
   }
-  if (d.mpi) say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
+  const int grid_ranks = d.ranks * d.tp * d.dp;
+  if (d.mpi && grid_ranks == d.ranks)
+    say("transport: MPI, {} processes (one pipeline rank each)\n", d.ranks);
+  else if (d.mpi)
+    say("transport: MPI, {} processes (one TP rank of a stage of one replica each; grid {})\n",
+        grid_ranks, tp::Grid{d.tp, d.ranks, d.dp}.describe());
+  else if (grid_ranks > d.ranks)
+    say("tensor x data x pipeline parallel: grid {} = {} threads\n",
+        tp::Grid{d.tp, d.ranks, d.dp}.describe(), grid_ranks);
   const double eval_before = eng.evaluate(eval);
   say("held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);
 
@@ -299,7 +336,8 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
       [&] {
         BatchedStep bs;
         if (a.batching.empty()) {
-          for (int m = 0; m < a.microbatches; ++m) bs.batches.push_back(packer.next());
+          // With DP a step is every replica's micro-batches, replica r's at [r M, (r + 1) M).
+          for (int m = 0; m < a.microbatches * d.dp; ++m) bs.batches.push_back(packer.next());
         } else {
           bs = batch_step(a,
                           packer.next_samples(static_cast<std::int64_t>(a.microbatches) *
@@ -320,23 +358,28 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
     const auto now = hooks.counts();
     dropped += static_cast<int>(r.dropped_microbatches.size());
     skipped += r.update_skipped ? 1 : 0;
-    measured_sum += r.timeline.bubble_ratio();
+    // The measured-vs-simulated columns are one pipeline's: with TP or DP on threads the
+    // Timeline has a row per rank of the grid, pipeline 0 of replica 0 the rows p x tp.
+    const auto [pipe_tl, pipe_peaks] = pipeline_zero(r, d);
+    measured_sum += pipe_tl.bubble_ratio();
     if (root) {
       // One simulation of the step with its measured action costs and the memory of its
       // micro-batches (the plan with their work, priced by the roofline model's sizes).
+      const auto replica_batches =
+          std::span<const data::PackedBatch>(batches).first(batches.size() / static_cast<std::size_t>(d.dp));
       const plan::Plan with_work(step_plan.partition(), step_plan.schedule(),
-                                 engine::microbatch_work(batches), step_plan.execution());
+                                 engine::microbatch_work(replica_batches), step_plan.execution());
       const engine::MeasuredCostModel costs(
-          with_work.shape(), r.timeline,
+          with_work.shape(), pipe_tl,
           cost::RooflineCostModel(model::ModelSpec(d.weights.config), with_work));
       sim::SimOptions so;
       so.record_timeline = false;
       const auto predicted = sim::simulate(with_work, costs, so);
       simulated_sum += predicted.bubble_ratio;
-      peak_measured.resize(r.peak_memory_bytes.size(), 0.0);
+      peak_measured.resize(pipe_peaks.size(), 0.0);
       peak_simulated.resize(predicted.peak_memory_bytes.size(), 0.0);
       for (std::size_t k = 0; k < peak_measured.size(); ++k)
-        peak_measured[k] = std::max(peak_measured[k], r.peak_memory_bytes[k]);
+        peak_measured[k] = std::max(peak_measured[k], pipe_peaks[k]);
       for (std::size_t k = 0; k < peak_simulated.size(); ++k)
         peak_simulated[k] = std::max(peak_simulated[k], predicted.peak_memory_bytes[k]);
       step_peak_simulated = predicted.peak_memory_bytes;
@@ -431,8 +474,12 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
       return out;
     };
     say("peak memory per rank (MiB of activations, messages held and window buffers): "
-        "measured {}, simulated {}\n",
-        mib(peak_measured), mib(peak_simulated));
+        "measured {}, simulated {}{}\n",
+        mib(peak_measured), mib(peak_simulated),
+        d.tp > 1 ? fmt::format(" (measured: TP rank 0 of each stage; simulated: the whole "
+                               "stage, the memory model does not split TP {})",
+                               d.tp)
+                 : std::string());
     if (a.integrity.active()) {
       say("integrity: {} messages checked, {} flagged; {} micro-batches dropped, {} updates "
           "skipped; {} messages corrupted, {} of them flagged\n",
@@ -496,7 +543,35 @@ int run(const TrainArgs& a) {
   const cli::MpiLaunch launch(a.fail_rank);
   const bool under_mpi = launch.active();
   a.integrity.check(launch.rank() == 0);
-  const int num_ranks = launch.ranks(a.stages, a.stages_option, "pipeline rank");
+  // With --tp or --dp under mpirun the processes are the grid DP x PP x TP (TP fastest):
+  // --stages = world / (tp x dp).
+  const int per_stage = a.tp * a.dp;  // ranks per pipeline rank of the grid
+  const int num_ranks = [&] {
+    if (!under_mpi || per_stage == 1) return launch.ranks(a.stages, a.stages_option, "pipeline rank");
+    const std::string degrees = a.tp > 1 && a.dp > 1 ? fmt::format("--tp {} x --dp {}", a.tp, a.dp)
+                                : a.tp > 1         ? fmt::format("--tp {}", a.tp)
+                                                   : fmt::format("--dp {}", a.dp);
+    BRIGADE_CHECK(launch.world() % per_stage == 0, Errc::InvalidArgument,
+                  "{} does not divide the {} processes mpirun started (the grid DP x PP x TP "
+                  "needs --dp x --stages x --tp processes)",
+                  degrees, launch.world());
+    if (a.stages_option->count() > 0)
+      tp::check_grid_ranks(tp::Grid{a.tp, a.stages, a.dp}, launch.world(),
+                           "processes mpirun started");
+    return launch.world() / per_stage;
+  }();
+  if (per_stage > 1) {
+    // What the tensor- and data-parallel runs do not combine with (each its own path to build).
+    const std::pair<bool, const char*> unsupported[] = {
+        {a.integrity.active(), "--verify/--inject"},
+        {a.fail_rank >= 0, "--fail-rank"},
+        {a.dp > 1 && !a.batchings.empty(), "--batching (with --dp)"}};
+    for (const auto& [given, flag] : unsupported)
+      BRIGADE_CHECK(!given, Errc::InvalidArgument,
+                    "--tp {} --dp {} does not combine with {} (tensor- and data-parallel training "
+                    "runs plain transports, and a step's micro-batches go M to each replica)",
+                    a.tp, a.dp, flag);
+  }
   // Model: a checkpoint (or the last checkpoint with --resume), or a synthetic Llama.
   model::LlamaWeights weights;
   const fs::path ckpt = a.checkpoint_dir;
@@ -535,6 +610,8 @@ int run(const TrainArgs& a) {
                "brigade: notice: --warmup {} is more than --steps {}: the learning rate warms up "
                "over all {} steps and never decays\n",
                a.warmup, a.steps, a.steps);
+  // Heads, KV heads, the MLP and the vocabulary against --tp, before anything runs.
+  if (a.tp > 1) tp::check_tensor_parallel_training(weights.config, a.tp);
   const auto [train, held] = data::split_held_out(corpus, 20);
   BRIGADE_CHECK(!train.samples.empty() && !held.samples.empty(), Errc::BadFile,
                 "{}: too few samples to hold out 1 in 20 for evaluation ({} found)", data.string(),
@@ -554,6 +631,7 @@ int run(const TrainArgs& a) {
   cfg.timeout_s = a.timeout;
   cfg.pipeline_dtype = *parse_dtype(a.pipeline_dtype);
   cfg.seq_len_hint = a.tokens_per_microbatch;
+  cfg.tp = a.tp;
   // The balanced split prices each layer's forward and backward passes on this machine's
   // profile (one intra-op thread per rank, every rank's core busy).
   const cli::ResolvedProfile resolved = cli::resolve_profile(
@@ -572,8 +650,12 @@ int run(const TrainArgs& a) {
       cost::TrainingMemoryOptions mo;
       mo.tied_gradient_copies = 0;
       mo.workload = {1, cfg.seq_len_hint};
-      cost::check_one_process(cost::training_memory(spec, engine::training_plan(weights.config, cfg), mo),
-                              *resolved.profile, "brigade train");
+      // --dp replicas each hold their own copies; a TP rank's shards of the weights, gradients
+      // and moments add up to its stage's (TP is priced as the TP 1 pipeline).
+      const auto pipeline = cost::training_memory(spec, engine::training_plan(weights.config, cfg), mo);
+      std::vector<cost::MemoryBreakdown> ranks;
+      for (int r = 0; r < a.dp; ++r) ranks.insert(ranks.end(), pipeline.begin(), pipeline.end());
+      cost::check_one_process(ranks, *resolved.profile, "brigade train");
     }
   }
   const bool dynamic = std::find(a.batchings.begin(), a.batchings.end(), "dynamic") !=
@@ -618,10 +700,31 @@ int run(const TrainArgs& a) {
   const RunData d{weights, corpus, train, held, data, num_ranks, under_mpi,
                   resolved.profile ? resolved.profile->name + ", " + resolved.origin
                                    : resolved.origin,
-                  cfg.layer_seconds};
+                  cfg.layer_seconds, a.tp, a.dp};
   const std::vector<transport::MessageKind> checked{transport::MessageKind::Activation,
                                                     transport::MessageKind::Gradient};
 #if BRIGADE_HAS_MPI
+  if (under_mpi && per_stage > 1) {
+    // The grid DP x PP x TP: this process's pipeline, its stages' TP group, its DP group.
+    tp::MpiGrid grid(tp::Grid{a.tp, num_ranks, a.dp}, a.timeout);
+    RunData dd = d;
+    dd.replica = grid.dp_rank();
+    for (const auto& batcher : runs) {
+      const TrainArgs one = run_args(batcher);
+      engine::DistributedTrainer<transport::MpiTransport> eng(
+          grid.pipeline(), weights, cfg, {}, {grid.tp_group(), grid.dp_group()});
+      const auto M = static_cast<std::size_t>(a.microbatches);
+      const StepHooks hooks{[&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+                              // Replica d trains on its share of the step's micro-batches.
+                              return a.dp > 1 ? eng.train_step(p, b.subspan(dd.replica * M, M))
+                                              : eng.train_step(p, b);
+                            },
+                            [] { return cli::IntegrityCounts{}; },
+                            [](engine::StepResult&) {}, [] { return std::string(); }};
+      summaries.push_back(train_loop(eng, one, dd, grid.world_rank() == 0, hooks));
+    }
+    return print_table(grid.world_rank() == 0);
+  }
   if (under_mpi) {
     transport::MpiTransport tp;
     for (const auto& batcher : runs) {
@@ -657,6 +760,31 @@ int run(const TrainArgs& a) {
     return print_table(tp.rank() == 0);
   }
 #endif
+  if (per_stage > 1) {
+    // Threads: dp replicas of tp pipelines of num_ranks ranks (TrainingEngine with TP, inside
+    // DataParallelTrainer with --dp).
+    for (const auto& batcher : runs) {
+      const TrainArgs one = run_args(batcher);
+      const StepHooks none{{}, [] { return cli::IntegrityCounts{}; }, [](engine::StepResult&) {},
+                           [] { return std::string(); }};
+      if (a.dp > 1) {
+        engine::DataParallelTrainer eng(weights, cfg, a.dp);
+        StepHooks hooks = none;
+        hooks.step = [&](const plan::Plan&, std::span<const data::PackedBatch> b) {
+          return eng.train_step(b);
+        };
+        summaries.push_back(train_loop(eng, one, d, true, hooks));
+      } else {
+        engine::TrainingEngine eng(weights, cfg);
+        StepHooks hooks = none;
+        hooks.step = [&](const plan::Plan& p, std::span<const data::PackedBatch> b) {
+          return eng.train_step(p, b);
+        };
+        summaries.push_back(train_loop(eng, one, d, true, hooks));
+      }
+    }
+    return print_table(true);
+  }
   for (const auto& batcher : runs) {
     const TrainArgs one = run_args(batcher);
     transport::InProcessFabric fabric(num_ranks);
@@ -763,6 +891,20 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--timeout", a->timeout, "seconds a rank waits for a peer before failing")
       ->check(brigade::cli::number_in<double>(0, 604800, "a number of seconds above 0 and at most 604800 (a week)",
                            true))
+      ->capture_default_str();
+  sub.add_option("--tp", a->tp,
+                 "tensor-parallel degree of every stage (Megatron-LM's split: heads, MLP rows, "
+                 "vocabulary; the model's heads, KV heads, hidden_dim and vocabulary must divide "
+                 "it). Threads: --stages x --tp (x --dp); under mpirun the processes are the grid "
+                 "--dp x --stages x --tp, TP fastest")
+      ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
+      ->capture_default_str();
+  sub.add_option("--dp", a->dp,
+                 "data-parallel replicas of the whole pipeline: each step is --dp x "
+                 "--microbatches micro-batches, --microbatches per replica, the gradients "
+                 "all-reduced before the update (the same update on every replica; checkpoints "
+                 "written once)")
+      ->check(brigade::cli::number_in<int>(1, 1024, "a whole number from 1 to 1024"))
       ->capture_default_str();
   brigade::cli::add_profile_option(sub, a->profile);
   brigade::cli::add_pipeline_dtype_option(sub, a->pipeline_dtype);

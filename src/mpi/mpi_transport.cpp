@@ -716,6 +716,17 @@ MpiCollectives::MpiCollectives() : comm_(new_comm()) {
   mpi_check(MPI_Comm_size(comm_of(comm_), &size_), "MPI_Comm_size");
 }
 
+MpiCollectives::MpiCollectives(const void* native_comm) {
+  BRIGADE_CHECK(native_comm != nullptr, Errc::InvalidArgument,
+                "MpiCollectives: native_comm is null; pass the address of an MPI_Comm");
+  comm_ = new_comm();
+  mpi_check(MPI_Comm_dup(*static_cast<const MPI_Comm*>(native_comm), &comm_of(comm_)),
+            "MpiCollectives: MPI_Comm_dup");
+  mpi_check(MPI_Comm_set_errhandler(comm_of(comm_), MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  mpi_check(MPI_Comm_rank(comm_of(comm_), &rank_), "MPI_Comm_rank");
+  mpi_check(MPI_Comm_size(comm_of(comm_), &size_), "MPI_Comm_size");
+}
+
 MpiCollectives::MpiCollectives(std::span<const int> world_ranks) : comm_(new_comm()) {
   int world = 0, me = 0;
   mpi_check(MPI_Comm_size(MPI_COMM_WORLD, &world), "MPI_Comm_size");

@@ -22,11 +22,7 @@ const fs::path kData = BRIGADE_MODEL_DIR;  // the committed models/
 /// The story samples in file order, packed into `n` micro-batches of at most 24 rows.
 std::vector<data::PackedBatch> story_batches(int n) {
   static const auto tok = model::Tokenizer::load_llama2c(kData / "tok512.bin", 512);
-  static const auto samples = test::story_samples(tok);
-  data::Packer packer(samples, 24, 0);
-  std::vector<data::PackedBatch> out;
-  for (int i = 0; i < n; ++i) out.push_back(packer.next());
-  return out;
+  return test::story_batches(tok, n);
 }
 
 }  // namespace

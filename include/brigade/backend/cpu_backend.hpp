@@ -105,38 +105,47 @@ class CpuBackend {
     if (bytes > 0) std::memset(dst, 0, bytes);
   }
 
-  /// cpu::decoder_train_forward.
+  // The training passes take an optional tensor-parallel split (the whole layer when null):
+  // what runtime::TrainStage passes when it is one rank of a TP group.
+
+  /// cpu::decoder_train_forward (split: one TP rank's share of the layer, or null).
   void decoder_train_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                              const float* x_in, float* x_out, std::int64_t tokens,
                              std::span<const std::int64_t> offsets, DecoderActivations& acts,
-                             TrainScratch* scratch) const {
-    cpu::decoder_train_forward(config, w, x_in, x_out, tokens, offsets, acts, scratch);
+                             TrainScratch* scratch,
+                             const backend::DecoderSplit* split = nullptr) const {
+    cpu::decoder_train_forward(config, w, x_in, x_out, tokens, offsets, acts, scratch, split);
   }
-  /// cpu::decoder_backward_input.
+  /// cpu::decoder_backward_input (split: the forward's).
   void decoder_backward_input(const model::LlamaConfig& config, const model::DecoderWeights& w,
                               DecoderActivations& acts, const float* dy, float* dx,
-                              TrainScratch* scratch) const {
-    cpu::decoder_backward_input(config, w, acts, dy, dx, scratch);
+                              TrainScratch* scratch,
+                              const backend::DecoderSplit* split = nullptr) const {
+    cpu::decoder_backward_input(config, w, acts, dy, dx, scratch, split);
   }
-  /// cpu::decoder_backward_weight into the stage's nine gradient tensors.
+  /// cpu::decoder_backward_weight into the stage's nine gradient tensors (split: the forward's).
   void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
-                               const backend::DecoderGradTensors& grads) const {
-    cpu::decoder_backward_weight(config, acts, grads);
+                               const backend::DecoderGradTensors& grads,
+                               const backend::DecoderSplit* split = nullptr) const {
+    cpu::decoder_backward_weight(config, acts, grads, split);
   }
-  /// cpu::head_forward_backward_input (row_loss: [tokens] per-row losses, or nullptr).
+  /// cpu::head_forward_backward_input (row_loss: [tokens] per-row losses, or nullptr; split: one
+  /// TP rank's vocabulary shard, or null).
   CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                                const float* rms_final, const float* wcls,
                                                const float* x, const std::int32_t* targets,
                                                std::int64_t tokens, float* dx,
                                                HeadActivations& acts, double grad_denominator,
-                                               double* row_loss = nullptr) const {
+                                               double* row_loss = nullptr,
+                                               const backend::VocabSplit* split = nullptr) const {
     return cpu::head_forward_backward_input(config, rms_final, wcls, x, targets, tokens, dx,
-                                            acts, grad_denominator, row_loss);
+                                            acts, grad_denominator, row_loss, split);
   }
-  /// cpu::head_backward_weight.
+  /// cpu::head_backward_weight (split: the forward's).
   void head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,
-                            float* d_rms_final, float* d_wcls) const {
-    cpu::head_backward_weight(config, acts, d_rms_final, d_wcls);
+                            float* d_rms_final, float* d_wcls,
+                            const backend::VocabSplit* split = nullptr) const {
+    cpu::head_backward_weight(config, acts, d_rms_final, d_wcls, split);
   }
   /// cpu::embedding_backward.
   void embedding_backward(const float* dy, const std::int32_t* ids, float* dtable,

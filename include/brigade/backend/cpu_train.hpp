@@ -28,6 +28,13 @@ struct DecoderWeights;
 }  // namespace v0
 }  // namespace brigade::model
 
+namespace brigade::backend {
+inline namespace v0 {
+struct DecoderSplit;
+struct VocabSplit;
+}  // namespace v0
+}  // namespace brigade::backend
+
 namespace brigade::cpu {
 inline namespace v0 {
 
@@ -196,6 +203,30 @@ CrossEntropyLoss cross_entropy(const float* logits, const std::int32_t* targets,
                                std::int64_t tokens, std::int64_t vocab, float* dlogits,
                                double grad_denominator = 0.0, double* row_loss = nullptr);
 
+/// Cross-entropy of a vocabulary-parallel classifier's logits, Megatron-LM's
+/// vocab_parallel_cross_entropy (Shoeybi et al. 2019, §3): each rank of a TP group holds the
+/// logits of its vocabulary rows [split.vocab0, split.vocab0 + split.vocab) only, and no rank
+/// gathers the whole rows. Per row: the maximum logit m (each shard's, then split.all_reduce_max
+/// over the group), the sum of exp(logit - m) and the target's logit (0 on the shards that do
+/// not hold it; both summed over the group by one split.all_reduce of 2 x tokens floats); loss =
+/// log(sum) + m - target logit, and this shard's gradient (softmax - onehot) / denominator on its
+/// columns. Every member of the group must call it with the same rows, targets and denominator
+/// (the collectives pair by call order); each gets the same loss, row losses and sums.
+/// Exps and sums as cross_entropy (fixed 16-float blocks).
+/// @param logits     [tokens x split.vocab] this shard's logits
+/// @param targets    [tokens] ids in [0, vocab_size), or -1 to ignore
+/// @param vocab_size the whole vocabulary
+/// @param dlogits    [tokens x split.vocab], overwritten; may alias logits; nullptr for the loss
+/// @param grad_denominator, row_loss as cross_entropy
+/// @throws brigade::Error{InvalidArgument} if tokens < 0, the shard is empty or outside the
+///         vocabulary, an all-reduce is missing, a target is outside [0, vocab_size) and not -1,
+///         or grad_denominator < 0; the all-reduces' errors (PeerTimeout, Aborted)
+CrossEntropyLoss vocab_parallel_cross_entropy(const float* logits, const std::int32_t* targets,
+                                              std::int64_t tokens, std::int64_t vocab_size,
+                                              const backend::VocabSplit& split, float* dlogits,
+                                              double grad_denominator = 0.0,
+                                              double* row_loss = nullptr);
+
 // ---- the LM head: final RMSNorm, classifier GEMM, cross-entropy -------------------------------
 
 /// What the head's backward-weight needs, kept between head_forward_backward_input and
@@ -228,23 +259,34 @@ void head_forward(const model::LlamaConfig& config, const float* rms_final, cons
 /// @param acts    overwritten
 /// @param grad_denominator as cross_entropy
 /// @param row_loss [tokens] if not nullptr, each row's loss, as cross_entropy
+/// @param split   null: the whole classifier (wcls [vocab x dim]). Else one TP rank's
+///                vocabulary shard (Megatron's column-parallel output layer): wcls holds rows
+///                [split->vocab0, + split->vocab), the loss is vocab_parallel_cross_entropy's
+///                (the same on every rank of the group), acts.dlogits holds the shard's columns,
+///                and the classifier's input gradient is summed over the group (split->all_reduce)
+///                before the final norm's backward, so dx and the norm gain's gradient are whole
+///                and equal on every rank
 /// @return the summed loss and the counted tokens
 /// @throws brigade::Error{InvalidArgument} if the config is invalid, tokens < 1, a pointer is
-///         null, or as cross_entropy (acts is left empty then)
+///         null, or as cross_entropy / vocab_parallel_cross_entropy (acts is left empty then)
 CrossEntropyLoss head_forward_backward_input(const model::LlamaConfig& config,
                                              const float* rms_final, const float* wcls,
                                              const float* x, const std::int32_t* targets,
                                              std::int64_t tokens, float* dx,
                                              HeadActivations& acts,
                                              double grad_denominator = 0.0,
-                                             double* row_loss = nullptr);
+                                             double* row_loss = nullptr,
+                                             const backend::VocabSplit* split = nullptr);
 
 /// Head backward-weight: d_wcls += dlogits^T xn, d_rms_final += the stashed norm gradient; then
 /// releases acts' memory. With a shared classifier pass the embedding's gradient as d_wcls.
-/// @param d_rms_final [dim], d_wcls [vocab x dim], both accumulated
+/// @param d_rms_final [dim], d_wcls [vocab x dim] (with a split: [split->vocab x dim], the
+///        shard's rows), both accumulated
+/// @param split the split the stash was made with (null: none)
 /// @throws brigade::Error{InvalidUsage} if acts does not hold a head_forward_backward_input stash
 void head_backward_weight(const model::LlamaConfig& config, HeadActivations& acts,
-                          float* d_rms_final, float* d_wcls);
+                          float* d_rms_final, float* d_wcls,
+                          const backend::VocabSplit* split = nullptr);
 
 // ---- the training decoder layer ---------------------------------------------------------------
 
@@ -287,6 +329,9 @@ struct DecoderTrainScratch {
 ///   dh3, dy, hb; 32.1 KiB per token for the shape above) plus 2d per micro-batch (the norm-gain
 ///   gradients).
 /// - after decoder_backward_weight: nothing (memory released).
+/// With a TP split (backend::DecoderSplit) the rank's widths replace dim in q, att and dq, kv in
+/// k, v, dk and dv, hidden in h1, h3, hb, dh1 and dh3, n_heads in lse; the dim-wide rows (x_in,
+/// xb_att, x_mid, xb_ffn, d_mid, dy) are whole on every rank.
 struct DecoderActivations {
   /// Which pass the stash is ready for.
   enum class Phase : std::uint8_t {
@@ -335,12 +380,21 @@ struct DecoderActivations {
 /// @param x_out  [tokens x dim]; may alias x_in
 /// @param offsets sequence offsets, see the file comment; each sequence at most seq_len long
 /// @param acts   overwritten
+/// @param split  null: the whole layer. Else one tensor-parallel rank's share (Megatron-LM,
+///               Shoeybi et al. 2019, §3; `w` holds tp::shard_decoder's slices: Wq, Wk, Wv, W1,
+///               W3 rows, Wo and W2 columns): q, k, v and attention on its heads, its partial
+///               att Wo_r^T (the residual added on the rank with split->adds_residual) summed over
+///               the group by split->all_reduce into x_mid, likewise the MLP's W2 into x_out; x_in,
+///               x_mid and x_out are whole and equal on every rank. The stash holds the rank's
+///               widths (q and att its heads', h1 and h3 its MLP rows')
 /// @throws brigade::Error{InvalidArgument} if the config is invalid, a weight pointer is null,
-///         tokens < 1, x_in or x_out is null, or the offsets are bad (validate_offsets)
+///         tokens < 1, x_in or x_out is null, the offsets are bad (validate_offsets), or the
+///         split does not fit the config; the split's all-reduce errors
 void decoder_train_forward(const model::LlamaConfig& config, const model::DecoderWeights& w,
                            const float* x_in, float* x_out, std::int64_t tokens,
                            std::span<const std::int64_t> offsets, DecoderActivations& acts,
-                           DecoderTrainScratch* scratch = nullptr);
+                           DecoderTrainScratch* scratch = nullptr,
+                           const backend::DecoderSplit* split = nullptr);
 
 /// Backward-input (BI) of the layer: dx = dLoss/dx_in from dy = dLoss/dx_out, through the FFN
 /// (W2, SwiGLU, W1/W3, RMSNorm), the residual, Wo, attention, RoPE, Wq/Wk/Wv and RMSNorm. Keeps
@@ -348,11 +402,18 @@ void decoder_train_forward(const model::LlamaConfig& config, const model::Decode
 /// two norm-gain gradients (phase becomes BackwardInput). Touches no weight gradient.
 /// @param dy  [tokens x dim]
 /// @param dx  [tokens x dim], overwritten; may alias dy
+/// @param split the forward's split (null: none). The input gradient of each column-parallel
+///        block (of xb_ffn through W1 and W3, of xb_att through Wq, Wk and Wv) is a partial sum
+///        on each rank: split->all_reduce sums it over the group (Megatron's f operator in the
+///        backward) before the replicated RMSNorm's backward, so dx and the norm gains'
+///        gradients are whole and equal on every rank: two all-reduces of [tokens x dim]
 /// @throws brigade::Error{InvalidUsage} if acts is not in phase Forward
-/// @throws brigade::Error{InvalidArgument} if the config or a pointer is invalid
+/// @throws brigade::Error{InvalidArgument} if the config or a pointer is invalid, or the stash's
+///         widths are not the split's; the split's all-reduce errors
 void decoder_backward_input(const model::LlamaConfig& config, const model::DecoderWeights& w,
                             DecoderActivations& acts, const float* dy, float* dx,
-                            DecoderTrainScratch* scratch = nullptr);
+                            DecoderTrainScratch* scratch = nullptr,
+                            const backend::DecoderSplit* split = nullptr);
 
 /// Backward-weight (BW) of the layer: adds every weight gradient (seven GEMMs dW += dY^T X and
 /// the two norm gains) into `grads`, then releases acts' memory (phase Empty).
@@ -365,10 +426,16 @@ void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivation
 /// decoder_backward_weight into nine caller-owned tensors (rms_att, wq, wk, wv, wo, rms_ffn, w1,
 /// w2, w3: DecoderWeights order and shapes, float32, accumulated): what runtime::TrainStage
 /// passes (backend::DecoderGradTensors).
+/// @param split the forward's split (null: none): the tensors are then the shapes of the rank's
+///        slices (wq [q x dim], wk and wv [kv x dim], wo [dim x q], w1 and w3 [hidden x dim], w2
+///        [dim x hidden] of its heads and MLP rows), each gradient local to the rank; the norm
+///        gains' are whole (the same on every rank)
 /// @throws brigade::Error{InvalidUsage} if acts is not in phase BackwardInput
-/// @throws brigade::Error{InvalidArgument} if a tensor pointer is null
+/// @throws brigade::Error{InvalidArgument} if a tensor pointer is null or the stash's widths
+///         are not the split's
 void decoder_backward_weight(const model::LlamaConfig& config, DecoderActivations& acts,
-                             const std::array<float*, 9>& grads);
+                             const std::array<float*, 9>& grads,
+                             const backend::DecoderSplit* split = nullptr);
 
 /// Full backward of the layer: decoder_backward_input then decoder_backward_weight.
 /// @throws brigade::Error as those two

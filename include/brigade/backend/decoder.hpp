@@ -70,6 +70,19 @@ struct DecoderSplit {
   std::function<void(float* data, std::int64_t count)> all_reduce;
 };
 
+/// One tensor-parallel rank's share of the LM head in training: the vocabulary rows of its
+/// shard of the classifier (Megatron-LM's column-parallel output layer, Shoeybi et al. 2019,
+/// §3; tp::Shard's vocab0 and vocab) and the group's collectives over host float32 buffers
+/// that the vocabulary-parallel cross-entropy needs (cpu::vocab_parallel_cross_entropy).
+struct VocabSplit {
+  std::int64_t vocab0 = 0;  ///< first vocabulary row of this rank's shard
+  std::int64_t vocab = 0;   ///< rows of its shard
+  /// In place, the elementwise sum over the group of `count` floats (tp::Group::all_reduce).
+  std::function<void(float* data, std::int64_t count)> all_reduce;
+  /// In place, the elementwise maximum over the group (tp::Group::all_reduce_max).
+  std::function<void(float* data, std::int64_t count)> all_reduce_max;
+};
+
 /// One Llama decoder layer over a packed micro-batch (prefill and decode alike), in place on the
 /// residual stream, as run.c's forward() for one layer, on backend `b`:
 ///   xb = rmsnorm(x, rms_att); q, k, v = xb Wq^T, xb Wk^T, xb Wv^T; RoPE(q, k, positions);

@@ -28,7 +28,9 @@ inline namespace v0 {
 /// (tokens_r / tokens), so every replica holds the gradient of the mean loss over the whole
 /// step's targets, what one pipeline computes over all dp x M micro-batches; every replica then
 /// takes the same AdamW update (the same global norm, the same bits), so their weights stay
-/// equal, and checkpoints are written once, from replica 0.
+/// equal, and checkpoints are written once, from replica 0. With config.tp > 1 each replica is
+/// a tensor-parallel engine (DP x PP x TP on dp x P x t threads). Across processes the same is
+/// DistributedTrainer with a TrainingGroups::dp group (`brigade train --dp` under mpirun).
 class DataParallelTrainer {
  public:
   /// @throws brigade::Error{InvalidArgument} for dp < 1; as TrainingEngine(init, config)
@@ -45,7 +47,8 @@ class DataParallelTrainer {
   /// Forward and backward of every replica's share of `batches` (dp x config.microbatches, in
   /// replica order) on dp x P threads, then the gradient all-reduce; no update.
   /// @return loss and tokens of the whole step (the replicas' losses weighted by their targets),
-  ///         the wall time, the Timeline with replica r's rank p as row r P + p, every replica's
+  ///         the per-task loss summed over the replicas, the wall time, the Timeline with replica
+  ///         r's rank g (of its P or, with TP, its grid's G ranks) as row r G + g, every replica's
   ///         peak memory (the same order)
   /// @throws brigade::Error{InvalidArgument} if batches.size() != dp x config.microbatches or a
   ///         batch is empty; any replica's error (the other replicas are stopped: Aborted)
@@ -62,6 +65,17 @@ class DataParallelTrainer {
   /// Writes the checkpoint once, from replica 0 (TrainingEngine::save_checkpoint).
   /// @throws brigade::Error{BadFile} if a file cannot be written
   void save_checkpoint(const std::filesystem::path& dir, std::int64_t data_position) const;
+  /// Every replica restores its optimizer state from `dir` (TrainingEngine::load_optimizer_state).
+  /// @return the saved data position
+  /// @throws brigade::Error{BadFile} as TrainingEngine::load_optimizer_state
+  std::int64_t load_optimizer_state(const std::filesystem::path& dir);
+  /// Mean held-out loss of `batches` (replica 0's: every replica holds the same weights).
+  /// @throws brigade::Error as TrainingEngine::evaluate
+  double evaluate(std::span<const data::PackedBatch> batches);
+  /// The plan every replica runs.
+  [[nodiscard]] const plan::Plan& plan() const noexcept;
+  /// Optimizer steps taken (every replica's).
+  [[nodiscard]] std::int64_t steps() const noexcept;
 
  private:
   TrainingConfig config_;

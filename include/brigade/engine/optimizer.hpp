@@ -44,6 +44,11 @@ struct ParamSlot {
   const float* grad = nullptr;  ///< [size] gradient of the loss
   std::int64_t size = 0;
   bool decay = true;            ///< apply weight decay (false for norm gains)
+  /// Counted in this optimizer's part of the global gradient norm (grad_square_sum). False for
+  /// a tensor another rank also holds whole (a norm gain on TP rank > 0 of a tensor-parallel
+  /// stage, runtime::ParamRef::replicated): the global norm counts each shard once and each
+  /// replicated tensor once, as Megatron-LM does (its param_is_not_tensor_parallel_duplicate).
+  bool in_norm = true;
 };
 
 /// AdamW over a fixed list of parameter tensors. The moment buffers are owned and can be saved and
@@ -61,11 +66,14 @@ class AdamW {
     }
   }
 
-  /// Sum of squared gradients over this optimizer's slots (one rank's part of the global norm).
+  /// Sum of squared gradients over this optimizer's slots counted in the norm
+  /// (ParamSlot::in_norm): one rank's part of the global norm.
   [[nodiscard]] double grad_square_sum() const noexcept {
     double s = 0.0;
-    for (const auto& p : slots_)
+    for (const auto& p : slots_) {
+      if (!p.in_norm) continue;
       for (std::int64_t i = 0; i < p.size; ++i) s += static_cast<double>(p.grad[i]) * p.grad[i];
+    }
     return s;
   }
 

@@ -6,6 +6,7 @@
 
 #include <exception>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -71,6 +72,47 @@ void run_ranks(std::span<T> transports, F&& body) {
           transport::abort_others(transports[r], e);
         } catch (...) {
           errors[r] = std::current_exception();
+        }
+      });
+  }
+  rethrow_root_cause(errors);
+}
+
+/// Runs `body(t, p)` for every rank of a TP x PP grid of `tp` x `pp` ranks on its own thread
+/// (global rank p x tp + t, tp::Grid's order) and joins them: the thread driver of tensor
+/// parallelism on threads (engine::generate with InferenceOptions::tp, TrainingEngine with
+/// TrainingOptions::tp), where each pipeline has its transports and each pipeline rank's TP
+/// group its collectives.
+///
+/// When a rank's body throws `e`, the driver calls `abort_all(e, reason)` once per failure with
+/// reason "rank g (TP t of pipeline rank p) failed: <what>", which must stop every other rank:
+/// abort every pipeline's transports and every group (transport::InProcessGroup::abort), so no
+/// rank waits for its deadline. After the join the root cause is rethrown, as run_ranks does.
+/// @param abort_all called as abort_all(const std::exception&, const std::string&); must not throw
+/// @throws the root-cause error of the failed ranks
+template <class F, class Abort>
+void run_grid(int tp, int pp, F&& body, Abort&& abort_all) {
+  const int G = tp * pp;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(G));
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(static_cast<std::size_t>(G));
+    for (int g = 0; g < G; ++g)
+      threads.emplace_back([&, g] {
+        const int p = g / tp, t = g % tp;
+        try {
+          body(t, p);
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(g)] = std::current_exception();
+          std::string reason;
+          try {
+            reason = "rank " + std::to_string(g) + " (TP " + std::to_string(t) +
+                     " of pipeline rank " + std::to_string(p) + ") failed: " + e.what();
+          } catch (...) {  // keep going without the text
+          }
+          abort_all(e, reason);
+        } catch (...) {
+          errors[static_cast<std::size_t>(g)] = std::current_exception();
         }
       });
   }

@@ -326,6 +326,13 @@ struct TrainingOptions {
   /// runtime::train_stages_on(f) for stages on the backends f(v) gives, e.g. cuda::CudaBackend
   /// (docs/cuda.md: parameters and gradients mirrored on the GPU, AdamW on the host).
   runtime::TrainStageFactory stages;
+  /// Tensor-parallel degree t of every stage (Megatron-LM, Shoeybi et al. 2019, §3; the split of
+  /// runtime::TrainStage): TrainingEngine runs t pipelines of P ranks, one thread each (t x P
+  /// threads; global rank p t + i is TP rank i of pipeline rank p, tp::Grid's order), the t
+  /// stages of one virtual stage joined by one in-process group per pipeline rank. A
+  /// DistributedTrainer's degree is its TrainingGroups::tp group's size, which this must equal.
+  /// The model must divide it (tp::check_tensor_parallel_training); host-memory backends only.
+  int tp = 1;
 };
 
 /// A training run by names: the plan to build (training_plan()) and how to run it.
@@ -405,6 +412,18 @@ struct StepResult {
 /// is held by both the first and the last virtual stage: their two gradients are summed after
 /// each step and both copies take the same update, so they stay equal (Megatron's embedding
 /// group).
+///
+/// With TrainingOptions::tp = t > 1 every virtual stage is t TrainStages, TP rank i's holding
+/// its slices (runtime::TrainStage's split), and a step runs t pipelines, each the ordinary
+/// executor over its own InProcessFabric, on t x P threads; the stages of pipeline rank p join
+/// in-process group p (transport::InProcessGroup: sums in member order) for their collectives.
+/// Every pipeline computes the same loss; the tied classifier's shards are summed per pipeline
+/// (TP rank i's embedding and head hold the same vocabulary rows); the global norm sums every
+/// shard once and every replicated norm gain once (AdamW's ParamSlot::in_norm); each shard takes
+/// its AdamW step. gradients(), export_weights() and the checkpoints assemble the shards into
+/// whole tensors (runtime::place_shard), so they are those of a run without TP up to float
+/// rounding (the split sums), and a checkpoint resumes at any TP degree. A step that fails
+/// leaves the groups aborted (later steps throw Aborted): make a new engine.
 class TrainingEngine {
  public:
   /// Runs `plan` (a training plan of one chunk per micro-batch for a model of init's layers).
@@ -430,7 +449,8 @@ class TrainingEngine {
   /// caller's Transport, e.g. a decorator (transport/decorators.hpp) over InProcessTransport
   /// endpoints. Follow with optimizer_step() for an update.
   /// @throws brigade::Error{InvalidArgument} if transports.size() differs from the plan's ranks
-  ///         or transports[r].rank() != r; as compute_gradients(batches)
+  ///         or transports[r].rank() != r, or for an engine with TrainingOptions::tp > 1 (it runs
+  ///         its pipelines over its own fabrics); as compute_gradients(batches)
   template <transport::Transport T>
   StepResult compute_gradients(std::span<T> transports,
                                std::span<const data::PackedBatch> batches) {
@@ -451,7 +471,7 @@ class TrainingEngine {
   template <transport::Transport T>
   StepResult compute_gradients(std::span<T> transports, const plan::Plan& step,
                                std::span<const data::PackedBatch> batches) {
-    const StepSetup s = begin_step(step, batches, transports.size());
+    const StepSetup s = begin_step(step, batches, transports.size(), true);
     for (std::size_t r = 0; r < transports.size(); ++r)
       BRIGADE_CHECK(transports[r].rank() == static_cast<int>(r), Errc::InvalidArgument,
                     "TrainingEngine: transports[{}] is rank {}, expected rank {}", r,
@@ -504,19 +524,22 @@ class TrainingEngine {
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   }
-  /// Mean cross-entropy of `batches` under the current parameters (forward only, no gradients).
+  /// Mean cross-entropy of `batches` under the current parameters (forward only, no gradients;
+  /// with TP one thread per TP rank).
   /// @throws brigade::Error{InvalidArgument} if batches is empty
   double evaluate(std::span<const data::PackedBatch> batches);
 
-  /// Every parameter's gradient by name (the tied embedding once), after compute_gradients().
+  /// Every parameter's gradient by name (the tied embedding once), after compute_gradients();
+  /// whole tensors (with TP: the shards assembled).
   [[nodiscard]] std::map<std::string, std::vector<float>> gradients() const;
-  /// Calls f on every gradient buffer in place (float32, a parameter's size), after
-  /// compute_gradients() and before optimizer_step(): stage by stage in virtual-stage order,
-  /// each stage's parameters in its order, a tied embedding on both stages that hold it. The
-  /// order is the same for every engine of the same plan, so data-parallel replicas
-  /// (engine::DataParallelTrainer) all-reduce them buffer by buffer.
+  /// Calls f on every gradient buffer in place (float32, a parameter's size; with TP a shard's),
+  /// after compute_gradients() and before optimizer_step(): TP rank by TP rank, stage by stage in
+  /// virtual-stage order, each stage's parameters in its order, a tied embedding on both stages
+  /// that hold it. The order is the same for every engine of the same plan, so data-parallel
+  /// replicas (engine::DataParallelTrainer) all-reduce them buffer by buffer.
   void for_each_gradient(const std::function<void(std::span<float>)>& f);
-  /// The current parameters as a model (owned storage), for saving or generating.
+  /// The current parameters as a model (owned storage; with TP the shards assembled), for saving
+  /// or generating.
   [[nodiscard]] model::LlamaWeights export_weights() const;
 
   /// Writes `dir/model.bin` (llama2.c format, loadable by `brigade generate`) and
@@ -546,14 +569,18 @@ class TrainingEngine {
     DType pipeline_dtype = DType::F32;
   };
   /// Checks `step` against the engine's partition, the batches (and that `ranks` transports
-  /// match the plan), zeroes the gradients.
+  /// match the plan; `caller_transports`: the caller's, which a TP engine refuses), zeroes the
+  /// gradients. StepSetup::stages are TP rank 0's.
   StepSetup begin_step(const plan::Plan& step, std::span<const data::PackedBatch> batches,
-                       std::size_t ranks);
-  /// The step's result from every rank's Timeline, peak and dropped micro-batches (agreed by
-  /// detail::decide_drops and applied by detail::apply_drops); sums the tied gradients.
+                       std::size_t ranks, bool caller_transports);
+  /// The step's result from every rank's Timeline (`ranks` rows; with TP the grid's), peak and
+  /// dropped micro-batches (agreed by detail::decide_drops and applied by detail::apply_drops);
+  /// sums the tied gradients.
   StepResult end_step(int ranks, std::chrono::steady_clock::time_point t0, std::span<const Timeline> tls,
                       std::vector<double> peaks, std::span<const data::PackedBatch> batches,
                       std::span<const MicrobatchDrops> drops);
+  /// compute_gradients(step, batches) of a TP engine: t x P threads over t fabrics.
+  StepResult compute_gradients_tp(const plan::Plan& step, std::span<const data::PackedBatch> batches);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -650,16 +677,37 @@ model::LlamaWeights weights_from_tensors(const model::LlamaConfig& config,
 std::string optimizer_file_header(std::int64_t steps, std::int64_t data_position,
                                   std::int64_t entries);
 
+/// One parameter of a virtual stage, whole: its TP shards assembled (runtime::place_shard),
+/// with its AdamW moments, for a checkpoint.
+struct WholeParam {
+  std::string name;           ///< ParamRef::name
+  std::vector<float> value;   ///< [full_size] the whole tensor
+  std::vector<float> m, v;    ///< [full_size] its first and second moments (empty: not gathered)
+};
+
+/// Every parameter of one virtual stage, whole, in params() order: `members[t]` is TP rank t's
+/// stage (one element without TP), `optimizers[t]` its AdamW (an empty span: values only).
+/// @throws brigade::Error{Internal} if the members' parameter lists differ
+std::vector<WholeParam> whole_params(std::span<runtime::TrainStageBase* const> members,
+                                     std::span<AdamW* const> optimizers);
+
+/// Adds every parameter's whole gradient of one virtual stage (members as whole_params) to
+/// `out` by name, a name already there kept (the tied embedding once).
+void add_whole_gradients(std::span<runtime::TrainStageBase* const> members,
+                         std::map<std::string, std::vector<float>>& out);
+
 /// Appends virtual stage `v`'s entries of optimizer.bin to `out`: per parameter, int32 stage,
 /// int32 name length, the name, int64 size, then its first and second moments (size floats
-/// each). The file is the header followed by the entries of v = 0, 1, ..., N - 1.
-/// @return the number of entries appended (stage.params().size())
-std::int64_t append_optimizer_entries(std::string& out, int v, runtime::TrainStageBase& stage,
-                                      AdamW& optimizer);
+/// each), whole tensors (a checkpoint of a tensor-parallel run holds the shards assembled, so it
+/// resumes at any TP degree). The file is the header followed by the entries of v = 0, 1, ...,
+/// N - 1.
+/// @return the number of entries appended (params.size())
+std::int64_t append_optimizer_entries(std::string& out, int v, std::span<const WholeParam> params);
 
 /// Reads `dir/optimizer.bin` into the stages that are here: `stages[v]` and `optimizers[v]`
 /// (both sized N, the split's virtual stages) are null for a stage held elsewhere, whose
-/// entries are skipped. Sets each present optimizer's step count.
+/// entries are skipped. A stage of a TP rank keeps its slice of each whole entry
+/// (runtime::take_shard). Sets each present optimizer's step count.
 /// @return {optimizer steps, data position}
 /// @throws brigade::Error{BadFile} if the file is missing, truncated, or was written for another
 ///         model or split

@@ -7,9 +7,12 @@
 #include "brigade/engine/distributed.hpp"
 #include "brigade/engine/training.hpp"
 #include "brigade/io/trace.hpp"
+#include "brigade/tp/tensor_parallel.hpp"
 
 #include <fmt/core.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -76,6 +79,18 @@ inline void decode_tensors(const std::string& bytes, std::map<std::string, std::
 }
 }  // namespace detail
 
+/// The collective groups a DistributedTrainer's rank belongs to beyond its pipeline (the DP x PP
+/// x TP grid of tp::Grid; tp::MpiGrid makes them over MPI): each must outlive the trainer.
+struct TrainingGroups {
+  /// The TP group of this rank's stages (the ranks of the same replica and pipeline rank), or
+  /// null: its size is the TP degree (TrainingOptions::tp must equal it), its rank this rank's
+  /// TP rank.
+  tp::Group* tp = nullptr;
+  /// The DP group (the ranks of the same pipeline rank and TP rank in every replica), or null:
+  /// gradients are all-reduced over it before every optimizer step.
+  tp::Group* dp = nullptr;
+};
+
 /// Trains a Llama split into pipeline stages, one rank per process (or thread): this rank's part
 /// of a TrainingEngine run. Every rank of the transport's world constructs one with the same
 /// weights and configuration (config.ranks == transport.world_size()) and makes the same
@@ -100,6 +115,22 @@ inline void decode_tensors(const std::string& bytes, std::map<std::string, std::
 /// `dir/optimizer.bin` (the folder must be visible to every process at the same path) and keep
 /// its own stages' entries.
 ///
+/// Tensor and data parallelism (TrainingGroups): with a TP group of t members the transport is
+/// one pipeline of the grid (the ranks of one replica and TP index) and this rank's stages are
+/// its TP rank's slices (runtime::TrainStage's split), their collectives over the group; the
+/// global norm sums every shard once and every replicated norm gain once (the per-stage squared
+/// sums all-gathered over the group and added in TP-rank order, TrainingEngine's order, so the
+/// norm is bitwise the in-process engine's). With a DP group of d replicas each replica runs its
+/// own micro-batches; after the backward the step's real targets, summed losses and skip flags
+/// are all-reduced over the group, every gradient is weighted by its replica's share of the
+/// targets and all-reduced (DataParallelTrainer's rule: every replica then holds the gradient of
+/// the mean loss over all replicas' targets, takes the same update, and the loss and tokens
+/// returned are the whole step's). gradients() are this rank's (its shards with TP).
+/// Checkpoints are written once: the TP shards of every stage are all-gathered over the TP
+/// group and assembled, replica 0's pipeline of TP rank 0 gathers them to its rank 0 (world rank
+/// 0), which writes both files (whole tensors, the in-process formats); every rank returns once
+/// they are written. load_optimizer_state keeps each TP rank's slice of the whole entries.
+///
 /// Failures: a rank that fails with an error other than PeerTimeout or Aborted calls
 /// `transport.abort(reason)` when the transport has one, so the others stop with Aborted; a rank
 /// that stops answering makes the others throw PeerTimeout naming it (MpiTransport) within about
@@ -116,12 +147,20 @@ class DistributedTrainer {
   /// @param fault test-only: rank `fault.rank` ends its process with std::_Exit(3) (after one line
   ///        on stderr) when its compute_gradients is called for the (after_steps + 1)-th time in
   ///        this process, i.e. after `after_steps` completed steps (and their checkpoints)
+  /// @param groups the rank's TP and DP groups (none: a pipeline alone)
   /// @throws brigade::Error{InvalidArgument} as TrainingEngine's constructor; if the plan's ranks
-  ///         differ from transport.world_size(); for a bad FaultInjection
+  ///         differ from transport.world_size(); for a bad FaultInjection; if options.tp differs
+  ///         from the TP group's size
   DistributedTrainer(T& transport, const model::LlamaWeights& init, plan::Plan plan,
-                     TrainingOptions options = {}, FaultInjection fault = {})
-      : tp_(&transport), config_(init.config), cfg_(options), fault_(fault), plan_(std::move(plan)) {
+                     TrainingOptions options = {}, FaultInjection fault = {},
+                     TrainingGroups groups = {})
+      : tp_(&transport), config_(init.config), cfg_(options), fault_(fault), plan_(std::move(plan)),
+        groups_(groups) {
     detail::check_training_plan(plan_, init.config, options);
+    const int tp_size = groups.tp != nullptr ? groups.tp->size() : 1;
+    BRIGADE_CHECK(options.tp == tp_size, Errc::InvalidArgument,
+                  "DistributedTrainer: TrainingOptions::tp = {} but the TP group has {} members",
+                  options.tp, tp_size);
     const int world = transport.world_size();
     const int ranks = plan_.shape().num_ranks;
     BRIGADE_CHECK(ranks == world, Errc::InvalidArgument,
@@ -140,7 +179,8 @@ class DistributedTrainer {
     for (int v = 0; v < N; ++v) {
       if (plan_.partition().stage(v).rank != rank()) continue;
       const auto i = static_cast<std::size_t>(v);
-      stages_[i] = runtime::make_train_stage(options.stages, init, plan_.partition().stage(v), v);
+      stages_[i] = runtime::make_train_stage(options.stages, init, plan_.partition().stage(v), v,
+                                             groups.tp);
       optimizers_[i] = detail::make_stage_optimizer(*stages_[i], options.optimizer);
     }
   }
@@ -148,13 +188,16 @@ class DistributedTrainer {
   /// Runs training_plan(init.config, config) with config's options (see the Plan overload).
   /// @throws brigade::Error{InvalidArgument} as training_plan() and the Plan overload
   DistributedTrainer(T& transport, const model::LlamaWeights& init, const TrainingConfig& config,
-                     FaultInjection fault = {})
-      : DistributedTrainer(transport, init, training_plan(init.config, config), config, fault) {}
+                     FaultInjection fault = {}, TrainingGroups groups = {})
+      : DistributedTrainer(transport, init, training_plan(init.config, config), config, fault,
+                           groups) {}
 
   /// Forward and backward of every micro-batch by the schedule (collective). Gradients of the
-  /// mean loss are left in this rank's stages, the tied copies summed across ranks.
-  /// @return loss and tokens of the whole step on every rank; the Timeline of every rank on
-  ///         rank 0 (gathered), of this rank only elsewhere; seconds = this rank's wall time
+  /// mean loss are left in this rank's stages, the tied copies summed across ranks (with a DP
+  /// group: over every replica's micro-batches, each replica passing its own `batches`).
+  /// @return loss and tokens of the whole step on every rank (with DP: of every replica); the
+  ///         Timeline of every rank of the pipeline on its rank 0 (gathered), of this rank only
+  ///         elsewhere; seconds = this rank's wall time
   /// @throws brigade::Error{InvalidArgument} as TrainingEngine::compute_gradients; any error of
   ///         the stages or the transport (PeerTimeout naming the rank that stopped answering,
   ///         Aborted, HeaderMismatch, Mpi)
@@ -224,6 +267,7 @@ class DistributedTrainer {
         return detail::kept_task_loss(*stages_.back(), batches, decision.dropped);
       });
       sum_tied_gradients();
+      if (groups_.dp != nullptr) reduce_replicas(res, loss);
       return res;
     });
   }
@@ -242,6 +286,17 @@ class DistributedTrainer {
       mine.push_back(0.0);
       if (tied_across_stages() && holds(N - 1))
         mine[static_cast<std::size_t>(N)] = detail::tied_square_sum(*stages_.back());
+      if (groups_.tp != nullptr) {
+        // Each stage's TP ranks' sums, added in TP-rank order (TrainingEngine's order).
+        const auto n = mine.size();
+        std::vector<double> every(n * static_cast<std::size_t>(groups_.tp->size()));
+        groups_.tp->all_gather(std::span<const double>(mine), std::span<double>(every));
+        for (std::size_t i = 0; i < n; ++i) {
+          double sum = 0.0;
+          for (int t = 0; t < groups_.tp->size(); ++t) sum += every[static_cast<std::size_t>(t) * n + i];
+          mine[i] = sum;
+        }
+      }
       const auto all = all_gather(mine);
       std::vector<double> per_stage(static_cast<std::size_t>(N));
       for (int v = 0; v < N; ++v)
@@ -313,7 +368,8 @@ class DistributedTrainer {
     });
   }
 
-  /// This rank's parameters' gradients by name (after compute_gradients()).
+  /// This rank's parameters' gradients by name (after compute_gradients(); with TP its shards,
+  /// runtime::ParamRef describes each).
   [[nodiscard]] std::map<std::string, std::vector<float>> gradients() const {
     std::map<std::string, std::vector<float>> out;
     for (auto& s : stages_)
@@ -333,51 +389,71 @@ class DistributedTrainer {
       const int N = plan_.shape().num_virtual_stages;
       const int me = rank();
       const auto deadline = [&] { return transport::Deadline::after(cfg_.timeout_s); };
-      if (me != 0) {
+      // Every held stage whole (with TP: its shards gathered over the TP group, in v order on
+      // every member).
+      std::vector<std::vector<detail::WholeParam>> whole(static_cast<std::size_t>(N));
+      for (int v = 0; v < N; ++v)
+        if (holds(v)) whole[static_cast<std::size_t>(v)] = whole_stage(v);
+      const auto tensors_of = [](std::vector<detail::WholeParam>& ps) {
+        std::map<std::string, std::vector<float>> t;
+        for (auto& p : ps) t[p.name] = p.value;
+        return t;
+      };
+      // Replica 0's pipeline of TP rank 0 gathers to its rank 0 (world rank 0), which writes.
+      const bool writes = (groups_.tp == nullptr || groups_.tp->rank() == 0) &&
+                          (groups_.dp == nullptr || groups_.dp->rank() == 0);
+      if (writes && me != 0) {
         for (int v = 0; v < N; ++v) {
           if (!holds(v)) continue;
-          std::map<std::string, std::vector<float>> t;
-          stage(v).export_to(t);
-          send_blob(0, detail::encode_tensors(t), transport::MessageKind::Weights);
+          auto& w = whole[static_cast<std::size_t>(v)];
+          send_blob(0, detail::encode_tensors(tensors_of(w)), transport::MessageKind::Weights);
           std::string entries;
-          detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
+          detail::append_optimizer_entries(entries, v, w);
           send_blob(0, entries, transport::MessageKind::Weights);
         }
         auto r = tp_->irecv(0, detail::kTagCheckpointDone, bytes_header(0), {});
         tp_->wait(r, deadline());
-        return 0;
-      }
-      std::vector<std::map<std::string, std::vector<float>>> tensors(static_cast<std::size_t>(N));
-      std::string entries;
-      std::int64_t count = 0;
-      for (int v = 0; v < N; ++v) {
-        const int from = plan_.shape().rank_of(v);
-        auto& t = tensors[static_cast<std::size_t>(v)];
-        if (from == 0) {
-          stage(v).export_to(t);
-          count += detail::append_optimizer_entries(entries, v, stage(v), optimizer(v));
-          continue;
+      } else if (writes) {
+        std::vector<std::map<std::string, std::vector<float>>> tensors(static_cast<std::size_t>(N));
+        std::string entries;
+        std::int64_t count = 0;
+        for (int v = 0; v < N; ++v) {
+          const int from = plan_.shape().rank_of(v);
+          auto& t = tensors[static_cast<std::size_t>(v)];
+          if (from == 0) {
+            auto& w = whole[static_cast<std::size_t>(v)];
+            t = tensors_of(w);
+            count += detail::append_optimizer_entries(entries, v, w);
+            continue;
+          }
+          detail::decode_tensors(recv_blob(from, transport::MessageKind::Weights), t);
+          const std::string e = recv_blob(from, transport::MessageKind::Weights);
+          count += static_cast<std::int64_t>(stage_param_count(e));
+          entries += e;
         }
-        detail::decode_tensors(recv_blob(from, transport::MessageKind::Weights), t);
-        const std::string e = recv_blob(from, transport::MessageKind::Weights);
-        count += static_cast<std::int64_t>(stage_param_count(e));
-        entries += e;
+        // Stage 0's embedding wins (written last), as in TrainingEngine::export_weights.
+        std::map<std::string, std::vector<float>> all;
+        for (int v = N - 1; v >= 0; --v)
+          for (auto& [name, vals] : tensors[static_cast<std::size_t>(v)]) all[name] = std::move(vals);
+        std::error_code ec;
+        std::filesystem::create_directories(dir, ec);
+        BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}",
+                      dir.string(), ec.message());
+        model::save_llama2c_checkpoint(dir / "model.bin", detail::weights_from_tensors(config_, all));
+        io::write_file_atomic(dir / "optimizer.bin",
+                              detail::optimizer_file_header(steps_, data_position, count) + entries);
+        std::vector<transport::Request> done;
+        for (int r = 1; r < plan_.shape().num_ranks; ++r)
+          done.push_back(tp_->isend(r, detail::kTagCheckpointDone, bytes_header(0), {}));
+        for (auto& r : done) tp_->wait(r, deadline());
       }
-      // Stage 0's embedding wins (written last), as in TrainingEngine::export_weights.
-      std::map<std::string, std::vector<float>> all;
-      for (int v = N - 1; v >= 0; --v)
-        for (auto& [name, vals] : tensors[static_cast<std::size_t>(v)]) all[name] = std::move(vals);
-      std::error_code ec;
-      std::filesystem::create_directories(dir, ec);
-      BRIGADE_CHECK(!ec, Errc::BadFile, "{}: cannot create the checkpoint folder: {}",
-                    dir.string(), ec.message());
-      model::save_llama2c_checkpoint(dir / "model.bin", detail::weights_from_tensors(config_, all));
-      io::write_file_atomic(dir / "optimizer.bin",
-                            detail::optimizer_file_header(steps_, data_position, count) + entries);
-      std::vector<transport::Request> done;
-      for (int r = 1; r < plan_.shape().num_ranks; ++r)
-        done.push_back(tp_->isend(r, detail::kTagCheckpointDone, bytes_header(0), {}));
-      for (auto& r : done) tp_->wait(r, deadline());
+      // Every rank returns once the files are written: the writing pipeline's ranks join their
+      // TP groups, then every rank its DP group.
+      for (tp::Group* g : {groups_.tp, groups_.dp})
+        if (g != nullptr) {
+          std::vector<double> one{1.0};
+          g->all_reduce(std::span<double>(one));
+        }
       return 0;
     });
   }
@@ -427,6 +503,96 @@ class DistributedTrainer {
     for (auto& s : stages_) p.push_back(s.get());
     return p;
   }
+  /// Virtual stage v's parameters whole with their AdamW moments: its own without TP, else each
+  /// shard all-gathered over the TP group (values and moments in one call per parameter) and
+  /// assembled (runtime::place_shard). Collective over the TP group.
+  std::vector<detail::WholeParam> whole_stage(int v) {
+    std::array<runtime::TrainStageBase*, 1> st{&stage(v)};
+    std::array<AdamW*, 1> opt{&optimizer(v)};
+    if (groups_.tp == nullptr) return detail::whole_params(st, opt);
+    const auto params = stage(v).params();
+    const auto state = optimizer(v).state();
+    const std::size_t K = params.size();
+    const int members = groups_.tp->size();
+    std::vector<detail::WholeParam> out(K);
+    for (std::size_t k = 0; k < K; ++k) {
+      const auto& p = params[k];
+      const auto n = static_cast<std::size_t>(p.size);
+      std::vector<float> mine(3 * n), every(3 * n * static_cast<std::size_t>(members));
+      std::copy_n(p.value, n, mine.begin());
+      std::copy_n(state[k].data(), n, mine.begin() + static_cast<std::ptrdiff_t>(n));
+      std::copy_n(state[K + k].data(), n, mine.begin() + static_cast<std::ptrdiff_t>(2 * n));
+      groups_.tp->all_gather(std::span<const float>(mine), std::span<float>(every));
+      auto& w = out[k];
+      w.name = p.name;
+      const auto full = static_cast<std::size_t>(p.full_size());
+      w.value.resize(full);
+      w.m.resize(full);
+      w.v.resize(full);
+      for (int t = 0; t < members; ++t) {
+        const float* at = every.data() + static_cast<std::size_t>(t) * 3 * n;
+        runtime::place_shard(p, t, at, w.value.data());
+        runtime::place_shard(p, t, at + n, w.m.data());
+        runtime::place_shard(p, t, at + 2 * n, w.v.data());
+      }
+    }
+    return out;
+  }
+
+  /// Data parallelism (TrainingGroups::dp): the step's real targets, summed loss, per-task
+  /// losses and skip flags over every replica; then every gradient of this rank weighted by the
+  /// replica's share of the targets and all-reduced (DataParallelTrainer's rule).
+  void reduce_replicas(StepResult& res, const cpu::CrossEntropyLoss& loss) {
+    tp::Group& dp = *groups_.dp;
+    // Every replica's (targets, mean loss, skipped), combined in replica order as
+    // DataParallelTrainer does (the same bits as the threads).
+    const std::vector<double> mine{static_cast<double>(loss.count), loss.mean(),
+                                   res.update_skipped ? 1.0 : 0.0};
+    std::vector<double> every(3 * static_cast<std::size_t>(dp.size()));
+    dp.all_gather(std::span<const double>(mine), std::span<double>(every));
+    double total = every[0], skipped = 0.0;
+    for (int r = 1; r < dp.size(); ++r) total += every[3 * static_cast<std::size_t>(r)];
+    double mean = 0.0;
+    for (int r = 0; r < dp.size(); ++r) {
+      const auto at = 3 * static_cast<std::size_t>(r);
+      mean += every[at + 1] * (every[at] / total);
+      skipped += every[at + 2];
+    }
+    // Per task: the replicas' task counts may differ (the largest task id each saw).
+    std::vector<double> sizes(static_cast<std::size_t>(dp.size()));
+    const double mine_size = static_cast<double>(res.task_loss.size());
+    dp.all_gather(std::span<const double>(&mine_size, 1), std::span<double>(sizes));
+    const auto tasks = static_cast<std::size_t>(*std::max_element(sizes.begin(), sizes.end()));
+    if (tasks > 0) {
+      std::vector<double> per(2 * tasks, 0.0);
+      for (std::size_t t = 0; t < res.task_loss.size(); ++t) {
+        per[2 * t] = res.task_loss[t].sum;
+        per[2 * t + 1] = static_cast<double>(res.task_loss[t].count);
+      }
+      dp.all_reduce(std::span<double>(per));
+      res.task_loss.assign(tasks, {});
+      for (std::size_t t = 0; t < tasks; ++t)
+        res.task_loss[t] = {per[2 * t], static_cast<std::int64_t>(per[2 * t + 1])};
+    }
+    const double share = static_cast<double>(loss.count) / total;
+    res.tokens = static_cast<std::int64_t>(total);
+    res.loss = mean;
+    if (skipped > 0.0) {  // a replica skips its update: every replica does
+      skip_update_ = true;
+      res.update_skipped = true;
+      return;
+    }
+    const auto w = static_cast<float>(share);
+    for (auto& st : stages_) {
+      if (!st) continue;
+      for (auto& p : st->params()) {
+        std::span<float> g(p.grad, static_cast<std::size_t>(p.size));
+        for (float& x : g) x *= w;
+        dp.all_reduce(g);
+      }
+    }
+  }
+
   /// Entries in an append_optimizer_entries blob.
   static std::size_t stage_param_count(const std::string& e) {
     std::size_t pos = 0, n = 0;
@@ -621,6 +787,7 @@ class DistributedTrainer {
   TrainingOptions cfg_;
   FaultInjection fault_;
   plan::Plan plan_;
+  TrainingGroups groups_;
   std::vector<std::unique_ptr<runtime::TrainStageBase>> stages_;  // by virtual stage; null elsewhere
   std::vector<std::unique_ptr<AdamW>> optimizers_;            // by virtual stage; null elsewhere
   std::int64_t steps_ = 0;

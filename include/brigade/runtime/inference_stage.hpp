@@ -422,13 +422,7 @@ InferenceStage<B>::InferenceStage(const model::LlamaWeights& weights, partition:
                   range.first, range.last, tp->size());
     tp_ = tp;
     shard_ = tp::shard_of(c, tp->rank(), tp->size());
-    split_.n_heads = shard_.n_heads;
-    split_.n_kv_heads = shard_.n_kv_heads;
-    split_.hidden = shard_.hidden;
-    split_.adds_residual = shard_.rank == 0;
-    split_.all_reduce = [g = tp_](float* data, std::int64_t n) {
-      g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
-    };
+    split_ = tp::decoder_split(shard_, *tp_);
     kv_dim_ = std::int64_t{shard_.n_kv_heads} * c.head_size();
   }
   const bool split = tp_ != nullptr;
@@ -752,14 +746,7 @@ template <backend::Backend B>
 void InferenceStage<B>::embed_vocab_parallel(const Microbatch& mb, float* x) {
   const auto& c = weights_->config;
   const auto tokens = static_cast<std::int64_t>(mb.token_ids.size());
-  tp_ids_.clear();
-  tp_rows_.clear();
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int64_t id = mb.token_ids[static_cast<std::size_t>(t)] - shard_.vocab0;
-    if (id < 0 || id >= shard_.vocab) continue;
-    tp_ids_.push_back(static_cast<std::int32_t>(id));
-    tp_rows_.push_back(t);
-  }
+  tp::ids_in_shard(mb.token_ids, shard_, tp_ids_, tp_rows_);
   const auto n = static_cast<std::int64_t>(tp_ids_.size());
   tp_gather_.resize(static_cast<std::size_t>(n * c.dim));
   b_.embedding(embedding_, tp_ids_.data(), tp_gather_.data(), n, c.dim);

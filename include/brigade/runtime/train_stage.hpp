@@ -4,11 +4,13 @@
 
 #include "brigade/backend/backend.hpp"
 #include "brigade/backend/cpu_backend.hpp"
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/finite.hpp"
 #include "brigade/data/corpus.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/tp/tensor_parallel.hpp"
 
 #include <algorithm>
 #include <array>
@@ -26,15 +28,82 @@
 namespace brigade::runtime {
 inline namespace v0 {
 
+/// How a parameter of a stage is split over the stage's tensor-parallel group (Megatron-LM,
+/// Shoeybi et al. 2019, §3; brigade/tp/tensor_parallel.hpp has the split). Every slice is one
+/// contiguous block, the same size on every rank, rank r's at offset r (rows or columns).
+enum class ParamSplit : std::uint8_t {
+  Whole,    ///< the whole tensor on every rank (norm gains; everything without TP)
+  Rows,     ///< rows [r rows, (r + 1) rows) of a [shards x rows, cols] tensor (Wq, Wk, Wv, W1,
+            ///< W3 by heads and MLP rows; the embedding and the classifier by vocabulary rows)
+  Columns,  ///< columns [r cols, (r + 1) cols) of every row of a [rows, shards x cols] tensor
+            ///< (Wo by heads, W2 by MLP rows)
+};
+
 /// A named parameter tensor of a stage with its gradient, for optimizers and checkpoints.
 struct ParamRef {
   /// "tok_embeddings", "layers.D.{attention_norm,wq,wk,wv,wo,ffn_norm,w1,w2,w3}", "norm", "output"
   std::string name;
-  float* value = nullptr;      ///< [size] the stage's copy of the parameter
+  float* value = nullptr;      ///< [size] the stage's copy of the parameter (its shard)
   float* grad = nullptr;       ///< [size] its gradient, accumulated over micro-batches
   std::int64_t size = 0;
   bool decay = true;           ///< a matrix (weight decay applies), false for norm gains
+  ParamSplit split = ParamSplit::Whole;  ///< how the tensor is split over the TP group
+  std::int64_t rows = 1;       ///< rows of the slice held here (rows x cols = size; a gain: 1)
+  std::int64_t cols = 0;       ///< columns of the slice held here
+  int shard = 0;               ///< this stage's TP rank
+  int shards = 1;              ///< the TP degree
+  /// Rows of the whole tensor.
+  [[nodiscard]] std::int64_t full_rows() const noexcept {
+    return split == ParamSplit::Rows ? rows * shards : rows;
+  }
+  /// Columns of the whole tensor.
+  [[nodiscard]] std::int64_t full_cols() const noexcept {
+    return split == ParamSplit::Columns ? cols * shards : cols;
+  }
+  /// Elements of the whole tensor (size for a Whole one).
+  [[nodiscard]] std::int64_t full_size() const noexcept { return full_rows() * full_cols(); }
+  /// True for a whole tensor held by every rank of a TP group of more than one (the norm gains):
+  /// its gradient is the same on every rank, so the global norm counts it on rank 0 only.
+  [[nodiscard]] bool replicated() const noexcept {
+    return split == ParamSplit::Whole && shards > 1;
+  }
 };
+
+/// Copies rank `shard`'s slice of a whole tensor: out ([p.size]) = the slice of `full`
+/// ([p.full_rows() x p.full_cols()], row-major) that rank holds under p's split.
+inline void take_shard(const ParamRef& p, int shard, const float* full, float* out) {
+  const auto r = static_cast<std::int64_t>(shard);
+  switch (p.split) {
+    case ParamSplit::Whole:
+      std::copy_n(full, p.size, out);
+      break;
+    case ParamSplit::Rows:
+      std::copy_n(full + r * p.rows * p.cols, p.size, out);
+      break;
+    case ParamSplit::Columns:
+      for (std::int64_t i = 0; i < p.rows; ++i)
+        std::copy_n(full + i * p.full_cols() + r * p.cols, p.cols, out + i * p.cols);
+      break;
+  }
+}
+
+/// The inverse of take_shard: writes rank `shard`'s slice `in` ([p.size]) into its place in
+/// `full` ([p.full_rows() x p.full_cols()]). Called for every rank, it assembles the tensor.
+inline void place_shard(const ParamRef& p, int shard, const float* in, float* full) {
+  const auto r = static_cast<std::int64_t>(shard);
+  switch (p.split) {
+    case ParamSplit::Whole:
+      std::copy_n(in, p.size, full);
+      break;
+    case ParamSplit::Rows:
+      std::copy_n(in, p.size, full + r * p.rows * p.cols);
+      break;
+    case ParamSplit::Columns:
+      for (std::int64_t i = 0; i < p.rows; ++i)
+        std::copy_n(in + i * p.cols, p.cols, full + i * p.full_cols() + r * p.cols);
+      break;
+  }
+}
 
 /// What the training engines and the executor call on a stage, whatever its backend: the type
 /// erasure at the edge where the engines hold their stages (runtime::TrainStage<B> is the one
@@ -102,15 +171,39 @@ class TrainStageBase {
 /// TrainStage<cpu::CpuBackend> (the default, the one the training engines run unless given a
 /// TrainStageFactory) is compiled once, in the library; TrainStage<cuda::CudaBackend> is
 /// instantiated by its users (they link brigade::cuda and brigade::brigade).
+///
+/// Tensor parallelism (a `tp` group of t > 1 members; Megatron-LM, Shoeybi et al. 2019, §3):
+/// the stage is member tp->rank()'s share of the layers (tp::shard_of): Wq, Wk, Wv, W1, W3 by
+/// rows and Wo, W2 by columns of its query heads, KV heads and MLP rows (ParamSplit), the
+/// embedding and the classifier by vocabulary rows, the norm gains whole. Forward: two
+/// all-reduces per decoder (after Wo and after W2), one after the vocabulary-parallel embedding
+/// (each id's row comes from the one rank that holds it, zeros elsewhere); the head computes its
+/// vocabulary shard of the logits and the vocabulary-parallel cross-entropy
+/// (cpu::vocab_parallel_cross_entropy: all-reduces of the row maxima, of the sums of exps and
+/// of the target logits, no rank gathers the logits). Backward: the input gradient of every
+/// column-parallel block (Wq/Wk/Wv, W1/W3, the classifier) is all-reduced before the replicated
+/// RMSNorm's backward (Megatron's f operator), the embedding's BW scatters into the rows its
+/// shard holds. The residual stream, the stage's input and output and its input gradient are
+/// whole and equal on every member; every weight gradient is local (params() describes each
+/// slice), the norm gains' are equal on every member. Every member of the group runs the same
+/// calls in the same order (the collectives pair by order), and the group must outlive the
+/// stage. Host-memory backends only (cpu::CpuBackend); training refuses a KV head replicated
+/// over ranks (tp::check_tensor_parallel_training).
 template <backend::TrainingBackend B = cpu::CpuBackend>
 class TrainStage final : public TrainStageBase {
  public:
-  /// Copies the parameters of its layers out of `init` (the float32 master weights).
+  /// Copies the parameters of its layers out of `init` (the float32 master weights; with a TP
+  /// group, this member's slices of them).
   /// @param backend the backend the layers run on (the stage owns it)
+  /// @param tp      the stage's tensor-parallel group (null or of size 1: the whole layers)
   /// @throws brigade::Error{InvalidArgument} if the range splits the final norm, LM head and
   ///         loss across stages, or lies outside the model; if a matrix of `init` is not F32
-  ///         (model::require_f32 names it: F16/BF16/Q8_0 models are for inference only)
-  TrainStage(const model::LlamaWeights& init, partition::StageRange range, B backend = B{});
+  ///         (model::require_f32 names it: F16/BF16/Q8_0 models are for inference only); a TP
+  ///         degree the model does not divide (tp::check_tensor_parallel_training: heads, KV
+  ///         heads, hidden_dim, vocabulary), or a TP group on a backend whose memory is not the
+  ///         host's or whose training passes take no split
+  TrainStage(const model::LlamaWeights& init, partition::StageRange range, B backend = B{},
+             tp::Group* tp = nullptr);
 
   /// Forward of micro-batch `mb`. Input: `batch.inputs` when the stage holds the embedding, else
   /// `x_in` ([rows x dim]). Output: [rows x dim] activations (output()), or, on the tail stage,
@@ -178,8 +271,9 @@ class TrainStage final : public TrainStageBase {
   /// The stage's parameters with their gradients, in ModelSpec order. The token embedding is
   /// "tok_embeddings"; on the tail stage with a shared classifier the classifier is also named
   /// "tok_embeddings" (the engine sums the two gradients; both copies get the same update).
+  /// With a TP group each is this member's slice (ParamRef::split, shard, shards).
   [[nodiscard]] std::vector<ParamRef> params() override;
-  /// Copies this stage's parameters into `out`, keyed by ParamRef::name.
+  /// Copies this stage's parameters (with TP: its slices) into `out`, keyed by ParamRef::name.
   void export_to(std::map<std::string, std::vector<float>>& out) const override;
   /// Bytes this stage holds for its micro-batches right now (all of them): the capacities of
   /// their stashes (B::DecoderActivations, B::HeadActivations, the input kept for a
@@ -217,6 +311,34 @@ class TrainStage final : public TrainStageBase {
     typename B::Buffer dev;
     std::size_t bytes = 0;
   };
+  /// Whether B's training passes take a TP split (cpu::CpuBackend's do).
+  static constexpr bool kSplit =
+      B::host_memory &&
+      requires(B& be, const model::LlamaConfig& c, const model::DecoderWeights& w, const float* cx,
+               float* x, std::int64_t n, std::span<const std::int64_t> off,
+               typename B::DecoderActivations& a, typename B::HeadActivations& h,
+               const backend::DecoderGradTensors& g, typename B::TrainScratch* sc,
+               const std::int32_t* ids, double d, double* rl, const backend::DecoderSplit* s,
+               const backend::VocabSplit* vs) {
+        be.decoder_train_forward(c, w, cx, x, n, off, a, sc, s);
+        be.decoder_backward_input(c, w, a, cx, x, sc, s);
+        be.decoder_backward_weight(c, a, g, s);
+        be.head_forward_backward_input(c, cx, cx, cx, ids, n, x, h, d, rl, vs);
+        be.head_backward_weight(c, h, x, x, vs);
+      };
+  /// The nine tensors of a decoder here (kDecoderNames' order): split, rows, columns.
+  struct TensorShape {
+    ParamSplit split;
+    std::int64_t rows, cols;
+  };
+  [[nodiscard]] std::array<TensorShape, 9> decoder_shapes() const;
+  /// A ParamRef of this stage's TP slice (shard_, split_) with its shape.
+  [[nodiscard]] ParamRef param(std::string name, float* value, float* grad, TensorShape shape,
+                               bool decay) const;
+  /// Vocabulary rows held here (the shard's with TP, else the vocabulary).
+  [[nodiscard]] std::int64_t vocab_rows() const noexcept {
+    return tp_ != nullptr ? shard_.vocab : config_.vocab_size;
+  }
   /// Where the kernels read `v`: v itself on a host backend; else a new mirror in `list` holding
   /// a copy of v (`upload`) or zeros.
   float* on_backend(std::vector<float>& v, std::vector<Mirror>& list, bool upload);
@@ -235,6 +357,14 @@ class TrainStage final : public TrainStageBase {
   B b_;
   model::LlamaConfig config_;
   partition::StageRange range_;
+  // Tensor parallelism (tp_ non-null with more than one member).
+  tp::Group* tp_ = nullptr;
+  tp::Shard shard_;              // whole (rank 0 of 1) without TP
+  backend::DecoderSplit split_;  // the decoders' share and the group's all-reduce
+  backend::VocabSplit vsplit_;   // the head's vocabulary shard and its all-reduces
+  std::vector<std::int32_t> tp_ids_;  // the embedding's ids in this shard (relative)
+  std::vector<std::int64_t> tp_rows_; // and their rows
+  std::vector<float> tp_rows_buf_;    // their looked-up rows, or their gradients
   int first_decoder_ = 0, num_decoders_ = 0;
   bool has_head_ = false;
   // Host: the master parameters and the gradients params() hands out.
@@ -289,12 +419,6 @@ inline void check_task_spans(const data::PackedBatch& b, int mb) {
   }
 }
 
-/// Elements of each of the nine tensors (kDecoderNames' order).
-inline std::array<std::int64_t, 9> decoder_sizes(const model::LlamaConfig& c) {
-  const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
-  return {d, d * d, kv * d, kv * d, d * d, d, h * d, d * h, h * d};
-}
-
 /// The nine float32 tensors of `w` (kDecoderNames' order).
 /// @throws brigade::Error{InvalidArgument} if a matrix is not F32
 inline std::array<const float*, 9> decoder_ptrs(const model::DecoderWeights& w) {
@@ -322,10 +446,52 @@ inline void check_stage_buffer(const std::vector<float>& x, std::int64_t rows,
 }  // namespace detail
 
 template <backend::TrainingBackend B>
+std::array<typename TrainStage<B>::TensorShape, 9> TrainStage<B>::decoder_shapes() const {
+  const std::int64_t d = config_.dim, hs = config_.head_size();
+  const std::int64_t q = std::int64_t{shard_.n_heads} * hs, kv = std::int64_t{shard_.n_kv_heads} * hs,
+                     h = shard_.hidden;
+  using S = ParamSplit;
+  return {{{S::Whole, 1, d}, {S::Rows, q, d}, {S::Rows, kv, d}, {S::Rows, kv, d},
+           {S::Columns, d, q}, {S::Whole, 1, d}, {S::Rows, h, d}, {S::Columns, d, h},
+           {S::Rows, h, d}}};
+}
+
+template <backend::TrainingBackend B>
+ParamRef TrainStage<B>::param(std::string name, float* value, float* grad, TensorShape shape,
+                              bool decay) const {
+  ParamRef p;
+  p.name = std::move(name);
+  p.value = value;
+  p.grad = grad;
+  p.size = shape.rows * shape.cols;
+  p.decay = decay;
+  p.split = shard_.size > 1 ? shape.split : ParamSplit::Whole;
+  p.rows = shape.rows;
+  p.cols = shape.cols;
+  p.shard = shard_.rank;
+  p.shards = shard_.size;
+  return p;
+}
+
+template <backend::TrainingBackend B>
 TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange range,
-                          B backend)
+                          B backend, tp::Group* tp)
     : b_(std::move(backend)), config_(init.config), range_(range) {
   model::require_f32(init, "TrainStage");  // the master weights are float32
+  if (tp != nullptr && tp->size() > 1) {
+    BRIGADE_CHECK(kSplit, Errc::InvalidArgument,
+                  "TrainStage [{}, {}): tensor parallelism (TP {}) runs on backends whose memory "
+                  "is the host's and whose training passes take a split (cpu::CpuBackend); this "
+                  "backend's do not",
+                  range.first, range.last, tp->size());
+    tp::check_tensor_parallel_training(config_, tp->size());
+    tp_ = tp;
+    shard_ = tp::shard_of(config_, tp->rank(), tp->size());
+    split_ = tp::decoder_split(shard_, *tp_);
+    vsplit_ = tp::vocab_split(shard_, *tp_);
+  } else {
+    shard_ = tp::shard_of(config_, 0, 1);
+  }
   const model::ModelSpec spec(config_);
   const int n = spec.num_layers();
   BRIGADE_CHECK(range.first >= 0 && range.first < range.last && range.last <= n,
@@ -340,23 +506,33 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
                 range.first, range.last, tail_first, n);
   has_head_ = any_tail;
   const auto d = static_cast<std::size_t>(config_.dim);
-  const auto vd = static_cast<std::size_t>(config_.vocab_size) * d;
+  const TensorShape vocab_shape{ParamSplit::Rows, vocab_rows(), config_.dim};
+  const auto vd = static_cast<std::size_t>(vocab_rows()) * d;
+  // A vocabulary-parallel table: this member's rows of the whole one.
+  const auto vocab_slice = [&](std::vector<float>& dst, const float* full) {
+    dst.resize(vd);
+    take_shard(param("", nullptr, nullptr, vocab_shape, true), shard_.rank, full, dst.data());
+  };
   if (has_embedding()) {
-    embedding_.assign(init.token_embedding.f32(), init.token_embedding.f32() + vd);
+    vocab_slice(embedding_, init.token_embedding.f32());
     d_embedding_.assign(vd, 0.0f);
   }
   first_decoder_ = std::max(0, range.first - 1);
   num_decoders_ = std::max(0, std::min(range.last, L + 1) - std::max(range.first, 1));
-  const auto sizes = detail::decoder_sizes(config_);
+  const auto shapes = decoder_shapes();
+  std::array<std::int64_t, 9> sizes{};
+  for (std::size_t t = 0; t < 9; ++t) sizes[t] = shapes[t].rows * shapes[t].cols;
   for (int i = 0; i < num_decoders_; ++i) {
     const auto& src = init.layers[static_cast<std::size_t>(first_decoder_ + i)];
     const auto ptrs = detail::decoder_ptrs(src);
-    std::vector<float> flat;  // exactly the nine tensors (no growth slack)
     std::int64_t total = 0;
     for (std::size_t t = 0; t < 9; ++t) total += sizes[t];
-    flat.reserve(static_cast<std::size_t>(total));
-    for (std::size_t t = 0; t < 9; ++t)
-      flat.insert(flat.end(), ptrs[t], ptrs[t] + sizes[t]);
+    std::vector<float> flat(static_cast<std::size_t>(total));  // exactly the nine tensors
+    float* at = flat.data();
+    for (std::size_t t = 0; t < 9; ++t) {
+      take_shard(param("", nullptr, nullptr, shapes[t], true), shard_.rank, ptrs[t], at);
+      at += sizes[t];
+    }
     decoder_params_.push_back(std::move(flat));
   }
   for (auto& flat : decoder_params_) {
@@ -385,7 +561,7 @@ TrainStage<B>::TrainStage(const model::LlamaWeights& init, partition::StageRange
     rms_final_.assign(init.rms_final, init.rms_final + d);
     d_rms_final_.assign(d, 0.0f);
     if (!(config_.shared_classifier && has_embedding())) {
-      wcls_.assign(init.wcls.f32(), init.wcls.f32() + vd);
+      vocab_slice(wcls_, init.wcls.f32());
       d_wcls_.assign(vd, 0.0f);
     }
   }
@@ -421,12 +597,12 @@ float* TrainStage<B>::on_backend(std::vector<float>& v, std::vector<Mirror>& lis
 
 template <backend::TrainingBackend B>
 backend::DecoderGradTensors TrainStage<B>::decoder_grads(int i) {
-  const auto sizes = detail::decoder_sizes(config_);
+  const auto shapes = decoder_shapes();
   backend::DecoderGradTensors g{};
   float* p = kg_decoders_[static_cast<std::size_t>(i)];
   for (std::size_t t = 0; t < 9; ++t) {
     g[t] = p;
-    p += sizes[t];
+    p += shapes[t].rows * shapes[t].cols;
   }
   return g;
 }
@@ -478,7 +654,21 @@ void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
       b_.upload(m.ids.data(), ids, bytes);
       ids = static_cast<const std::int32_t*>(m.ids.data());
     }
-    b_.embedding(model::WeightMatrix(k_embedding_), ids, x, rows, dim);
+    if (tp_ != nullptr) {
+      // Vocabulary-parallel: this shard's rows, zeros for the other ids, summed over the group
+      // (each row has one non-zero term: the looked-up row, exactly).
+      tp::ids_in_shard(b.inputs, shard_, tp_ids_, tp_rows_);
+      const auto k = static_cast<std::int64_t>(tp_ids_.size());
+      tp_rows_buf_.resize(static_cast<std::size_t>(k * dim));
+      b_.embedding(model::WeightMatrix(k_embedding_), tp_ids_.data(), tp_rows_buf_.data(), k, dim);
+      std::fill(x, x + rows * dim, 0.0f);
+      for (std::int64_t i = 0; i < k; ++i)
+        std::copy_n(tp_rows_buf_.data() + i * dim, dim,
+                    x + tp_rows_[static_cast<std::size_t>(i)] * dim);
+      tp_->all_reduce(std::span<float>(x, n));
+    } else {
+      b_.embedding(model::WeightMatrix(k_embedding_), ids, x, rows, dim);
+    }
   } else if constexpr (B::host_memory) {
     std::copy_n(x_in, rows * dim, x);
   } else {
@@ -486,8 +676,14 @@ void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
   }
   m.acts.resize(static_cast<std::size_t>(num_decoders_));
   for (int i = 0; i < num_decoders_; ++i) {
-    b_.decoder_train_forward(config_, decoders_[static_cast<std::size_t>(i)], x, x, rows,
-                             b.offsets, m.acts[static_cast<std::size_t>(i)], &scratch_);
+    const auto& w = decoders_[static_cast<std::size_t>(i)];
+    auto& acts = m.acts[static_cast<std::size_t>(i)];
+    if constexpr (kSplit) {
+      b_.decoder_train_forward(config_, w, x, x, rows, b.offsets, acts, &scratch_,
+                               tp_ != nullptr ? &split_ : nullptr);
+    } else {
+      b_.decoder_train_forward(config_, w, x, x, rows, b.offsets, acts, &scratch_);
+    }
     if constexpr (B::host_memory) {
       const int d = first_decoder_ + i;
       detail::check_stage_buffer(m.output, rows, dim, range_, mb,
@@ -522,8 +718,14 @@ void TrainStage<B>::run_forward(int mb, Micro& m, const float* x_in) {
         row_loss_.resize(static_cast<std::size_t>(rows));
         row_loss = row_loss_.data();
       }
-      m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
-                                              m.head, m.denominator, row_loss);
+      if constexpr (kSplit) {
+        m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
+                                                m.head, m.denominator, row_loss,
+                                                tp_ != nullptr ? &vsplit_ : nullptr);
+      } else {
+        m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
+                                                m.head, m.denominator, row_loss);
+      }
     } else {
       m.loss = b_.head_forward_backward_input(config_, k_rms_final_, wcls, x, targets, rows, x,
                                               m.head, m.denominator);
@@ -645,9 +847,15 @@ void TrainStage<B>::backward_input(int mb, const float* dy) {
       x = static_cast<float*>(m.rows.data());
     }
     m.output = {};
-    for (int i = num_decoders_ - 1; i >= 0; --i)
-      b_.decoder_backward_input(config_, decoders_[static_cast<std::size_t>(i)],
-                                m.acts[static_cast<std::size_t>(i)], x, x, &scratch_);
+    for (int i = num_decoders_ - 1; i >= 0; --i) {
+      const auto& w = decoders_[static_cast<std::size_t>(i)];
+      auto& acts = m.acts[static_cast<std::size_t>(i)];
+      if constexpr (kSplit)
+        b_.decoder_backward_input(config_, w, acts, x, x, &scratch_,
+                                  tp_ != nullptr ? &split_ : nullptr);
+      else
+        b_.decoder_backward_input(config_, w, acts, x, x, &scratch_);
+    }
     if constexpr (!B::host_memory) {
       g.resize(n);
       b_.download(g.data(), x, n * sizeof(float));
@@ -676,17 +884,40 @@ void TrainStage<B>::finish_backward_weight(int mb, bool accumulate) {
     BRIGADE_CHECK(m.bi_done, Errc::InvalidUsage,
                   "TrainStage [{}, {}): BW of micro-batch {} before its BI", range_.first,
                   range_.last, mb);
-    for (int i = 0; accumulate && i < num_decoders_; ++i)
-      b_.decoder_backward_weight(config_, m.acts[static_cast<std::size_t>(i)], decoder_grads(i));
+    for (int i = 0; accumulate && i < num_decoders_; ++i) {
+      auto& acts = m.acts[static_cast<std::size_t>(i)];
+      if constexpr (kSplit)
+        b_.decoder_backward_weight(config_, acts, decoder_grads(i),
+                                   tp_ != nullptr ? &split_ : nullptr);
+      else
+        b_.decoder_backward_weight(config_, acts, decoder_grads(i));
+    }
     if (accumulate && has_head_) {
       float* d_wcls = kg_wcls_ != nullptr ? kg_wcls_ : kg_embedding_;
-      b_.head_backward_weight(config_, m.head, kg_rms_final_, d_wcls);
+      if constexpr (kSplit)
+        b_.head_backward_weight(config_, m.head, kg_rms_final_, d_wcls,
+                                tp_ != nullptr ? &vsplit_ : nullptr);
+      else
+        b_.head_backward_weight(config_, m.head, kg_rms_final_, d_wcls);
     }
     if (accumulate && has_embedding()) {
-      if constexpr (B::host_memory)
-        b_.embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), kg_embedding_,
-                              m.batch->rows(), config_.dim, config_.vocab_size);
-      else
+      if constexpr (B::host_memory) {
+        if (tp_ != nullptr) {
+          // Vocabulary-parallel: each rank scatters the gradients of the ids its rows hold.
+          const std::int64_t dim = config_.dim;
+          tp::ids_in_shard(m.batch->inputs, shard_, tp_ids_, tp_rows_);
+          const auto k = static_cast<std::int64_t>(tp_ids_.size());
+          tp_rows_buf_.resize(static_cast<std::size_t>(k * dim));
+          for (std::int64_t i = 0; i < k; ++i)
+            std::copy_n(m.emb_dy.data() + tp_rows_[static_cast<std::size_t>(i)] * dim, dim,
+                        tp_rows_buf_.data() + i * dim);
+          b_.embedding_backward(tp_rows_buf_.data(), tp_ids_.data(), kg_embedding_, k, dim,
+                                shard_.vocab);
+        } else {
+          b_.embedding_backward(m.emb_dy.data(), m.batch->inputs.data(), kg_embedding_,
+                                m.batch->rows(), config_.dim, config_.vocab_size);
+        }
+      } else
         b_.embedding_backward(static_cast<const float*>(m.rows.data()),
                               static_cast<const std::int32_t*>(m.ids.data()), kg_embedding_,
                               m.batch->rows(), config_.dim, config_.vocab_size);
@@ -760,25 +991,27 @@ void TrainStage<B>::zero_grad() {
 template <backend::TrainingBackend B>
 std::vector<ParamRef> TrainStage<B>::params() {
   std::vector<ParamRef> out;
-  const auto vd = static_cast<std::int64_t>(config_.vocab_size) * config_.dim;
+  const TensorShape vocab_shape{ParamSplit::Rows, vocab_rows(), config_.dim};
   if (has_embedding())
-    out.push_back({"tok_embeddings", embedding_.data(), d_embedding_.data(), vd, true});
-  const auto sizes = detail::decoder_sizes(config_);
+    out.push_back(param("tok_embeddings", embedding_.data(), d_embedding_.data(), vocab_shape,
+                        true));
+  const auto shapes = decoder_shapes();
   for (int i = 0; i < num_decoders_; ++i) {
     float* p = decoder_params_[static_cast<std::size_t>(i)].data();
     float* g = d_decoders_[static_cast<std::size_t>(i)].data();
     for (std::size_t t = 0; t < 9; ++t) {
-      out.push_back({fmt::format("layers.{}.{}", first_decoder_ + i, detail::kDecoderNames[t]), p,
-                     g, sizes[t], t != 0 && t != 5});
-      p += sizes[t];
-      g += sizes[t];
+      out.push_back(param(fmt::format("layers.{}.{}", first_decoder_ + i, detail::kDecoderNames[t]),
+                          p, g, shapes[t], t != 0 && t != 5));
+      p += shapes[t].rows * shapes[t].cols;
+      g += shapes[t].rows * shapes[t].cols;
     }
   }
   if (has_head_) {
-    out.push_back({"norm", rms_final_.data(), d_rms_final_.data(), config_.dim, false});
+    out.push_back(param("norm", rms_final_.data(), d_rms_final_.data(),
+                        {ParamSplit::Whole, 1, config_.dim}, false));
     if (!wcls_.empty())
-      out.push_back({config_.shared_classifier ? "tok_embeddings" : "output", wcls_.data(),
-                     d_wcls_.data(), vd, true});
+      out.push_back(param(config_.shared_classifier ? "tok_embeddings" : "output", wcls_.data(),
+                          d_wcls_.data(), vocab_shape, true));
   }
   return out;
 }
@@ -818,11 +1051,13 @@ void TrainStage<B>::accounted(int mb, F&& f) {
 
 extern template class TrainStage<cpu::CpuBackend>;
 
-/// Makes virtual stage v's TrainStage of layers `range` from the float32 master weights `init`:
-/// how an engine puts its stages on a backend. The engines call it once per virtual stage they
-/// hold, on the constructing thread. An empty factory means TrainStage<cpu::CpuBackend>.
+/// Makes virtual stage v's TrainStage of layers `range` from the float32 master weights `init`,
+/// as member tp->rank() of the TP group `tp` (null without tensor parallelism; pass it to the
+/// TrainStage): how an engine puts its stages on a backend. The engines call it once per virtual
+/// stage (and TP rank) they hold, on the constructing thread. An empty factory means
+/// TrainStage<cpu::CpuBackend>.
 using TrainStageFactory = std::function<std::unique_ptr<TrainStageBase>(
-    const model::LlamaWeights& init, const partition::StageRange& range, int v)>;
+    const model::LlamaWeights& init, const partition::StageRange& range, int v, tp::Group* tp)>;
 
 /// A TrainStageFactory whose stage v runs on `make_backend(v)` (a backend::TrainingBackend, by
 /// value), e.g. `train_stages_on([](int v) { return cuda::CudaBackend({.device = v % gpus}); })`.
@@ -831,20 +1066,20 @@ template <class MakeBackend>
   requires backend::TrainingBackend<std::invoke_result_t<MakeBackend&, int>>
 TrainStageFactory train_stages_on(MakeBackend make_backend) {
   return [make_backend](const model::LlamaWeights& init, const partition::StageRange& range,
-                        int v) mutable -> std::unique_ptr<TrainStageBase> {
+                        int v, tp::Group* tp) mutable -> std::unique_ptr<TrainStageBase> {
     using B = std::invoke_result_t<MakeBackend&, int>;
-    return std::make_unique<TrainStage<B>>(init, range, make_backend(v));
+    return std::make_unique<TrainStage<B>>(init, range, make_backend(v), tp);
   };
 }
 
-/// factory(init, range, v), or a TrainStage<cpu::CpuBackend> when the factory is empty.
+/// factory(init, range, v, tp), or a TrainStage<cpu::CpuBackend> when the factory is empty.
 /// @throws brigade::Error as TrainStage's constructor, or what the factory throws
 inline std::unique_ptr<TrainStageBase> make_train_stage(const TrainStageFactory& factory,
                                                         const model::LlamaWeights& init,
-                                                        const partition::StageRange& range,
-                                                        int v) {
-  if (factory) return factory(init, range, v);
-  return std::make_unique<TrainStage<cpu::CpuBackend>>(init, range);
+                                                        const partition::StageRange& range, int v,
+                                                        tp::Group* tp = nullptr) {
+  if (factory) return factory(init, range, v, tp);
+  return std::make_unique<TrainStage<cpu::CpuBackend>>(init, range, cpu::CpuBackend{}, tp);
 }
 
 }  // namespace v0

@@ -24,6 +24,7 @@
 // - KV cache: each rank holds its KV heads only.
 #pragma once
 
+#include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weight_matrix.hpp"
@@ -57,6 +58,22 @@ inline void check_tensor_parallel(const model::LlamaConfig& config, int tp) {
   BRIGADE_CHECK(config.vocab_size % tp == 0, Errc::InvalidArgument,
                 "TP {}: the model's vocab_size {} is not divisible by the TP degree", tp,
                 config.vocab_size);
+}
+
+/// Checks that a TP degree can split `config` for training: check_tensor_parallel's rules, and
+/// n_kv_heads a multiple of tp (every rank holds its own KV heads). Inference replicates a KV
+/// head on tp / n_kv_heads ranks when tp > n_kv_heads; training refuses it, as Megatron-LM does
+/// (its attention asserts num_query_groups % tensor_model_parallel_size == 0): the gradient of a
+/// replicated Wk or Wv slice would be the sum over the ranks that share it.
+/// @throws brigade::Error{InvalidArgument} as check_tensor_parallel, or "TP 4: training needs the
+///         model's 2 KV heads divisible by the TP degree (a KV head replicated over TP ranks is
+///         for inference only)"
+inline void check_tensor_parallel_training(const model::LlamaConfig& config, int tp) {
+  check_tensor_parallel(config, tp);
+  BRIGADE_CHECK(config.n_kv_heads % tp == 0, Errc::InvalidArgument,
+                "TP {}: training needs the model's {} KV heads divisible by the TP degree (a KV "
+                "head replicated over TP ranks is for inference only)",
+                tp, config.n_kv_heads);
 }
 
 /// A rank grid of DP x PP x TP ranks, TP the fastest-varying (Megatron-LM's order: the ranks of
@@ -145,10 +162,19 @@ class Group {
   /// In place, every member's `data` becomes the elementwise sum over the members.
   /// @throws brigade::Error{PeerTimeout} when a member does not join in time; the model's errors
   virtual void all_reduce(std::span<float> data) = 0;
+  /// As the float overload, on doubles (a training step's token counts, losses and norms).
+  virtual void all_reduce(std::span<double> data) = 0;
+  /// In place, every member's `data` becomes the elementwise maximum over the members (the
+  /// vocabulary-parallel cross-entropy's row maxima).
+  /// @throws as all_reduce
+  virtual void all_reduce_max(std::span<float> data) = 0;
   /// `all` (size() x mine.size()) receives member r's `mine` at [r mine.size(), (r + 1)
   /// mine.size()).
   /// @throws brigade::Error{InvalidArgument} for sizes that disagree; as all_reduce
   virtual void all_gather(std::span<const float> mine, std::span<float> all) = 0;
+  /// As the float overload, on doubles (partial sums every member adds up in member order, so
+  /// that all of them get the same bits whatever the collective library's reduction order).
+  virtual void all_gather(std::span<const double> mine, std::span<double> all) = 0;
 };
 
 /// A Group over a transport::Collectives model `C` (InProcessCollectives, MpiCollectives), each
@@ -164,7 +190,16 @@ class GroupOver final : public Group {
   void all_reduce(std::span<float> data) override {
     c_->all_reduce(data, transport::ReduceOp::Sum, transport::Deadline::after(timeout_s_));
   }
+  void all_reduce(std::span<double> data) override {
+    c_->all_reduce(data, transport::ReduceOp::Sum, transport::Deadline::after(timeout_s_));
+  }
+  void all_reduce_max(std::span<float> data) override {
+    c_->all_reduce(data, transport::ReduceOp::Max, transport::Deadline::after(timeout_s_));
+  }
   void all_gather(std::span<const float> mine, std::span<float> all) override {
+    c_->all_gather(mine, all, transport::Deadline::after(timeout_s_));
+  }
+  void all_gather(std::span<const double> mine, std::span<double> all) override {
     c_->all_gather(mine, all, transport::Deadline::after(timeout_s_));
   }
 
@@ -172,6 +207,53 @@ class GroupOver final : public Group {
   C* c_;
   double timeout_s_;
 };
+
+/// The decoder layer's split of shard `s` over `group` (backend::decoder_layer_forward and the
+/// training kernels take it): its query heads, KV heads and MLP rows, the residual added on rank
+/// 0, and the group's all-reduce (host float32 buffers). The group must outlive the split.
+inline backend::DecoderSplit decoder_split(const Shard& s, Group& group) {
+  backend::DecoderSplit d;
+  d.n_heads = s.n_heads;
+  d.n_kv_heads = s.n_kv_heads;
+  d.hidden = s.hidden;
+  d.adds_residual = s.rank == 0;
+  d.all_reduce = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  return d;
+}
+
+/// The LM head's vocabulary split of shard `s` over `group` for training (its rows, the group's
+/// sum and max all-reduces). The group must outlive the split.
+inline backend::VocabSplit vocab_split(const Shard& s, Group& group) {
+  backend::VocabSplit v;
+  v.vocab0 = s.vocab0;
+  v.vocab = s.vocab;
+  v.all_reduce = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  v.all_reduce_max = [g = &group](float* data, std::int64_t n) {
+    g->all_reduce_max(std::span<float>(data, static_cast<std::size_t>(n)));
+  };
+  return v;
+}
+
+/// The tokens of `ids` whose rows a vocabulary-parallel shard holds (Megatron's
+/// VocabParallelEmbedding): `local` receives each such id minus s.vocab0 (in [0, s.vocab)),
+/// `rows` its index in `ids`, in order. The embedding's forward looks up `local` and writes
+/// rows `rows` (zeros elsewhere) before the group's all-reduce; its backward scatters the same
+/// rows' gradients into the shard.
+inline void ids_in_shard(std::span<const std::int32_t> ids, const Shard& s,
+                         std::vector<std::int32_t>& local, std::vector<std::int64_t>& rows) {
+  local.clear();
+  rows.clear();
+  for (std::size_t t = 0; t < ids.size(); ++t) {
+    const std::int64_t id = ids[t] - s.vocab0;
+    if (id < 0 || id >= s.vocab) continue;
+    local.push_back(static_cast<std::int32_t>(id));
+    rows.push_back(static_cast<std::int64_t>(t));
+  }
+}
 
 /// A decoder layer's weights sliced for one TP rank: the row slices (Wq, Wk, Wv, W1, W3) are
 /// views into the model's tensors (no copy: mapped weights stay mapped); the column slices (Wo's

@@ -206,6 +206,10 @@ class MpiCollectives {
   /// @throws brigade::Error{InvalidArgument} if this process is not in the list, the list is empty,
   ///         has a rank outside the world or a repeated rank; InvalidUsage; Error{Mpi}
   explicit MpiCollectives(std::span<const int> world_ranks);
+  /// A group of the ranks of the communicator `*native_comm` points to (an `MPI_Comm*`, e.g. one
+  /// of MPI_Comm_split; duplicated: collective over it), member r = its rank r.
+  /// @throws brigade::Error{InvalidArgument} if native_comm is null; InvalidUsage; Error{Mpi}
+  explicit MpiCollectives(const void* native_comm);
   /// Frees the communicator (unless a collective timed out). Never throws.
   ~MpiCollectives();
   MpiCollectives(const MpiCollectives&) = delete;
