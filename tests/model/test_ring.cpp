@@ -189,9 +189,14 @@ TEST_CASE("ring.offload: resident weights measured with mincore stay within two 
           // The prefetcher loads exactly a window (read-around is off); each tensor's range is
           // rounded out to whole pages at both ends (llama2.c stores each tensor kind for all
           // layers together, so a layer is 9 ranges): at most 2 pages per range over the bound.
+          // On a 1 MB model those shared pages are a third of a window, and how many of a
+          // released window's pages the page cache still holds when the peak is sampled depends
+          // on the kernel's timing (measured 0.55-0.85 of the model here under load, by mincore):
+          // the bound and "not the whole model" are what hold everywhere. The exact drop is
+          // checked without a background thread in "RELEASE drops a stage's pages".
           const double ranges = 9.0 * (5.0 / ranks) + 4;
           CHECK(got <= cap + 2 * ranges * page);
-          CHECK(got < 0.8 * model_bytes);
+          CHECK(got < model_bytes);
         } else {
           // Demand paging: each fault reads around it (read_ahead_kb, megabytes here), so on a
           // 1 MB model the neighbouring windows come in too; only the tokens are checked.
