@@ -239,11 +239,10 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
                                  detail::MicrobatchSource* book,
                                  std::chrono::steady_clock::time_point t0, bool weight_offload,
                                  DType pipeline_dtype, bool background_prefetch,
-                                 std::size_t migration_part_bytes,
-                                 std::function<void(const schedule::Action&, double)> on_compute)
+                                 std::size_t migration_part_bytes)
     : shape_(&shape), rank_(rank), stages_(stages), layout_(&layout), book_(book), t0_(t0),
       weight_offload_(weight_offload), pipeline_dtype_(pipeline_dtype),
-      part_bytes_(migration_part_bytes), on_compute_(std::move(on_compute)) {
+      part_bytes_(migration_part_bytes) {
   BRIGADE_CHECK(is_float_dtype(pipeline_dtype), Errc::InvalidArgument,
                 "InferenceWorker: pipeline dtype {}; expected f32, f16 or bf16",
                 to_string(pipeline_dtype));
@@ -261,6 +260,7 @@ InferenceWorker::InferenceWorker(const schedule::Shape& shape, int rank,
   // With offload every window is PREFETCHed before its first compute (add_weight_offload), and
   // nothing is held before: the offload starts by dropping every page.
   released_.assign(static_cast<std::size_t>(shape.num_virtual_stages), weight_offload ? 1 : 0);
+  seconds_.resize(M);
   bool mapped = false;
   for (const auto* s : stages_) {
     if (s == nullptr) continue;
@@ -612,6 +612,13 @@ Work InferenceWorker::compute(const Action& a) {
         const auto& t = tokens_[m];
         for (std::size_t i = 2; i < t.size(); i += 3) scratch_.push_back(t[i]);
       }
+      // The seconds of the micro-batch's last round on every virtual stage came back with its
+      // tokens: the book's measurements (an idle round measured nothing).
+      auto& secs = seconds_[m];
+      if (layout_->report_seconds && a.chunk > 0 &&
+          secs.size() == static_cast<std::size_t>(shape_->num_virtual_stages))
+        book_->measured(a.microbatch, a.chunk - 1, secs);
+      secs.clear();
       const double now =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
       mb = runtime::Microbatch{};
@@ -631,8 +638,9 @@ Work InferenceWorker::compute(const Action& a) {
     if (closed_[m] || idle_[m]) return {false, 0, {}};
     const auto t_f = std::chrono::steady_clock::now();
     stage(a.virtual_stage).forward(mb);
-    if (on_compute_)
-      on_compute_(a, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_f).count());
+    if (layout_->report_seconds)
+      seconds_[m].push_back(
+          std::chrono::duration<float>(std::chrono::steady_clock::now() - t_f).count());
     if (offload_mapped_) {  // the window just run and whatever of the next one is loaded
       pages_.clear();
       for (const auto* s : stages_)
@@ -648,8 +656,9 @@ Work InferenceWorker::compute(const Action& a) {
     }
     const auto t_s = std::chrono::steady_clock::now();
     stage(a.virtual_stage).sample(mb);
-    if (on_compute_)
-      on_compute_(a, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_s).count());
+    if (layout_->report_seconds && !seconds_[m].empty())
+      seconds_[m].back() +=
+          std::chrono::duration<float>(std::chrono::steady_clock::now() - t_s).count();
     if (shape_->rank_of(0) == rank_) {
       // The next round's virtual stage 0 is here: the tokens need no message.
       auto& t = tokens_[m];
@@ -686,16 +695,20 @@ void InferenceWorker::recv_messages(const Action& a, std::vector<MessageSpec>& o
                    MessageHeader::make(a.microbatch, 0, DType::I32, {kAny, 3}, a.chunk,
                                        MessageKind::Token),
                    static_cast<std::size_t>(3 * std::max<std::int64_t>(seqs, 1)) * 4});
-    return;
+  } else {
+    out.push_back({detail::kTagDescriptor,
+                   MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32,
+                                       {kAny, detail::kDescriptorColumns}, a.chunk),
+                   static_cast<std::size_t>(detail::kDescriptorColumns * (seqs + 1)) * 4});
+    out.push_back({detail::kTagActivation,
+                   MessageHeader::make(a.microbatch, a.virtual_stage, pipeline_dtype_,
+                                       {kAny, kAny}, a.chunk, MessageKind::Activation),
+                   dtype_bytes(pipeline_dtype_, layout_->max_rows[m] * layout_->width)});
   }
-  out.push_back({detail::kTagDescriptor,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, DType::I32,
-                                     {kAny, detail::kDescriptorColumns}, a.chunk),
-                 static_cast<std::size_t>(detail::kDescriptorColumns * (seqs + 1)) * 4});
-  out.push_back({detail::kTagActivation,
-                 MessageHeader::make(a.microbatch, a.virtual_stage, pipeline_dtype_, {kAny, kAny},
-                                     a.chunk, MessageKind::Activation),
-                 dtype_bytes(pipeline_dtype_, layout_->max_rows[m] * layout_->width)});
+  if (layout_->report_seconds)
+    out.push_back({detail::kTagSeconds,
+                   MessageHeader::make(a.microbatch, a.virtual_stage, DType::F32, {kAny}, a.chunk),
+                   static_cast<std::size_t>(shape_->num_virtual_stages) * sizeof(float)});
 }
 
 void InferenceWorker::received(const Action& a, std::span<const Received> msgs) {
@@ -761,6 +774,7 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
                   : std::string("no further sequence"));
     }
     tokens_[m].assign(t.begin(), t.end());
+    if (layout_->report_seconds) take_seconds(a, msgs[1], shape_->num_virtual_stages, n > 0);
     return;
   }
   const auto d = ints(msgs[0]);
@@ -782,6 +796,7 @@ void InferenceWorker::received(const Action& a, std::span<const Received> msgs) 
     if (partial) mb.emit.push_back(static_cast<std::uint8_t>(row[5] != 0));
   }
   check_sequences(a.microbatch, mb.seqs, peer);
+  if (layout_->report_seconds) take_seconds(a, msgs[2], a.virtual_stage, n_seq > 0);
   if (d[4] != 0) {  // a layer move ordered in this round (header columns 4 and 5)
     const int code = d[4] - 1;
     const detail::MoveOrder o{code / 2, code / 2 + (code % 2 ? 1 : -1), d[5]};
@@ -846,6 +861,7 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
               MessageHeader::make(a.microbatch, 0, DType::I32, {0, 3}, a.chunk + 1,
                                   MessageKind::Token),
               {});
+      send_seconds(a, 0, a.chunk + 1, true, out);
       return;
     }
     scratch_.clear();
@@ -857,6 +873,7 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                                 {static_cast<std::int64_t>(mb.seqs.size()), 3}, a.chunk + 1,
                                 MessageKind::Token),
             transport::as_bytes(std::span<const std::int32_t>(scratch_)));
+    send_seconds(a, 0, a.chunk + 1, false, out);
     return;
   }
   const int to = a.virtual_stage + 1;
@@ -902,6 +919,29 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
           MessageHeader::make(a.microbatch, to, pipeline_dtype_, {rows, width}, a.chunk,
                               MessageKind::Activation),
           payload);
+  send_seconds(a, to, a.chunk, closed, out);
+}
+
+void InferenceWorker::send_seconds(const Action& a, int to, int chunk, bool empty, Outbox& out) {
+  if (!layout_->report_seconds) return;
+  const auto& secs = seconds_[static_cast<std::size_t>(a.microbatch)];
+  const std::size_t n = empty ? 0 : secs.size();
+  out.add(detail::kTagSeconds,
+          MessageHeader::make(a.microbatch, to, DType::F32, {static_cast<std::int64_t>(n)}, chunk),
+          transport::as_bytes(std::span<const float>(secs.data(), n)));
+}
+
+void InferenceWorker::take_seconds(const Action& a, const Received& msg, int expected,
+                                   bool ran) {
+  const std::size_t n = msg.payload.size() / sizeof(float);
+  BRIGADE_CHECK(n == (ran ? static_cast<std::size_t>(expected) : 0), Errc::HeaderMismatch,
+                "rank {}: micro-batch {} round {}: the compute seconds from rank {} cover {} "
+                "virtual stages, expected {}",
+                rank_, a.microbatch, round_, schedule::peer_rank(*shape_, a), n,
+                ran ? expected : 0);
+  auto& secs = seconds_[static_cast<std::size_t>(a.microbatch)];
+  secs.resize(n);
+  if (n > 0) std::memcpy(secs.data(), msg.payload.data(), n * sizeof(float));
 }
 
 namespace {

@@ -13,7 +13,6 @@
 #include <deque>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -45,28 +44,6 @@ LatencySummary summary_of(const std::vector<RequestMetrics>& rs, F f, bool decod
     if (!decode_only || r.generated > 1) v.push_back(f(r));
   return summarize(std::move(v));
 }
-
-/// The F and SAMPLE seconds every rank measures, handed to the first stage's book (the rank
-/// threads share this process's memory).
-class Measurements {
- public:
-  struct Entry {
-    schedule::Action action;
-    double seconds;
-  };
-  void add(const schedule::Action& a, double s) {
-    std::lock_guard lock(mu_);
-    entries_.push_back({a, s});
-  }
-  std::vector<Entry> take() {
-    std::lock_guard lock(mu_);
-    return std::exchange(entries_, {});
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<Entry> entries_;
-};
 
 /// Stage 0's book of a serving run (see serve()).
 class ServingBook final : public engine::detail::MicrobatchSource {
@@ -112,26 +89,26 @@ class ServingBook final : public engine::detail::MicrobatchSource {
     }
   }
 
-  /// Dynamic rebalancing: the rebalancer, fed from `measured`.
-  void set_rebalancer(Rebalancer* rb, Measurements* measured, int stages) {
+  /// Dynamic rebalancing: the rebalancer, fed by measured().
+  void set_rebalancer(Rebalancer* rb, int stages) {
     rb_ = rb;
-    measured_ = measured;
-    stages_ = stages;
+    measured_rounds_.assign(static_cast<std::size_t>(stages), 0);
+  }
+
+  // Every stage's seconds of (m, round), back with its tokens: joined with the round's
+  // features, they are the predictor's observations.
+  void measured(int microbatch, int round, std::span<const float> seconds) override {
+    if (rb_ == nullptr) return;
+    const auto f = index_.find({microbatch, round});
+    if (f == index_.end()) return;
+    for (std::size_t v = 0; v < seconds.size() && v < measured_rounds_.size(); ++v) {
+      rb_->observe(static_cast<int>(v), features_[f->second], seconds[v]);
+      ++measured_rounds_[v];
+    }
   }
 
   std::optional<engine::detail::MoveOrder> rebalance(int round) override {
     if (rb_ == nullptr) return std::nullopt;
-    // Join the measurements with the rounds' features: a stage's round is its F, plus SAMPLE on
-    // the tail (which comes after its F on the same rank).
-    for (const auto& e : measured_->take()) {
-      const auto& a = e.action;
-      const auto key = std::tuple{a.virtual_stage, a.microbatch, a.chunk};
-      pending_[key] += e.seconds;
-      if (a.op == Op::F && a.virtual_stage == stages_ - 1) continue;  // its SAMPLE follows
-      const auto f = index_.find({a.microbatch, a.chunk});
-      if (f != index_.end()) rb_->observe(a.virtual_stage, features_[f->second], pending_[key]);
-      pending_.erase(key);
-    }
     std::int64_t live = 0;
     for (const auto& members : members_)
       for (const int seq : members) live += state_[static_cast<std::size_t>(seq)].fed;
@@ -140,6 +117,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
 
   std::vector<RequestMetrics> take_metrics() { return std::move(metrics_); }
   std::vector<RoundFeatures> take_features() { return std::move(features_); }
+  std::vector<int> take_measured_rounds() { return std::move(measured_rounds_); }
   [[nodiscard]] int rounds() const noexcept { return rounds_; }
   [[nodiscard]] int peak_queue() const noexcept { return peak_queue_; }
 
@@ -279,9 +257,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
   std::vector<RoundFeatures> features_;
   std::map<std::pair<int, int>, std::size_t> index_;  // (micro-batch, round) -> features_
   Rebalancer* rb_ = nullptr;
-  Measurements* measured_ = nullptr;
-  int stages_ = 0;
-  std::map<std::tuple<int, int, int>, double> pending_;  // (stage, micro-batch, round) -> s
+  std::vector<int> measured_rounds_;  // per stage: rounds observed
   int active_ = 0, rounds_ = 0, peak_queue_ = 0;
 };
 
@@ -305,8 +281,25 @@ LatencySummary ServeReport::tpot() const {
   return summary_of(requests, [](const RequestMetrics& r) { return r.tpot_s(); }, true);
 }
 
-ServeReport serve(const model::LlamaWeights& weights, const partition::Partition& partition,
-                  std::span<const ServeRequest> requests, const ServeOptions& options) {
+namespace detail {
+
+struct ServingRun::State {
+  const model::LlamaWeights* weights = nullptr;
+  const partition::Partition* partition = nullptr;
+  std::span<const ServeRequest> requests;
+  const ServeOptions* options = nullptr;
+  int microbatches = 1;
+  std::optional<KvBlockManager> kv;
+  engine::detail::GenerationLayout layout;
+  schedule::Shape shape;
+  engine::InferenceOptions inference;
+  std::optional<Rebalancer> rebalancer;
+  std::optional<ServingBook> book;
+};
+
+ServingRun::ServingRun(const model::LlamaWeights& weights, const partition::Partition& partition,
+                       std::span<const ServeRequest> requests, const ServeOptions& options)
+    : s_(std::make_unique<State>()) {
   const auto& c = weights.config;
   const model::ModelSpec spec(c);
   BRIGADE_CHECK(partition.num_layers() == spec.num_layers(), Errc::InvalidArgument,
@@ -353,13 +346,19 @@ ServeReport serve(const model::LlamaWeights& weights, const partition::Partition
   const int P = partition.num_ranks();
   const int M = o.microbatches > 0 ? o.microbatches : P;
   const int per_seq = (longest + o.kv_block_size - 1) / o.kv_block_size;
-  KvBlockManager kv(o.kv_block_size, o.kv_blocks > 0 ? o.kv_blocks : M * o.max_seqs * per_seq);
+  auto& kv = s_->kv.emplace(o.kv_block_size,
+                            o.kv_blocks > 0 ? o.kv_blocks : M * o.max_seqs * per_seq);
   BRIGADE_CHECK(per_seq <= kv.num_blocks(), Errc::InvalidArgument,
                 "serve: the longest request needs {} KV blocks of {} positions, the pool holds "
                 "{} (kv_blocks)",
                 per_seq, o.kv_block_size, kv.num_blocks());
+  if (o.rebalance)
+    BRIGADE_CHECK(partition.num_stages() == P, Errc::InvalidArgument,
+                  "serve: dynamic rebalancing moves layers between ranks: the partition has {} "
+                  "stages on {} ranks, expected one stage per rank",
+                  partition.num_stages(), P);
 
-  engine::detail::GenerationLayout layout;
+  auto& layout = s_->layout;
   layout.groups = M;
   layout.dynamic = true;
   layout.max_seqs = o.max_seqs;
@@ -367,61 +366,84 @@ ServeReport serve(const model::LlamaWeights& weights, const partition::Partition
   layout.width = std::max(c.dim, c.vocab_size);
   layout.prefill.resize(static_cast<std::size_t>(M));
   layout.max_rows.assign(static_cast<std::size_t>(M), o.max_batch_tokens);
+  layout.report_seconds = o.rebalance.has_value();
   // Rounds are not known up front: the largest bound a Shape admits.
   const std::int64_t cells = static_cast<std::int64_t>(partition.num_stages()) * M;
   layout.max_rounds = static_cast<int>(std::min<std::int64_t>(
       (std::int64_t{1} << 31) / cells, std::numeric_limits<int>::max() / 2));
-  const auto shape = engine::detail::inference_shape(partition, layout);
+  s_->shape = engine::detail::inference_shape(partition, layout);
 
-  engine::InferenceOptions io = o.inference;
-  io.timeout_s += gap;  // the first stage may wait this long for an arrival
-  io.weight_offload = false;
-  cpu::set_blas_threads(io.blas_threads);
-  std::optional<Rebalancer> rebalancer;
-  Measurements measured;
-  if (o.rebalance) {
-    BRIGADE_CHECK(partition.num_stages() == P, Errc::InvalidArgument,
-                  "serve: dynamic rebalancing moves layers between ranks: the partition has {} "
-                  "stages on {} ranks, expected one stage per rank",
-                  partition.num_stages(), P);
-    rebalancer.emplace(weights, partition, M, io.migration_part_bytes, *o.rebalance);
-    io.on_compute = [&measured](const schedule::Action& a, double s) { measured.add(a, s); };
+  s_->inference = o.inference;
+  s_->inference.timeout_s += gap;  // the first stage may wait this long for an arrival
+  s_->inference.weight_offload = false;
+  s_->weights = &weights;
+  s_->partition = &partition;
+  s_->requests = requests;
+  s_->options = &options;
+  s_->microbatches = M;
+}
+
+ServingRun::~ServingRun() = default;
+
+const schedule::Shape& ServingRun::shape() const noexcept { return s_->shape; }
+const engine::detail::GenerationLayout& ServingRun::layout() const noexcept { return s_->layout; }
+const engine::InferenceOptions& ServingRun::inference() const noexcept { return s_->inference; }
+int ServingRun::root() const noexcept { return s_->shape.rank_of(0); }
+
+engine::detail::MicrobatchSource* ServingRun::book(std::chrono::steady_clock::time_point t0) {
+  auto& s = *s_;
+  if (!s.book) {
+    if (s.options->rebalance)
+      s.rebalancer.emplace(*s.weights, *s.partition, s.microbatches,
+                           s.inference.migration_part_bytes, *s.options->rebalance);
+    s.book.emplace(s.requests, *s.options, s.microbatches, *s.kv, t0);
+    if (s.rebalancer) s.book->set_rebalancer(&*s.rebalancer, s.partition->num_stages());
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  ServingBook book(requests, o, M, kv, t0);
-  if (rebalancer) book.set_rebalancer(&*rebalancer, &measured, partition.num_stages());
-  transport::InProcessFabric fabric(P);
-  auto endpoints = transport::endpoints(fabric);
-  std::vector<Timeline> timelines(static_cast<std::size_t>(P), Timeline(P));
-  const int root = shape.rank_of(0);
-  engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
-    const int r = tp.rank();
-    engine::run_inference_rank(tp, weights, shape, partition, layout,
-                               r == root ? &book : nullptr, io, t0,
-                               timelines[static_cast<std::size_t>(r)]);
-  });
+  return &*s.book;
+}
 
+ServeReport ServingRun::report(Timeline timeline, double wall_s) {
+  auto& s = *s_;
+  BRIGADE_CHECK(s.book.has_value(), Errc::InvalidUsage,
+                "ServingRun::report: this rank holds no ServingBook (not virtual stage 0's rank, "
+                "or the run never started)");
+  auto& book = *s.book;
   ServeReport report;
-  report.timeline = Timeline(P);
-  for (const auto& tl : timelines) report.timeline.merge(tl);
-  report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.timeline = std::move(timeline);
+  report.wall_s = wall_s;
   report.requests = book.take_metrics();
   for (const auto& r : report.requests) report.generated_tokens += r.generated;
   report.rounds = book.rounds();
   report.round_features = book.take_features();
-  if (rebalancer) {
+  if (s.rebalancer) {
     // A move ordered after the last round never switched: only the plans that ran count.
-    for (const auto& [from, plan] : rebalancer->plans())
+    for (const auto& [from, plan] : s.rebalancer->plans())
       if (from < book.rounds()) report.plans.emplace_back(from, plan);
-    for (const auto& m : rebalancer->moves())
+    for (const auto& m : s.rebalancer->moves())
       if (m.switch_round < book.rounds()) report.moves.push_back(m);
+    report.measured_rounds = book.take_measured_rounds();
   } else {
-    report.plans.emplace_back(0, partition);
+    report.plans.emplace_back(0, *s.partition);
   }
-  report.kv_blocks = kv.num_blocks();
-  report.kv_block_size = kv.block_size();
-  report.peak_kv_blocks = kv.peak_blocks();
+  report.kv_blocks = s.kv->num_blocks();
+  report.kv_block_size = s.kv->block_size();
+  report.peak_kv_blocks = s.kv->peak_blocks();
   report.peak_queue = book.peak_queue();
+  return report;
+}
+
+}  // namespace detail
+
+ServeReport serve(const model::LlamaWeights& weights, const partition::Partition& partition,
+                  std::span<const ServeRequest> requests, const ServeOptions& options) {
+  const int root = partition.stage(0).rank;
+  transport::InProcessFabric fabric(partition.num_ranks());
+  auto endpoints = transport::endpoints(fabric);
+  ServeReport report;
+  engine::run_ranks(std::span(endpoints), [&](transport::InProcessTransport& tp) {
+    auto mine = serve_on(tp, weights, partition, requests, options);
+    if (tp.rank() == root) report = std::move(mine);
+  });
   return report;
 }
 

@@ -187,12 +187,12 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
   }
   auto in_migration = [&](int r) {
     return std::any_of(report.moves.begin(), report.moves.end(), [&](const LayerMove& m) {
-      return r >= m.first_round && r <= m.switch_round;
+      return r >= m.ordered_round && r <= m.switch_round;
     });
   };
   for (const auto& m : report.moves) {
     std::vector<double> around;
-    for (int r = m.first_round - 1, k = 0; r >= 0 && k < neighbours; --r)
+    for (int r = m.ordered_round - 1, k = 0; r >= 0 && k < neighbours; --r)
       if (!in_migration(r) && length.count(r)) {
         around.push_back(length[r]);
         ++k;
@@ -208,7 +208,7 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
     const double median = around.size() % 2 ? around[around.size() / 2]
                                             : 0.5 * (around[around.size() / 2 - 1] +
                                                      around[around.size() / 2]);
-    for (int r = m.first_round; r <= m.switch_round; ++r) {
+    for (int r = m.ordered_round; r <= m.switch_round; ++r) {
       const auto it = length.find(r);
       if (it == length.end() || !(median > 0)) continue;
       out.max_round_ratio = std::max(out.max_round_ratio, it->second / median);

@@ -1,9 +1,11 @@
 // `brigade serve`: replays a serving trace (Azure or Mooncake) against a pipelined model with
-// the serving engine (serve::serve), once per split policy on the same arrivals, and reports
-// mean/p50/p99 of end-to-end latency, TTFT and TPOT, and throughput.
+// the serving engine (serve::serve; under mpirun serve::serve_on over an MpiTransport, one
+// process per stage), once per split policy on the same arrivals, and reports mean/p50/p99 of
+// end-to-end latency, TTFT and TPOT, and throughput.
 #include "cli.hpp"
 
 #include <brigade/backend/cpu.hpp>
+#include <brigade/config.hpp>
 #include <brigade/cost/profiled.hpp>
 #include <brigade/io/trace.hpp>
 #include <brigade/model/model_file.hpp>
@@ -13,12 +15,14 @@
 #include <brigade/serve/rebalance.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
+#include <brigade/transport/mpi.hpp>  // mpi_world_size_from_env(); compiles without MPI
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -37,10 +41,20 @@ struct ServeArgs {
   std::uint64_t seed = 42, model_seed = 1234, trace_seed = 1;
   bool ignore_eos = true;
   serve::ServeOptions serve;
+  CLI::Option* stages_option = nullptr;  // to tell an explicit --stages from the default
 };
 
 nlohmann::json summary_json(const serve::LatencySummary& s) {
   return {{"mean", s.mean}, {"p50", s.p50}, {"p99", s.p99}};
+}
+
+// The 1-minute load average (/proc/loadavg's first field; -1 where it cannot be read): recorded
+// beside each run, as the machine may be shared.
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1.0;
+  if (!(in >> load)) return -1.0;
+  return load;
 }
 
 // The path of run `policy`'s Timeline: `path` itself for one policy, else the policy's name
@@ -53,6 +67,11 @@ std::filesystem::path timeline_path(const std::string& path, const std::string& 
 }
 
 int run_serve(ServeArgs& a) {
+  // Under mpirun: one process per stage, every process runs every policy, rank 0 reports (the
+  // rank of stage 0 for every split here).
+  const cli::MpiLaunch launch(-1);
+  const bool under_mpi = launch.active();
+  const bool prints = launch.rank() == 0;
   std::vector<std::string> policies;
   {
     std::stringstream ss(a.rebalance);
@@ -72,11 +91,14 @@ int run_serve(ServeArgs& a) {
   if (!a.tokenizer.empty())  // the trace's prompts are ids; the file is checked against the model
     (void)model::Tokenizer::load_llama2c(a.tokenizer, weights.config.vocab_size);
   const model::ModelSpec spec(weights.config);
+  a.stages = launch.ranks(a.stages, a.stages_option, "stage");
   BRIGADE_CHECK(a.stages >= 1 && a.stages <= spec.num_layers(), Errc::InvalidArgument,
                 "--stages {} outside [1, {}] for a model of {} layers", a.stages,
                 spec.num_layers(), spec.num_layers());
-  cli::check_threads_startable(a.stages * a.threads,
-                               fmt::format("--stages {} x --threads {}", a.stages, a.threads));
+  cli::check_threads_startable(
+      (under_mpi ? 1 : a.stages) * a.threads,
+      under_mpi ? fmt::format("--threads {}", a.threads)
+                : fmt::format("--stages {} x --threads {}", a.stages, a.threads));
   serve::TraceReplay replay;
   replay.rate_scale = a.rate_scale;
   replay.prompt_scale = a.prompt_scale;
@@ -98,15 +120,21 @@ int run_serve(ServeArgs& a) {
     output_sum += r.max_new_tokens;
   }
   const double n = static_cast<double>(requests.size());
-  fmt::print(stderr,
-             "serve: {} requests of {} (rate x{}, prompts x{}, outputs x{}; mean prompt {:.0f}, "
-             "mean output {:.0f} tokens, last arrival {:.1f} s) on {}, {} stages\n",
-             requests.size(), a.trace, a.rate_scale, a.prompt_scale, a.output_scale, prompt_sum / n,
-             output_sum / n, requests.back().arrival_s, model_name, a.stages);
+  if (prints) {
+    fmt::print(stderr,
+               "serve: {} requests of {} (rate x{}, prompts x{}, outputs x{}; mean prompt {:.0f}, "
+               "mean output {:.0f} tokens, last arrival {:.1f} s) on {}, {} stages\n",
+               requests.size(), a.trace, a.rate_scale, a.prompt_scale, a.output_scale,
+               prompt_sum / n, output_sum / n, requests.back().arrival_s, model_name, a.stages);
+    if (under_mpi)
+      fmt::print(stderr, "transport: MPI, {} processes (one stage each)\n", a.stages);
+  }
 
-  // The calibrated layer times: the static split and the latency predictor's prior.
+  // The calibrated layer times: the static split and the latency predictor's prior (under
+  // mpirun every process must price the same split: --profile FILE, or the roofline).
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  const auto resolved = cli::resolve_profile(a.profile, cores, false, cpu::cpu_model_name());
+  const auto resolved =
+      cli::resolve_profile(a.profile, cores, under_mpi, cpu::cpu_model_name());
   const model::LayerSeconds layer_seconds =
       resolved.profile ? model::LayerSeconds(cost::ProfiledLayerTimes(
                              *resolved.profile, a.threads, std::max(a.threads, a.stages * a.threads)))
@@ -135,16 +163,26 @@ int run_serve(ServeArgs& a) {
       so.rebalance = a.dynamic;
       so.rebalance->layer_seconds = layer_seconds;
     }
-    const auto rep = serve::serve(weights, part, requests, so);
+    const double load_before = load_average();
+    serve::ServeReport rep;
+#if BRIGADE_HAS_MPI
+    if (under_mpi) {
+      transport::MpiTransport tp;
+      rep = serve::serve_on(tp, weights, part, requests, so);
+    } else
+#endif
+      rep = serve::serve(weights, part, requests, so);
+    if (!prints) continue;  // rank 0 (stage 0's) holds the gathered report
     const auto e2e = rep.e2e(), ttft = rep.ttft(), tpot = rep.tpot();
+    const double load_after = load_average();
     if (policy == "even") even_mean = e2e.mean;
     fmt::print(stderr,
                "serve: {:<6} layers per stage {}: e2e mean {:.3f} s p50 {:.3f} p99 {:.3f}; TTFT "
                "mean {:.3f} s p99 {:.3f}; TPOT mean {:.4f} s p99 {:.4f}; {:.1f} tokens/s; {} "
-               "rounds, KV peak {}/{} blocks, queue peak {}\n",
+               "rounds, KV peak {}/{} blocks, queue peak {}; load average {:.1f} -> {:.1f}\n",
                policy, layers, e2e.mean, e2e.p50, e2e.p99, ttft.mean, ttft.p99, tpot.mean,
                tpot.p99, rep.tokens_per_s(), rep.rounds, rep.peak_kv_blocks, rep.kv_blocks,
-               rep.peak_queue);
+               rep.peak_queue, load_before, load_after);
     nlohmann::json run = {{"rebalance", policy},
                           {"layers_per_stage", layers},
                           {"e2e_s", summary_json(e2e)},
@@ -157,7 +195,8 @@ int run_serve(ServeArgs& a) {
                           {"kv_blocks", rep.kv_blocks},
                           {"kv_block_size", rep.kv_block_size},
                           {"peak_kv_blocks", rep.peak_kv_blocks},
-                          {"peak_queue", rep.peak_queue}};
+                          {"peak_queue", rep.peak_queue},
+                          {"load_average_1min", {load_before, load_after}}};
     nlohmann::json moves = nlohmann::json::array();
     for (const auto& m : rep.moves) {
       fmt::print(stderr,
@@ -180,6 +219,7 @@ int run_serve(ServeArgs& a) {
                        {"layers_per_stage_after", m.layers_after}});
     }
     run["moves"] = std::move(moves);
+    if (so.rebalance) run["measured_rounds_per_stage"] = rep.measured_rounds;
     if (!rep.moves.empty()) {
       const auto impact = serve::migration_impact(rep);
       fmt::print(stderr,
@@ -224,11 +264,12 @@ int run_serve(ServeArgs& a) {
     }
     runs.push_back(std::move(run));
   }
-  if (!a.metrics.empty()) {
+  if (!a.metrics.empty() && prints) {
     const nlohmann::json m = {{"trace", a.trace},
                               {"model", model_name},
                               {"requests", requests.size()},
                               {"stages", a.stages},
+                              {"transport", under_mpi ? "mpi" : "threads"},
                               {"rate_scale", a.rate_scale},
                               {"prompt_scale", a.prompt_scale},
                               {"output_scale", a.output_scale},
@@ -254,9 +295,12 @@ std::function<int()> setup(CLI::App& sub) {
                  "size of the synthetic Llama used without --model: 260K, 15M, 42M, 110M, 1.1B")
       ->capture_default_str();
   sub.add_option("--model-seed", a->model_seed, "seed of the synthetic weights");
-  sub.add_option("--stages", a->stages, "pipeline stages (one thread each)")
-      ->check(cli::number_in(1, 4096, "a whole number from 1 to 4096"))
-      ->capture_default_str();
+  a->stages_option =
+      sub.add_option("--stages", a->stages,
+                     "pipeline stages (one thread each; under mpirun: one process each, default "
+                     "the number of processes)")
+          ->check(cli::number_in(1, 4096, "a whole number from 1 to 4096"))
+          ->capture_default_str();
   sub.add_option("--rebalance", a->rebalance,
                  "layer split: even (uniform decoders), static (balanced once on the calibrated "
                  "cost model, tail's LM head and sampler included), dynamic (from the even split, "

@@ -438,6 +438,16 @@ struct MpiTransport::Impl {
     }
   }
 
+  /// advance() on every channel with receives posted: a receive makes progress whichever request
+  /// the rank waits on, so a send whose receive is posted completes (the rendezvous semantics
+  /// the executor's windows and schedule::validate assume). Without it a payload of a channel
+  /// the rank is not waiting on (a migration part beside the descriptors) would not be
+  /// received until the rank waits on that very receive, and its sender could block on it.
+  void advance_all() {
+    for (auto& [key, ch] : channels)
+      if (!ch.empty()) advance(key.first, key.second);
+  }
+
   void on_record(RecvState& st, const MPI_Status& status, int peer, int tag) {
     st.head_done = true;
     int count = 0;
@@ -576,6 +586,7 @@ struct MpiTransport::Impl {
     auto give_up = Clock::time_point::max();
     for (;;) {
       if (progress(r)) return;
+      advance_all();
       poll_control();
       throw_if_aborted();
       const auto now = Clock::now();
@@ -638,6 +649,7 @@ struct MpiTransport::Impl {
     BRIGADE_CHECK(r.state != nullptr, Errc::InvalidUsage, "rank {}: test on an empty request",
                   rank);
     if (progress(r)) return true;
+    advance_all();
     poll_control();
     throw_if_aborted();
     return false;

@@ -2,6 +2,7 @@
 // continuous batching, chunked prefill, the KV block pool; trace reading; `brigade serve`.
 #include <doctest/doctest.h>
 
+#include "serve_workload.hpp"
 #include "test_util.hpp"
 
 #include <brigade/engine/inference.hpp>
@@ -13,6 +14,7 @@
 #include <brigade/serve/rebalance.hpp>
 #include <brigade/serve/serving.hpp>
 #include <brigade/serve/trace.hpp>
+#include <brigade/transport/in_process.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -32,65 +34,18 @@ namespace {
 const fs::path kModels = BRIGADE_MODEL_DIR;  // the committed models/
 const fs::path kShared = BRIGADE_DATA_DIR;   // traces
 
-struct Ref {
-  model::LlamaWeights weights = model::load_llama2c_checkpoint(kModels / "stories260K.bin");
-  std::vector<int> once_prompt, once_all, empty_all;  // run.c's ids at every position
-  Ref() {
-    for (const auto& c : test::greedy_reference(kModels).cases) {
-      if (c.name == "once_upon_64") {
-        once_prompt = c.prompt_ids;
-        once_all = c.tokens();
-      } else {
-        empty_all = c.tokens();
-      }
-    }
-  }
-};
-
-const Ref& ref() {
-  static const Ref r;
+const test::ServeReference& ref() {
+  static const test::ServeReference r(kModels);
   return r;
 }
 
-/// Requests over run.c's two cases with fewer steps too (greedy: a shorter run is a prefix),
-/// and the tokens run.c gives each: prompt, then steps - prompt + 1 generated ids.
-struct Workload {
-  std::vector<serve::ServeRequest> requests;
-  std::vector<std::vector<int>> expected;
-};
+using Workload = test::ServeWorkload;
 
 Workload reference_workload(const std::vector<double>& arrivals) {
-  const int once_steps[] = {64, 30, 12};
-  const int empty_steps[] = {256, 90, 40};
-  Workload w;
-  for (std::size_t i = 0; i < arrivals.size(); ++i) {
-    const bool once = i % 2 == 0;
-    const int steps = once ? once_steps[(i / 2) % 3] : empty_steps[(i / 2) % 3];
-    serve::ServeRequest r;
-    r.arrival_s = arrivals[i];
-    r.prompt = once ? ref().once_prompt : std::vector<int>{model::Tokenizer::kBos};
-    r.max_new_tokens = steps - static_cast<int>(r.prompt.size()) + 1;
-    const auto& all = once ? ref().once_all : ref().empty_all;
-    w.expected.emplace_back(all.begin(), all.begin() + steps + 1);
-    w.requests.push_back(std::move(r));
-  }
-  return w;
+  return test::reference_workload(ref(), arrivals);
 }
 
-void check_tokens(const Workload& w, const serve::ServeReport& rep) {
-  REQUIRE(rep.requests.size() == w.requests.size());
-  for (std::size_t i = 0; i < w.requests.size(); ++i) {
-    INFO("request " << i);
-    const auto& m = rep.requests[i];
-    CHECK(m.tokens == w.expected[i]);
-    CHECK(m.generated == w.requests[i].max_new_tokens);
-    CHECK(m.first_token_s >= m.arrival_s);
-    CHECK(m.admitted_s >= m.arrival_s);
-    CHECK(m.done_s >= m.first_token_s);
-    CHECK(m.ttft_s() >= 0);
-    CHECK(m.e2e_s() >= m.ttft_s());
-  }
-}
+using test::check_tokens;
 
 }  // namespace
 
@@ -203,6 +158,13 @@ TEST_CASE("serve.errors: a request longer than the context, larger than the KV p
   rs[0].arrival_s = -1;
   msg = test::error_of(Errc::InvalidArgument, [&] { serve::serve(ref().weights, part, rs); });
   CHECK(msg.find("arrives at -1 s") != std::string::npos);
+  // The SPMD form on a world that is not the partition's: refused before any message.
+  rs[0].arrival_s = 0;
+  transport::InProcessFabric fabric(3);
+  auto eps = transport::endpoints(fabric);
+  msg = test::error_of(Errc::InvalidArgument,
+                       [&] { serve::serve_on(eps[0], ref().weights, part, rs); });
+  CHECK(msg.find("the partition has 2 ranks, the transport's world has 3") != std::string::npos);
 }
 
 TEST_CASE("serve.kv_blocks: first-fit runs of blocks, freed on completion, refused when no run "
@@ -504,6 +466,10 @@ TEST_CASE("serve.rebalance: greedy tokens equal run.c's while layers move mid-re
     const auto impact = serve::migration_impact(rep);
     CHECK(impact.migrations == static_cast<int>(rep.moves.size()));
     CHECK(impact.migration_bytes == sent + received);
+    // Every round's seconds of every stage came back to stage 0's rank with its tokens.
+    REQUIRE(rep.measured_rounds.size() == static_cast<std::size_t>(stages));
+    for (const int n : rep.measured_rounds)
+      CHECK(n == static_cast<int>(rep.round_features.size()));
   }
 }
 

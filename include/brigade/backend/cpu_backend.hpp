@@ -9,7 +9,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <span>
 #include <vector>
 
@@ -23,19 +26,32 @@ inline namespace v0 {
 /// those of that function.
 class CpuBackend {
  public:
-  /// Host memory: float32-aligned bytes, zero-initialised.
+  /// Host memory: float32-aligned bytes, zero-initialised. Allocated with calloc, so a large
+  /// buffer (a KV pool) gets the kernel's zero pages and each page is zeroed when first touched:
+  /// allocating one costs no pass over its bytes (what a layer adopted while serving relies on:
+  /// its KV pool is allocated in the round its migration starts, and only the rows written are
+  /// ever touched).
   class Buffer {
    public:
     Buffer() = default;
     /// `bytes` bytes (rounded up to whole floats).
-    explicit Buffer(std::size_t bytes) : words_((bytes + sizeof(float) - 1) / sizeof(float)), bytes_(bytes) {}
+    /// @throws std::bad_alloc when the memory cannot be had
+    explicit Buffer(std::size_t bytes) : bytes_(bytes) {
+      if (bytes == 0) return;
+      const std::size_t words = (bytes + sizeof(float) - 1) / sizeof(float);
+      words_.reset(static_cast<float*>(std::calloc(words, sizeof(float))));
+      if (!words_) throw std::bad_alloc();
+    }
     /// The first byte (nullptr when empty).
-    [[nodiscard]] void* data() noexcept { return words_.data(); }
+    [[nodiscard]] void* data() noexcept { return words_.get(); }
     /// Size in bytes.
     [[nodiscard]] std::size_t size() const noexcept { return bytes_; }
 
    private:
-    std::vector<float> words_;
+    struct Free {
+      void operator()(float* p) const noexcept { std::free(p); }
+    };
+    std::unique_ptr<float[], Free> words_;
     std::size_t bytes_ = 0;
   };
 

@@ -36,10 +36,11 @@ struct FaultInjection {
 
 namespace detail {
 
-/// Message tags of the distributed driver (after the inference protocol's 1..3).
-inline constexpr int kTagRunStart = 4;   // Bytes [0]: the stage-0 rank starts every rank's clock
-inline constexpr int kTagGatherSize = 5; // Bytes [8]: size of the next message (uint64)
-inline constexpr int kTagGather = 6;     // Bytes [n]: one rank's timeline and end time (JSON)
+/// Message tags of the distributed drivers generate_on and serve::serve_on (after the inference
+/// protocol's 1..5).
+inline constexpr int kTagRunStart = 6;   // Bytes [0]: the stage-0 rank starts every rank's clock
+inline constexpr int kTagGatherSize = 7; // Bytes [8]: size of the next message (uint64)
+inline constexpr int kTagGather = 8;     // Bytes [n]: one rank's timeline and end time (JSON)
 
 /// One rank's Timeline intervals, end time and peak memory (bytes; ExecutorStats) as JSON text.
 inline std::string encode_rank_result(const Timeline& tl, double end_s,
@@ -88,6 +89,72 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
   }
 }
 
+/// A common clock origin for the ranks of one run: the rank `root` sends every other rank a
+/// start message (kTagRunStart) and each rank takes its clock when it has it (to within one
+/// message latency of the others).
+/// @return this rank's origin (steady clock)
+/// @throws the transport's errors (PeerTimeout after timeout_s, Aborted)
+template <transport::Transport T>
+std::chrono::steady_clock::time_point start_together(T& pipe, int root, double timeout_s) {
+  const int me = pipe.rank();
+  const auto deadline = [&] { return transport::Deadline::after(timeout_s); };
+  const auto header = [](int to) {
+    return transport::MessageHeader::make(0, to, DType::U8, {0});
+  };
+  if (me == root) {
+    std::vector<transport::Request> starts;
+    for (int r = 0; r < pipe.world_size(); ++r)
+      if (r != root) starts.push_back(pipe.isend(r, kTagRunStart, header(r), {}));
+    for (auto& r : starts) pipe.wait(r, deadline());
+  } else {
+    auto r = pipe.irecv(root, kTagRunStart, header(me), {});
+    pipe.wait(r, deadline());
+  }
+  return std::chrono::steady_clock::now();
+}
+
+/// Gathers every rank's Timeline to the rank `root` (kTagGatherSize, kTagGather): another rank
+/// sends its intervals, its end time `end_s` and its peak resident weight bytes `peak_bytes`;
+/// the root adds the intervals to `timeline` and, when `peaks` is given (one entry per rank),
+/// stores each rank's peak bytes there.
+/// @return on the root the latest end over all ranks (seconds); elsewhere `end_s`
+/// @throws the transport's errors; Error{Internal} for a rank's unreadable result
+template <transport::Transport T>
+double gather_timelines(T& pipe, int root, Timeline& timeline, double end_s, double peak_bytes,
+                        std::vector<double>* peaks, double timeout_s) {
+  const int me = pipe.rank();
+  const auto deadline = [&] { return transport::Deadline::after(timeout_s); };
+  const auto header = [](std::int64_t nbytes) {
+    return transport::MessageHeader::make(0, 0, DType::U8, {nbytes});
+  };
+  if (me != root) {
+    const std::string text = encode_rank_result(timeline, end_s, peak_bytes);
+    const std::uint64_t size = text.size();
+    auto rs = pipe.isend(root, kTagGatherSize, header(8),
+                         std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
+    auto rt = pipe.isend(root, kTagGather, header(static_cast<std::int64_t>(text.size())),
+                         std::as_bytes(std::span<const char>(text.data(), text.size())));
+    pipe.wait(rs, deadline());
+    pipe.wait(rt, deadline());
+    return end_s;
+  }
+  for (int from = 0; from < pipe.world_size(); ++from) {
+    if (from == root) continue;
+    std::uint64_t size = 0;
+    auto rs = pipe.irecv(from, kTagGatherSize, header(8),
+                         std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
+    pipe.wait(rs, deadline());
+    std::string text(static_cast<std::size_t>(size), '\0');
+    auto rt = pipe.irecv(from, kTagGather, header(static_cast<std::int64_t>(size)),
+                         std::as_writable_bytes(std::span<char>(text.data(), text.size())));
+    pipe.wait(rt, deadline());
+    double peak = 0.0;
+    end_s = std::max(end_s, decode_rank_result(text, from, timeline, &peak));
+    if (peaks != nullptr) (*peaks)[static_cast<std::size_t>(from)] = peak;
+  }
+  return end_s;
+}
+
 }  // namespace detail
 
 /// Runs this rank's part of a pipelined generation over `transport`: the stages s with
@@ -95,10 +162,10 @@ inline double decode_rank_result(const std::string& text, int from_rank, Timelin
 /// the transport's world calls it with the same weights, partition, requests and options (the
 /// SPMD form of engine::generate; under MPI, one process per rank).
 ///
-/// Protocol: the rank of stage 0 sends every other rank a start message (tag 4) and every rank
+/// Protocol: the rank of stage 0 sends every other rank a start message (tag 6) and every rank
 /// starts its clock when it has it, so the Timelines of all ranks share one origin (to within one
 /// message latency); then each rank runs run_inference_rank; then every other rank sends its
-/// Timeline intervals and end time to the rank of stage 0 (tags 5 and 6), which merges them.
+/// Timeline intervals and end time to the rank of stage 0 (tags 7 and 8), which merges them.
 /// Greedy output is token for token that of engine::generate for the same partition.
 ///
 /// When this rank fails with an error other than PeerTimeout or Aborted, it calls
@@ -127,8 +194,6 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
                             std::span<const GenerationRequest> requests,
                             const InferenceOptions& options = {}, FaultInjection fault = {},
                             tp::Group* tp_group = nullptr) {
-  using brigade::DType;
-  using transport::MessageHeader;
   const int me = transport.rank();
   const int world = transport.world_size();
   BRIGADE_CHECK((tp_group != nullptr ? tp_group->size() : 1) == options.tp, Errc::InvalidArgument,
@@ -153,63 +218,22 @@ InferenceReport generate_on(T& transport, const model::LlamaWeights& weights,
   cpu::set_blas_threads(options.blas_threads);
   detail::SequenceBook book(requests, weights.config.seq_len, groups);
   transport::ExitAfterSteps<T> pipe(transport, fault.rank == me ? fault.after_steps : 0);
-  auto deadline = [&] { return transport::Deadline::after(options.timeout_s); };
-  const auto bytes_header = [&](int to_stage, std::int64_t nbytes) {
-    return MessageHeader::make(0, to_stage, DType::U8, {nbytes});
-  };
 
   InferenceReport report;
   report.timeline = Timeline(P);
   try {
-    // A common clock origin.
-    if (me == root) {
-      std::vector<transport::Request> starts;
-      for (int r = 0; r < P; ++r)
-        if (r != root) starts.push_back(pipe.isend(r, detail::kTagRunStart, bytes_header(r, 0), {}));
-      for (auto& r : starts) pipe.wait(r, deadline());
-    } else {
-      auto r = pipe.irecv(root, detail::kTagRunStart, bytes_header(me, 0), {});
-      pipe.wait(r, deadline());
-    }
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = detail::start_together(pipe, root, options.timeout_s);
     report.origin = t0;
     const double resident = run_inference_rank(pipe, weights, plan, layout,
                                                me == root ? &book : nullptr, options, t0,
                                                report.timeline, CpuBackends{}, tp_group);
     report.resident_weight_bytes.assign(static_cast<std::size_t>(P), 0.0);
     report.resident_weight_bytes[static_cast<std::size_t>(me)] = resident;
-    double end_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-    // Gather the Timeline to the rank of stage 0.
-    if (me != root) {
-      const std::string text = detail::encode_rank_result(report.timeline, end_s, resident);
-      const std::uint64_t size = text.size();
-      auto rs = pipe.isend(root, detail::kTagGatherSize, bytes_header(0, 8),
-                         std::as_bytes(std::span<const std::uint64_t>(&size, 1)));
-      auto rt = pipe.isend(root, detail::kTagGather,
-                         bytes_header(0, static_cast<std::int64_t>(text.size())),
-                         std::as_bytes(std::span<const char>(text.data(), text.size())));
-      pipe.wait(rs, deadline());
-      pipe.wait(rt, deadline());
-      report.wall_s = end_s;
-      return report;
-    }
-    for (int from = 0; from < P; ++from) {
-      if (from == root) continue;
-      std::uint64_t size = 0;
-      auto rs = pipe.irecv(from, detail::kTagGatherSize, bytes_header(0, 8),
-                         std::as_writable_bytes(std::span<std::uint64_t>(&size, 1)));
-      pipe.wait(rs, deadline());
-      std::string text(static_cast<std::size_t>(size), '\0');
-      auto rt = pipe.irecv(from, detail::kTagGather,
-                         bytes_header(0, static_cast<std::int64_t>(size)),
-                         std::as_writable_bytes(std::span<char>(text.data(), text.size())));
-      pipe.wait(rt, deadline());
-      end_s = std::max(end_s, detail::decode_rank_result(
-                                  text, from, report.timeline,
-                                  &report.resident_weight_bytes[static_cast<std::size_t>(from)]));
-    }
-    report.wall_s = end_s;
+    const double end_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    report.wall_s = detail::gather_timelines(pipe, root, report.timeline, end_s, resident,
+                                             &report.resident_weight_bytes, options.timeout_s);
+    if (me != root) return report;
   } catch (const std::exception& e) {
     transport::abort_others(transport, e);
     throw;

@@ -93,10 +93,6 @@ struct InferenceOptions {
   /// besides the rows its round wrote (weights and backlog of KV rows; the last part of a
   /// migration carries everything left). Bytes.
   std::size_t migration_part_bytes = std::size_t{4} << 20;
-  /// Called on the rank's thread after every F and SAMPLE that ran, with the action and its
-  /// seconds (the serving rebalancer's measurements; empty: none). Must be thread-safe: every
-  /// rank calls it.
-  std::function<void(const schedule::Action&, double)> on_compute;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
@@ -151,6 +147,11 @@ inline constexpr int kTagMigrate = 4;     // U8 [bytes]: one part of a layer mig
                                           // weight bytes, then per KV segment the key rows and
                                           // the value rows), from the layer's owner to the
                                           // neighbour adopting it
+inline constexpr int kTagSeconds = 5;     // F32 [k]: the seconds virtual stages 0 .. k - 1 spent
+                                          // on this micro-batch's round (F; F + SAMPLE on the
+                                          // last virtual stage), beside every descriptor and
+                                          // token message when GenerationLayout::report_seconds
+                                          // (k = 0 for a closed or idle round)
 inline constexpr int kDescriptorColumns = 6;
 inline constexpr int kIdle = 1;  // descriptor state: nothing to run this round, more to come
 
@@ -190,6 +191,13 @@ class MicrobatchSource {
   /// Asked when virtual stage 0's rank emits round `round`, before its micro-batches are built:
   /// a layer move to order in this round (MoveOrder), or none (the default).
   virtual std::optional<MoveOrder> rebalance(int /*round*/) { return std::nullopt; }
+  /// With GenerationLayout::report_seconds: what every virtual stage measured on micro-batch
+  /// `microbatch`'s round `round` (seconds[v]: virtual stage v's F, plus its SAMPLE on the last
+  /// one; seconds). Called on virtual stage 0's rank when the round's tokens are back, i.e. at
+  /// the micro-batch's next F there; the seconds of the other ranks travel with the round's
+  /// descriptors and its token message (kTagSeconds), so no round waits for them. Default:
+  /// ignored.
+  virtual void measured(int /*microbatch*/, int /*round*/, std::span<const float> /*seconds*/) {}
 };
 
 /// Stage 0's book of sequences for engine::generate: builds prefill and decode micro-batches
@@ -233,6 +241,10 @@ struct GenerationLayout {
   bool dynamic = false;
   int max_seqs = 0;               ///< dynamic: most sequences in one micro-batch's round
   std::int64_t kv_pool_rows = 0;  ///< dynamic: KV rows of every stage's pool
+  /// Every round's compute seconds of every virtual stage travel to virtual stage 0's rank
+  /// (kTagSeconds beside each descriptor and token message) and reach the book there
+  /// (MicrobatchSource::measured): serve's dynamic rebalancer, over any transport.
+  bool report_seconds = false;
 };
 
 /// The layout of `requests` split into `groups` contiguous groups (group_of) for a model of
@@ -316,14 +328,12 @@ class InferenceWorker {
   ///        (InferenceOptions::background_prefetch); false: PREFETCH does nothing
   /// @throws brigade::Error{InvalidArgument} if pipeline_dtype is not f32, f16 or bf16
   /// @param migration_part_bytes InferenceOptions::migration_part_bytes
-  /// @param on_compute InferenceOptions::on_compute
   InferenceWorker(const schedule::Shape& shape, int rank,
                   std::span<runtime::InferenceStageBase* const> stages,
                   const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
                   DType pipeline_dtype = DType::F32, bool background_prefetch = true,
-                  std::size_t migration_part_bytes = std::size_t{4} << 20,
-                  std::function<void(const schedule::Action&, double)> on_compute = {});
+                  std::size_t migration_part_bytes = std::size_t{4} << 20);
   ~InferenceWorker();
   InferenceWorker(const InferenceWorker&) = delete;
   InferenceWorker& operator=(const InferenceWorker&) = delete;
@@ -365,7 +375,8 @@ class InferenceWorker {
   ///         whose weights were released and not prefetched since; the stage's errors
   Work compute(const schedule::Action& a);
   /// RECV_F on virtual stage 0: the tokens (I32 [kAny, 3]); elsewhere the descriptor and the
-  /// activations in the pipeline dtype (buffers sized for the group's prefill).
+  /// activations in the pipeline dtype (buffers sized for the group's prefill); with
+  /// layout.report_seconds each also the round's seconds so far (F32 [kAny], kTagSeconds).
   void recv_messages(const schedule::Action& a, std::vector<MessageSpec>& out);
   /// Checks what arrived against the sequences this rank expects and keeps it.
   /// @throws brigade::Error{HeaderMismatch} naming the rank, micro-batch, round, the expected and
@@ -374,7 +385,8 @@ class InferenceWorker {
   /// SEND_F: the descriptor and the activations (converted to the pipeline dtype: f16 and bf16
   /// round to nearest even) to the next virtual stage, or from the last
   /// virtual stage the sampled (seq, position, token) rows to virtual stage 0 (nothing once the
-  /// micro-batch is closed).
+  /// micro-batch is closed); with layout.report_seconds each followed by the seconds of the
+  /// round on virtual stages 0 .. a.virtual_stage (F32, kTagSeconds).
   void send(const schedule::Action& a, Outbox& out);
 
  private:
@@ -408,6 +420,13 @@ class InferenceWorker {
   /// MIGRATE / MIGRATE_RECV actions to the round's program out[begin..].
   void migration_actions(std::vector<schedule::Action>& out, std::size_t begin,
                          const std::vector<char>& was_live);
+  /// layout.report_seconds: posts micro-batch a.microbatch's seconds so far (none when `empty`)
+  /// to virtual stage `to` for round `chunk`.
+  void send_seconds(const schedule::Action& a, int to, int chunk, bool empty, Outbox& out);
+  /// Keeps the seconds that arrived for RECV_F `a`: `expected` values when the round ran
+  /// (`ran`), none otherwise.
+  /// @throws brigade::Error{HeaderMismatch} for another count
+  void take_seconds(const schedule::Action& a, const Received& msg, int expected, bool ran);
   /// Checks the sequences of micro-batch m's round message from `peer` against what this rank
   /// expects, and records them as the round's sequences.
   void check_sequences(int m, std::span<const backend::SequenceSlice> seen, int peer);
@@ -439,7 +458,9 @@ class InferenceWorker {
   std::vector<std::int32_t> scratch_;
   std::vector<std::byte> wire_;  // activations converted to the pipeline dtype for a send
   std::size_t part_bytes_;       // InferenceOptions::migration_part_bytes
-  std::function<void(const schedule::Action&, double)> on_compute_;
+  // layout.report_seconds: per micro-batch, the seconds of its round on virtual stages 0 .. k - 1
+  // (received with its descriptor or tokens, then this rank's own appended)
+  std::vector<std::vector<float>> seconds_;
   std::optional<std::pair<int, detail::MoveOrder>> ordered_;  // (round, move) read or ordered
   std::optional<Migration> mig_;
 };
@@ -498,7 +519,7 @@ double run_inference_rank(T& transport, const model::LlamaWeights& weights,
   }
   InferenceWorker worker(shape, me, stages, layout, book, t0, options.weight_offload,
                          options.pipeline_dtype, options.background_prefetch,
-                         options.migration_part_bytes, options.on_compute);
+                         options.migration_part_bytes);
   execute(worker, worker, transport,
           ExecutorRun{&shape, me, t0, options.timeout_s, options.windows}, timeline);
   return worker.peak_resident_weight_bytes();

@@ -88,8 +88,10 @@ class Rebalancer {
 
 /// What the migrations of a run did to its rounds, from its Timeline. A round's time is the gap
 /// between the starts of consecutive rounds on virtual stage 0 (its first F of each round);
-/// a migration's rounds are [first_round, switch_round]; its neighbours are the `neighbours`
-/// rounds before first_round and after switch_round, outside every migration.
+/// a migration's rounds are [ordered_round, switch_round] (the ordered round's time ends with
+/// the next round's start, where the new owner allocates the layer it adopts); its neighbours
+/// are the `neighbours` rounds before ordered_round and after switch_round, outside every
+/// migration.
 struct MigrationImpact {
   int migrations = 0;
   /// The largest ratio of a migration round's time to the median of its neighbours' (1 = as

@@ -3,12 +3,16 @@
 #pragma once
 
 #include "brigade/core/timeline.hpp"
+#include "brigade/engine/distributed.hpp"
 #include "brigade/engine/inference.hpp"
 #include "brigade/model/layer_cost.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
 
+#include <chrono>
 #include <cstdint>
+#include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <utility>
@@ -96,9 +100,10 @@ struct ServeOptions {
   /// Keep sampling after a BOS (trace replay: every request runs its max_new_tokens).
   bool ignore_eos = false;
   /// DynaPipe's live rebalancing (rebalance.hpp): set, layers move between neighbouring stages
-  /// while serving, starting from the partition serve() is given (one stage per rank; the
-  /// rebalancer's measurements reach it through memory shared by the rank threads, so it runs
-  /// in process). Unset: the partition stays.
+  /// while serving, starting from the partition serve() is given (one stage per rank). The
+  /// rebalancer runs on virtual stage 0's rank; every rank's measured compute seconds reach it
+  /// with the round's own messages (engine::detail::kTagSeconds), over any transport. Unset:
+  /// the partition stays.
   std::optional<RebalanceOptions> rebalance;
   /// Sampler, intra-op threads, peer timeout (the longest gap between arrivals is added, as
   /// the first stage waits for arrivals), executor windows, pipeline dtype. `microbatches` and
@@ -169,6 +174,10 @@ struct ServeReport {
   std::vector<std::pair<int, partition::Partition>> plans;
   /// The layer moves made (ServeOptions::rebalance).
   std::vector<LayerMove> moves;
+  /// ServeOptions::rebalance: per stage, the micro-batch rounds whose measured seconds reached
+  /// the rebalancer (every round that ran: the seconds come back with its tokens); empty
+  /// without rebalancing.
+  std::vector<int> measured_rounds;
   /// The plan of round `round` (plans).
   [[nodiscard]] const partition::Partition& plan_at(int round) const;
   LatencySummary e2e() const;   ///< over requests, e2e_s
@@ -180,8 +189,99 @@ struct ServeReport {
   }
 };
 
-/// Serves `requests` on the model split by `partition` (one thread per rank over an
-/// InProcessTransport) with the one inference executor (engine::run_inference_rank): the first
+namespace detail {
+
+/// One serving run as each of its ranks sets it up (serve_on): the inputs checked and what every
+/// rank derives from them identically (the KV pool's size, the layout, the inference shape, the
+/// inference options with the peer timeout raised by the longest gap between arrivals); on the
+/// rank of virtual stage 0 also the ServingBook (arrivals, admission, continuous batching,
+/// chunked prefill, the KV block pool) and the dynamic rebalancer, which own the run's
+/// per-request metrics, rounds and moves.
+class ServingRun {
+ public:
+  /// @throws brigade::Error{InvalidArgument} as serve()
+  ServingRun(const model::LlamaWeights& weights, const partition::Partition& partition,
+             std::span<const ServeRequest> requests, const ServeOptions& options);
+  ~ServingRun();
+  ServingRun(const ServingRun&) = delete;
+  ServingRun& operator=(const ServingRun&) = delete;
+  [[nodiscard]] const schedule::Shape& shape() const noexcept;
+  [[nodiscard]] const engine::detail::GenerationLayout& layout() const noexcept;
+  [[nodiscard]] const engine::InferenceOptions& inference() const noexcept;
+  /// The rank of virtual stage 0.
+  [[nodiscard]] int root() const noexcept;
+  /// Virtual stage 0's book, whose clock starts at `t0` (arrival times are seconds after it);
+  /// made on the first call (on the root rank only).
+  engine::detail::MicrobatchSource* book(std::chrono::steady_clock::time_point t0);
+  /// The root rank's report after the run: the book's metrics, rounds and moves, with
+  /// `timeline` (every rank's, gathered) and `wall_s`.
+  /// @throws brigade::Error{InvalidUsage} if book() was never called
+  ServeReport report(Timeline timeline, double wall_s);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace detail
+
+/// Runs this rank's part of a serving run over `transport` (the SPMD form of serve(); under
+/// MPI, one process per rank, over transport::MpiTransport): every rank of the transport's world
+/// calls it with the same weights, partition, requests and options. The rank of virtual stage 0
+/// holds the ServingBook (requests arrive in its clock) and, with options.rebalance, the
+/// rebalancer; a layer move it orders rides that round's descriptors to every rank, and every
+/// rank's measured compute seconds ride the round's descriptors and token message back to it
+/// (engine::detail::kTagSeconds: no round waits for them); the migrations' parts go over the
+/// same transport (MIGRATE / MIGRATE_RECV).
+///
+/// Protocol, as engine::generate_on: the rank of stage 0 starts every rank's clock with a
+/// message (a common origin to within one message latency), each rank runs
+/// engine::run_inference_rank, then every other rank sends its Timeline to the rank of stage 0.
+/// A rank that fails with an error aborts the others (transport::abort_others).
+/// @return on the rank of virtual stage 0: the full report (every request's metrics, the
+///         Timeline of all ranks, the rounds, plans and moves; wall_s = the latest end over all
+///         ranks). On other ranks: this rank's intervals and wall_s (its end) only.
+/// @throws brigade::Error{InvalidArgument} as serve(), or for a partition whose rank count
+///         differs from transport.world_size(); the stages' and the transport's errors
+///         (PeerTimeout, HeaderMismatch, Aborted, Mpi)
+template <transport::Transport T>
+ServeReport serve_on(T& transport, const model::LlamaWeights& weights,
+                     const partition::Partition& partition, std::span<const ServeRequest> requests,
+                     const ServeOptions& options = {}) {
+  const int me = transport.rank();
+  detail::ServingRun run(weights, partition, requests, options);
+  BRIGADE_CHECK(partition.num_ranks() == transport.world_size(), Errc::InvalidArgument,
+                "serve_on: the partition has {} ranks, the transport's world has {} (run one "
+                "process per rank, e.g. mpirun -np {})",
+                partition.num_ranks(), transport.world_size(), partition.num_ranks());
+  const auto& io = run.inference();
+  cpu::set_blas_threads(io.blas_threads);
+  Timeline timeline(partition.num_ranks());
+  double wall_s = 0.0;
+  try {
+    const auto t0 = engine::detail::start_together(transport, run.root(), io.timeout_s);
+    engine::run_inference_rank(transport, weights, run.shape(), partition, run.layout(),
+                               me == run.root() ? run.book(t0) : nullptr, io, t0, timeline);
+    const double end_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    wall_s = engine::detail::gather_timelines(transport, run.root(), timeline, end_s, 0.0,
+                                              nullptr, io.timeout_s);
+  } catch (const std::exception& e) {
+    transport::abort_others(transport, e);
+    throw;
+  }
+  if (me != run.root()) {
+    ServeReport mine;
+    mine.timeline = std::move(timeline);
+    mine.wall_s = wall_s;
+    return mine;
+  }
+  return run.report(std::move(timeline), wall_s);
+}
+
+/// Serves `requests` on the model split by `partition`: serve_on on one thread per rank over
+/// the InProcessTransports of one fabric, with the one inference executor
+/// (engine::run_inference_rank): the first
 /// stage's ServingBook admits requests as they arrive (FIFO) while their KV blocks are free,
 /// and each round builds every micro-batch from its live sequences (one decode token each, then
 /// prompt chunks of at most prefill_chunk tokens within max_batch_tokens) and the admitted

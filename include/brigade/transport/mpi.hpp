@@ -98,7 +98,10 @@ class MpiSession {
 /// (no copy), split into pieces of at most `piece bytes` (1 GiB) so counts fit MPI's int. The
 /// receiver handles the records of one (peer, tag) in posting order and posts each payload
 /// receive as soon as its record arrived, so the payload stream stays in step with the record
-/// stream. MPI tag 0 carries control notices (see below).
+/// stream; every wait() and test() handles the arrived records of all channels with receives
+/// posted, not only its own, so a posted receive takes its payload whichever request the rank
+/// is waiting on (a large send completes once its receive is posted, as schedule::validate's
+/// rendezvous model assumes). MPI tag 0 carries control notices (see below).
 ///
 /// Sends: the payload buffer must stay valid and unchanged until the send's wait returns.
 /// Receives: the buffer must stay valid until the receive's wait or test completes it.
