@@ -40,8 +40,9 @@ def mean(xs):
 order = {"even": 0, "static": 1, "dynamic": 2}
 print("| workload | stages | split | e2e mean / p50 / p99 (s) | TTFT mean / p99 (s) | "
       "TPOT mean / p99 (s) | tokens/s | mean e2e vs even (each repeat) | moves | "
-      "held-out MAPE per stage | slowest migration round vs neighbours | load average |")
-print("| --- | ---: | --- | --- | --- | --- | ---: | --- | ---: | --- | ---: | --- |")
+      "held-out MAPE per stage | slowest migration round vs neighbours / vs without its copying | "
+      "load average |")
+print("| --- | ---: | --- | --- | --- | --- | ---: | --- | ---: | --- | --- | --- |")
 for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
     workload, stages, policy = key
     items = sorted(rows[key], key=lambda t: t[0])
@@ -59,6 +60,8 @@ for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
         mape.append(mean([r["predictor"][v]["heldout_mape"] for r in runs
                           if len(r["predictor"]) > v]))
     mig = [r["migration"]["max_round_ratio_vs_neighbours"] for r in runs if "migration" in r]
+    added = [r["migration"].get("max_added_ratio") for r in runs if "migration" in r]
+    added = [x for x in added if x is not None]
     loads = [x for r in runs for x in r.get("load_average_1min", [])]
     print(f"| {workload} | {stages} | {policy} | "
           f"{g('e2e_s', 'mean'):.2f} / {g('e2e_s', 'p50'):.2f} / {g('e2e_s', 'p99'):.2f} | "
@@ -66,5 +69,5 @@ for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
           f"{g('tpot_s', 'mean'):.3f} / {g('tpot_s', 'p99'):.3f} | "
           f"{g('throughput_tokens_per_s'):.1f} | {imp_text} | {moves:.1f} | "
           f"{' / '.join(f'{100 * x:.0f}%' for x in mape)} | "
-          f"{(f'{max(mig):.2f}x' if mig else '')} | "
+          f"{(f'{max(mig):.2f}x / {max(added):.2f}x' if mig and added else '')} | "
           f"{(f'{min(loads):.1f}-{max(loads):.1f}' if loads else '')} |")

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <numeric>
 
@@ -106,7 +107,9 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
     if (!next) return std::nullopt;
     mv.forced = true;
   } else {
-    if (round < last_switch + (moves_.empty() ? 0 : o_.cooldown)) return std::nullopt;
+    // Back-off: each move in a row that undid the one before doubles the cooldown.
+    const int wait = moves_.empty() ? 0 : o_.cooldown << std::min(reversals_, 6);
+    if (round < last_switch + wait) return std::nullopt;
     for (int v = 0; v < S; ++v)
       if (pred_.observations(v) < o_.warmup) return std::nullopt;
     const auto w = static_cast<std::size_t>(o_.window > 0 ? o_.window : 2 * microbatches_);
@@ -132,7 +135,17 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
         mv.to = to;
       }
     }
-    if (!next || best > worst * (1.0 - o_.min_gain)) return std::nullopt;
+    // A move that undoes the last one (the same layer back where it came from) needs twice the
+    // predicted gain: a layer does not shuttle between two stages on the predictions' noise.
+    bool reversal = false;
+    if (next && !moves_.empty()) {
+      const auto& last = moves_.back();
+      const auto& src = current.stage(mv.from);
+      const int layer = mv.to > mv.from ? src.last - 1 : src.first;
+      reversal = !last.forced && last.from == mv.to && last.to == mv.from && last.layer == layer;
+    }
+    if (!next || best > worst * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain)) return std::nullopt;
+    reversals_ = reversal ? reversals_ + 1 : 0;
     streak_ = 0;
     mv.predicted_slowest_s = worst;
     mv.predicted_slowest_after_s = best;
@@ -213,8 +226,13 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
       if (it == length.end() || !(median > 0)) continue;
       out.max_round_ratio = std::max(out.max_round_ratio, it->second / median);
       for (const auto& [key, secs] : migrating)
-        if (key.second == r && it->second > 0)
+        if (key.second == r && it->second > 0) {
           out.max_migration_share = std::max(out.max_migration_share, secs / it->second);
+          out.max_added_ratio =
+              std::max(out.max_added_ratio, secs < it->second
+                                                ? it->second / (it->second - secs)
+                                                : std::numeric_limits<double>::infinity());
+        }
     }
   }
   return out;

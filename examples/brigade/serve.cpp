@@ -33,7 +33,7 @@ struct ServeArgs {
   std::string trace, model, tokenizer, synthetic = "42M", metrics, timeline;
   std::string rebalance = "even";  // even, static, dynamic, or a comma list of them
   serve::RebalanceOptions dynamic;
-  double part_mib = 4.0;
+  double part_mib = 1.0;
   std::string profile = "auto";
   int stages = 2, max_requests = 0, threads = 1;
   double rate_scale = 1.0, prompt_scale = 1.0, output_scale = 1.0, timeout = 120.0;
@@ -225,15 +225,17 @@ int run_serve(ServeArgs& a) {
       fmt::print(stderr,
                  "serve: {:<6} migrations: {}, {:.1f} MiB in parts, {:.3f} s in MIGRATE / "
                  "MIGRATE_RECV; slowest migration round {:.2f}x the median of its neighbours; "
-                 "the most a rank spent migrating in one round {:.1f}% of it\n",
+                 "the most a rank spent migrating in one round {:.1f}% of it (that round "
+                 "{:.2f}x as long as without it)\n",
                  policy, impact.migrations, static_cast<double>(impact.migration_bytes) / (1 << 20),
                  impact.migration_seconds, impact.max_round_ratio,
-                 100 * impact.max_migration_share);
+                 100 * impact.max_migration_share, impact.max_added_ratio);
       run["migration"] = {{"migrations", impact.migrations},
                           {"bytes", impact.migration_bytes},
                           {"seconds", impact.migration_seconds},
                           {"max_round_ratio_vs_neighbours", impact.max_round_ratio},
-                          {"max_migration_share_of_round", impact.max_migration_share}};
+                          {"max_migration_share_of_round", impact.max_migration_share},
+                          {"max_added_ratio", impact.max_added_ratio}};
     }
     std::vector<int> final_layers;
     for (const auto& st : rep.plans.back().second.stages())
@@ -319,6 +321,10 @@ std::function<int()> setup(CLI::App& sub) {
   sub.add_option("--rebalance-cooldown", a->dynamic.cooldown,
                  "dynamic: rounds after a move switched before the next one (hysteresis)")
       ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
+      ->capture_default_str();
+  sub.add_option("--rebalance-min-gain", a->dynamic.min_gain,
+                 "dynamic: move only when the predicted slowest stage drops by this fraction")
+      ->check(cli::number_in(0.0, 0.99, "a number from 0 to 0.99"))
       ->capture_default_str();
   sub.add_option("--force-move-every", a->dynamic.force_every,
                  "dynamic: move a layer every N rounds regardless of the predictor (a "

@@ -504,6 +504,7 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
   o.cooldown = 5;
   o.warmup = 4;
   o.threshold = 0.1;
+  o.min_gain = 0.02;  // a tail-held decoder of stories260K is a few percent of its stage
   serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
   // Stage 1 takes 3x its prior, stage 0 its prior: stage 1 is slowest by far.
   std::vector<serve::RoundFeatures> rounds;
@@ -575,4 +576,57 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
           bad.patience = 0;
           serve::Rebalancer(weights, even, 2, 1, bad);
         }).find("patience 0 (>= 1)") != std::string::npos);
+}
+
+TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is not shuttled "
+          "back and forth: a reversal needs twice the gain and each one doubles the cooldown") {
+  const auto& weights = ref().weights;
+  const model::ModelSpec spec(weights.config);
+  const auto even = partition::uniform(spec, 2);  // [emb + 3 decoders | 2 decoders + tail]
+  const int hot = even.stage(1).first;  // the layer that misbehaves, wherever it runs
+  serve::RebalanceOptions o;
+  o.patience = 1;
+  o.cooldown = 4;
+  o.warmup = 2;
+  o.threshold = 0.1;
+  o.min_gain = 0.05;
+  serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
+  std::vector<serve::RoundFeatures> rounds;
+  for (int round = 0; round < 1500; ++round) {
+    serve::RoundFeatures f;
+    f.round = round;
+    f.decode_seqs = 4;
+    f.decode_context = 40;
+    f.sampled = 4;
+    rounds.push_back(f);
+    const auto& plan = rb.plan_at(round);
+    for (int v = 0; v < 2; ++v) {
+      const auto& st = plan.stage(v);
+      // The prior cannot see it: the stage holding `hot` takes 4x its prior.
+      const bool holds = st.first <= hot && hot < st.last;
+      rb.observe(v, f, (holds ? 4.0 : 1.0) * rb.predictor().prior(plan, v, f) + 1e-5);
+    }
+    (void)rb.decide(round, 0.0, rounds, 100);
+  }
+  const auto& moves = rb.moves();
+  REQUIRE(moves.size() >= 3);  // the layer went back at least twice
+  CHECK(moves.front().layer == hot);
+  int reversals = 0;
+  for (std::size_t k = 1; k < moves.size(); ++k) {
+    const auto& a = moves[k - 1];
+    const auto& b = moves[k];
+    const bool reversal = b.layer == a.layer && b.from == a.to && b.to == a.from;
+    reversals = reversal ? reversals + 1 : 0;
+    INFO("move " << k << ": ordered in round " << b.ordered_round << ", the one before switched "
+                 << "in round " << a.switch_round);
+    if (reversal) {
+      CHECK(b.predicted_slowest_after_s <= (1.0 - 2 * o.min_gain) * b.predicted_slowest_s);
+      // The cooldown after the move before this one was doubled once per earlier reversal.
+      CHECK(b.ordered_round >= a.switch_round + (o.cooldown << (reversals - 1)));
+    }
+  }
+  // Backed off: the gaps grow, so the last moves are far apart.
+  const auto& last = moves.back();
+  const auto& before = moves[moves.size() - 2];
+  CHECK(last.ordered_round - before.switch_round >= 2 * o.cooldown);
 }

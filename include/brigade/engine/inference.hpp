@@ -92,7 +92,7 @@ struct InferenceOptions {
   /// Layer migrations (serve's dynamic rebalancer): the most bytes one MIGRATE part carries
   /// besides the rows its round wrote (weights and backlog of KV rows; the last part of a
   /// migration carries everything left). Bytes.
-  std::size_t migration_part_bytes = std::size_t{4} << 20;
+  std::size_t migration_part_bytes = std::size_t{1} << 20;
 };
 
 /// The outcome of a run: per-sequence results and the measured Timeline (one row per rank).
@@ -333,7 +333,7 @@ class InferenceWorker {
                   const detail::GenerationLayout& layout, detail::MicrobatchSource* book,
                   std::chrono::steady_clock::time_point t0, bool weight_offload = false,
                   DType pipeline_dtype = DType::F32, bool background_prefetch = true,
-                  std::size_t migration_part_bytes = std::size_t{4} << 20);
+                  std::size_t migration_part_bytes = std::size_t{1} << 20);
   ~InferenceWorker();
   InferenceWorker(const InferenceWorker&) = delete;
   InferenceWorker& operator=(const InferenceWorker&) = delete;

@@ -35,7 +35,10 @@ std::optional<partition::Partition> move_layer(const partition::Partition& p, in
 /// the current layers; when the slowest exceeds the mean by `threshold` for `patience`
 /// consecutive rounds (and `cooldown` rounds have passed since the last switch, and no move is
 /// under way), move one boundary decoder from the slowest stage to the neighbour for which the
-/// predicted slowest stage after the move is lowest, if that lowers it by `min_gain`. The move's
+/// predicted slowest stage after the move is lowest, if that lowers it by `min_gain`. Hysteresis
+/// against oscillation: a move that undoes the previous one (the same layer back) needs twice
+/// `min_gain`, and each such reversal in a row doubles the cooldown before the next move (up to
+/// 64 x; a move that is not a reversal resets it). The move's
 /// parts are sized so that each part carries at most `part_bytes` (parts = 1 + ceil(bytes /
 /// (micro-batches x part_bytes)) rounds). One move at a time. Not thread-safe: the book owns it.
 class Rebalancer {
@@ -84,6 +87,7 @@ class Rebalancer {
   std::vector<LayerMove> moves_;
   int streak_ = 0;
   int forced_ = 0;
+  int reversals_ = 0;  // moves in a row that each undid the one before
 };
 
 /// What the migrations of a run did to its rounds, from its Timeline. A round's time is the gap
@@ -101,6 +105,11 @@ struct MigrationImpact {
   /// MIGRATE_RECV actions (copying parts, or waiting for one): the latency a migration adds to
   /// the round directly.
   double max_migration_share = 0.0;
+  /// The largest t / (t - m) over a migration round of time t and a rank that spent m of it in
+  /// migration ops: how much slower the round was than without that rank's migration work, if
+  /// that work lay on the round's critical path (an upper bound of the latency a migration
+  /// added; the neighbours' ratio above also moves with the batch mix).
+  double max_added_ratio = 0.0;
   double migration_seconds = 0.0;  ///< seconds in MIGRATE / MIGRATE_RECV, all ranks
   std::int64_t migration_bytes = 0;  ///< bytes the parts carried
 };

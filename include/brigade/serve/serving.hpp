@@ -59,15 +59,18 @@ struct RebalanceOptions {
   double threshold = 0.10;
   /// Hysteresis: the imbalance must persist this many consecutive rounds before a move.
   int patience = 4;
-  /// Hysteresis: rounds after a move's switch round before the next move may be ordered.
+  /// Hysteresis: rounds after a move's switch round before the next move may be ordered;
+  /// doubled after each move in a row that undid the one before (Rebalancer).
   int cooldown = 16;
   /// Measured rounds per stage before the first move (the predictor's fit warms up).
   int warmup = 8;
   /// The load a decision weighs: the last `window` micro-batch rounds built (0: two per
   /// micro-batch).
   int window = 0;
-  /// A move is made only when it lowers the predicted slowest stage by at least this fraction.
-  double min_gain = 0.02;
+  /// A move is made only when it lowers the predicted slowest stage by at least this fraction
+  /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
+  /// smaller predicted gain would buy a migration's copying for what may be noise).
+  double min_gain = 0.05;
   /// Testing and demonstration: order a move every `force_every` rounds after the previous
   /// switch, regardless of the predictor, cycling over the boundaries and alternating the
   /// direction (0: off, the predictor decides).

@@ -94,11 +94,13 @@ class InProcessTransport {
     BRIGADE_CHECK(payload.size() == header.nbytes(), Errc::InvalidArgument,
                   "rank {}: send to rank {} (tag {}) of {} bytes, header {} says {} bytes", rank_,
                   peer, tag, payload.size(), header.to_string(), header.nbytes());
+    // The copy is made before the fabric's lock is taken: a large payload (a layer migration's
+    // part) does not hold up the other ranks' sends and receives.
+    InProcessFabric::Message msg{header, std::vector<std::byte>(payload.begin(), payload.end())};
     {
       std::lock_guard lock(fabric_->mu_);
       auto& ch = fabric_->channels_[{rank_, peer, tag}];
-      ch.pending.emplace(ch.sent++, InProcessFabric::Message{
-                                        header, std::vector<std::byte>(payload.begin(), payload.end())});
+      ch.pending.emplace(ch.sent++, std::move(msg));
     }
     fabric_->cv_.notify_all();
     Request r = Request::posted(false, peer, tag, header);
@@ -138,7 +140,9 @@ class InProcessTransport {
                    "rank {} stopped answering",
                    rank_, r.peer, r.tag, r.header.to_string(), r.peer);
     }
-    complete_locked(r, ch);
+    auto msg = take_locked(r, ch);
+    lock.unlock();  // the payload is copied outside the fabric's lock
+    finish(r, std::move(msg));
   }
 
   /// The optional abort of the Transport concept (AbortableTransport): aborts the fabric, so
@@ -157,11 +161,13 @@ class InProcessTransport {
   /// @throws brigade::Error as wait()
   bool test(Request& r) {
     if (r.done) return true;
-    std::lock_guard lock(fabric_->mu_);
+    std::unique_lock lock(fabric_->mu_);
     auto& ch = fabric_->channels_[{r.peer, rank_, r.tag}];
     auto* st = static_cast<RecvState*>(r.state.get());
     if (!fabric_->aborted_ && ch.pending.count(st->sequence) == 0) return false;
-    complete_locked(r, ch);
+    auto msg = take_locked(r, ch);
+    lock.unlock();
+    finish(r, std::move(msg));
     return true;
   }
 
@@ -176,13 +182,22 @@ class InProcessTransport {
                   "rank {}: peer {} outside [0, {})", rank_, peer, world_size());
   }
 
-  void complete_locked(Request& r, InProcessFabric::Channel& ch) {
+  /// Takes `r`'s message out of its channel (the fabric's lock held).
+  /// @throws brigade::Error{Aborted} when the fabric was aborted
+  InProcessFabric::Message take_locked(Request& r, InProcessFabric::Channel& ch) {
     if (fabric_->aborted_)
       detail::fail(Errc::Aborted, "rank {}: transport aborted: {}", rank_, fabric_->abort_reason_);
     auto* st = static_cast<RecvState*>(r.state.get());
     auto it = ch.pending.find(st->sequence);
     InProcessFabric::Message msg = std::move(it->second);
     ch.pending.erase(it);
+    return msg;
+  }
+
+  /// Checks `msg` against `r` and copies its payload into the receive buffer (no lock held).
+  /// @throws brigade::Error{HeaderMismatch} for another header or a buffer too small
+  void finish(Request& r, InProcessFabric::Message msg) {
+    auto* st = static_cast<RecvState*>(r.state.get());
     check_header(r.header, msg.header, rank_, r.peer, r.tag);
     BRIGADE_CHECK(msg.payload.size() <= st->buffer.size(), Errc::HeaderMismatch,
                   "rank {}: message from rank {} (tag {}, {}) has {} bytes, the receive buffer "
