@@ -306,7 +306,7 @@ RunSummary train_loop(Engine& eng, const TrainArgs& a, const RunData& d, bool ro
     say("transport: MPI, {} processes (one TP rank of a stage of one replica each; grid {})\n",
         grid_ranks, tp::Grid{d.tp, d.ranks, d.dp}.describe());
   else if (grid_ranks > d.ranks)
-    say("tensor x data x pipeline parallel: grid {} = {} threads\n",
+    say("tensor x pipeline x data parallel: grid {} = {} threads\n",
         tp::Grid{d.tp, d.ranks, d.dp}.describe(), grid_ranks);
   const double eval_before = eng.evaluate(eval);
   say("held-out loss at step {}: {:.4f}\n", eng.steps(), eval_before);

@@ -447,7 +447,7 @@ TEST_CASE("tp.train.cli: brigade train --tp 2 and --dp 2 on threads give the sin
   const auto [one, want] = run("--microbatches 4", "one.jsonl");
   REQUIRE(want.size() == 2);
   const auto [tp, tp_losses] = run("--microbatches 4 --tp 2", "tp.jsonl");
-  CHECK(tp.err.find("tensor x data x pipeline parallel: grid TP 2 x PP 2 = 4 threads") !=
+  CHECK(tp.err.find("tensor x pipeline x data parallel: grid TP 2 x PP 2 = 4 threads") !=
         std::string::npos);
   // DP2 of 2 micro-batches each: the same 4 micro-batches per step as the single pipeline.
   const auto [dp, dp_losses] = run("--microbatches 2 --dp 2 --tp 2", "dp.jsonl");
