@@ -21,15 +21,8 @@ macro(run_cli _np)
   execute_process(COMMAND ${MPIEXEC} ${NP_FLAG} ${_np} ${CLI} generate ${_model} ${ARGN}
                   OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc TIMEOUT 150)
 endmacro()
-macro(fail _what)
-  message(FATAL_ERROR "np ${NP} --tp 2: ${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
-macro(require_in _text _part _what)
-  string(FIND "${_text}" "${_part}" _at)
-  if(_at EQUAL -1)
-    fail("${_what}")
-  endif()
-endmacro()
+set(_fail_context "np ${NP} --tp 2: ")
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 
 # 1. Two sequences in flight, 64 steps.
 run_cli(${NP} --tp 2 --temperature 0 --steps 64 --prompt "Once upon a time"

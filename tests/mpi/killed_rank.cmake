@@ -12,15 +12,7 @@ set(_timeout 3)
 set(_args generate --model ${DATA_DIR}/stories260K.bin --tokenizer ${DATA_DIR}/tok512.bin
           --temperature 0 --steps 200 --prompt "Once upon a time" --prompt "One day"
           --timeout ${_timeout} --fail-rank 1 --fail-after-steps 5)
-macro(fail _what)
-  message(FATAL_ERROR "${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
-macro(require_in _text _part _what)
-  string(FIND "${_text}" "${_part}" _at)
-  if(_at EQUAL -1)
-    fail("${_what}")
-  endif()
-endmacro()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 
 # 1. Default: the job fails fast.
 string(TIMESTAMP _t0 "%s")

@@ -25,9 +25,8 @@ execute_process(
           --rebalance even,dynamic --force-move-every 3 --migration-part-mib 0.01 --timeout 60
           --metrics ${WORK_DIR}/m.json --timeline ${WORK_DIR}/tl.json
   OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc TIMEOUT 150)
-macro(fail _what)
-  message(FATAL_ERROR "np ${NP}: ${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
+set(_fail_context "np ${NP}: ")
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 if(NOT _rc EQUAL 0)
   fail("exit code ${_rc}")
 endif()

@@ -18,22 +18,11 @@ set(_timeout 3)
 set(_train train --model ${DATA_DIR}/stories260K.bin --tokenizer ${DATA_DIR}/tok512.bin
     --microbatches 4 --tokens-per-microbatch 64 --steps 6 --warmup 2 --timeout ${_timeout})
 
-macro(fail _what)
-  message(FATAL_ERROR "${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 macro(run_mpi)
   execute_process(COMMAND ${MPIEXEC} ${NP_FLAG} 2 ${CLI} ${_train} ${ARGN}
                   OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc TIMEOUT 120)
 endmacro()
-# The "loss" of each step in a metrics file (the last line of a step wins): sets ${_var}_<step>.
-function(read_losses _file _prefix)
-  file(STRINGS ${_file} _lines)
-  foreach(_line IN LISTS _lines)
-    string(JSON _step GET "${_line}" step)
-    string(JSON _loss GET "${_line}" loss)
-    set(${_prefix}_${_step} "${_loss}" PARENT_SCOPE)
-  endforeach()
-endfunction()
 macro(same_losses _a _b _first)
   foreach(_s RANGE ${_first} 6)
     if(NOT DEFINED ${_a}_${_s} OR NOT "${${_a}_${_s}}" STREQUAL "${${_b}_${_s}}")

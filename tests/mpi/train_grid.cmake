@@ -16,9 +16,7 @@ file(MAKE_DIRECTORY ${WORK_DIR})
 set(_train train --model ${DATA_DIR}/stories260K.bin --tokenizer ${DATA_DIR}/tok512.bin
     --microbatches 2 --tokens-per-microbatch 64 --steps 3 --warmup 1 --timeout 30 --profile none)
 
-macro(fail _what)
-  message(FATAL_ERROR "${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 macro(run_mpi _np)
   execute_process(COMMAND ${MPIEXEC} ${NP_FLAG} ${_np} ${CLI} ${_train} ${ARGN}
                   OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc TIMEOUT 150)
@@ -26,21 +24,6 @@ endmacro()
 macro(run_threads)
   execute_process(COMMAND ${CLI} ${_train} ${ARGN}
                   OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc TIMEOUT 150)
-endmacro()
-# The "loss" of each step in a metrics file: sets ${_prefix}_<step>.
-function(read_losses _file _prefix)
-  file(STRINGS ${_file} _lines)
-  foreach(_line IN LISTS _lines)
-    string(JSON _step GET "${_line}" step)
-    string(JSON _loss GET "${_line}" loss)
-    set(${_prefix}_${_step} "${_loss}" PARENT_SCOPE)
-  endforeach()
-endfunction()
-macro(require_in _text _part _what)
-  string(FIND "${_text}" "${_part}" _at)
-  if(_at EQUAL -1)
-    fail("${_what}")
-  endif()
 endmacro()
 
 # 1. The grids under MPI against the same grids on threads.

@@ -16,9 +16,7 @@ set(_train train --model ${DATA_DIR}/stories260K.bin --tokenizer ${DATA_DIR}/tok
     --microbatches 4 --tokens-per-microbatch 64 --steps 30 --warmup 2 --timeout 20
     --inject bitflip:1:0.1:rank=0:seed=3)
 
-macro(fail _what)
-  message(FATAL_ERROR "${_what}\n--- stdout:\n${_out}\n--- stderr:\n${_err}")
-endmacro()
+include(${CMAKE_CURRENT_LIST_DIR}/cli_checks.cmake)
 
 execute_process(COMMAND ${MPIEXEC} ${NP_FLAG} 2 ${CLI} ${_train} --verify drop
                         --metrics ${WORK_DIR}/mpi.jsonl
