@@ -178,16 +178,14 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
   out.migrations = static_cast<int>(report.moves.size());
   // Round starts on virtual stage 0 (its first F of each round).
   std::map<int, double> start;
-  std::map<std::pair<int, int>, double> migrating;  // (rank, round) -> seconds in migration ops
+  std::vector<const Interval*> migration;  // every MIGRATE / MIGRATE_RECV, any rank
   for (const auto& iv : report.timeline.intervals()) {
     if (iv.op == Op::F && iv.virtual_stage == 0) {
       auto [it, fresh] = start.emplace(iv.chunk, iv.start);
       if (!fresh) it->second = std::min(it->second, iv.start);
     }
     if (is_migration(iv.op)) {
-      // A part of round c is sent in round c and received in round c + 1.
-      const int round = iv.op == Op::Migrate ? iv.chunk : iv.chunk + 1;
-      migrating[{iv.rank, round}] += iv.duration();
+      migration.push_back(&iv);
       out.migration_seconds += iv.duration();
       out.migration_bytes += iv.bytes;
     }
@@ -223,16 +221,23 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
                                                      around[around.size() / 2]);
     for (int r = m.ordered_round; r <= m.switch_round; ++r) {
       const auto it = length.find(r);
-      if (it == length.end() || !(median > 0)) continue;
+      if (it == length.end() || !(median > 0) || !(it->second > 0)) continue;
       out.max_round_ratio = std::max(out.max_round_ratio, it->second / median);
-      for (const auto& [key, secs] : migrating)
-        if (key.second == r && it->second > 0) {
-          out.max_migration_share = std::max(out.max_migration_share, secs / it->second);
-          out.max_added_ratio =
-              std::max(out.max_added_ratio, secs < it->second
-                                                ? it->second / (it->second - secs)
-                                                : std::numeric_limits<double>::infinity());
-        }
+      // Each rank's migration seconds inside the round's window [start, start + length): the
+      // rounds of a rank's ops are not the window they ran in (a part's MIGRATE_RECV runs
+      // before the receiver's next F, which may lie in a later window), and the share is of
+      // that window's wall time, at most 1 (a rank runs its ops one at a time).
+      const double lo = start[r], hi = lo + it->second;
+      std::map<int, double> secs;  // rank -> seconds in the window
+      for (const Interval* iv : migration)
+        secs[iv->rank] += std::max(0.0, std::min(iv->end, hi) - std::max(iv->start, lo));
+      for (const auto& [rank, in_window] : secs) {
+        const double share = std::min(1.0, in_window / it->second);
+        out.max_migration_share = std::max(out.max_migration_share, share);
+        out.max_added_ratio = std::max(out.max_added_ratio,
+                                       share < 1.0 ? 1.0 / (1.0 - share)
+                                                   : std::numeric_limits<double>::infinity());
+      }
     }
   }
   return out;

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -225,11 +226,14 @@ int run_serve(ServeArgs& a) {
       fmt::print(stderr,
                  "serve: {:<6} migrations: {}, {:.1f} MiB in parts, {:.3f} s in MIGRATE / "
                  "MIGRATE_RECV; slowest migration round {:.2f}x the median of its neighbours; "
-                 "the most a rank spent migrating in one round {:.1f}% of it (that round "
-                 "{:.2f}x as long as without it)\n",
+                 "the most a rank spent migrating in one round {:.1f}% of it ({})\n",
                  policy, impact.migrations, static_cast<double>(impact.migration_bytes) / (1 << 20),
                  impact.migration_seconds, impact.max_round_ratio,
-                 100 * impact.max_migration_share, impact.max_added_ratio);
+                 100 * impact.max_migration_share,
+                 std::isinf(impact.max_added_ratio)
+                     ? std::string("a rank migrated through a whole round")
+                     : fmt::format("that round {:.2f}x as long as without it",
+                                   impact.max_added_ratio));
       run["migration"] = {{"migrations", impact.migrations},
                           {"bytes", impact.migration_bytes},
                           {"seconds", impact.migration_seconds},

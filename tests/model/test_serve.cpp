@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -629,4 +630,54 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   const auto& last = moves.back();
   const auto& before = moves[moves.size() - 2];
   CHECK(last.ordered_round - before.switch_round >= 2 * o.cooldown);
+}
+
+TEST_CASE("serve.migration_impact: a rank's migration seconds count in the round windows they "
+          "overlap, so a share is at most the window and the added latency is t / (t - m)") {
+  serve::ServeReport rep;
+  rep.timeline = Timeline(2);
+  auto interval = [](int rank, Op op, int virtual_stage, int round, double start, double end) {
+    Interval iv;
+    iv.rank = rank;
+    iv.op = op;
+    iv.virtual_stage = virtual_stage;
+    iv.chunk = round;
+    iv.start = start;
+    iv.end = end;
+    return iv;
+  };
+  // Rounds start on virtual stage 0 at 0, 1, 2, 3, 4, 5, then 6.5, 7.5, 8.5, 9.5: every round
+  // takes 1 s except round 5 (1.5 s).
+  for (int r = 0; r < 10; ++r) {
+    const double at = r <= 5 ? r : r + 0.5;
+    rep.timeline.add(interval(0, Op::F, 0, r, at, at + 0.1));
+  }
+  serve::LayerMove m;
+  m.ordered_round = 4;
+  m.first_round = 5;
+  m.switch_round = 5;
+  rep.moves.push_back(m);
+  // Rank 1 sends round 4's part over [4.5, 5.25): 0.5 s in round 4's window, 0.25 s in round
+  // 5's. Rank 0 receives it over [5.5, 6.25): 0.75 s of round 5's 1.5 s.
+  auto send = interval(1, Op::Migrate, 1, 4, 4.5, 5.25);
+  send.bytes = 1000;
+  auto recv = interval(0, Op::MigrateRecv, 0, 4, 5.5, 6.25);
+  recv.bytes = 1000;
+  rep.timeline.add(send);
+  rep.timeline.add(recv);
+  const auto impact = serve::migration_impact(rep);
+  CHECK(impact.migrations == 1);
+  CHECK(impact.migration_bytes == 2000);
+  CHECK(impact.migration_seconds == doctest::Approx(1.5));
+  CHECK(impact.max_round_ratio == doctest::Approx(1.5));  // round 5 against the median 1 s
+  // Round 4: rank 1 half of it; round 5: rank 0 half of it (rank 1 a sixth).
+  CHECK(impact.max_migration_share == doctest::Approx(0.5));
+  CHECK(impact.max_added_ratio == doctest::Approx(2.0));
+  // A rank that migrates through a whole window: the share is 1, the added ratio unbounded.
+  rep.timeline.add(interval(1, Op::MigrateRecv, 1, 5, 5.25, 6.5));
+  const auto whole = serve::migration_impact(rep);
+  CHECK(whole.max_migration_share == doctest::Approx(1.0));
+  CHECK(std::isinf(whole.max_added_ratio));
+  CHECK_THROWS_WITH_AS(serve::migration_impact(rep, 0),
+                       "migration_impact: neighbours = 0, expected >= 1", Error);
 }

@@ -101,14 +101,17 @@ struct MigrationImpact {
   /// The largest ratio of a migration round's time to the median of its neighbours' (1 = as
   /// fast as them; the target is <= 1.2).
   double max_round_ratio = 0.0;
-  /// The largest share of a migration round's time that one rank spent in its MIGRATE and
-  /// MIGRATE_RECV actions (copying parts, or waiting for one): the latency a migration adds to
-  /// the round directly.
+  /// The largest share, in [0, 1], of a migration round's window that one rank spent in its
+  /// MIGRATE and MIGRATE_RECV actions (copying parts, or waiting for one). A round's window is
+  /// [its first F on virtual stage 0, the next round's), and each rank's ops are counted by
+  /// the time they overlap it, whatever round they belong to. This is the latency a migration
+  /// adds to the round directly.
   double max_migration_share = 0.0;
-  /// The largest t / (t - m) over a migration round of time t and a rank that spent m of it in
-  /// migration ops: how much slower the round was than without that rank's migration work, if
-  /// that work lay on the round's critical path (an upper bound of the latency a migration
-  /// added; the neighbours' ratio above also moves with the batch mix).
+  /// The largest t / (t - m) over a migration round's window of t seconds and a rank that
+  /// spent m of it in migration ops: how much slower the round was than it would have been
+  /// without that rank's migration work, if that work lay on the round's critical path. It is
+  /// an upper bound of the latency a migration added (the neighbours' ratio above also moves
+  /// with the batch mix). Infinite only when a rank migrated for the whole window.
   double max_added_ratio = 0.0;
   double migration_seconds = 0.0;  ///< seconds in MIGRATE / MIGRATE_RECV, all ranks
   std::int64_t migration_bytes = 0;  ///< bytes the parts carried
