@@ -14,6 +14,8 @@
 #   REPEATS            passes over the workloads (default 2)
 #   STAGES             pipeline stages to run, a list (default "2"; "2 3" for both)
 #   WORKLOADS          any of code conv mixed (default all three)
+#   POLICIES           the --rebalance list (default even,static,dynamic; e.g. dynamic alone
+#                      to re-measure the migrations)
 # Prints one line per run and the summary of bench/serve_summary.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +25,7 @@ O="${1:?usage: bench/serve_compare.sh OUTDIR}"
 REPEATS="${REPEATS:-2}"
 STAGES="${STAGES:-2}"
 WORKLOADS="${WORKLOADS:-code conv mixed}"
+POLICIES="${POLICIES:-even,static,dynamic}"
 mkdir -p "$O"
 { lscpu | grep -E "Model name|^CPU\(s\)"; printf "ISA:"
   grep -qw avx512f /proc/cpuinfo && printf " AVX-512"; grep -qw avx2 /proc/cpuinfo && printf " AVX2"
@@ -44,7 +47,7 @@ with open(sys.argv[1], "w") as f:
                             "output_length": out}) + "\n")
 PY
 
-common=(--synthetic 42M --temperature 1 --top-p 0.9 --rebalance even,static,dynamic)
+common=(--synthetic 42M --temperature 1 --top-p 0.9 --rebalance "$POLICIES")
 args_code=(--trace "$D/traces/AzureLLMInferenceTrace_code.csv" --max-requests 100
            --prompt-scale 0.1 --output-scale 0.25 --rate-scale 2)
 args_conv=(--trace "$D/traces/AzureLLMInferenceTrace_conv.csv" --max-requests 60
