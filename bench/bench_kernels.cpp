@@ -8,12 +8,14 @@
 //       residual stream (a 2-4 MiB copy, < 0.1% of the time) and runs decoder_layer_forward.
 //   BM_Sgemm/T/in/out               matmul_wt(x[T x in], W[out x in]) for the layer's three
 //       largest shapes: [512 x dim] W1^T (W3 alike), [512 x hidden] W2^T, [512 x dim] Wq^T.
-//   BM_MatmulSmallM/T/in/out/path  matmul_wt(x[T x in], W[out x in]) at decode sizes, T in
-//       {1, 4, 16, 32, 64}, on the 42M Llama's shapes (dim 512, hidden 1376, vocab 32000):
+//   BM_MatmulSmallM/T/in/out/path/woff  matmul_wt(x[T x in], W[out x in]) at decode sizes, T
+//       in {1, 4, 8, 16, 32, 64}, on the 42M Llama's shapes (dim 512, hidden 1376, vocab 32000):
 //       Wq/Wk/Wv/Wo 512x512, W1/W3 1376x512, W2 512x1376, classifier 32000x512.
 //       path:0/1/2 is matmul_wt's small-M kernel built for generic C++ / AVX2+FMA / AVX-512
 //       (skipped where the CPU lacks it; the label names it); path:3 the packing GEMM of larger
 //       products (OpenBLAS SGEMM or Eigen's, per cpu::gemm_backend()), in this binary.
+//       woff: W starts 0 or 28 bytes past a 64-byte line (28: where a llama2.c checkpoint's
+//       mmap puts every tensor; the kernel's shifted loads, cpu_small_m_kernel.hpp).
 //       Counters: GFLOP/s and weight_GB/s (W's bytes per second: the decode roofline's stream).
 //   BM_MatmulSmallMTyped/T/in/out/dtype  the same products with W kept in F32, F16, BF16 or
 //       Q8_0 (dtype = brigade::DType 0, 1, 2, 5), on this CPU's widest small-M kernel (T <= 64;
@@ -67,9 +69,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-// OpenBLAS's name for the kernel set it picked at load time (DYNAMIC_ARCH builds).
-extern "C" char* openblas_get_corename(void);
 
 namespace {
 
@@ -388,7 +387,7 @@ void BM_MatmulSmallM(benchmark::State& state) {
   // generic, avx2, avx512), 3 = the packing GEMM matmul_wt runs above 64 rows (OpenBLAS SGEMM
   // or Eigen's, per cpu::gemm_backend()).
   const std::int64_t T = state.range(0), in = state.range(1), out = state.range(2);
-  const std::int64_t path = state.range(3);
+  const std::int64_t path = state.range(3), woff = state.range(4);
   const bool eigen = path == 3;
   const auto isa = static_cast<cpu::KernelIsa>(eigen ? 0 : path);
   if (!cpu::kernel_isa_supported(isa)) {
@@ -402,19 +401,25 @@ void BM_MatmulSmallM(benchmark::State& state) {
   std::mt19937 rng(static_cast<unsigned>(in * 7 + out + T));
   const Vec x = random_vec(rng, T * in, 1.0f), w = random_vec(rng, out * in, 0.05f);
   Vec y(sz(T * out));
+  // W placed `woff` bytes past a 64-byte line (28: where a llama2.c checkpoint puts every tensor)
+  Vec w_storage(w.size() + 32);
+  float* wp = reinterpret_cast<float*>(
+                  (reinterpret_cast<std::uintptr_t>(w_storage.data()) + 63) / 64 * 64) +
+              woff / 4;
+  std::copy(w.begin(), w.end(), wp);
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   auto run = [&] {
     if (eigen && blas) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(T),
                   static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x.data(),
-                  static_cast<blasint>(in), w.data(), static_cast<blasint>(in), 0.0f, y.data(),
+                  static_cast<blasint>(in), wp, static_cast<blasint>(in), 0.0f, y.data(),
                   static_cast<blasint>(out));
     } else if (eigen) {
       Eigen::Map<RowMat> o(y.data(), T, out);
       o.noalias() = Eigen::Map<const RowMat>(x.data(), T, in) *
-                    Eigen::Map<const RowMat>(w.data(), out, in).transpose();
+                    Eigen::Map<const RowMat>(wp, out, in).transpose();
     } else {
-      cpu::matmul_wt(x.data(), w.data(), y.data(), T, in, out);
+      cpu::matmul_wt(x.data(), wp, y.data(), T, in, out);
     }
   };
   for (auto _ : state) {
@@ -474,9 +479,9 @@ BENCHMARK(BM_Sgemm)
     ->Unit(benchmark::kMillisecond);
 
 BENCHMARK(BM_MatmulSmallM)
-    ->ArgNames({"T", "in", "out", "path"})
-    ->ArgsProduct({{1, 4, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1, 2, 3}})
-    ->ArgsProduct({{1, 4, 16, 32, 64}, {1376}, {512}, {0, 1, 2, 3}})
+    ->ArgNames({"T", "in", "out", "path", "woff"})
+    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1, 2, 3}, {0, 28}})
+    ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {1376}, {512}, {0, 1, 2, 3}, {0, 28}})
     ->Unit(benchmark::kMicrosecond);
 
 // dtype: 0 F32, 1 F16, 2 BF16, 5 Q8_0 (brigade::DType); the decode shapes of the 42M model.
@@ -492,15 +497,6 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("blas_threads", std::to_string(cpu::blas_threads()));
   brigade::bench::add_machine_context();
-  // OpenBLAS 0.3.21 does not know newer CPUs (e.g. Xeon family 6 model 207) and falls back to
-  // its SSE3 "Prescott" kernels, 5-7x slower; OPENBLAS_CORETYPE=SkylakeX (or Cooperlake) fixes it.
-  const std::string core = openblas_get_corename();
-  benchmark::AddCustomContext("blas_core", core);
-  if (core == "Prescott" || core == "Core2" || core == "Nehalem")
-    std::fprintf(stderr,
-                 "warning: OpenBLAS picked its '%s' kernels; set OPENBLAS_CORETYPE=SkylakeX "
-                 "(AVX-512) or Haswell (AVX2) for this CPU's real SGEMM rate\n",
-                 core.c_str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

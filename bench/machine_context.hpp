@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <utility>
@@ -64,8 +65,9 @@ inline double median_error(std::vector<double> xs) {
   return median(std::move(xs));
 }
 
-/// Adds cpu_model, kernel_isa, ceiling_gemm_GFLOPs_1core, ceiling_triad_GBs_1core and
-/// ceiling_triad_GBs_box (all hardware threads) to Google Benchmark's context.
+/// Adds cpu_model, kernel_isa, gemm_library, ceiling_gemm_GFLOPs_1core, ceiling_triad_GBs_1core
+/// and ceiling_triad_GBs_box (all hardware threads) to Google Benchmark's context; warns on
+/// stderr when OpenBLAS runs older kernels than the CPU has.
 inline void add_machine_context() {
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   cost::ProfileOptions o;
@@ -84,6 +86,20 @@ inline void add_machine_context() {
   };
   benchmark::AddCustomContext("cpu_model", cpu::cpu_model_name());
   benchmark::AddCustomContext("kernel_isa", std::string(cpu::to_string(cpu::kernel_isa())));
+  // The prefill GEMM's library and kernels. OpenBLAS 0.3.21 picks its AVX-512 kernels on Zen 5
+  // (Cooperlake) by itself, but an OPENBLAS_CORETYPE set in the environment overrides that, and
+  // on CPUs it does not know it may fall back to SSE3 (Prescott) or AVX2 (Haswell) code.
+  const std::string gemm = cpu::gemm_backend_name();
+  benchmark::AddCustomContext("gemm_library", gemm);
+  const bool avx2_core = gemm == "openblas Haswell" || gemm == "openblas Zen";
+  if ((avx2_core && cpu::kernel_isa_supported(cpu::KernelIsa::Avx512)) ||
+      gemm == "openblas Prescott" || gemm == "openblas Core2" || gemm == "openblas Nehalem")
+    std::fprintf(stderr,
+                 "warning: %s: OpenBLAS runs older kernels than this CPU has (OPENBLAS_CORETYPE"
+                 " is %s); the prefill GEMM rate is below this CPU's (unset it, or set "
+                 "SkylakeX for AVX-512)\n",
+                 gemm.c_str(), std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE")
+                                                                : "not set");
   benchmark::AddCustomContext("ceiling_gemm_GFLOPs_1core", fmt1(gemm_gflops_one_core()));
   benchmark::AddCustomContext("ceiling_triad_GBs_1core", fmt1(profile.core_bytes_per_s * 1e-9));
   benchmark::AddCustomContext("ceiling_triad_GBs_box",

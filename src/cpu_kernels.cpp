@@ -146,6 +146,11 @@ GemmBackend gemm_backend() {
   return chosen;
 }
 
+std::string gemm_backend_name() {
+  if (gemm_backend() == GemmBackend::Eigen) return "eigen";
+  return std::string("openblas ") + openblas_get_corename();
+}
+
 namespace {
 
 // ---- small-M path: out[T x N] (+)= x[T x K] W^T for few rows T, W streamed once unpacked ----
@@ -232,9 +237,28 @@ std::atomic<KernelIsa>& current_isa() {
   return isa;
 }
 
+/// Bytes of the cache line that the small-M kernels' x packets should not straddle.
+constexpr std::uintptr_t kLineBytes = 64;
+
 void small_m_gemm(const float* x, model::WeightMatrix w, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, bool accumulate) {
-  const detail::SmallMKernel kernel = kernel_of(current_isa().load(std::memory_order_relaxed));
+  const KernelIsa isa = current_isa().load(std::memory_order_relaxed);
+  const detail::SmallMKernel kernel = kernel_of(isa);
+  // x is read once per block of W rows, from L1: packets that straddle a line cost two of L1's
+  // load slots each (with an x from a std::vector every 64-byte packet does), which halved the
+  // 8-row AVX-512 product with W in cache (bench_kernels BM_MatmulSmallM). A copy on a line,
+  // tokens x in floats, costs about 1 / out_dim of the product. Rows stay on lines only when
+  // `in` is a multiple of 16 floats.
+  thread_local std::vector<float> x_on_line;
+  constexpr std::int64_t kLineFloats = kLineBytes / sizeof(float);
+  if (isa != KernelIsa::Generic && reinterpret_cast<std::uintptr_t>(x) % kLineBytes != 0 &&
+      in % kLineFloats == 0) {
+    float* base = grow(x_on_line, tokens * in + kLineFloats);
+    const std::uintptr_t misfit = reinterpret_cast<std::uintptr_t>(base) % kLineBytes;
+    float* aligned = base + (misfit == 0 ? 0 : (kLineBytes - misfit) / sizeof(float));
+    std::copy_n(x, tokens * in, aligned);
+    x = aligned;
+  }
   const int threads = intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
   if (threads > 1) {
     // Each part takes one contiguous range of W's rows (its own weight streams); each

@@ -38,6 +38,26 @@ struct Avx2 {
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
   }
+  /// A float32 W row that starts `s` floats (1..7) past a 32-byte boundary: the in-register
+  /// lane rotation and the lanes taken from the second aligned packet.
+  struct Shift {
+    __m256i idx;
+    __m256 upper;
+    int s;
+  };
+  static Shift make_shift(int s) {
+    const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i is = _mm256_add_epi32(i, _mm256_set1_epi32(s));
+    // lane i takes element (i + s) % 8 of the first packet when i + s < 8, else of the second
+    return {_mm256_and_si256(is, _mm256_set1_epi32(7)),
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(is, _mm256_set1_epi32(7))), s};
+  }
+  static __m256 load_aligned(const float* p) { return _mm256_load_ps(p); }
+  /// Elements s .. s + 7 of the aligned packets lo, hi: each rotated, one blend.
+  static __m256 combine(__m256 lo, __m256 hi, const Shift& sh) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, sh.idx),
+                            _mm256_permutevar8x32_ps(hi, sh.idx), sh.upper);
+  }
   static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };

@@ -44,15 +44,65 @@ inline float reduce_lanes_vec(const float* lanes) {
 // register each, and MR + NR loads per MR x NR FMAs; the first pass brings the chunk's W rows
 // into L1, the others find them there. One x row (sm_gemv) takes all 16 lanes at once.
 
+/// How a float32 W row's packets are loaded. Plain: one unaligned load each. Shifted (W's rows
+/// start `shift` floats past a packet boundary, the same for every row): the two aligned packets
+/// that hold the elements, recombined in registers (Isa::load_shifted), so that no load splits
+/// a cache line. A misaligned 64-byte load touches two lines, and on Zen 5 a stream of them
+/// reads W from memory at about 60% of the aligned rate (bench_kernels BM_MatmulSmallM with
+/// WOFF; llama2.c checkpoints put every tensor 28 bytes past a line, GGUF's 32-byte alignment
+/// half of them). The loaded values are the same, so the bits are too.
+template <class Isa, bool Shifted>
+struct WLoad {
+  typename Isa::Shift shift{};
+    /// Row length (floats): a walk's steps that reach it load unaligned, as the aligned packet
+  /// after a row's last element would lie past the row.
+  std::int64_t in = 0;
+};
+
 /// Walks k over [k_begin, k_end) in steps of 16 lanes, calling step(k, load_w) where
-/// load_w(j, kk) is the packet of W row j (`rb` bytes after row j - 1) at element kk. k_begin is
-/// a multiple of 16 (of 32 for Q8_0) plus a packet offset, and k_end - k_begin a multiple of 16
-/// (of 32 for Q8_0): a Q8_0 block's two steps read its scale once.
-template <class Isa, DType WT, int NR, class Step>
+/// load_w(j, kk) is the packet of W row j (`rb` bytes after row j - 1) at element kk, for kk =
+/// k + q * kWidth, q < Packets (the packets of a step). k_begin is a multiple of 16 (of 32 for
+/// Q8_0) plus a packet offset, and k_end - k_begin a multiple of 16 (of 32 for Q8_0): a Q8_0
+/// block's two steps read its scale once. `ld` says how float32 packets are read (WLoad).
+template <class Isa, DType WT, int NR, int Packets, bool Shifted, class Step>
 inline __attribute__((always_inline)) void sm_walk(const std::byte* w, std::int64_t rb,
                                                    std::int64_t k_begin, std::int64_t k_end,
-                                                   Step&& step) {
-  if constexpr (WT == DType::Q8_0) {
+                                                   const WLoad<Isa, Shifted>& ld, Step&& step) {
+  if constexpr (WT == DType::F32 && Shifted) {
+    // Rows start ld.shift.s floats past a packet boundary: each step reads the aligned packets
+    // that hold its elements and recombines neighbours (Isa::combine). When a step's packets
+    // cover all 16 lanes, the last aligned packet of a step is the first of the next one and is
+    // carried in a register, so each line is loaded once. A walk that reaches the row's end
+    // takes its last step with unaligned loads (the next aligned packet lies past the row).
+    using P = typename Isa::Packet;
+    constexpr int kW = Isa::kWidth;
+    constexpr bool kCarry = Packets * kW == kSmallMLanes;
+    const std::int64_t last = k_end == ld.in ? k_end - kSmallMLanes : k_end;
+    auto aligned = [&](int j, std::int64_t kk) __attribute__((always_inline)) {
+      return Isa::load_aligned(reinterpret_cast<const float*>(w + j * rb) + kk - ld.shift.s);
+    };
+    std::int64_t k = k_begin;
+    P carried[NR];
+    if (kCarry && k < last)
+      for (int j = 0; j < NR; ++j) carried[j] = aligned(j, k);
+    for (; k < last; k += kSmallMLanes) {
+      P packets[NR][Packets];
+      for (int j = 0; j < NR; ++j) {
+        P lo = kCarry ? carried[j] : aligned(j, k);
+        for (int q = 0; q < Packets; ++q) {
+          const P hi = aligned(j, k + (q + 1) * kW);
+          packets[j][q] = Isa::combine(lo, hi, ld.shift);
+          lo = hi;
+        }
+        if (kCarry) carried[j] = lo;
+      }
+      step(k, [&](int j, std::int64_t kk) { return packets[j][(kk - k) / kW]; });
+    }
+    for (; k < k_end; k += kSmallMLanes)
+      step(k, [&](int j, std::int64_t kk) {
+        return Isa::load(reinterpret_cast<const float*>(w + j * rb) + kk);
+      });
+  } else if constexpr (WT == DType::Q8_0) {
     for (std::int64_t k = k_begin; k < k_end; k += 2 * kSmallMLanes) {
       typename Isa::Packet d[NR];
       for (int j = 0; j < NR; ++j) d[j] = Isa::q8_scale(w + j * rb, k);
@@ -78,11 +128,12 @@ inline constexpr std::int64_t kSmallMGroupRows = 64;
 /// (`rb` bytes apart), continuing the MR x NR accumulators of 16 lanes in `acc` ([MR][NR][16];
 /// from zero when `first`). Each lane sums its k in increasing order across the chunks, so the
 /// chunking leaves every output's summation order (cpu_small_m.hpp) unchanged.
-template <class Isa, DType WT, int MR, int NR>
+template <class Isa, DType WT, int MR, int NR, bool Sh>
 inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::byte* w,
                                                     float* acc_lanes, std::int64_t in,
                                                     std::int64_t rb, std::int64_t k0,
-                                                    std::int64_t k1, bool first) {
+                                                    std::int64_t k1, bool first,
+                                                    const WLoad<Isa, Sh>& ld) {
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
   constexpr int kPk = kSmallMLanes / kW;
@@ -101,7 +152,7 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
         for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
       }
     };
-    sm_walk<Isa, WT, NR>(w, rb, k0 + p * kW, k1, step);
+    sm_walk<Isa, WT, NR, 1>(w, rb, k0 + p * kW, k1, ld, step);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j)
         Isa::store(acc_lanes + (i * NR + j) * kSmallMLanes + p * kW, acc[i][j]);
@@ -109,24 +160,25 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
 }
 
 /// sm_chunk for the last `rows` < MR rows of x (MR - 1 down to 1).
-template <class Isa, DType WT, int MR, int NR>
+template <class Isa, DType WT, int MR, int NR, bool Sh>
 inline void sm_chunk_tail(const float* x, const std::byte* w, float* acc_lanes, std::int64_t rows,
                           std::int64_t in, std::int64_t rb, std::int64_t k0, std::int64_t k1,
-                          bool first) {
+                          bool first, const WLoad<Isa, Sh>& ld) {
   if constexpr (MR > 1) {
     if (rows == MR - 1)
-      sm_chunk<Isa, WT, MR - 1, NR>(x, w, acc_lanes, in, rb, k0, k1, first);
+      sm_chunk<Isa, WT, MR - 1, NR>(x, w, acc_lanes, in, rb, k0, k1, first, ld);
     else
-      sm_chunk_tail<Isa, WT, MR - 1, NR>(x, w, acc_lanes, rows, in, rb, k0, k1, first);
+      sm_chunk_tail<Isa, WT, MR - 1, NR>(x, w, acc_lanes, rows, in, rb, k0, k1, first, ld);
   }
 }
 
 /// All `tokens` rows of x against W rows n, n + rs, ..., n + (NR - 1) rs: for each group of up
 /// to kSmallMGroupRows x rows, the k-chunks in order, each over the group's blocks of MR rows;
 /// then each output's lanes reduced and its K % 16 tail added.
-template <class Isa, DType WT, int MR, int NR, bool Accumulate>
+template <class Isa, DType WT, int MR, int NR, bool Accumulate, bool Sh>
 inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t tokens,
-                    std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs) {
+                    std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs,
+                    const WLoad<Isa, Sh>& ld) {
   const std::int64_t rb = rs * row_bytes<WT>(in);
   const std::byte* wn = w + n * row_bytes<WT>(in);
   const std::int64_t k_vec = in - in % kSmallMLanes;
@@ -141,10 +193,10 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
       std::int64_t t = 0;
       for (; t + MR <= rows; t += MR)
         sm_chunk<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, in, rb, k0, k1,
-                                  k0 == 0);
+                                  k0 == 0, ld);
       if (t < rows)
         sm_chunk_tail<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, rows - t, in,
-                                       rb, k0, k1, k0 == 0);
+                                       rb, k0, k1, k0 == 0, ld);
     }
     for (std::int64_t t = 0; t < rows; ++t)
       for (int j = 0; j < NR; ++j) {
@@ -158,9 +210,10 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
 
 /// One row of x (a GEMV) against the NR rows of W at w, `rs` rows apart: all 16 lanes in one
 /// pass (NR x 16 / kWidth accumulators), so each Q8_0 block's scale is read once and x once.
-template <class Isa, DType WT, int NR, bool Accumulate>
+template <class Isa, DType WT, int NR, bool Accumulate, bool Sh>
 inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::byte* w, float* out,
-                                                   std::int64_t in, std::int64_t rs) {
+                                                   std::int64_t in, std::int64_t rs,
+                                                   const WLoad<Isa, Sh>& ld) {
   const std::int64_t rb = rs * row_bytes<WT>(in);
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
@@ -175,7 +228,7 @@ inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::by
       for (int j = 0; j < NR; ++j) acc[j][p] = Isa::fma(xv, load_w(j, k + p * kW), acc[j][p]);
     }
   };
-  sm_walk<Isa, WT, NR>(w, rb, 0, k_vec, step);
+  sm_walk<Isa, WT, NR, kPk>(w, rb, 0, k_vec, ld, step);
   alignas(64) float lanes[kSmallMLanes];
   for (int j = 0; j < NR; ++j) {
     for (int p = 0; p < kPk; ++p) Isa::store(lanes + p * kW, acc[j][p]);
@@ -187,26 +240,26 @@ inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::by
 
 /// W rows [n_begin, n_end): split into NR equal segments (GemvNR for one row of x) walked side
 /// by side, block i taking row i of each segment; the rows past the last whole segment one by one.
-template <class Isa, DType WT, int MR, int NR, int GemvNR, bool Accumulate>
+template <class Isa, DType WT, int MR, int NR, int GemvNR, bool Accumulate, bool Sh>
 inline void sm_run(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                    std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                   std::int64_t n_end) {
+                   std::int64_t n_end, const WLoad<Isa, Sh>& ld) {
   const std::int64_t rows = n_end - n_begin;
   std::int64_t done = 0;
   if (tokens == 1) {
     const std::int64_t seg = rows / GemvNR;
     for (std::int64_t i = 0; i < seg; ++i)
       sm_gemv<Isa, WT, GemvNR, Accumulate>(x, w + (n_begin + i) * row_bytes<WT>(in),
-                                           out + n_begin + i, in, seg);
+                                           out + n_begin + i, in, seg, ld);
     done = seg * GemvNR;
   } else {
     const std::int64_t seg = rows / NR;
     for (std::int64_t i = 0; i < seg; ++i)
-      sm_rows<Isa, WT, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg);
+      sm_rows<Isa, WT, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg, ld);
     done = seg * NR;
   }
   for (std::int64_t n = n_begin + done; n < n_end; ++n)
-    sm_rows<Isa, WT, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1);
+    sm_rows<Isa, WT, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1, ld);
 }
 
 template <class Isa, DType WT, int MR, int NR, int GemvNR>
@@ -214,10 +267,21 @@ inline void sm_typed(const float* x, const void* w, float* out, std::int64_t tok
                      std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
                      std::int64_t n_end, bool accumulate) {
   const auto* wb = static_cast<const std::byte*>(w);
-  if (accumulate)
-    sm_run<Isa, WT, MR, NR, GemvNR, true>(x, wb, out, tokens, in, out_dim, n_begin, n_end);
-  else
-    sm_run<Isa, WT, MR, NR, GemvNR, false>(x, wb, out, tokens, in, out_dim, n_begin, n_end);
+  auto run = [&](const auto& ld) {
+    if (accumulate)
+      sm_run<Isa, WT, MR, NR, GemvNR, true>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld);
+    else
+      sm_run<Isa, WT, MR, NR, GemvNR, false>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld);
+  };
+  if constexpr (WT == DType::F32) {
+    // Shifted loads when W starts inside a packet at a whole float and every row starts at the
+    // same offset (in a multiple of the packet width).
+    constexpr std::uintptr_t kBytes = sizeof(float) * Isa::kWidth;
+    const std::uintptr_t off = reinterpret_cast<std::uintptr_t>(w) % kBytes;
+    if (off != 0 && off % sizeof(float) == 0 && in % Isa::kWidth == 0)
+      return run(WLoad<Isa, true>{Isa::make_shift(static_cast<int>(off / sizeof(float))), in});
+  }
+  run(WLoad<Isa, false>{});
 }
 
 /// The kernel for W's dtype `wt` (F32, F16, BF16 or Q8_0; anything else does nothing: the

@@ -283,6 +283,60 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented or
   CHECK_THROWS_AS(cpu::set_kernel_isa(static_cast<cpu::KernelIsa>(9)), Error);
 }
 
+TEST_CASE("cpu_kernels.kernel_isa: W and x at each float offset from a cache line give the "
+          "documented order's bits") {
+  // A float32 W whose rows start inside a packet is read as aligned packets recombined in
+  // registers (cpu_small_m_kernel.hpp, WLoad), its last step per row unaligned; an x off a line
+  // is copied onto one (cpu_kernels.cpp). Both only when `in` is a multiple of 16: 512 (two
+  // k-chunks: the carry across a chunk boundary), 48 (one partial chunk), 1376 (six chunks).
+  const cpu::KernelIsa before = cpu::kernel_isa();
+  std::mt19937 rng(33);
+  // `n` floats starting `offset` floats past a 64-byte line of `storage`
+  auto on_line = [](Vec& storage, std::int64_t n, std::int64_t offset) {
+    storage.assign(sz(n + 32), 0.0f);
+    const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
+    return reinterpret_cast<float*>((base + 63) / 64 * 64) + offset;
+  };
+  int checked = 0;
+  for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512}) {
+    if (!cpu::kernel_isa_supported(isa)) continue;
+    cpu::set_kernel_isa(isa);
+    for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{512, 37}, {48, 21}, {1376, 19}})
+      for (std::int64_t t : {1, 3, 8, 16}) {  // rows the small-M kernel takes with either GEMM
+        const Vec x0 = random_vec(rng, t * in), w0 = random_vec(rng, out * in);
+        Vec ref(sz(t * out));
+        for (std::int64_t r = 0; r < t; ++r)
+          for (std::int64_t n = 0; n < out; ++n)
+            ref[sz(r * out + n)] = ref_small_m_dot(x0.data() + r * in, w0.data() + n * in, in);
+        for (std::int64_t w_off = 0; w_off < 16; ++w_off)
+          for (std::int64_t x_off : {0, 4, 7}) {
+            CAPTURE(cpu::to_string(isa));
+            CAPTURE(in);
+            CAPTURE(t);
+            CAPTURE(w_off);
+            CAPTURE(x_off);
+            Vec xs, ws;
+            float* x = on_line(xs, t * in, x_off);
+            float* w = on_line(ws, out * in, w_off);
+            std::copy(x0.begin(), x0.end(), x);
+            std::copy(w0.begin(), w0.end(), w);
+            Vec y(sz(t * out)), acc(sz(t * out), 0.5f);
+            cpu::matmul_wt(x, w, y.data(), t, in, out);
+            cpu::matmul_wt_accumulate(x, w, acc.data(), t, in, out);
+            int wrong = 0;
+            for (std::size_t i = 0; i < ref.size(); ++i) {
+              wrong += y[i] != ref[i];
+              wrong += acc[i] != 0.5f + ref[i];
+            }
+            CHECK(wrong == 0);
+            ++checked;
+          }
+      }
+  }
+  cpu::set_kernel_isa(before);
+  CHECK(checked >= 3 * 4 * 16 * 3);
+}
+
 TEST_CASE("cpu_kernels.matmul_wt: same bits on differently aligned copies of the inputs") {
   std::mt19937 rng(12);
   for (std::int64_t t : {1, 2, 3, 4, 7, 15, 16}) {  // the small-M path's sizes

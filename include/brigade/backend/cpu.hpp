@@ -141,6 +141,12 @@ enum class GemmBackend : std::uint8_t {
 /// (openblas_get_corename() is not one of its generic fallbacks such as "Prescott"), else Eigen.
 GemmBackend gemm_backend();
 
+/// gemm_backend() with its kernels, for benchmark reports: "openblas <core>" (the core
+/// OpenBLAS's DYNAMIC_ARCH runs, openblas_get_corename(): e.g. Haswell for its AVX2 kernels,
+/// SkylakeX or Cooperlake for its AVX-512 ones; OPENBLAS_CORETYPE overrides its own pick) or
+/// "eigen".
+std::string gemm_backend_name();
+
 }  // namespace v0
 }  // namespace brigade::cpu
 
