@@ -232,8 +232,23 @@ void dequantize_for(KernelIsa isa, model::WeightMatrix w, std::int64_t in, std::
   }
 }
 
+/// The instruction set named by BRIGADE_KERNEL_ISA when it is set (for comparisons: the AVX2
+/// kernel on an AVX-512 CPU), else the widest one this CPU supports.
+KernelIsa initial_isa() {
+  const char* env = std::getenv("BRIGADE_KERNEL_ISA");
+  if (env == nullptr || *env == '\0') return best_isa();
+  const KernelIsa isa = parse_kernel_isa(env, "BRIGADE_KERNEL_ISA");
+  BRIGADE_CHECK(isa_supported(isa), Errc::InvalidArgument,
+                "BRIGADE_KERNEL_ISA={}: this CPU (or this build) has no {} support; expected "
+                "one of the supported instruction sets (the widest here: {})",
+                to_string(isa), to_string(isa), to_string(best_isa()));
+  return isa;
+}
+
+/// The process's small-M kernel (initialised on first use; a bad BRIGADE_KERNEL_ISA throws
+/// there, and again at the next use).
 std::atomic<KernelIsa>& current_isa() {
-  static std::atomic<KernelIsa> isa{best_isa()};
+  static std::atomic<KernelIsa> isa{initial_isa()};
   return isa;
 }
 
@@ -439,7 +454,14 @@ std::string_view to_string(KernelIsa isa) noexcept {
 
 bool kernel_isa_supported(KernelIsa isa) noexcept { return isa_supported(isa); }
 
-KernelIsa kernel_isa() noexcept { return current_isa().load(std::memory_order_relaxed); }
+KernelIsa parse_kernel_isa(std::string_view name, std::string_view what) {
+  for (KernelIsa isa : {KernelIsa::Generic, KernelIsa::Avx2, KernelIsa::Avx512})
+    if (name == to_string(isa)) return isa;
+  ::brigade::detail::fail(Errc::InvalidArgument, "{} '{}'; expected generic, avx2 or avx512", what,
+                          ::brigade::detail::excerpt(name));
+}
+
+KernelIsa kernel_isa() { return current_isa().load(std::memory_order_relaxed); }
 
 void set_kernel_isa(KernelIsa isa) {
   BRIGADE_CHECK(isa == KernelIsa::Generic || isa == KernelIsa::Avx2 || isa == KernelIsa::Avx512,

@@ -67,6 +67,23 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
   CHECK(r0.out == c0.stdout_text);
 }
 
+TEST_CASE("cli.generate: BRIGADE_KERNEL_ISA picks the decode kernel (same tokens), and a bad one "
+          "is refused by name" *
+          doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
+  const auto& c1 = reference().cases[1];  // "Once upon a time", 64 steps
+  const std::string args =
+      " generate " + model_flags() + " --temperature 0 --steps 64 --prompt \"Once upon a time\"";
+  // generic runs everywhere: the portable kernel gives run.c's bytes, as every kernel does
+  auto r = brigade::test::run_shell("BRIGADE_KERNEL_ISA=generic " + std::string(BRIGADE_CLI) + args);
+  REQUIRE(r.rc == 0);
+  CHECK(r.out == c1.stdout_text);
+  auto bad = brigade::test::run_shell("BRIGADE_KERNEL_ISA=sse9 " + std::string(BRIGADE_CLI) + args);
+  CHECK(bad.rc != 0);
+  CHECK(bad.out.empty());
+  CHECK(bad.err.find("BRIGADE_KERNEL_ISA 'sse9'; expected generic, avx2 or avx512") !=
+        std::string::npos);
+}
+
 TEST_CASE("cli.generate: --plan auto prints every candidate, runs its pick, same tokens as run.c" *
           doctest::skip(std::string_view(BRIGADE_CLI).empty())) {
   const auto ref = reference();

@@ -281,6 +281,10 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented or
   cpu::set_kernel_isa(before);
   CHECK(checked >= 1);
   CHECK_THROWS_AS(cpu::set_kernel_isa(static_cast<cpu::KernelIsa>(9)), Error);
+  for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512})
+    CHECK(cpu::parse_kernel_isa(cpu::to_string(isa)) == isa);
+  CHECK_THROWS_WITH_AS(cpu::parse_kernel_isa("AVX2"),
+                       "kernel instruction set 'AVX2'; expected generic, avx2 or avx512", Error);
 }
 
 TEST_CASE("cpu_kernels.kernel_isa: W and x at each float offset from a cache line give the "

@@ -118,9 +118,20 @@ std::string_view to_string(KernelIsa isa) noexcept;
 /// and Avx512).
 bool kernel_isa_supported(KernelIsa isa) noexcept;
 
-/// The small-M kernel in use: process-wide, initially the widest supported (Avx512, then Avx2,
-/// then Generic).
-KernelIsa kernel_isa() noexcept;
+/// The KernelIsa whose to_string() is `name` ("generic", "avx2" or "avx512").
+/// @param what where `name` came from, for the error (a flag or variable name)
+/// @throws brigade::Error{InvalidArgument} "<what> '<name>'; expected generic, avx2 or avx512"
+///         for any other name
+KernelIsa parse_kernel_isa(std::string_view name,
+                           std::string_view what = "kernel instruction set");
+
+/// The small-M kernel in use: process-wide, initially the one the environment variable
+/// BRIGADE_KERNEL_ISA names (generic, avx2 or avx512: to compare kernels in whole runs, e.g.
+/// the AVX2 kernel on an AVX-512 CPU), else the widest supported (Avx512, then Avx2, then
+/// Generic). Read once, at the first call of this or any kernel that uses it.
+/// @throws brigade::Error{InvalidArgument} if BRIGADE_KERNEL_ISA is set to an unknown name or
+///         to an instruction set this CPU or build does not support
+KernelIsa kernel_isa();
 
 /// Selects the small-M kernel for the whole process (benchmarks and tests compare them).
 /// @throws brigade::Error{InvalidArgument} if `isa` is unknown or not supported here
