@@ -11,6 +11,9 @@
 #     compare, e.g. F32, F16, Q8_0), then bench_pipeline's BM_Llama42M_Decode for every dtype and
 #     the triad ceiling. THREADS (default 1; a list such as 1,2) sets the threads of both.
 #     Default 2 repetitions.
+# KERNEL_ISAS (e.g. "avx512 avx2") runs brigade once per small-M kernel (BRIGADE_KERNEL_ISA) in
+# each repetition; default: the widest this CPU has. OpenBLAS's kernels follow
+# OPENBLAS_CORETYPE as set (the context's gemm_library names them).
 # The GGUFs: brigade's synthetic 42M as a llama2.c checkpoint converted by llama.cpp's
 # llama-convert-llama2c-to-ggml, and llama-quantize's F16 and Q8_0 copies (docs/benchmarks.md
 # gives the commands).
@@ -46,9 +49,12 @@ run_all() {
     "$bin/llama-batched-bench" -m "${models[0]}" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 48 \
       -npl 8,32 -t "$t" 2>/dev/null | grep -E '^\|'
   done
-  "$build/bench/bench_pipeline" \
-    --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
-    grep -E '^BM_|cpu_model|kernel_isa|ceiling_'
+  for isa in ${KERNEL_ISAS:-default}; do
+    echo "brigade, kernel $isa"
+    env $([[ $isa == default ]] || echo "BRIGADE_KERNEL_ISA=$isa") "$build/bench/bench_pipeline" \
+      --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
+      grep -E '^BM_|cpu_model|kernel_isa|gemm_library|ceiling_|warning'
+  done
 }
 
 run_dtypes() {
@@ -58,7 +64,7 @@ run_dtypes() {
   for t in ${threads//,/ }; do
     "$build/bench/bench_pipeline" \
       --benchmark_filter="BM_TriadCeiling/threads:$t(/|\$)|BM_Llama42M_Decode/threads:$t/" 2>&1 |
-      grep -E '^BM_|cpu_model|kernel_isa|ceiling_'
+      grep -E '^BM_|cpu_model|kernel_isa|gemm_library|ceiling_'
   done
 }
 
