@@ -92,14 +92,14 @@ inline void add_machine_context() {
   const std::string gemm = cpu::gemm_backend_name();
   benchmark::AddCustomContext("gemm_library", gemm);
   const bool avx2_core = gemm == "openblas Haswell" || gemm == "openblas Zen";
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   if ((avx2_core && cpu::kernel_isa_supported(cpu::KernelIsa::Avx512)) ||
       gemm == "openblas Prescott" || gemm == "openblas Core2" || gemm == "openblas Nehalem")
     std::fprintf(stderr,
                  "warning: %s: OpenBLAS runs older kernels than this CPU has (OPENBLAS_CORETYPE"
                  " is %s); the prefill GEMM rate is below this CPU's (unset it, or set "
                  "SkylakeX for AVX-512)\n",
-                 gemm.c_str(), std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE")
-                                                                : "not set");
+                 gemm.c_str(), coretype != nullptr ? coretype : "not set");
   benchmark::AddCustomContext("ceiling_gemm_GFLOPs_1core", fmt1(gemm_gflops_one_core()));
   benchmark::AddCustomContext("ceiling_triad_GBs_1core", fmt1(profile.core_bytes_per_s * 1e-9));
   benchmark::AddCustomContext("ceiling_triad_GBs_box",

@@ -3,7 +3,7 @@
 // internal linkage, so the copies built for different instruction sets never meet at link time.
 //
 // Blocks of NR rows of W times blocks of MR rows of x, MR x NR accumulators of 16 lanes, k
-// advancing 16 at a time with unaligned loads. One row of x (a GEMV, sm_gemv) walks each
+// advancing 16 at a time (W's packets loaded as WLoad says). One row of x (a GEMV, sm_gemv) walks each
 // block's whole rows at once; more rows walk them in chunks of kSmallMChunk floats (sm_rows), so
 // the chunk stays in L1 for every block of x rows. W is read once per call; x once per block of
 // NR W rows.
@@ -44,17 +44,18 @@ inline float reduce_lanes_vec(const float* lanes) {
 // register each, and MR + NR loads per MR x NR FMAs; the first pass brings the chunk's W rows
 // into L1, the others find them there. One x row (sm_gemv) takes all 16 lanes at once.
 
-/// How a float32 W row's packets are loaded. Plain: one unaligned load each. Shifted (W's rows
-/// start `shift` floats past a packet boundary, the same for every row): the two aligned packets
-/// that hold the elements, recombined in registers (Isa::load_shifted), so that no load splits
-/// a cache line. A misaligned 64-byte load touches two lines, and on Zen 5 a stream of them
-/// reads W from memory at about 60% of the aligned rate (bench_kernels BM_MatmulSmallM with
-/// WOFF; llama2.c checkpoints put every tensor 28 bytes past a line, GGUF's 32-byte alignment
-/// half of them). The loaded values are the same, so the bits are too.
+/// How a float32 W row's packets are loaded. Plain (Shifted false, and every typed W): one
+/// unaligned load each. Shifted (W's rows start shift.s floats past a packet boundary, the same
+/// for every row): the aligned packets that hold the elements, recombined in registers
+/// (Isa::combine), so that no load splits a cache line. A misaligned 64-byte load touches two
+/// lines, and on Zen 5 a stream of them reads W from memory at about 60% of the aligned rate
+/// (bench_kernels BM_MatmulSmallM, woff 0 against 28; llama2.c checkpoints put every tensor 28
+/// bytes past a line, GGUF's 32-byte alignment half of them). The loaded values are the same,
+/// so the bits are too.
 template <class Isa, bool Shifted>
 struct WLoad {
   typename Isa::Shift shift{};
-    /// Row length (floats): a walk's steps that reach it load unaligned, as the aligned packet
+  /// Row length (floats): a walk's steps that reach it load unaligned, as the aligned packet
   /// after a row's last element would lie past the row.
   std::int64_t in = 0;
 };
