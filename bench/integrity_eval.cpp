@@ -111,8 +111,14 @@ struct Stream {
   /// The row keys the receiver's monitor uses (VerifyingTransport::expect): input ids for
   /// activations, target ids for gradients.
   [[nodiscard]] std::span<const std::int32_t> keys(std::size_t i) const {
-    return name.rfind("gradient", 0) == 0 ? targets[i] : inputs[i];
+    return gradient() ? targets[i] : inputs[i];
   }
+  /// Per message: its step's real targets (RowKeys::gradient_scale).
+  std::vector<double> step_targets;
+  /// The scale the receiver's monitor compares the message under (SentinelMonitor::assess):
+  /// the step's real targets for a gradient, 1 for an activation.
+  [[nodiscard]] double scale(std::size_t i) const { return gradient() ? step_targets[i] : 1.0; }
+  [[nodiscard]] bool gradient() const { return name.rfind("gradient", 0) == 0; }
 };
 
 
@@ -138,12 +144,13 @@ std::vector<Stream> record(Run& run, int steps) {
   std::vector<Recorder> recorders;
   recorders.reserve(endpoints.size());
   std::vector<data::PackedBatch> batches;  // this step's micro-batches (read by the recorders)
+  double targets = 1;                      // their real targets (RowKeys::gradient_scale)
   for (auto& e : endpoints) {
     auto* mine = &got[static_cast<std::size_t>(e.rank())];
     const int me = e.rank();
     recorders.emplace_back(
         e, std::vector<MessageKind>{MessageKind::Activation, MessageKind::Gradient},
-        [mine, me, &batches](const transport::MessageHeader& h, int from, transport::ConstBytes p) {
+        [mine, me, &batches, &targets](const transport::MessageHeader& h, int from, transport::ConstBytes p) {
           auto& s = (*mine)[{from, static_cast<int>(h.kind)}];
           if (s.name.empty())
             s.name = fmt::format("{} {} -> {}", transport::to_string(h.kind), from, me);
@@ -152,6 +159,7 @@ std::vector<Stream> record(Run& run, int steps) {
           s.rows.push_back(h.shape[0]);
           s.microbatch.push_back(h.microbatch);
           s.chunk.push_back(h.chunk);
+          s.step_targets.push_back(targets);
           row_keys(batches[static_cast<std::size_t>(h.microbatch)], s);
           return transport::CheckResult{};
         });
@@ -163,6 +171,7 @@ std::vector<Stream> record(Run& run, int steps) {
   for (int s = 0; s < steps; ++s) {
     batches.clear();
     for (int m = 0; m < run.cfg.microbatches; ++m) batches.push_back(packer.next());
+    targets = transport::row_keys(std::span<const data::PackedBatch>(batches))[0].gradient_scale;
     loss = eng.train_step(std::span(recorders), batches).loss;
   }
   fmt::print(stderr, "{}: recorded {} steps in {:.1f} s (last loss {:.3f})\n", run.name, steps,
@@ -188,10 +197,13 @@ std::vector<Stream> load_streams(const fs::path& dir) {
     std::replace(s.name.begin(), s.name.end(), '_', ' ');
     if (const auto at = s.name.find(" - "); at != std::string::npos) s.name.replace(at, 3, " -> ");
     std::int64_t cols = 0, rows = 0, mb = 0;
+    double targets = 0;
     f.read(reinterpret_cast<char*>(&cols), 8);
-    while (f.read(reinterpret_cast<char*>(&rows), 8) && f.read(reinterpret_cast<char*>(&mb), 8)) {
+    while (f.read(reinterpret_cast<char*>(&rows), 8) && f.read(reinterpret_cast<char*>(&mb), 8) &&
+           f.read(reinterpret_cast<char*>(&targets), 8)) {
       s.rows.push_back(rows);
       s.microbatch.push_back(mb);
+      s.step_targets.push_back(targets);
       s.chunk.push_back(0);
       for (auto* v : {&s.inputs, &s.targets, &s.positions}) {
         v->emplace_back(static_cast<std::size_t>(rows));
@@ -236,15 +248,16 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
       faulty = transport::apply_fault(spec, std::span(x), rng, previous, drift);
       if (faulty && spec.kind == FaultKind::Drift) ++drift;
     }
-    auto a = mon.assess(x, s.rows[i], s.keys(i));
+    auto a = mon.assess(x, s.rows[i], s.keys(i), s.scale(i));
     const bool replayed =
         guard && guard->observe(std::as_bytes(std::span<const float>(x)),
                                 static_cast<std::int64_t>(i), s.microbatch[i], s.chunk[i]);
     if (replayed) {  // flagged at once (score inf) and not learned
       a.score = std::numeric_limits<double>::infinity();
       a.flagged = true;
+      a.learnable = false;
     }
-    if (!a.flagged) mon.learn();
+    if (a.learnable) mon.learn();
     if (!std::isfinite(a.threshold) && std::isfinite(a.score)) continue;  // warm-up
     // The ROC's score: the deciding statistic's score over its threshold (scaling every
     // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated point).
@@ -605,8 +618,8 @@ int diagnose(int steps, bool big) {
     std::vector<double> scores;
     std::array<std::vector<double>, transport::SentinelMonitor::kGroups> top;
     for (std::size_t i = 0; i < s.messages.size(); ++i) {
-      const auto a = mon.assess(s.messages[i], s.rows[i], s.keys(i));
-      if (!a.flagged) mon.learn();
+      const auto a = mon.assess(s.messages[i], s.rows[i], s.keys(i), s.scale(i));
+      if (a.learnable) mon.learn();
       if (!std::isfinite(a.threshold)) continue;
       for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g) {
         top[static_cast<std::size_t>(g)].push_back(mon.scores()[static_cast<std::size_t>(g)]);
@@ -654,8 +667,8 @@ int diagnose(int steps, bool big) {
           f = transport::apply_fault(spec, std::span(x), rng, prev, drift);
           if (f && k == FaultKind::Drift) ++drift;
         }
-        const auto a = m2.assess(x, s.rows[i], s.keys(i));
-        if (!a.flagged) m2.learn();
+        const auto a = m2.assess(x, s.rows[i], s.keys(i), s.scale(i));
+        if (a.learnable) m2.learn();
         if (f) {
           fs.push_back(a.score);
           ++by[a.statistic];
@@ -673,8 +686,9 @@ int diagnose(int steps, bool big) {
 }
 
 /// Writes every recorded stream of `steps` steps to OUT_DIR/<kind>_<from>_<to>.bin for offline
-/// analysis: int64 cols, then per message int64 rows, int64 micro-batch, int32 inputs[rows],
-/// int32 targets[rows], int32 positions[rows], f32 payload[rows * cols].
+/// analysis: int64 cols, then per message int64 rows, int64 micro-batch, f64 the step's real
+/// targets (RowKeys::gradient_scale), int32 inputs[rows], int32 targets[rows], int32
+/// positions[rows], f32 payload[rows * cols].
 int dump(const fs::path& out, int steps, bool big) {
   fs::create_directories(out);
   Run run = big ? shape42m_run(steps) : stories_run(steps);
@@ -689,6 +703,7 @@ int dump(const fs::path& out, int steps, bool big) {
     for (std::size_t i = 0; i < s.messages.size(); ++i) {
       f.write(reinterpret_cast<const char*>(&s.rows[i]), 8);
       f.write(reinterpret_cast<const char*>(&s.microbatch[i]), 8);
+      f.write(reinterpret_cast<const char*>(&s.step_targets[i]), 8);
       for (const auto* v : {&s.inputs[i], &s.targets[i], &s.positions[i]})
         f.write(reinterpret_cast<const char*>(v->data()), static_cast<std::streamsize>(v->size() * 4));
       f.write(reinterpret_cast<const char*>(s.messages[i].data()),

@@ -66,6 +66,13 @@ struct SentinelConfig {
   /// hash of their bytes); a payload equal to one of them is flagged as a replay. 0 = no replay
   /// check (>= 0). 16 bytes per remembered payload.
   std::int64_t replay_memory = 4096;
+  /// Learning gate, in (0, 1]: a message not flagged is learned only when every statistic's
+  /// score is at most this share of its threshold in force (Assessment::learnable). A sender
+  /// corrupting a share of its messages by less than the threshold would otherwise be learned:
+  /// its faults widen the EMA variance (at 10% of messages, enough to hide themselves: z
+  /// saturates near 1 / sqrt(rate)) and pull the key references. 1 = learn every message not
+  /// flagged.
+  double learn_below = 0.5;
 };
 
 /// Checks a SentinelConfig's fields.
@@ -88,6 +95,8 @@ inline void validate(const SentinelConfig& c) {
   BRIGADE_CHECK(c.replay_memory >= 0, Errc::InvalidArgument,
                 "sentinel config: replay_memory = {}, expected >= 0 (0: no replay check)",
                 c.replay_memory);
+  BRIGADE_CHECK(c.learn_below > 0 && c.learn_below <= 1, Errc::InvalidArgument,
+                "sentinel config: learn_below = {}, expected in (0, 1]", c.learn_below);
 }
 
 /// What a SentinelMonitor says about one message.
@@ -98,6 +107,9 @@ struct Assessment {
   /// The threshold in force: +inf during warm-up (and, calibrated, until 8 scores are known).
   double threshold = std::numeric_limits<double>::infinity();
   bool flagged = false;         ///< score > threshold, or non-finite values
+  /// Not flagged, and every statistic's score at most config.learn_below times its threshold
+  /// (always during warm-up): the monitor may learn the message (observe() does).
+  bool learnable = false;
   const char* statistic = "";   ///< name of the statistic with the largest score
   std::string reason;           ///< empty unless flagged: which statistic deviated, by how much
 };
@@ -133,17 +145,24 @@ struct Assessment {
 /// by them). A non-finite value makes the score +inf (flagged at once, even during warm-up).
 ///
 /// Score: each statistic s is compared with its EMA mean mu and variance var over the stream's
-/// accepted messages (momentum config.decay): z = |s - mu| / sqrt(var + (1e-3 |mu|)^2 + 1e-300).
+/// learned messages (momentum config.decay), as a random-effects model: a key statistic is a
+/// mean over n rows, so its spread is the spread between messages, tau^2 = var - (the EMA of
+/// the messages' squared standard errors), plus this message's own, (the EMA of the rows'
+/// variance) / n: z = |s - mu| / sqrt(tau^2 + rowvar / n + (1e-3 |mu|)^2 + 1e-300). An
+/// 8-row micro-batch is judged with a band 4 times as wide as a 128-row one (peak-ratio has no
+/// rows: its tau^2 is var).
 ///
 /// Warm-up: the first `warmup` messages are learned without verdicts (non-finite values aside);
 /// at its end the EMAs restart from the median and 1.4826 x the median absolute deviation of the
 /// (last 64) warm-up statistics, so faults in a minority of the warm-up messages do not stay in
 /// them.
 ///
-/// Learning: an accepted message updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
-/// a (s - mu)^2), a = max(1 - decay, 1/n)) and its keys' references; a flagged one does not (a
-/// corrupting sender must not drag the statistics), so a sudden lasting change of a stream keeps
-/// being flagged (with Log or Drop, until the stream returns to what the monitor learned).
+/// Learning: a learnable message (Assessment::learnable: not flagged, and every score at most
+/// config.learn_below of its threshold) updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
+/// a (s - mu)^2), a = max(1 - decay, 1/n)) and its keys' references; a flagged or suspicious one
+/// does not (a corrupting sender must not drag the statistics or widen the band it is judged
+/// by). A lasting change of the stream would then be flagged for good, so when kRestartFlags of
+/// the last kRecent scored messages were flagged the monitor starts over (restarts()).
 ///
 /// Thresholds: config.threshold for every statistic when > 0; else one per statistic,
 /// calibrated from that statistic's scores of accepted messages as SPOT does (Siffer et al.,
@@ -175,17 +194,24 @@ class SentinelMonitor {
 
   /// The statistics and score of x [rows, cols] with row keys `keys` ([rows], or empty: every
   /// row has the one shared key) against what the monitor learned, and whether the threshold in
-  /// force flags it; changes nothing but scratch space. learn() then learns this message: x and
-  /// keys must stay alive and unchanged until then (observe() does both). Cost: one pass over x
-  /// plus O(rows log rows).
+  /// force flags it. It changes nothing but scratch space and the record of recent verdicts
+  /// (the restart rule: the 12th flag in 16 messages starts the monitor over, restarts(), and
+  /// that Assessment's reason says so). learn() then learns this message: x and
+  /// keys must stay alive and unchanged until then (observe() does both). `scale` (> 0) is a
+  /// factor the receiver knows its sender divided the payload by: the monitor compares x times
+  /// `scale` (a training gradient row is d(mean loss)/dh, divided by the step's real targets, so
+  /// RowKeys::gradient_scale is that count; the key-norm statistic would otherwise move with it).
+  /// Cost: one pass over x plus O(rows log rows).
   /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() not a multiple of rows, a
-  ///         width other than the stream's (the first message's), or keys of another size than
-  ///         rows
+  ///         width other than the stream's (the first message's), keys of another size than
+  ///         rows, or a scale that is not finite and > 0
   Assessment assess(std::span<const float> x, std::int64_t rows,
-                    std::span<const std::int32_t> keys = {}) {
+                    std::span<const std::int32_t> keys = {}, double scale = 1.0) {
     BRIGADE_CHECK(rows >= 1 && !x.empty() && x.size() % static_cast<std::size_t>(rows) == 0,
                   Errc::InvalidArgument,
                   "SentinelMonitor: {} values are not a [rows = {}, cols] matrix", x.size(), rows);
+    BRIGADE_CHECK(std::isfinite(scale) && scale > 0, Errc::InvalidArgument,
+                  "SentinelMonitor: scale = {}, expected finite and > 0", scale);
     const auto cols = static_cast<std::int64_t>(x.size()) / rows;
     if (cols_ == 0) cols_ = cols;
     BRIGADE_CHECK(cols == cols_, Errc::InvalidArgument,
@@ -196,6 +222,7 @@ class SentinelMonitor {
     assessed_ = false;
     Assessment a;
     a.threshold = threshold(0);
+    scale_ = scale;
     if (!statistics(x, rows, keys)) {  // non-finite values
       a.score = kInf;
       a.flagged = true;
@@ -214,7 +241,12 @@ class SentinelMonitor {
       // key-cos only scores a fall, peak-ratio only a rise: faults lower the one, raise the other.
       if ((g == kCos && diff > 0) || (g == kPeak && diff < 0)) continue;
       const double floor = 1e-3 * std::fabs(mean_[d]);
-      score_[d] = std::fabs(diff) / std::sqrt(var_[d] + floor * floor + 1e-300);
+      // Random effects: the spread between messages (tau^2: the EMA variance less the EMA of
+      // the messages' squared standard errors) plus this message's own standard error, from
+      // the rows' usual variance (a fault that scatters its rows does not widen its own band).
+      const double between = std::max(0.0, var_[d] - se2_mean_[d]);
+      score_[d] = std::fabs(diff) /
+                  std::sqrt(between + row_var_mean_[d] / rows_[d] + floor * floor + 1e-300);
     }
     // The deciding statistic: the one furthest over (or closest to) its own threshold; during
     // warm-up (every threshold +inf) the largest score.
@@ -234,7 +266,25 @@ class SentinelMonitor {
     a.threshold = threshold(worst);
     a.statistic = kNames[worst];
     a.flagged = a.score > a.threshold;
+    a.learnable = !a.flagged;
+    for (int g = 0; g < kGroups; ++g)
+      a.learnable = a.learnable && !(score_[static_cast<std::size_t>(g)] >
+                                     config_.learn_below * threshold(g));
     if (a.flagged) a.reason = reason(worst, rows);
+    // A lasting change of the stream (most recent messages flagged, as no sender corrupting a
+    // minority of its messages causes): the monitor starts over from this message on.
+    recent_flags_ += (a.flagged ? 1 : 0) - (recent_[recent_next_] ? 1 : 0);
+    recent_[recent_next_] = a.flagged;
+    recent_next_ = (recent_next_ + 1) % kRecent;
+    if (recent_flags_ >= kRestartFlags) {
+      a.reason += fmt::format("; {} of the stream's last {} messages flagged: its monitor starts "
+                              "over (restart {})",
+                              recent_flags_, kRecent, restarts_ + 1);
+      a.learnable = false;
+      const std::int64_t restarts = restarts_ + 1;
+      *this = SentinelMonitor(config_);
+      restarts_ = restarts;
+    }
     return a;
   }
 
@@ -257,23 +307,29 @@ class SentinelMonitor {
       const double diff = cur_[d] - mean_[d];
       mean_[d] += a * diff;
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
+      se2_mean_[d] += a * (se2_[d] - se2_mean_[d]);
+      row_var_mean_[d] += a * (row_var_[d] - row_var_mean_[d]);
     }
     if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
       auto& w = warm_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
+      auto& w2 = warm_se2_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
+      auto& w3 = warm_row_var_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
       w = cur_;
+      w2 = se2_;
+      w3 = row_var_;
       for (std::size_t d = 0; d < w.size(); ++d)
-        if (!present_[d]) w[d] = std::numeric_limits<double>::quiet_NaN();
+        if (!present_[d]) w[d] = w2[d] = w3[d] = std::numeric_limits<double>::quiet_NaN();
       if (learned_ == config_.warmup) robust_start();
     }
     learn_keys();
   }
 
-  /// assess(x, rows, keys), then learn() when the message is not flagged.
+  /// assess(x, rows, keys, scale), then learn() when the message is learnable.
   /// @throws brigade::Error{InvalidArgument} as assess
   Assessment observe(std::span<const float> x, std::int64_t rows,
-                     std::span<const std::int32_t> keys = {}) {
-    Assessment a = assess(x, rows, keys);
-    if (!a.flagged) learn();
+                     std::span<const std::int32_t> keys = {}, double scale = 1.0) {
+    Assessment a = assess(x, rows, keys, scale);
+    if (a.learnable) learn();
     return a;
   }
 
@@ -302,6 +358,11 @@ class SentinelMonitor {
   [[nodiscard]] std::int64_t covered() const noexcept { return covered_; }
   /// Messages learned.
   [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
+  /// Times the monitor started over: kRestartFlags of the last kRecent messages it scored were
+  /// flagged, a lasting change of the stream (the start of training, when gradients shrink
+  /// fast, did it in replays) rather than a sender corrupting a minority of its messages. Its
+  /// statistics, key references and thresholds are then learned again, from a new warm-up.
+  [[nodiscard]] std::int64_t restarts() const noexcept { return restarts_; }
   /// Keys with a reference row.
   [[nodiscard]] std::size_t keys() const noexcept { return slots_.size(); }
   /// The stream's width (0 before the first message).
@@ -312,6 +373,8 @@ class SentinelMonitor {
   static constexpr const char* kNames[] = {"key-cos", "key-norm", "peak-ratio"};
   /// Scores are kept for calibration in a reservoir of this many.
   static constexpr std::int64_t kReservoir = 1024;
+  /// The restart rule (restarts()): kRestartFlags flagged among the last kRecent scored messages.
+  static constexpr int kRecent = 16, kRestartFlags = 12;
   /// Scores the calibrated threshold needs before it gives verdicts.
   static constexpr std::int64_t kMinScores = 8;
   /// Warm-up statistics kept for the robust start (the last this many of the warm-up).
@@ -352,6 +415,16 @@ class SentinelMonitor {
       std::nth_element(col.begin(), mid, col.end());
       mean_[d] = med;
       var_[d] = 1.4826 * 1.4826 * *mid * *mid;
+      // The standard errors restart from their median: one outlier row (a bit flip's exploded
+      // element) makes a huge one, which would hide the spread between messages for good.
+      for (auto* warm : {&warm_se2_, &warm_row_var_}) {
+        col.clear();
+        for (std::size_t i = 0; i < n; ++i)
+          if (!std::isnan((*warm)[i][d])) col.push_back((*warm)[i][d]);
+        mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
+        std::nth_element(col.begin(), mid, col.end());
+        (warm == &warm_se2_ ? se2_mean_ : row_var_mean_)[d] = *mid;
+      }
     }
   }
 
@@ -375,7 +448,8 @@ class SentinelMonitor {
     const auto ur = static_cast<std::size_t>(rows);
     row_log_.resize(ur);
     row_cos_.resize(ur);
-    double q = 0, peak = 0, cos_sum = 0, norm_sum = 0;
+    double q = 0, peak = 0, cos_sum = 0, norm_sum = 0, cos_sq = 0, norm_sq = 0;
+    const double log_scale = std::log(scale_);
     covered_ = 0;
     std::int64_t cos_rows = 0;
     const std::int32_t shared = slot_of(0);
@@ -419,15 +493,19 @@ class SentinelMonitor {
       q += ss;
       peak = std::max({peak, static_cast<double>(pk[0]), static_cast<double>(pk[1]),
                        static_cast<double>(pk[2]), static_cast<double>(pk[3])});
-      row_log_[r] = 0.5 * std::log(ss / static_cast<double>(uc) + kTiny);
+      row_log_[r] = 0.5 * std::log(ss / static_cast<double>(uc) + kTiny) + log_scale;
       if (ref != nullptr) {
         const auto s = static_cast<std::size_t>(slot);
         const double norms = std::sqrt(ss * ref_ss_[s]);
         row_cos_[r] = norms > 0 ? ((rd[0] + rd[1]) + (rd[2] + rd[3])) / norms : 0.0;
-        norm_sum += row_log_[r] - ref_log_[s];
+        const double dn = row_log_[r] - ref_log_[s];
+        norm_sum += dn;
+        norm_sq += dn * dn;
         ++covered_;
         if (cos_count_[s] >= kKeyMinCount) {  // the key has a usual cosine to compare with
-          cos_sum += row_cos_[r] - ref_cos_[s];
+          const double dc = row_cos_[r] - ref_cos_[s];
+          cos_sum += dc;
+          cos_sq += dc * dc;
           ++cos_rows;
         }
       } else {
@@ -449,6 +527,17 @@ class SentinelMonitor {
     const double ms = q / static_cast<double>(ur * uc);
     cur_[kCos] = cos_sum / static_cast<double>(std::max<std::int64_t>(cos_rows, 1));
     cur_[kNorm] = norm_sum / static_cast<double>(std::max<std::int64_t>(covered_, 1));
+    // The squared standard error of each key statistic's mean over its rows (the rows' sample
+    // variance / rows; 0 for one row): the part of its spread a message's own size explains.
+    auto row_var = [](double sum, double sq, std::int64_t n) {
+      if (n < 2) return 0.0;
+      const double m = sum / static_cast<double>(n);
+      return std::max(0.0, sq - m * sum) / static_cast<double>(n - 1);
+    };
+    rows_ = {static_cast<double>(std::max<std::int64_t>(cos_rows, 1)),
+             static_cast<double>(std::max<std::int64_t>(covered_, 1)), 1.0};
+    row_var_ = {row_var(cos_sum, cos_sq, cos_rows), row_var(norm_sum, norm_sq, covered_), 0.0};
+    for (std::size_t d = 0; d < se2_.size(); ++d) se2_[d] = row_var_[d] / rows_[d];
     present_ = {cos_rows > 0, covered_ > 0, true};
     cur_[kPeak] = ms > 0 ? std::log(peak / std::sqrt(ms)) : 0.0;
     return true;
@@ -485,7 +574,7 @@ class SentinelMonitor {
         const auto r = static_cast<std::size_t>(order_[e].second);
         if (row_log_[r] < kZeroRowLog) continue;  // an all-zero row teaches nothing
         const float* a = x_.data() + r * uc;
-        for (std::size_t j = 0; j < uc; ++j) acc_[j] += a[j];
+        for (std::size_t j = 0; j < uc; ++j) acc_[j] += scale_ * a[j];
         log_sum += row_log_[r];
         cos_sum += row_cos_[r];  // NaN when the key had no reference at assess time
         ++kept;
@@ -576,13 +665,23 @@ class SentinelMonitor {
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
   std::array<double, kGroups> cur_{}, mean_{}, var_{}, score_{};
+  // Per statistic: the message's squared standard error (statistics()) and its EMA over the
+  // learned messages (var_ - se2_mean_: the spread between messages, tau^2).
+  std::array<double, kGroups> se2_{}, se2_mean_{};
+  // Per statistic: the rows it averaged, their sample variance, and its EMA over learned messages.
+  std::array<double, kGroups> rows_{}, row_var_{}, row_var_mean_{};
+  std::array<bool, kRecent> recent_{};  // the last kRecent verdicts (flagged), a ring
+  int recent_next_ = 0, recent_flags_ = 0;
+  std::int64_t restarts_ = 0;
   std::array<std::int64_t, kGroups> count_{};  // messages each statistic learned
   std::array<std::array<double, kGroups>, kWarmRows> warm_{};  // the last warm-up statistics
+  std::array<std::array<double, kGroups>, kWarmRows> warm_se2_{}, warm_row_var_{};  // and these
   bool assessed_ = false;
   std::string nonfinite_reason_;
   // The message assessed last (learn() reads it) and its per-row log RMS.
   std::span<const float> x_;
   std::span<const std::int32_t> keys_;
+  double scale_ = 1.0;  // its known scale (assess)
   std::vector<double> row_log_, row_cos_;  // per row: log RMS; cosine to its key's reference
   std::int64_t covered_ = 0;
   std::array<bool, kGroups> present_{};  // the message has rows for each statistic
@@ -698,16 +797,26 @@ class ReplayGuard {
 struct RowKeys {
   std::vector<std::int32_t> activation;  ///< [rows]: the rows' input token ids
   std::vector<std::int32_t> gradient;    ///< [rows]: the rows' target token ids (-1: none)
+  /// What the sender divided each gradient row by (SentinelMonitor::assess's scale): the step's
+  /// real targets, since the loss is their mean (engine::detail::step_targets). Without it the
+  /// gradients' norms move with the step's target count (over 1,000 stories260K steps of 260-512
+  /// targets, that was a third of the spread of a message's key-norm). > 0.
+  double gradient_scale = 1.0;
 };
 
 /// The row keys of a step's micro-batches, in order: for each batch (a data::PackedBatch, or
 /// anything with `inputs` and `targets` vectors of int32 token ids, [rows] each), its input ids
-/// as the activation keys and its target ids as the gradient keys.
+/// as the activation keys and its target ids as the gradient keys; every batch's gradient_scale
+/// is the step's real targets (targets other than -1, over all the batches; 1 when none).
 template <class Batch>
 std::vector<RowKeys> row_keys(std::span<const Batch> batches) {
+  std::int64_t targets = 0;
+  for (const auto& b : batches)
+    for (const auto t : b.targets) targets += t >= 0 ? 1 : 0;
+  const double scale = targets > 0 ? static_cast<double>(targets) : 1.0;
   std::vector<RowKeys> keys;
   keys.reserve(batches.size());
-  for (const auto& b : batches) keys.push_back({b.inputs, b.targets});
+  for (const auto& b : batches) keys.push_back({b.inputs, b.targets, scale});
   return keys;
 }
 
@@ -877,10 +986,16 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                                  repeat->index, repeat->microbatch, repeat->chunk);
         } else {
           std::span<const std::int32_t> keys;
+          double scale = 1.0;
           if (h.microbatch >= 0 && h.microbatch < static_cast<std::int64_t>(expected.size())) {
             const auto& k = expected[static_cast<std::size_t>(h.microbatch)];
-            const auto& v = h.kind == MessageKind::Gradient ? k.gradient : k.activation;
-            if (static_cast<std::int64_t>(v.size()) == rows) keys = v;
+            const bool gradient = h.kind == MessageKind::Gradient;
+            const auto& v = gradient ? k.gradient : k.activation;
+            if (static_cast<std::int64_t>(v.size()) == rows) {
+              keys = v;
+              if (gradient && std::isfinite(k.gradient_scale) && k.gradient_scale > 0)
+                scale = k.gradient_scale;
+            }
           }
           auto& monitor = monitors
                               .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
@@ -888,7 +1003,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
                                            config)
                               .first->second;
           a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows,
-                              keys);
+                              keys, scale);
         }
       } else if (h.dtype == DType::I32 && h.kind == MessageKind::Token && config.token_limit > 0 &&
                  numel > 0) {
