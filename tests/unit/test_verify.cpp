@@ -555,6 +555,17 @@ TEST_CASE("verify.config: bad configs, policies, fault kinds and fault specs are
   CHECK(contains(error_of(Errc::InvalidArgument,
                           [&] { VerifyingTransport v(t, c, VerifyPolicy::Log); }),
                  "warmup = -1"));
+  {
+    VerifyingTransport v(t, SentinelConfig{}, VerifyPolicy::Log);
+    std::vector<RowKeys> keys(2);
+    keys[1].gradient_scale = 0;
+    CHECK(contains(error_of(Errc::InvalidArgument, [&] { v.expect(keys); }),
+                   "micro-batch 1's gradient_scale = 0, expected finite and > 0"));
+    keys[1].gradient_scale = std::nan("");
+    CHECK(contains(error_of(Errc::InvalidArgument, [&] { v.expect(keys); }), "gradient_scale = nan"));
+    keys[1].gradient_scale = 300;
+    v.expect(keys);  // valid
+  }
 
   CHECK(parse_verify_policy("quarantine") == VerifyPolicy::Quarantine);
   CHECK(to_string(parse_verify_policy("drop")) == std::string("drop"));

@@ -307,7 +307,7 @@ class SentinelMonitor {
       const double diff = cur_[d] - mean_[d];
       mean_[d] += a * diff;
       var_[d] = (1 - a) * (var_[d] + a * diff * diff);
-      se2_mean_[d] += a * (se2_[d] - se2_mean_[d]);
+      se2_mean_[d] += a * (row_var_[d] / rows_[d] - se2_mean_[d]);
       row_var_mean_[d] += a * (row_var_[d] - row_var_mean_[d]);
     }
     if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
@@ -315,7 +315,7 @@ class SentinelMonitor {
       auto& w2 = warm_se2_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
       auto& w3 = warm_row_var_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
       w = cur_;
-      w2 = se2_;
+      for (std::size_t d = 0; d < w2.size(); ++d) w2[d] = row_var_[d] / rows_[d];
       w3 = row_var_;
       for (std::size_t d = 0; d < w.size(); ++d)
         if (!present_[d]) w[d] = w2[d] = w3[d] = std::numeric_limits<double>::quiet_NaN();
@@ -527,8 +527,8 @@ class SentinelMonitor {
     const double ms = q / static_cast<double>(ur * uc);
     cur_[kCos] = cos_sum / static_cast<double>(std::max<std::int64_t>(cos_rows, 1));
     cur_[kNorm] = norm_sum / static_cast<double>(std::max<std::int64_t>(covered_, 1));
-    // The squared standard error of each key statistic's mean over its rows (the rows' sample
-    // variance / rows; 0 for one row): the part of its spread a message's own size explains.
+    // Each key statistic's rows and their sample variance (0 for one row): its squared standard
+    // error, the part of its spread a message's own size explains, is row_var_ / rows_.
     auto row_var = [](double sum, double sq, std::int64_t n) {
       if (n < 2) return 0.0;
       const double m = sum / static_cast<double>(n);
@@ -537,7 +537,6 @@ class SentinelMonitor {
     rows_ = {static_cast<double>(std::max<std::int64_t>(cos_rows, 1)),
              static_cast<double>(std::max<std::int64_t>(covered_, 1)), 1.0};
     row_var_ = {row_var(cos_sum, cos_sq, cos_rows), row_var(norm_sum, norm_sq, covered_), 0.0};
-    for (std::size_t d = 0; d < se2_.size(); ++d) se2_[d] = row_var_[d] / rows_[d];
     present_ = {cos_rows > 0, covered_ > 0, true};
     cur_[kPeak] = ms > 0 ? std::log(peak / std::sqrt(ms)) : 0.0;
     return true;
@@ -665,11 +664,10 @@ class SentinelMonitor {
   SentinelConfig config_;
   std::int64_t cols_ = 0, learned_ = 0;
   std::array<double, kGroups> cur_{}, mean_{}, var_{}, score_{};
-  // Per statistic: the message's squared standard error (statistics()) and its EMA over the
-  // learned messages (var_ - se2_mean_: the spread between messages, tau^2).
-  std::array<double, kGroups> se2_{}, se2_mean_{};
-  // Per statistic: the rows it averaged, their sample variance, and its EMA over learned messages.
-  std::array<double, kGroups> rows_{}, row_var_{}, row_var_mean_{};
+  // Per statistic: the rows the message's value averaged and their sample variance
+  // (statistics()); the EMAs over learned messages of that variance and of the squared standard
+  // error row_var_ / rows_ (var_ - se2_mean_: the spread between messages, tau^2).
+  std::array<double, kGroups> rows_{}, row_var_{}, row_var_mean_{}, se2_mean_{};
   std::array<bool, kRecent> recent_{};  // the last kRecent verdicts (flagged), a ring
   int recent_next_ = 0, recent_flags_ = 0;
   std::int64_t restarts_ = 0;
@@ -917,8 +915,19 @@ class VerifyingTransport : public InspectingTransport<Inner> {
   /// (replacing those given before): the activation and gradient messages of micro-batch m are
   /// scored with keys[m].activation / keys[m].gradient when that vector has the message's row
   /// count. Call between steps (not while a receive is in flight). The keys must come from the
-  /// receiver's own data (the trusted data order), never from a message.
-  void expect(std::vector<RowKeys> keys) { state_->expected = std::move(keys); }
+  /// receiver's own data (the trusted data order), never from a message. Gradient rows are
+  /// compared times keys[m].gradient_scale.
+  /// @throws brigade::Error{InvalidArgument} for a gradient_scale that is not finite and > 0
+  ///         (naming the micro-batch); the keys in force are then left as they were
+  void expect(std::vector<RowKeys> keys) {
+    for (std::size_t m = 0; m < keys.size(); ++m)
+      BRIGADE_CHECK(std::isfinite(keys[m].gradient_scale) && keys[m].gradient_scale > 0,
+                    Errc::InvalidArgument,
+                    "VerifyingTransport::expect: micro-batch {}'s gradient_scale = {}, expected "
+                    "finite and > 0 (the step's real targets)",
+                    m, keys[m].gradient_scale);
+    state_->expected = std::move(keys);
+  }
 
   /// Every checked message's verdict, in the order they were checked.
   [[nodiscard]] const std::vector<VerdictRecord>& verdicts() const noexcept {
@@ -993,8 +1002,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
             const auto& v = gradient ? k.gradient : k.activation;
             if (static_cast<std::int64_t>(v.size()) == rows) {
               keys = v;
-              if (gradient && std::isfinite(k.gradient_scale) && k.gradient_scale > 0)
-                scale = k.gradient_scale;
+              if (gradient) scale = k.gradient_scale;  // checked by expect()
             }
           }
           auto& monitor = monitors
