@@ -12,6 +12,9 @@ namespace {
 struct Avx2 {
   using Packet = __m256;
   static constexpr int kWidth = 8;
+  /// No W prefetch in sm_rows: on Zen 5 it slowed the streamed shapes by 8-22% (two passes per
+  /// chunk; cpu_small_m_kernel.hpp).
+  static constexpr int kPrefetchRows = 0;
   static __m256 zero() { return _mm256_setzero_ps(); }
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
   static float half(std::uint16_t h) { return _cvtsh_ss(h); }

@@ -11,6 +11,8 @@ namespace {
 struct Avx512 {
   using Packet = __m512;
   static constexpr int kWidth = 16;
+  /// sm_rows prefetches the next W rows from 8 x rows on (cpu_small_m_kernel.hpp).
+  static constexpr int kPrefetchRows = 8;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static float half(std::uint16_t h) { return _cvtsh_ss(h); }

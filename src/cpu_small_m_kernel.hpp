@@ -29,7 +29,7 @@ inline float reduce_lanes_vec(const float* lanes) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// Isa provides: Packet, kWidth (floats per packet), zero(), load(p) (kWidth floats),
+// Isa provides: Packet, kWidth (floats per packet), kPrefetchRows (sm_rows; 0: never), zero(), load(p) (kWidth floats),
 // load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype F32,
 // F16 or BF16, exact), q8_scale(row, k) (the scale of the Q8_0 block holding element k,
 // broadcast), q8_load(row, k, d) (elements k .. k + kWidth - 1 of a Q8_0 row as int8 times d:
@@ -184,6 +184,17 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
   const std::byte* wn = w + n * row_bytes<WT>(in);
   const std::int64_t k_vec = in - in % kSmallMLanes;
   alignas(64) float lanes[kSmallMGroupRows * NR * kSmallMLanes];
+  // Isa::kPrefetchRows: from that many x rows on, the next W row of each segment (the next
+  // call's) is prefetched a line at a time, so its misses are in flight while this block
+  // computes (a prefetch past W's end does not fault). It pays when W streams from memory:
+  // AVX-512 on Zen 5, 16 rows against the 32000-row LM head, 55 -> 73 GFLOP/s (bench_kernels
+  // BM_MatmulSmallM); below 8 rows, or with AVX2's two passes per chunk, the extra
+  // instructions cost more than the earlier misses gain (docs/benchmarks.md).
+  if (Isa::kPrefetchRows > 0 && tokens >= Isa::kPrefetchRows)
+    for (int j = 0; j < NR; ++j)
+      for (std::int64_t b = 0; b < row_bytes<WT>(in); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + j * rb + row_bytes<WT>(in) + b),
+                     _MM_HINT_T0);
   for (std::int64_t g = 0; g < tokens; g += kSmallMGroupRows) {
     const std::int64_t rows = tokens - g < kSmallMGroupRows ? tokens - g : kSmallMGroupRows;
     const float* xg = x + g * in;
