@@ -12,7 +12,7 @@ namespace {
 struct Avx2 {
   using Packet = __m256;
   static constexpr int kWidth = 8;
-  /// No W prefetch in sm_rows: on Zen 5 it slowed the streamed shapes by 8-22% (two passes per
+  /// No W prefetch in sm_rows: on Zen 5 it slowed the streamed shapes by 8-25% (two passes per
   /// chunk; cpu_small_m_kernel.hpp).
   static constexpr int kPrefetchRows = 0;
   static __m256 zero() { return _mm256_setzero_ps(); }

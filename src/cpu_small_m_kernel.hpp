@@ -29,9 +29,9 @@ inline float reduce_lanes_vec(const float* lanes) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// Isa provides: Packet, kWidth (floats per packet), kPrefetchRows (sm_rows; 0: never), zero(), load(p) (kWidth floats),
-// load_w<WT>(row, k) (the float32 values of W row elements k .. k + kWidth - 1 of dtype F32,
-// F16 or BF16, exact), q8_scale(row, k) (the scale of the Q8_0 block holding element k,
+// Isa provides: Packet, kWidth (floats per packet), kPrefetchRows (sm_rows; 0: never), zero(),
+// load(p) (kWidth floats), load_w<WT>(row, k) (the float32 values of W row elements k .. k +
+// kWidth - 1 of dtype F32, F16 or BF16, exact), q8_scale(row, k) (the scale of the Q8_0 block holding element k,
 // broadcast), q8_load(row, k, d) (elements k .. k + kWidth - 1 of a Q8_0 row as int8 times d:
 // exact; k is a multiple of kWidth, so a packet never straddles a block), half(h) (a binary16
 // as float32), fma(a, b, c) = a*b + c rounded once, store(p, v).
