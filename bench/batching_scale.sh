@@ -9,7 +9,7 @@
 # FLANv2 (median 128 tokens, sigma 1, seed 15; FLANv2's own statistics are not published, see
 # docs/batching.md). Deterministic: the same figures on every machine.
 #
-#   bench/batching_scale.sh OUT_DIR      # about a minute on 2 cores
+#   bench/batching_scale.sh OUT_DIR      # about 11 s on 2 cores
 #
 # Prints one line per (stages, L, batcher): micro-batches, padding, the schedule order_adaptive
 # chose, the simulated iteration and useful tokens/s, and dynamic's gain over each batcher.
@@ -50,11 +50,11 @@ for S in 8 16; do
       }
       it[$b]=$(sed -nE 's/^schedule by .*: ([a-z0-9]+) in the order .*; simulated iteration ([0-9.e+-]+) s.*/\2/p' "$log")
       gen=$(sed -nE 's/^schedule by .*: ([a-z0-9]+) in the order .*/\1/p' "$log")
-      mbs=$(sed -nE 's/^micro-batches ([0-9]+); .*\(([0-9.]+) padding, ([0-9.]+)%\).*/\1/p' "$log")
+      mbs=$(sed -nE 's/^micro-batches ([0-9]+); .*/\1/p' "$log")
       pad=$(sed -nE 's/^micro-batches [0-9]+; .*, ([0-9.]+)%\).*/\1/p' "$log")
       printf '%-6s %-5s %-8s %6s %7s%% %-9s %12.6g %12.1f %9s\n' "$S" "$L" "$b" "$mbs" "$pad" "$gen" \
         "${it[$b]}" "$(python3 -c "print(65536 / ${it[$b]})")" \
-        "$(python3 -c "print(f'{${it[$b]} / ${it[dynamic]}:.2f}x')")"
+        "$([[ -n ${it[dynamic]:-} ]] && python3 -c "print(f'{${it[$b]} / ${it[dynamic]}:.2f}x')" || echo -)"
     done
     unset it
   done
