@@ -729,7 +729,7 @@ int main(int argc, char** argv) {
     const std::string cmd = argc > 1 ? argv[1] : "";
     auto arg = [&](int i, const char* def) { return argc > i ? std::string(argv[i]) : std::string(def); };
     if (cmd == "detect" && argc > 2)
-      return detect(argv[2], std::stoi(arg(3, "300")), std::stoi(arg(4, "40")));
+      return detect(argv[2], std::stoi(arg(3, "300")), std::stoi(arg(4, "200")));
     if (cmd == "attack" && argc > 2)
       return attack(argv[2], std::stoi(arg(3, "400")), arg(4, "noise:1"));
     if (cmd == "dump" && argc > 2)
@@ -737,7 +737,7 @@ int main(int argc, char** argv) {
     if (cmd == "clean") return clean_run(std::stoi(arg(2, "1000")));
     if (cmd == "diagnose") return diagnose(std::stoi(arg(2, "300")), arg(3, "260K") == "42M");
     fmt::print(stderr,
-               "usage: integrity_eval detect OUT_DIR [STEPS_260K=300] [STEPS_42M=40]\n"
+               "usage: integrity_eval detect OUT_DIR [STEPS_260K=300] [STEPS_42M=200]\n"
                "       integrity_eval attack OUT_DIR [STEPS=400] [KIND:MAGNITUDE=noise:1]\n"
                "       integrity_eval clean [STEPS=1000]\n"
                "       integrity_eval diagnose [STEPS=300] [260K|42M]\n"

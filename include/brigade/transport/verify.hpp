@@ -158,11 +158,16 @@ struct Assessment {
 /// them.
 ///
 /// Learning: a learnable message (Assessment::learnable: not flagged, and every score at most
-/// config.learn_below of its threshold) updates the EMAs (mu += a (s - mu); var = (1 - a)(var +
-/// a (s - mu)^2), a = max(1 - decay, 1/n)) and its keys' references; a flagged or suspicious one
-/// does not (a corrupting sender must not drag the statistics or widen the band it is judged
-/// by). A lasting change of the stream would then be flagged for good, so when kRestartFlags of
-/// the last kRecent scored messages were flagged the monitor starts over (restarts()).
+/// config.learn_below of its threshold) updates the EMAs (mu += a d; var = (1 - a)(var + a d^2
+/// / c), a = max(1 - decay, 1/n)) and its keys' references; a flagged or suspicious one does
+/// not (a corrupting sender must not drag the statistics or widen the band it is judged by).
+/// After warm-up the deviation d = s - mu is clipped to +-2 sqrt(var), with c = E[min(z^2, 4)]
+/// = 0.9205 for a standard normal z, so var stays unbiased on clean traffic (Huber's clipped
+/// update, Huber 1964): faults that pass the gate move the EMAs by at most 2 standard
+/// deviations each, and cannot hold a band that started wide (a training run's first steps)
+/// at their own deviation. A lasting change of the stream would then be flagged for good, so
+/// when kRestartFlags of the last kRecent scored messages were flagged the monitor starts over
+/// (restarts()).
 ///
 /// Thresholds: config.threshold for every statistic when > 0; else one per statistic,
 /// calibrated from that statistic's scores of accepted messages as SPOT does (Siffer et al.,
@@ -304,9 +309,17 @@ class SentinelMonitor {
       if (!present_[d]) continue;  // no rows for this key statistic in this message
       ++count_[d];
       const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(count_[d]));
-      const double diff = cur_[d] - mean_[d];
+      double diff = cur_[d] - mean_[d];
+      double sq = diff * diff;
+      if (learned_ > config_.warmup && var_[d] > 0) {
+        // Huber's clipped update (class docstring, "Learning"): one message moves the EMAs by
+        // at most kHuberClip of the spread.
+        const double lim = kHuberClip * std::sqrt(var_[d]);
+        diff = std::clamp(diff, -lim, lim);
+        sq = diff * diff / kHuberConsistency;
+      }
       mean_[d] += a * diff;
-      var_[d] = (1 - a) * (var_[d] + a * diff * diff);
+      var_[d] = (1 - a) * (var_[d] + a * sq);
       se2_mean_[d] += a * (row_var_[d] / rows_[d] - se2_mean_[d]);
       row_var_mean_[d] += a * (row_var_[d] - row_var_mean_[d]);
     }
@@ -396,6 +409,9 @@ class SentinelMonitor {
   static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed row's finite statistic
   static constexpr double kZeroRowLog = -300;  // a row's log RMS below this: an all-zero row
   static constexpr double kKeyClip = 1.0;  // the most one message moves a key's log RMS (e-fold)
+  static constexpr double kHuberClip = 2.0;  // the clip of one message's deviation (sd units)
+  // E[min(z^2, 4)] for a standard normal z: the clipped squares' mean, so var_ stays unbiased.
+  static constexpr double kHuberConsistency = 0.920537;
 
   // End of warm-up: the EMAs restart from the median and the scaled median absolute deviation
   // (1.4826 MAD, the normal's sd) of the kept warm-up statistics (NaN: a message without key
