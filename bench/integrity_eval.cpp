@@ -44,7 +44,6 @@
 #include <fstream>
 #include <limits>
 #include <map>
-#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -219,8 +218,9 @@ std::vector<Stream> load_streams(const fs::path& dir) {
   return out;
 }
 
-/// What one replay of a stream with faults gave: scores of clean and corrupted messages once the
-/// monitor gives verdicts, and the verdicts at its calibrated threshold.
+/// What one replay of a stream with faults gave: scores of clean and corrupted messages from the
+/// end of the stream's warm-up (its first `warmup` messages), and the verdicts at the calibrated
+/// thresholds.
 struct Replay {
   std::vector<double> clean, faulty;
   std::int64_t clean_flagged = 0, faulty_flagged = 0;
@@ -228,10 +228,11 @@ struct Replay {
 
 Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
               const transport::SentinelConfig& cfg) {
-  transport::SentinelMonitor mon(cfg);
-  // The stream's replay check, as VerifyingTransport runs it before the monitor.
-  std::optional<transport::ReplayGuard> guard;
-  if (cfg.replay_memory > 0) guard.emplace(cfg.replay_memory, cfg.warmup);
+  // As VerifyingTransport keys its streams: one monitor per row bucket floor(log2(rows))
+  // (transport::stream_bucket; the width and the row keys are fixed here) and one replay check
+  // per payload size, the replay check before the monitor.
+  std::map<int, transport::SentinelMonitor> monitors;
+  std::map<std::size_t, transport::ReplayGuard> guards;
   std::mt19937_64 rng(seed);
   std::bernoulli_distribution coin(spec.rate);
   spec.seed = seed;
@@ -248,21 +249,33 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
       faulty = transport::apply_fault(spec, std::span(x), rng, previous, drift);
       if (faulty && spec.kind == FaultKind::Drift) ++drift;
     }
-    auto a = mon.assess(x, s.rows[i], s.keys(i), s.scale(i));
     const bool replayed =
-        guard && guard->observe(std::as_bytes(std::span<const float>(x)),
-                                static_cast<std::int64_t>(i), s.microbatch[i], s.chunk[i]);
-    if (replayed) {  // flagged at once (score inf) and not learned
-      a.score = std::numeric_limits<double>::infinity();
-      a.flagged = true;
-      a.learnable = false;
+        cfg.replay_memory > 0 &&
+        guards.try_emplace(x.size(), cfg.replay_memory, cfg.warmup)
+            .first->second.observe(std::as_bytes(std::span<const float>(x)),
+                                   static_cast<std::int64_t>(i), s.microbatch[i], s.chunk[i]);
+    double score = std::numeric_limits<double>::infinity();  // replayed: flagged at once
+    bool flagged = replayed;
+    if (!replayed) {
+      const int bucket = transport::stream_bucket(s.rows[i]);
+      auto& mon = monitors.try_emplace(bucket, cfg).first->second;
+      const auto a = mon.assess(x, s.rows[i], s.keys(i), s.scale(i));
+      if (a.learnable) mon.learn();
+      flagged = a.flagged;
+      // The ROC's score: the deciding statistic's score over its threshold (scaling every
+      // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated
+      // point). A message its bucket's monitor takes during warm-up is not checked: a fault
+      // there is missed (score 0), a clean one is left out of the FPR.
+      if (!std::isfinite(a.threshold) && std::isfinite(a.score)) {
+        if (!faulty || i < static_cast<std::size_t>(cfg.warmup)) continue;
+        score = 0;
+      } else {
+        score = a.score / a.threshold;
+      }
     }
-    if (a.learnable) mon.learn();
-    if (!std::isfinite(a.threshold) && std::isfinite(a.score)) continue;  // warm-up
-    // The ROC's score: the deciding statistic's score over its threshold (scaling every
-    // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated point).
-    (faulty ? r.faulty : r.clean).push_back(a.score / a.threshold);
-    (faulty ? r.faulty_flagged : r.clean_flagged) += a.flagged ? 1 : 0;
+    if (i < static_cast<std::size_t>(cfg.warmup)) continue;  // the stream's own warm-up
+    (faulty ? r.faulty : r.clean).push_back(score);
+    (faulty ? r.faulty_flagged : r.clean_flagged) += flagged ? 1 : 0;
   }
   return r;
 }

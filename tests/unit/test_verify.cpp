@@ -447,6 +447,15 @@ TEST_CASE("verify.monitor: after a warm-up wider than the stream's later spread,
   CHECK(false_alarms <= 4);
 }
 
+TEST_CASE("verify.transport: the stream key's row bucket is floor(log2(rows))") {
+  CHECK(stream_bucket(1) == 0);
+  CHECK(stream_bucket(7) == 2);
+  CHECK(stream_bucket(64) == 6);
+  CHECK(stream_bucket(127) == 6);
+  CHECK(stream_bucket(128) == 7);
+  CHECK(stream_bucket(0) == 0);
+}
+
 TEST_CASE("verify.monitor: one-row messages (a decode step of one sequence) score on their "
           "scalars without exploding") {
   Stream s(1, 64, 11);

@@ -886,17 +886,24 @@ struct VerdictRecord {
   std::string reason;                         ///< empty unless flagged
 };
 
+/// The row bucket of VerifyingTransport's stream key (its docstring): floor(log2(rows)) (rows
+/// below 1 count as 1).
+[[nodiscard]] inline int stream_bucket(std::int64_t rows) noexcept {
+  return std::bit_width(static_cast<std::uint64_t>(std::max<std::int64_t>(rows, 1))) - 1;
+}
+
 /// The SENTINEL verifier: an InspectingTransport whose check runs a SentinelMonitor per stream
 /// on the RECEIVING rank (a sender cannot vouch for itself) and applies a VerifyPolicy to a
 /// flagged message.
 ///
-/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols, keyed), rows =
-/// header.shape[0] and cols = the product of the other dims, so prefill-sized and decode-sized
-/// messages are not scored against each other. Float payloads (f32; f16 and bf16 widened) of the
-/// checked kinds go first through the stream's ReplayGuard (per sending rank, kind, stage and
-/// payload size; SentinelConfig::replay_memory): a replay is flagged at once (score inf, also
-/// during warm-up) and not learned; then through the monitors; I32 Token payloads through the range check [0, config.token_limit) when
-/// token_limit > 0 (no EMA): a payload [n] holds n ids, a payload [n, k] n records whose last
+/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols, keyed),
+/// rows = header.shape[0] and cols = the product of the other dims (stream_bucket), so
+/// prefill-sized and decode-sized messages are not scored against each other. Float payloads
+/// (f32; f16 and bf16 widened) of the checked kinds go first through the stream's ReplayGuard
+/// (per sending rank, kind, stage and payload size; SentinelConfig::replay_memory): a replay is
+/// flagged at once (score inf, also during warm-up) and not learned; then through the monitors;
+/// I32 Token payloads through the range check [0, config.token_limit) when token_limit > 0 (no
+/// EMA): a payload [n] holds n ids, a payload [n, k] n records whose last
 /// column is the id (the inference engine's (sequence, position, token)); every other message
 /// is not checked (and not recorded).
 ///
@@ -992,7 +999,6 @@ class VerifyingTransport : public InspectingTransport<Inner> {
       if (is_float_dtype(h.dtype) && numel > 0 && payload.size() >= h.nbytes()) {
         const std::int64_t rows = h.ndim >= 1 ? std::max<std::int64_t>(1, h.shape[0]) : 1;
         const std::int64_t cols = numel / rows;
-        const int bucket = std::bit_width(static_cast<std::uint64_t>(rows)) - 1;
         std::optional<ReplayGuard::Repeat> repeat;
         if (config.replay_memory > 0) {
           const ConstBytes bytes = payload.first(h.nbytes());
@@ -1021,6 +1027,7 @@ class VerifyingTransport : public InspectingTransport<Inner> {
               if (gradient) scale = k.gradient_scale;  // checked by expect()
             }
           }
+          const int bucket = stream_bucket(rows);
           auto& monitor = monitors
                               .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
                                                       bucket, cols, !keys.empty()),
