@@ -17,6 +17,10 @@
 //       woff: W starts 0 or 28 bytes past a 64-byte line (28: where a llama2.c checkpoint's
 //       mmap puts every tensor; the kernel's shifted loads, cpu_small_m_kernel.hpp).
 //       Counters: GFLOP/s and weight_GB/s (W's bytes per second: the decode roofline's stream).
+//   BM_DecodeSweep/T/path/prefetch  the 42M Llama's whole decode step of weight products (all 57
+//       matrices and the classifier, 168 MB, streamed from memory as in decode) on T rows, with
+//       the small-M kernel's W prefetches off and on (cpu::set_small_m_prefetch): the ratio of the
+//       two in one run is the prefetches' gain.
 //   BM_MatmulSmallMTyped/T/in/out/dtype  the same products with W kept in F32, F16, BF16 or
 //       Q8_0 (dtype = brigade::DType 0, 1, 2, 5), on this CPU's widest small-M kernel (T <= 64;
 //       T = 64 runs the GEMM on a dequantized copy where OpenBLAS takes T > 16): weight_GB/s
@@ -483,6 +487,84 @@ BENCHMARK(BM_MatmulSmallM)
     ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {512}, {512, 1376, 32000}, {0, 1, 2, 3}, {0, 28}})
     ->ArgsProduct({{1, 4, 8, 16, 32, 64}, {1376}, {512}, {0, 1, 2, 3}, {0, 28}})
     ->Unit(benchmark::kMicrosecond);
+
+void BM_DecodeSweep(benchmark::State& state) {
+  // One decode step's weight products of the 42M Llama, in the order decode runs them: 8 layers
+  // x (Wq, Wk, Wv, Wo 512x512; W1, W3 1376x512; W2 512x1376) and the 32000x512 classifier,
+  // 42.0 M float32 weights (168 MB, 5x this CPU's L3) laid out back to back 28 bytes past a
+  // line (as a llama2.c checkpoint's mmap puts them), so W streams from memory as in decode;
+  // BM_MatmulSmallM's single matrices stay in cache between iterations. path: 1 avx2, 2
+  // avx512 (cpu::KernelIsa); prefetch: cpu::set_small_m_prefetch (0 off, 1 on).
+  const std::int64_t T = state.range(0), path = state.range(1);
+  const bool prefetch = state.range(2) != 0;
+  const auto isa = static_cast<cpu::KernelIsa>(path);
+  if (!cpu::kernel_isa_supported(isa)) {
+    state.SkipWithError("this CPU has no such instruction set");
+    return;
+  }
+  struct Shape {
+    std::int64_t out, in;
+  };
+  std::vector<Shape> shapes;
+  for (int l = 0; l < 8; ++l) {
+    for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
+    shapes.push_back({1376, 512});
+    shapes.push_back({1376, 512});
+    shapes.push_back({512, 1376});
+  }
+  shapes.push_back({32000, 512});
+  std::int64_t weights = 0;
+  for (const auto& sh : shapes) weights += sh.out * sh.in;
+  // One copy of the weights for every instance (the same pages, so instances compare the
+  // kernels, not where the allocator put 168 MB), 28 bytes past a line.
+  static Vec storage;
+  if (storage.empty()) {
+    storage.resize(sz(weights + 32));
+    std::mt19937 wrng(42);
+    std::uniform_real_distribution<float> u(-0.05f, 0.05f);
+    for (float& v : storage) v = u(wrng);
+  }
+  const float* w = reinterpret_cast<const float*>(
+                       (reinterpret_cast<std::uintptr_t>(storage.data()) + 63) / 64 * 64) +
+                   7;
+  std::mt19937 rng(static_cast<unsigned>(T));
+  const Vec x = random_vec(rng, T * 1376, 1.0f);
+  Vec y(sz(T * 32000)), first;
+  const cpu::KernelIsa isa_before = cpu::kernel_isa();
+  const bool prefetch_before = cpu::small_m_prefetch();
+  cpu::set_kernel_isa(isa);
+  cpu::set_small_m_prefetch(prefetch);
+  state.SetLabel(std::string(cpu::to_string(isa)) + (prefetch ? " prefetch" : " no-prefetch"));
+  auto sweep = [&] {
+    const float* wi = w;
+    for (const auto& sh : shapes) {
+      cpu::matmul_wt(x.data(), wi, y.data(), T, sh.in, sh.out);
+      wi += sh.out * sh.in;
+    }
+  };
+  sweep();
+  first = y;
+  for (auto _ : state) {
+    sweep();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  cpu::set_kernel_isa(isa_before);
+  cpu::set_small_m_prefetch(prefetch_before);
+  if (y != first) {
+    state.SkipWithError("the sweep's last classifier output differs from its first");
+    return;
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(T) * double(weights) * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] = benchmark::Counter(
+      double(weights) * sizeof(float) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+BENCHMARK(BM_DecodeSweep)
+    ->ArgNames({"T", "path", "prefetch"})
+    ->ArgsProduct({{1, 2, 4, 8, 16}, {1, 2}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
 
 // dtype: 0 F32, 1 F16, 2 BF16, 5 Q8_0 (brigade::DType); the decode shapes of the 42M model.
 BENCHMARK(BM_MatmulSmallMTyped)

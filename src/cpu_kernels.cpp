@@ -252,6 +252,12 @@ std::atomic<KernelIsa>& current_isa() {
   return isa;
 }
 
+/// Whether the small-M kernels prefetch the next W rows (set_small_m_prefetch).
+std::atomic<bool>& prefetch_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 /// Bytes of the cache line that the small-M kernels' x packets should not straddle.
 constexpr std::uintptr_t kLineBytes = 64;
 
@@ -259,6 +265,7 @@ void small_m_gemm(const float* x, model::WeightMatrix w, float* out, std::int64_
                   std::int64_t in, std::int64_t out_dim, bool accumulate) {
   const KernelIsa isa = current_isa().load(std::memory_order_relaxed);
   const detail::SmallMKernel kernel = kernel_of(isa);
+  const bool prefetch = prefetch_flag().load(std::memory_order_relaxed);
   // x is read once per block of W rows, from L1: packets that straddle a line cost two of L1's
   // load slots each (with an x from a std::vector every 64-byte packet does), which halved the
   // 8-row AVX-512 product with W in cache (bench_kernels BM_MatmulSmallM). A copy on a line,
@@ -281,10 +288,11 @@ void small_m_gemm(const float* x, model::WeightMatrix w, float* out, std::int64_
     parallel_parts(threads, [&](int p) {
       std::int64_t n0 = 0, n1 = 0;
       part_range(out_dim, threads, p, 16, n0, n1);
-      if (n1 > n0) kernel(x, w.data, w.dtype, out, tokens, in, out_dim, n0, n1, accumulate);
+      if (n1 > n0)
+        kernel(x, w.data, w.dtype, out, tokens, in, out_dim, n0, n1, accumulate, prefetch);
     });
   } else {
-    kernel(x, w.data, w.dtype, out, tokens, in, out_dim, 0, out_dim, accumulate);
+    kernel(x, w.data, w.dtype, out, tokens, in, out_dim, 0, out_dim, accumulate, prefetch);
   }
 }
 
@@ -472,6 +480,12 @@ void set_kernel_isa(KernelIsa isa) {
   current_isa().store(isa, std::memory_order_relaxed);
 }
 
+bool small_m_prefetch() noexcept { return prefetch_flag().load(std::memory_order_relaxed); }
+
+void set_small_m_prefetch(bool on) noexcept {
+  prefetch_flag().store(on, std::memory_order_relaxed);
+}
+
 std::string cpu_model_name() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -570,7 +584,7 @@ void small_m_generic_typed(const float* x, const std::byte* w, float* out, std::
 
 void small_m_generic(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                      std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                     std::int64_t n_end, bool accumulate) {
+                     std::int64_t n_end, bool accumulate, bool /*prefetch: none here*/) {
   const auto* wb = static_cast<const std::byte*>(w);
   switch (wt) {
     case DType::F32:

@@ -31,9 +31,13 @@ inline constexpr int kSmallMLanes = 16;
 /// @param w   [out_dim x in] row-major in `wt` (F32, F16, BF16 or Q8_0 with in % 32 == 0: the
 ///            caller checks)
 /// @param out [tokens x out_dim] row-major; columns [n_begin, n_end) written (or added to)
+/// @param prefetch software prefetches of the next W rows while a call computes (where the
+///            kernel has them: cpu_small_m_kernel.hpp, sm_rows); they change the speed, never the
+///            bits (cpu::set_small_m_prefetch)
 using SmallMKernel = void (*)(const float* x, const void* w, DType wt, float* out,
                               std::int64_t tokens, std::int64_t in, std::int64_t out_dim,
-                              std::int64_t n_begin, std::int64_t n_end, bool accumulate);
+                              std::int64_t n_begin, std::int64_t n_end, bool accumulate,
+                              bool prefetch);
 
 /// Dequantizes rows [0, rows) of W ([rows x in] in `wt`: F16, BF16 or Q8_0) into out
 /// [rows x in] float32 (exact; the GEMM path's conversion of a typed W).
@@ -104,17 +108,17 @@ inline float add_tail(float s, const float* x, const std::byte* w, std::int64_t 
 /// Portable C++ (std::fma per lane): the definition of the order, and the fallback.
 void small_m_generic(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                      std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                     std::int64_t n_end, bool accumulate);
+                     std::int64_t n_end, bool accumulate, bool prefetch);
 
 #if BRIGADE_X86_KERNELS
 /// AVX2 + FMA + F16C (two 8-lane registers per accumulator); src/cpu_small_m_avx2.cpp.
 void small_m_avx2(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                   std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
-                  bool accumulate);
+                  bool accumulate, bool prefetch);
 /// AVX-512F (one 16-lane register per accumulator); src/cpu_small_m_avx512.cpp.
 void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                    std::int64_t n_end, bool accumulate);
+                    std::int64_t n_end, bool accumulate, bool prefetch);
 /// The dequantizers of the AVX2 and AVX-512 builds (the generic one is model::dequantize_rows).
 void dequantize_avx2(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out);
 void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out);

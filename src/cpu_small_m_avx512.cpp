@@ -11,8 +11,8 @@ namespace {
 struct Avx512 {
   using Packet = __m512;
   static constexpr int kWidth = 16;
-  /// sm_rows prefetches the next W rows from 8 x rows on (cpu_small_m_kernel.hpp).
-  static constexpr int kPrefetchRows = 8;
+  /// sm_rows prefetches the next W rows from 2 x rows on (cpu_small_m_kernel.hpp).
+  static constexpr int kPrefetchRows = 2;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static float half(std::uint16_t h) { return _cvtsh_ss(h); }
@@ -71,9 +71,9 @@ constexpr int kMR = 8, kNR = 2, kGemvNR = 8;
 
 void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
-                    bool accumulate) {
+                    bool accumulate, bool prefetch) {
   sm_dispatch<Avx512, kMR, kNR, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin,
-                                                   n_end, accumulate);
+                                                   n_end, accumulate, prefetch);
 }
 
 void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {

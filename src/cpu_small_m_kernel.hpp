@@ -117,6 +117,27 @@ inline __attribute__((always_inline)) void sm_walk(const std::byte* w, std::int6
   }
 }
 
+/// Software prefetches that a block of x rows issues as it walks k (sm_chunk): one line per step
+/// for each of `streams` W rows, `stride` bytes apart from `at`, at the step's element offset.
+/// sm_rows points them at the next call's W rows (the next row of each segment), so the weights'
+/// misses are spread over the whole computation instead of stalling the first block.
+struct Prefetch {
+  const std::byte* at = nullptr;
+  std::int64_t stride = 0;
+  int streams = 0;
+};
+
+/// Byte offset of element k (a multiple of 16) in a W row of dtype WT.
+template <DType WT>
+constexpr std::int64_t element_offset(std::int64_t k) noexcept {
+  if constexpr (WT == DType::Q8_0)
+    return (k >> 5) * 34 + 2 + (k & 31);
+  else if constexpr (WT == DType::F32)
+    return k * 4;
+  else
+    return k * 2;
+}
+
 /// Floats of x's rows per k-chunk of sm_rows: the chunk of an x block and of the NR W rows stays
 /// in L1 between the packet passes and across the x blocks, so x comes from L2 once per block of
 /// W rows and W from memory once. 256 keeps the chunks of 64 x rows (64 KiB) in L2 and the
@@ -134,7 +155,8 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
                                                     float* acc_lanes, std::int64_t in,
                                                     std::int64_t rb, std::int64_t k0,
                                                     std::int64_t k1, bool first,
-                                                    const WLoad<Isa, Sh>& ld) {
+                                                    const WLoad<Isa, Sh>& ld,
+                                                    const Prefetch& pf = {}) {
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
   constexpr int kPk = kSmallMLanes / kW;
@@ -145,7 +167,11 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
       for (int j = 0; j < NR; ++j)
         acc[i][j] =
             first ? Isa::zero() : Isa::load(acc_lanes + (i * NR + j) * kSmallMLanes + p * kW);
+    const int streams = p == 0 ? pf.streams : 0;  // the first pass brings the lines
     auto step = [&](std::int64_t k, auto&& load_w) __attribute__((always_inline)) {
+      for (int q = 0; q < streams; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(pf.at + q * pf.stride + element_offset<WT>(k)),
+                     _MM_HINT_T0);
       P wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = load_w(j, k);
       for (int i = 0; i < MR; ++i) {
@@ -164,12 +190,12 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
 template <class Isa, DType WT, int MR, int NR, bool Sh>
 inline void sm_chunk_tail(const float* x, const std::byte* w, float* acc_lanes, std::int64_t rows,
                           std::int64_t in, std::int64_t rb, std::int64_t k0, std::int64_t k1,
-                          bool first, const WLoad<Isa, Sh>& ld) {
+                          bool first, const WLoad<Isa, Sh>& ld, const Prefetch& pf) {
   if constexpr (MR > 1) {
     if (rows == MR - 1)
-      sm_chunk<Isa, WT, MR - 1, NR>(x, w, acc_lanes, in, rb, k0, k1, first, ld);
+      sm_chunk<Isa, WT, MR - 1, NR>(x, w, acc_lanes, in, rb, k0, k1, first, ld, pf);
     else
-      sm_chunk_tail<Isa, WT, MR - 1, NR>(x, w, acc_lanes, rows, in, rb, k0, k1, first, ld);
+      sm_chunk_tail<Isa, WT, MR - 1, NR>(x, w, acc_lanes, rows, in, rb, k0, k1, first, ld, pf);
   }
 }
 
@@ -179,25 +205,35 @@ inline void sm_chunk_tail(const float* x, const std::byte* w, float* acc_lanes, 
 template <class Isa, DType WT, int MR, int NR, bool Accumulate, bool Sh>
 inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n, std::int64_t rs,
-                    const WLoad<Isa, Sh>& ld) {
+                    const WLoad<Isa, Sh>& ld, bool prefetch_on) {
   const std::int64_t rb = rs * row_bytes<WT>(in);
   const std::byte* wn = w + n * row_bytes<WT>(in);
   const std::int64_t k_vec = in - in % kSmallMLanes;
   alignas(64) float lanes[kSmallMGroupRows * NR * kSmallMLanes];
-  // Isa::kPrefetchRows: from that many x rows on, the next W row of each segment (the next
-  // call's) is prefetched a line at a time, so its misses are in flight while this block
-  // computes (a prefetch past W's end does not fault). It pays when W streams from memory:
-  // AVX-512 on Zen 5, 16 rows against the 32000-row LM head, 55 -> 73 GFLOP/s (bench_kernels
-  // BM_MatmulSmallM); below 8 rows, or with AVX2's two passes per chunk, the extra
-  // instructions cost more than the earlier misses gain (docs/benchmarks.md).
-  if (Isa::kPrefetchRows > 0 && tokens >= Isa::kPrefetchRows)
-    for (int j = 0; j < NR; ++j)
-      for (std::int64_t b = 0; b < row_bytes<WT>(in); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wn + j * rb + row_bytes<WT>(in) + b),
-                     _MM_HINT_T0);
+  // Isa::kPrefetchRows: from that many x rows on (and while `prefetch_on`), the next W row of
+  // each segment (the next call's) is prefetched one line per step of the walk, spread over
+  // the first NR blocks of x rows (Prefetch), so its misses are in flight while this call
+  // computes and the memory stream stays busy through the blocks that read W from L1 (a
+  // prefetch past W's end does not fault). Issuing a row's lines all at once, at the call's
+  // start (the earlier scheme), stalled on the full miss queue: 28% of the kernel's samples sat
+  // on those prefetches. Over the 42M decode sweep on Zen 5 (bench_kernels BM_DecodeSweep,
+  // docs/benchmarks.md) the spread prefetches raised 4-16 rows by 1.1-1.4x on AVX-512 and AVX2.
+  const bool prefetch = prefetch_on && Isa::kPrefetchRows > 0 && tokens >= Isa::kPrefetchRows;
   for (std::int64_t g = 0; g < tokens; g += kSmallMGroupRows) {
     const std::int64_t rows = tokens - g < kSmallMGroupRows ? tokens - g : kSmallMGroupRows;
     const float* xg = x + g * in;
+    const std::int64_t blocks = (rows + MR - 1) / MR;
+    // The first group's blocks share the next W rows' prefetches: block b takes the streams
+    // j = b, b + blocks, ... (NR streams over min(blocks, NR) blocks).
+    auto prefetch_of = [&](std::int64_t b) {
+      Prefetch pf;
+      if (prefetch && g == 0 && b < NR) {
+        pf.at = wn + b * rb + row_bytes<WT>(in);
+        pf.stride = blocks * rb;
+        pf.streams = static_cast<int>((NR - b + blocks - 1) / blocks);
+      }
+      return pf;
+    };
     if (k_vec == 0)
       for (float& l : lanes) l = 0.0f;
     for (std::int64_t k0 = 0; k0 < k_vec; k0 += kSmallMChunk) {
@@ -205,10 +241,10 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
       std::int64_t t = 0;
       for (; t + MR <= rows; t += MR)
         sm_chunk<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, in, rb, k0, k1,
-                                  k0 == 0, ld);
+                                  k0 == 0, ld, prefetch_of(t / MR));
       if (t < rows)
         sm_chunk_tail<Isa, WT, MR, NR>(xg + t * in, wn, lanes + t * NR * kSmallMLanes, rows - t, in,
-                                       rb, k0, k1, k0 == 0, ld);
+                                       rb, k0, k1, k0 == 0, ld, prefetch_of(t / MR));
     }
     for (std::int64_t t = 0; t < rows; ++t)
       for (int j = 0; j < NR; ++j) {
@@ -255,7 +291,7 @@ inline __attribute__((always_inline)) void sm_gemv(const float* x, const std::by
 template <class Isa, DType WT, int MR, int NR, int GemvNR, bool Accumulate, bool Sh>
 inline void sm_run(const float* x, const std::byte* w, float* out, std::int64_t tokens,
                    std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                   std::int64_t n_end, const WLoad<Isa, Sh>& ld) {
+                   std::int64_t n_end, const WLoad<Isa, Sh>& ld, bool prefetch) {
   const std::int64_t rows = n_end - n_begin;
   std::int64_t done = 0;
   if (tokens == 1) {
@@ -267,23 +303,26 @@ inline void sm_run(const float* x, const std::byte* w, float* out, std::int64_t 
   } else {
     const std::int64_t seg = rows / NR;
     for (std::int64_t i = 0; i < seg; ++i)
-      sm_rows<Isa, WT, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg, ld);
+      sm_rows<Isa, WT, MR, NR, Accumulate>(x, w, out, tokens, in, out_dim, n_begin + i, seg, ld,
+                                           prefetch);
     done = seg * NR;
   }
   for (std::int64_t n = n_begin + done; n < n_end; ++n)
-    sm_rows<Isa, WT, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1, ld);
+    sm_rows<Isa, WT, MR, 1, Accumulate>(x, w, out, tokens, in, out_dim, n, 1, ld, prefetch);
 }
 
 template <class Isa, DType WT, int MR, int NR, int GemvNR>
 inline void sm_typed(const float* x, const void* w, float* out, std::int64_t tokens,
                      std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                     std::int64_t n_end, bool accumulate) {
+                     std::int64_t n_end, bool accumulate, bool prefetch) {
   const auto* wb = static_cast<const std::byte*>(w);
   auto run = [&](const auto& ld) {
     if (accumulate)
-      sm_run<Isa, WT, MR, NR, GemvNR, true>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld);
+      sm_run<Isa, WT, MR, NR, GemvNR, true>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld,
+                                            prefetch);
     else
-      sm_run<Isa, WT, MR, NR, GemvNR, false>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld);
+      sm_run<Isa, WT, MR, NR, GemvNR, false>(x, wb, out, tokens, in, out_dim, n_begin, n_end, ld,
+                                             prefetch);
   };
   if constexpr (WT == DType::F32) {
     // Shifted loads when W starts inside a packet at a whole float and every row starts at the
@@ -302,20 +341,20 @@ inline void sm_typed(const float* x, const void* w, float* out, std::int64_t tok
 template <class Isa, int MR, int NR, int TMR, int TNR, int GemvNR>
 inline void sm_dispatch(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                         std::int64_t in, std::int64_t out_dim, std::int64_t n_begin,
-                        std::int64_t n_end, bool accumulate) {
+                        std::int64_t n_end, bool accumulate, bool prefetch) {
   switch (wt) {
     case DType::F32:
       return sm_typed<Isa, DType::F32, MR, NR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                       n_end, accumulate);
+                                                       n_end, accumulate, prefetch);
     case DType::F16:
       return sm_typed<Isa, DType::F16, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                         n_end, accumulate);
+                                                         n_end, accumulate, prefetch);
     case DType::BF16:
       return sm_typed<Isa, DType::BF16, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                          n_end, accumulate);
+                                                          n_end, accumulate, prefetch);
     case DType::Q8_0:
       return sm_typed<Isa, DType::Q8_0, TMR, TNR, GemvNR>(x, w, out, tokens, in, out_dim, n_begin,
-                                                          n_end, accumulate);
+                                                          n_end, accumulate, prefetch);
     default:
       return;
   }

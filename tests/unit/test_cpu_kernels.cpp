@@ -238,8 +238,11 @@ float ref_small_m_dot(const float* x, const float* w, std::int64_t in) {
   return s;
 }
 
-TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented order's bits") {
+TEST_CASE("cpu_kernels.kernel_isa: every instruction set, with its W prefetches on and off, "
+          "gives the documented order's bits") {
   const cpu::KernelIsa before = cpu::kernel_isa();
+  const bool prefetch_before = cpu::small_m_prefetch();
+  CHECK(prefetch_before);  // on by default
   CHECK(cpu::kernel_isa_supported(before));
   CHECK(cpu::kernel_isa_supported(cpu::KernelIsa::Generic));
   CHECK(cpu::to_string(cpu::KernelIsa::Avx2) == "avx2");
@@ -254,31 +257,39 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set gives the documented or
     cpu::set_kernel_isa(isa);
     CHECK(cpu::kernel_isa() == isa);
     ++checked;
-    for (std::int64_t t : {1, 2, 3, 5, 9, 16}) {
-      // k-chunks of 256 (src/cpu_small_m_kernel.hpp): one partial, two whole, five and a partial
-      // with a tail of 12, and none (in < 16)
-      for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63},
-                             {1388, 37}, {7, 11}}) {
-        CAPTURE(cpu::to_string(isa));
-        CAPTURE(t);
-        CAPTURE(in);
-        const Vec x = random_vec(rng, t * in), w = random_vec(rng, out * in);
-        Vec y(sz(t * out)), acc = random_vec(rng, t * out);
-        const Vec acc0 = acc;
-        cpu::matmul_wt(x.data(), w.data(), y.data(), t, in, out);
-        cpu::matmul_wt_accumulate(x.data(), w.data(), acc.data(), t, in, out);
-        int wrong = 0;
-        for (std::int64_t r = 0; r < t; ++r)
-          for (std::int64_t n = 0; n < out; ++n) {
-            const float d = ref_small_m_dot(x.data() + r * in, w.data() + n * in, in);
-            wrong += y[sz(r * out + n)] != d;
-            wrong += acc[sz(r * out + n)] != acc0[sz(r * out + n)] + d;
-          }
-        CHECK(wrong == 0);
+    // The W prefetches (from 2 rows of x; one line per step, shared by the blocks of x rows:
+    // 1, 2 and more blocks below) change no bit.
+    for (const bool prefetch : {true, false}) {
+      cpu::set_small_m_prefetch(prefetch);
+      CHECK(cpu::small_m_prefetch() == prefetch);
+      for (std::int64_t t : {1, 2, 3, 5, 9, 16}) {
+        // k-chunks of 256 (src/cpu_small_m_kernel.hpp): one partial, two whole, five and a partial
+        // with a tail of 12, and none (in < 16)
+        for (auto [in, out] : {std::pair<std::int64_t, std::int64_t>{172, 129}, {512, 63},
+                               {1388, 37}, {7, 11}}) {
+          CAPTURE(cpu::to_string(isa));
+          CAPTURE(prefetch);
+          CAPTURE(t);
+          CAPTURE(in);
+          const Vec x = random_vec(rng, t * in), w = random_vec(rng, out * in);
+          Vec y(sz(t * out)), acc = random_vec(rng, t * out);
+          const Vec acc0 = acc;
+          cpu::matmul_wt(x.data(), w.data(), y.data(), t, in, out);
+          cpu::matmul_wt_accumulate(x.data(), w.data(), acc.data(), t, in, out);
+          int wrong = 0;
+          for (std::int64_t r = 0; r < t; ++r)
+            for (std::int64_t n = 0; n < out; ++n) {
+              const float d = ref_small_m_dot(x.data() + r * in, w.data() + n * in, in);
+              wrong += y[sz(r * out + n)] != d;
+              wrong += acc[sz(r * out + n)] != acc0[sz(r * out + n)] + d;
+            }
+          CHECK(wrong == 0);
+        }
       }
     }
   }
   cpu::set_kernel_isa(before);
+  cpu::set_small_m_prefetch(prefetch_before);
   CHECK(checked >= 1);
   CHECK_THROWS_AS(cpu::set_kernel_isa(static_cast<cpu::KernelIsa>(9)), Error);
   for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512})

@@ -137,6 +137,17 @@ KernelIsa kernel_isa();
 /// @throws brigade::Error{InvalidArgument} if `isa` is unknown or not supported here
 void set_kernel_isa(KernelIsa isa);
 
+/// Whether the small-M kernels (AVX2 and AVX-512; from 2 rows of x) prefetch the next W rows
+/// while they compute, spread over the walk one cache line per step (cpu_small_m_kernel.hpp):
+/// process-wide, initially true. The prefetches change the speed, never the bits. On Zen 5,
+/// over the 42M Llama's whole decode sweep (168 MB of F32 weights streamed from memory), they
+/// raise 4-16 rows by 1.1-1.4x (bench_kernels BM_DecodeSweep, docs/benchmarks.md).
+bool small_m_prefetch() noexcept;
+
+/// Turns the small-M kernels' W prefetches on or off for the whole process (benchmarks compare
+/// the two in one run).
+void set_small_m_prefetch(bool on) noexcept;
+
 /// This CPU's model as the OS names it (/proc/cpuinfo "model name"), or "unknown".
 std::string cpu_model_name();
 
