@@ -13,6 +13,8 @@ struct Avx512 {
   static constexpr int kWidth = 16;
   /// sm_rows prefetches the next W rows from 2 x rows on (cpu_small_m_kernel.hpp).
   static constexpr int kPrefetchRows = 2;
+  /// sm_chunk keeps each x packet in a register for its NR FMAs (cpu_small_m_kernel.hpp).
+  static constexpr bool kXInRegister = true;
   static __m512 zero() { return _mm512_setzero_ps(); }
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   static float half(std::uint16_t h) { return _cvtsh_ss(h); }
@@ -59,21 +61,23 @@ struct Avx512 {
   static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 };
 
-// 32 zmm registers: 8 x 2 accumulators (16) with 2 weight packets, one x packet and, for a W
-// off its lines, 2 carried aligned packets and the permutation; a GEMV of 8 W rows (8 weight
-// streams). 8 x 2 rather than the 4 x 4 tuned on Emerald Rapids: with x on a line (copied there,
-// cpu_kernels.cpp) an 8-row batch is one block of x rows, so each weight packet is loaded (and a
-// typed one converted) once; on Zen 5 it ran 8 and 16 rows 1.0-1.4x faster than 4 x 4 for F32
-// and typed W alike (bench_kernels BM_MatmulSmallM(Typed), docs/benchmarks.md).
-constexpr int kMR = 8, kNR = 2, kGemvNR = 8;
+// 32 zmm registers. F32: 8 x 3 accumulators (24) with 3 weight packets, one x packet and, for a
+// W off its lines, 3 carried aligned packets and the permutation; with x held in a register
+// (kXInRegister) a step is 3 + 8 loads per 24 FMAs. Over the 42M decode sweep on Zen 5 it ran
+// 8-16 rows 1.14-1.31x faster than 8 x 2 (bench_kernels BM_DecodeSweep, docs/benchmarks.md).
+// Typed W: 8 x 2 (16 accumulators; each weight packet is converted once per block of x rows),
+// the blocking measured against 4 x 4 on Zen 5 (1.0-1.4x, BM_MatmulSmallMTyped). With x on a
+// line (copied there, cpu_kernels.cpp) an 8-row batch is one block of x rows, so each weight
+// packet is loaded once. A GEMV of 8 W rows (8 weight streams).
+constexpr int kMR = 8, kNR = 3, kTypedMR = 8, kTypedNR = 2, kGemvNR = 8;
 
 }  // namespace
 
 void small_m_avx512(const float* x, const void* w, DType wt, float* out, std::int64_t tokens,
                     std::int64_t in, std::int64_t out_dim, std::int64_t n_begin, std::int64_t n_end,
                     bool accumulate, bool prefetch) {
-  sm_dispatch<Avx512, kMR, kNR, kMR, kNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim, n_begin,
-                                                   n_end, accumulate, prefetch);
+  sm_dispatch<Avx512, kMR, kNR, kTypedMR, kTypedNR, kGemvNR>(x, w, wt, out, tokens, in, out_dim,
+                                                             n_begin, n_end, accumulate, prefetch);
 }
 
 void dequantize_avx512(const void* w, DType wt, std::int64_t in, std::int64_t rows, float* out) {

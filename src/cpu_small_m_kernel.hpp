@@ -29,7 +29,8 @@ inline float reduce_lanes_vec(const float* lanes) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// Isa provides: Packet, kWidth (floats per packet), kPrefetchRows (sm_rows; 0: never), zero(),
+// Isa provides: Packet, kWidth (floats per packet), kPrefetchRows (sm_rows; 0: never),
+// kXInRegister (sm_chunk: each x packet loaded once into a register for its NR FMAs), zero(),
 // load(p) (kWidth floats), load_w<WT>(row, k) (the float32 values of W row elements k .. k +
 // kWidth - 1 of dtype F32, F16 or BF16, exact), q8_scale(row, k) (the scale of the Q8_0 block holding element k,
 // broadcast), q8_load(row, k, d) (elements k .. k + kWidth - 1 of a Q8_0 row as int8 times d:
@@ -175,7 +176,11 @@ inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::b
       P wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = load_w(j, k);
       for (int i = 0; i < MR; ++i) {
-        const P xv = Isa::load(x + i * in + k);
+        P xv = Isa::load(x + i * in + k);
+        // Isa::kXInRegister: the compiler would fold the load into each of the NR FMAs (NR
+        // loads of one packet); the empty asm makes it one load, which on Zen 5's two 512-bit
+        // load ports was the bound at 8 x 2 and 8 x 3 (AVX-512: 18 loads per 16 FMAs).
+        if constexpr (Isa::kXInRegister && NR > 1) asm("" : "+v"(xv));
         for (int j = 0; j < NR; ++j) acc[i][j] = Isa::fma(xv, wv[j], acc[i][j]);
       }
     };
