@@ -150,14 +150,15 @@ inline constexpr std::int64_t kSmallMGroupRows = 64;
 /// One k-chunk [k0, k1) (multiples of 16; of 32 for Q8_0) of MR rows of x against NR rows of W
 /// (`rb` bytes apart), continuing the MR x NR accumulators of 16 lanes in `acc` ([MR][NR][16];
 /// from zero when `first`). Each lane sums its k in increasing order across the chunks, so the
-/// chunking leaves every output's summation order (cpu_small_m.hpp) unchanged.
+/// chunking leaves every output's summation order (cpu_small_m.hpp) unchanged. Each step also
+/// issues `pf`'s prefetches (none when pf.streams is 0).
 template <class Isa, DType WT, int MR, int NR, bool Sh>
 inline __attribute__((always_inline)) void sm_chunk(const float* x, const std::byte* w,
                                                     float* acc_lanes, std::int64_t in,
                                                     std::int64_t rb, std::int64_t k0,
                                                     std::int64_t k1, bool first,
                                                     const WLoad<Isa, Sh>& ld,
-                                                    const Prefetch& pf = {}) {
+                                                    const Prefetch& pf) {
   using P = typename Isa::Packet;
   constexpr int kW = Isa::kWidth;
   constexpr int kPk = kSmallMLanes / kW;
