@@ -489,8 +489,9 @@ BENCHMARK(BM_MatmulSmallM)
     ->Unit(benchmark::kMicrosecond);
 
 void BM_DecodeSweep(benchmark::State& state) {
-  // One decode step's weight products of the 42M Llama, in the order decode runs them: 8 layers
-  // x (Wq, Wk, Wv, Wo 512x512; W1, W3 1376x512; W2 512x1376) and the 32000x512 classifier,
+  // One decode step's weight products of the 42M Llama (model::named_config("42M")), in the
+  // order decode runs them: 8 layers x (Wq, Wk, Wv, Wo 512x512; W1, W3 1376x512; W2 512x1376)
+  // and the 32000x512 classifier,
   // 42.0 M float32 weights (168 MB, 5x this CPU's L3) laid out back to back 28 bytes past a
   // line (as a llama2.c checkpoint's mmap puts them), so W streams from memory as in decode;
   // BM_MatmulSmallM's single matrices stay in cache between iterations. path: 1 avx2, 2
@@ -505,14 +506,14 @@ void BM_DecodeSweep(benchmark::State& state) {
   struct Shape {
     std::int64_t out, in;
   };
+  const model::LlamaConfig c = model::named_config("42M");
+  const std::int64_t d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
   std::vector<Shape> shapes;
-  for (int l = 0; l < 8; ++l) {
-    for (int i = 0; i < 4; ++i) shapes.push_back({512, 512});
-    shapes.push_back({1376, 512});
-    shapes.push_back({1376, 512});
-    shapes.push_back({512, 1376});
-  }
-  shapes.push_back({32000, 512});
+  for (int l = 0; l < c.n_layers; ++l)
+    for (const Shape sh : {Shape{d, d}, Shape{kv, d}, Shape{kv, d}, Shape{d, d}, Shape{h, d},
+                           Shape{h, d}, Shape{d, h}})
+      shapes.push_back(sh);
+  shapes.push_back({c.vocab_size, d});
   std::int64_t weights = 0;
   for (const auto& sh : shapes) weights += sh.out * sh.in;
   // One copy of the weights for every instance (the same pages, so instances compare the
@@ -528,8 +529,8 @@ void BM_DecodeSweep(benchmark::State& state) {
                        (reinterpret_cast<std::uintptr_t>(storage.data()) + 63) / 64 * 64) +
                    7;
   std::mt19937 rng(static_cast<unsigned>(T));
-  const Vec x = random_vec(rng, T * 1376, 1.0f);
-  Vec y(sz(T * 32000)), first;
+  const Vec x = random_vec(rng, T * std::max(d, h), 1.0f);
+  Vec y(sz(T * std::max<std::int64_t>(c.vocab_size, h))), first;
   const cpu::KernelIsa isa_before = cpu::kernel_isa();
   const bool prefetch_before = cpu::small_m_prefetch();
   cpu::set_kernel_isa(isa);

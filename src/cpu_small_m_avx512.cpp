@@ -63,8 +63,8 @@ struct Avx512 {
 
 // 32 zmm registers. F32: 8 x 3 accumulators (24) with 3 weight packets, one x packet and, for a
 // W off its lines, 3 carried aligned packets and the permutation; with x held in a register
-// (kXInRegister) a step is 3 + 8 loads per 24 FMAs. Over the 42M decode sweep on Zen 5, 8 and 16
-// rows ran 1.09x faster than 8 x 2 with x in a register and 1.13-1.64x faster than the 8 x 2
+// (kXInRegister) a step is 3 + 8 loads per 24 FMAs. On Zen 5 it beat 8 x 2 with x in a register
+// at 8 and 16 rows, and over the 42M decode sweep it ran them 1.13-1.64x faster than the 8 x 2
 // kernel with folded x loads (bench_kernels BM_DecodeSweep, docs/benchmarks.md).
 // Typed W: 8 x 2 (16 accumulators; each weight packet is converted once per block of x rows),
 // the blocking measured against 4 x 4 on Zen 5 (1.0-1.4x, BM_MatmulSmallMTyped). With x on a

@@ -221,7 +221,7 @@ inline void sm_rows(const float* x, const std::byte* w, float* out, std::int64_t
   // the first NR blocks of x rows (Prefetch), so its misses are in flight while this call
   // computes and the memory stream stays busy through the blocks that read W from L1 (a
   // prefetch past W's end does not fault). Issuing a row's lines all at once, at the call's
-  // start (the earlier scheme), stalled on the full miss queue: 28% of the kernel's samples sat
+  // start (the earlier scheme), stalled on the full miss queue: 19% of the kernel's samples sat
   // on those prefetches. Over the 42M decode sweep on Zen 5 (bench_kernels BM_DecodeSweep,
   // docs/benchmarks.md) the spread prefetches raised 4-16 rows by 1.1-1.4x on AVX-512 and AVX2.
   const bool prefetch = prefetch_on && Isa::kPrefetchRows > 0 && tokens >= Isa::kPrefetchRows;
