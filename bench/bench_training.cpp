@@ -12,6 +12,10 @@
 //       device profile measured in the same run (cost::ProfiledLayerTimes, the CLI's default);
 //       bubble_calibrated and tokens_per_s_calibrated are the simulator's prediction of the
 //       step from that profile alone (RooflineCostModel with the profiled layer times).
+//   BM_TrainSpeedup/microbatches:M  issue 13's 2-stage / 1-stage ratio for 1F1B at M: both
+//       engines (one rank; two ranks on the profiled split, as BM_Train split:1) step in turn
+//       on the same batches, 8 pairs in alternating order. Counters: the median, least and
+//       largest per-pair ratio of tokens/s, and each side's median tokens/s.
 //   BM_CalibratedTrainingOps/ranks:P  held-out prediction error of the calibrated model for
 //       training ops: zb-h1 on P ranks, 4 micro-batches; every F, BI and BW of a step against
 //       cost::LatencyEstimator's prior (the profile alone) and against its prediction after
@@ -111,6 +115,46 @@ BENCHMARK(BM_Train)
     ->ArgNames({"stages", "microbatches", "split"})
     ->Args({1, 8, 1})->Args({2, 4, 1})->Args({2, 8, 0})->Args({2, 8, 1})->Args({2, 16, 1})
     ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(2);
+
+void BM_TrainSpeedup(benchmark::State& state) {
+  // One stage and two stages (calibrated split) trained on the same micro-batches, one step of
+  // each per iteration, their order alternating, so both see the same moment of the host: the
+  // ratio is taken per pair, and its median is the figure (run-to-run noise on a shared host
+  // moves both members of a pair together).
+  const int m = static_cast<int>(state.range(0));
+  engine::TrainingConfig one;
+  one.schedule = "1f1b";
+  one.ranks = 1;
+  one.microbatches = m;
+  engine::TrainingConfig two = one;
+  two.ranks = 2;
+  two.layer_seconds = cost::ProfiledLayerTimes(machine_profile(), 1, two.ranks);
+  engine::TrainingEngine e1(weights42m(), one), e2(weights42m(), two);
+  state.SetLabel(e2.plan().partition().to_string());
+  const auto data = batches(m, 7);
+  const auto rate = [&](engine::TrainingEngine& e) {
+    const auto r = e.train_step(data);
+    if (!std::isfinite(r.loss) || r.loss < 5.0) state.SkipWithError("implausible loss");
+    return static_cast<double>(r.tokens) / r.seconds;
+  };
+  rate(e1), rate(e2);  // warm-up: first-touch of activations, stashes and optimizer state
+  std::vector<double> ratios, r1, r2;
+  bool flip = false;
+  for (auto _ : state) {
+    double a = 0, b = 0;
+    if (flip) b = rate(e2), a = rate(e1);
+    else a = rate(e1), b = rate(e2);
+    flip = !flip;
+    r1.push_back(a), r2.push_back(b), ratios.push_back(b / a);
+  }
+  state.counters["tokens_per_s_1stage"] = median(r1);
+  state.counters["tokens_per_s_2stage"] = median(r2);
+  state.counters["speedup_median"] = median(ratios);
+  state.counters["speedup_min"] = *std::min_element(ratios.begin(), ratios.end());
+  state.counters["speedup_max"] = *std::max_element(ratios.begin(), ratios.end());
+}
+BENCHMARK(BM_TrainSpeedup)->ArgName("microbatches")->Arg(8)
+    ->Unit(benchmark::kSecond)->UseRealTime()->Iterations(8);
 
 void BM_CalibratedTrainingOps(benchmark::State& state) {
   engine::TrainingConfig cfg;

@@ -1,7 +1,9 @@
 // Training kernels of the Llama decoder on the CPU backend: backward of every forward kernel,
 // variable-length causal attention (forward with log-sum-exp, backward by recomputation), cross-
 // entropy, the LM head, and the decoder layer split into forward / backward-input /
-// backward-weight. Every GEMM is an Eigen product over RowMajor maps (no per-token loops).
+// backward-weight. No per-token loops: the linear layers' backward products are OpenBLAS SGEMM
+// when gemm_backend() is OpenBLAS (as their forward is), else Eigen products over RowMajor maps;
+// attention's per-head products are Eigen's.
 #include "brigade/backend/cpu_train.hpp"
 
 #include "brigade/backend/cpu.hpp"
@@ -18,6 +20,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <Eigen/Core>
+#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -300,7 +303,15 @@ void matmul_wt_backward_input(const float* dy, const float* w, float* dx, std::i
   // products at any thread count (intra_op.hpp).
   const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
   const std::int64_t chunk = detail::gemm_chunk(in);
+  const bool blas = gemm_backend() == GemmBackend::Blas;
   detail::parallel_chunks(in, chunk, threads, [&](std::int64_t i0, std::int64_t i1) {
+    if (blas) {  // dx[:, i0:i1] (+)= dy W[:, i0:i1]: the forward's SGEMM, as matmul_wt uses it
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(tokens),
+                  static_cast<blasint>(i1 - i0), static_cast<blasint>(out_dim), 1.0f, dy,
+                  static_cast<blasint>(out_dim), w + i0, static_cast<blasint>(in),
+                  store == Store::Overwrite ? 0.0f : 1.0f, dx + i0, static_cast<blasint>(in));
+      return;
+    }
     const ConstMapMat g(dy, tokens, out_dim);
     const ConstStridedMat wm(w + i0, out_dim, i1 - i0, Eigen::OuterStride<>(in));
     auto dp = d.middleCols(i0, i1 - i0);
@@ -319,7 +330,15 @@ void matmul_wt_backward_weight(const float* dy, const float* x, float* dw, std::
   // Fixed chunks of dW's rows (dy's columns), as above.
   const int threads = detail::intra_op_threads(2.0 * double(tokens) * double(in) * double(out_dim));
   const std::int64_t chunk = detail::gemm_chunk(out_dim);
+  const bool blas = gemm_backend() == GemmBackend::Blas;
   detail::parallel_chunks(out_dim, chunk, threads, [&](std::int64_t n0, std::int64_t n1) {
+    if (blas) {  // dW[n0:n1, :] += dy[:, n0:n1]^T x
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<blasint>(n1 - n0),
+                  static_cast<blasint>(in), static_cast<blasint>(tokens), 1.0f, dy + n0,
+                  static_cast<blasint>(out_dim), x, static_cast<blasint>(in), 1.0f, dw + n0 * in,
+                  static_cast<blasint>(in));
+      return;
+    }
     const ConstStridedMat g(dy + n0, tokens, n1 - n0, Eigen::OuterStride<>(out_dim));
     MapMat(dw + n0 * in, n1 - n0, in).noalias() += g.transpose() * ConstMapMat(x, tokens, in);
   });

@@ -271,10 +271,8 @@ std::unique_ptr<AdamW> make_stage_optimizer(runtime::TrainStageBase& stage, cons
 }
 
 double tied_square_sum(runtime::TrainStageBase& tail) {
-  auto b = find_param(tail, "tok_embeddings");
-  double t = 0.0;
-  for (std::int64_t i = 0; i < b.size; ++i) t += static_cast<double>(b.grad[i]) * b.grad[i];
-  return t;
+  const auto b = find_param(tail, "tok_embeddings");
+  return square_sum(b.grad, b.size);
 }
 
 std::vector<double> grad_square_sums(std::span<AdamW* const> optimizers) {
@@ -460,23 +458,41 @@ StepResult TrainingEngine::compute_gradients(const plan::Plan& step,
 std::pair<double, double> TrainingEngine::optimizer_step() {
   auto& I = *impl_;
   if (I.skip_update) return {0.0, 0.0};
+  const int N = I.N(), T = I.T, P = I.lowered.shape.num_ranks;
+  // Each (TP member, pipeline rank) sums and updates its own stages' parameters on its own
+  // thread, as each stage's device does in a distributed run: the update takes one rank's time,
+  // not the pipeline's. Only the global norm waits for every rank.
+  const auto on_each_rank = [&](const auto& fn) {  // fn(t, v) for the stages rank p holds
+    run_grid(T, P, [&](int t, int p) {
+      for (int v = 0; v < N; ++v)
+        if (I.lowered.shape.rank_of(v) == p) fn(t, v);
+    }, [](const std::exception&, const std::string&) {});
+  };
+  const auto at = [N](int t, int v) { return static_cast<std::size_t>(t * N + v); };
+  const auto optimizer = [&](int t, int v) {
+    return I.optimizers[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)].get();
+  };
+  std::vector<double> sums(static_cast<std::size_t>(T * N), 0.0);
+  on_each_rank([&](int t, int v) {
+    if (auto* o = optimizer(t, v)) sums[at(t, v)] = o->grad_square_sum();
+  });
   // Per virtual stage, its TP ranks' squared sums in TP-rank order (each shard once, each
   // replicated norm gain on TP rank 0 only); the tail's copy of the tied embedding counted once.
-  const int N = I.N();
   std::vector<double> per_stage(static_cast<std::size_t>(N), 0.0);
   double tied = 0.0;
-  std::vector<AdamW*> opts;
-  for (int t = 0; t < I.T; ++t) {
-    std::vector<AdamW*> mine;
-    for (auto& o : I.optimizers[static_cast<std::size_t>(t)]) mine.push_back(o.get());
-    const auto sums = detail::grad_square_sums(mine);
-    for (int v = 0; v < N; ++v) per_stage[static_cast<std::size_t>(v)] += sums[static_cast<std::size_t>(v)];
+  for (int t = 0; t < T; ++t) {
+    for (int v = 0; v < N; ++v) per_stage[static_cast<std::size_t>(v)] += sums[at(t, v)];
     if (I.tied_across_stages()) tied += detail::tied_square_sum(*I.pipeline(t).back());
-    opts.insert(opts.end(), mine.begin(), mine.end());
   }
   const double norm = detail::global_grad_norm(per_stage, tied);
-  const double lr = detail::step_optimizers(opts, norm);
-  for (auto* st : I.all()) st->upload_parameters();
+  std::vector<double> lrs(static_cast<std::size_t>(T * N), -1.0);
+  on_each_rank([&](int t, int v) {
+    if (auto* o = optimizer(t, v)) lrs[at(t, v)] = o->step(norm);
+    I.stages[static_cast<std::size_t>(t)][static_cast<std::size_t>(v)]->upload_parameters();
+  });
+  double lr = 0.0;  // every optimizer has the same schedule: the last one's, as step_optimizers
+  for (double x : lrs)
+    if (x >= 0.0) lr = x;
   ++I.steps;
   return {lr, norm};
 }

@@ -51,6 +51,23 @@ struct ParamSlot {
   bool in_norm = true;
 };
 
+namespace detail {
+/// Sum of x[i]^2 over i in [0, n), in double, in a fixed order: element i goes to partial sum
+/// i mod 8, and the 8 partial sums are added in lane order at the end. Independent partial sums
+/// let the compiler vectorise the loop without reassociating it, so every build and ISA gives
+/// the same bits. n <= 0 gives 0.
+[[nodiscard]] inline double square_sum(const float* x, std::int64_t n) noexcept {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += static_cast<double>(x[i + l]) * x[i + l];
+  for (int l = 0; i < n; ++i, ++l) lane[l] += static_cast<double>(x[i]) * x[i];
+  double s = 0.0;
+  for (double v : lane) s += v;
+  return s;
+}
+}  // namespace detail
+
 /// AdamW over a fixed list of parameter tensors. The moment buffers are owned and can be saved and
 /// restored (checkpoint resume continues the exact same trajectory).
 class AdamW {
@@ -70,10 +87,8 @@ class AdamW {
   /// (ParamSlot::in_norm): one rank's part of the global norm.
   [[nodiscard]] double grad_square_sum() const noexcept {
     double s = 0.0;
-    for (const auto& p : slots_) {
-      if (!p.in_norm) continue;
-      for (std::int64_t i = 0; i < p.size; ++i) s += static_cast<double>(p.grad[i]) * p.grad[i];
-    }
+    for (const auto& p : slots_)
+      if (p.in_norm) s += detail::square_sum(p.grad, p.size);
     return s;
   }
 
@@ -87,19 +102,25 @@ class AdamW {
                             ? static_cast<float>(config_.clip_norm / global_norm)
                             : 1.0f;
     ++step_;
-    const float bc1 = 1.0f - std::pow(config_.beta1, static_cast<float>(step_));
-    const float bc2 = 1.0f - std::pow(config_.beta2, static_cast<float>(step_));
+    const float b1 = config_.beta1, b2 = config_.beta2, eps = config_.eps;
+    const float bc1 = 1.0f - std::pow(b1, static_cast<float>(step_));
+    const float bc2 = 1.0f - std::pow(b2, static_cast<float>(step_));
     for (std::size_t k = 0; k < slots_.size(); ++k) {
       const auto& p = slots_[k];
-      float* m = m_[k].data();
-      float* v = v_[k].data();
+      // Four distinct buffers, and the hyper-parameters in locals: the loop vectorises (its
+      // division and square root are correctly rounded in any width, so the bits do not
+      // depend on it).
+      float* __restrict value = p.value;
+      const float* __restrict grad = p.grad;
+      float* __restrict m = m_[k].data();
+      float* __restrict v = v_[k].data();
       const float wd = p.decay ? config_.weight_decay : 0.0f;
       for (std::int64_t i = 0; i < p.size; ++i) {
-        const float g = p.grad[i] * scale;
-        m[i] = config_.beta1 * m[i] + (1.0f - config_.beta1) * g;
-        v[i] = config_.beta2 * v[i] + (1.0f - config_.beta2) * g * g;
+        const float g = grad[i] * scale;
+        m[i] = b1 * m[i] + (1.0f - b1) * g;
+        v[i] = b2 * v[i] + (1.0f - b2) * g * g;
         const float mhat = m[i] / bc1, vhat = v[i] / bc2;
-        p.value[i] -= lr * (mhat / (std::sqrt(vhat) + config_.eps) + wd * p.value[i]);
+        value[i] -= lr * (mhat / (std::sqrt(vhat) + eps) + wd * value[i]);
       }
     }
     return lr;
