@@ -59,7 +59,8 @@ std::vector<data::PackedBatch> batches(int m, std::uint64_t seed) {
   return bench::random_sequences(m, 256, 32000, seed);
 }
 
-/// Trains `cfg` for the benchmark's iterations and reports tokens/s and the bubbles.
+/// Trains `cfg` for one step not counted, then for the benchmark's iterations, and reports
+/// tokens/s and the bubbles.
 void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
   const int m = cfg.microbatches;
   engine::TrainingEngine eng(weights42m(), cfg);
@@ -69,6 +70,7 @@ void run_training(benchmark::State& state, const engine::TrainingConfig& cfg) {
   const plan::Plan step(eng.plan().partition(), eng.plan().schedule(),
                         engine::microbatch_work(data), eng.plan().execution());
   const cost::RooflineCostModel sizes(model::ModelSpec(weights42m().config), step);
+  eng.train_step(data);  // warm-up, not counted: the first step first-touches every buffer
   for (auto _ : state) {
     const auto r = eng.train_step(data);
     tokens += static_cast<double>(r.tokens);

@@ -21,7 +21,7 @@ for split in auto none; do
 done
 "$B/examples/brigade" "${gen[@]}" --stages 1 > /dev/null 2> "$O/gen1.txt"
 "$B/bench/bench_pipeline" --benchmark_filter='BM_CalibratedPrediction|BM_Decode/stages:1/threads:1/seqs:32|BM_Decode/stages:2/threads:1/seqs:32/mb:2' > "$O/bench_pipeline.txt" 2>&1
-"$B/bench/bench_training" --benchmark_filter='BM_CalibratedTrainingOps|BM_Train/' > "$O/bench_training.txt" 2>&1
+"$B/bench/bench_training" --benchmark_filter='BM_CalibratedTrainingOps|BM_Train/|BM_TrainSpeedup' > "$O/bench_training.txt" 2>&1
 uptime > "$O/uptime_end.txt"
 grep -hE "partition|throughput|busy" "$O"/gen*.txt
 grep -hE "^BM_" "$O/bench_pipeline.txt" "$O/bench_training.txt"
