@@ -13,7 +13,7 @@ uptime > "$O/uptime_start.txt"
 export XDG_CACHE_HOME="$O/cache"   # --profile auto reads the profile measured here
 rm -rf "$O/cache"
 "$B/examples/brigade" profile --cores 2 --out "$O/profile.json" 2> "$O/profile.txt"
-mkdir -p "$O/cache/brigade" && cp "$O/profile.json" "$O/cache/brigade/profile-2c-v3.json"
+mkdir -p "$O/cache/brigade" && cp "$O/profile.json" "$O/cache/brigade/profile-2c-v4.json"
 for i in $(seq 0 31); do echo "Once upon a time $i"; done > "$O/prompts32.txt"
 gen=(generate --synthetic 42M --prompt-file "$O/prompts32.txt" --steps 64 --temperature 0)
 for split in auto none; do

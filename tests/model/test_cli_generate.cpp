@@ -501,7 +501,7 @@ TEST_CASE("cli.generate: --profile auto measures this machine once and reuses it
   auto first = brigade::test::run_shell(env + BRIGADE_CLI + args);
   REQUIRE(first.rc == 0);
   CHECK(first.out == one);  // the split changes no token
-  const fs::path cached = cache / "brigade" / "profile-2c-v3.json";
+  const fs::path cached = cache / "brigade" / "profile-2c-v4.json";
   CHECK(fs::exists(cached));
   CHECK(first.err.find("profile: measuring this machine (2 cores") != std::string::npos);
   CHECK(first.err.find(", measured now, cached " + cached.string() + ")") != std::string::npos);
