@@ -15,7 +15,8 @@
 //   BM_TrainSpeedup/microbatches:M  issue 13's 2-stage / 1-stage ratio for 1F1B at M: both
 //       engines (one rank; two ranks on the profiled split, as BM_Train split:1) step in turn
 //       on the same batches, 8 pairs in alternating order. Counters: the median, least and
-//       largest per-pair ratio of tokens/s, and each side's median tokens/s.
+//       largest per-pair ratio of tokens/s, each side's median tokens/s, and each side's median
+//       seconds in TrainingEngine::optimizer_step (the step's AdamW update).
 //   BM_CalibratedTrainingOps/ranks:P  held-out prediction error of the calibrated model for
 //       training ops: zb-h1 on P ranks, 4 micro-batches; every F, BI and BW of a step against
 //       cost::LatencyEstimator's prior (the profile alone) and against its prediction after
@@ -38,6 +39,7 @@
 #include "workloads.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <string>
 
@@ -134,23 +136,33 @@ void BM_TrainSpeedup(benchmark::State& state) {
   engine::TrainingEngine e1(weights42m(), one), e2(weights42m(), two);
   state.SetLabel(e2.plan().partition().to_string());
   const auto data = batches(m, 7);
-  const auto rate = [&](engine::TrainingEngine& e) {
-    const auto r = e.train_step(data);
+  std::vector<double> opt1, opt2;  // optimizer seconds per step
+  // One train_step as its two halves (compute_gradients, then optimizer_step), timed apart.
+  const auto rate = [&](engine::TrainingEngine& e, std::vector<double>& opt) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = e.compute_gradients(data);
+    const auto t1 = std::chrono::steady_clock::now();
+    e.optimizer_step();
+    const auto t2 = std::chrono::steady_clock::now();
     if (!std::isfinite(r.loss) || r.loss < 5.0) state.SkipWithError("implausible loss");
-    return static_cast<double>(r.tokens) / r.seconds;
+    opt.push_back(std::chrono::duration<double>(t2 - t1).count());
+    return static_cast<double>(r.tokens) / std::chrono::duration<double>(t2 - t0).count();
   };
-  rate(e1), rate(e2);  // warm-up: first-touch of activations, stashes and optimizer state
+  rate(e1, opt1), rate(e2, opt2);  // warm-up: first-touch of activations, stashes, moments
+  opt1.clear(), opt2.clear();
   std::vector<double> ratios, r1, r2;
   bool flip = false;
   for (auto _ : state) {
     double a = 0, b = 0;
-    if (flip) b = rate(e2), a = rate(e1);
-    else a = rate(e1), b = rate(e2);
+    if (flip) b = rate(e2, opt2), a = rate(e1, opt1);
+    else a = rate(e1, opt1), b = rate(e2, opt2);
     flip = !flip;
     r1.push_back(a), r2.push_back(b), ratios.push_back(b / a);
   }
   state.counters["tokens_per_s_1stage"] = median(r1);
   state.counters["tokens_per_s_2stage"] = median(r2);
+  state.counters["optimizer_s_1stage"] = median(opt1);
+  state.counters["optimizer_s_2stage"] = median(opt2);
   state.counters["speedup_median"] = median(ratios);
   state.counters["speedup_min"] = *std::min_element(ratios.begin(), ratios.end());
   state.counters["speedup_max"] = *std::max_element(ratios.begin(), ratios.end());
