@@ -497,7 +497,10 @@ class TrainingEngine {
   }
   /// Global-norm clipping and one AdamW update of every stage, from the gradients left by
   /// compute_gradients(); nothing when that step's update was skipped (StepResult::update_skipped).
+  /// Each (TP member, pipeline rank) sums its squared gradients and updates its own stages on
+  /// its own thread, as each stage's device does in a distributed run; the global norm joins them.
   /// @return {learning rate, gradient norm before clipping}; {0, 0} for a skipped update
+  /// @throws brigade::Error from a stage's upload_parameters() (a device backend)
   std::pair<double, double> optimizer_step();
   /// compute_gradients() then optimizer_step().
   StepResult train_step(std::span<const data::PackedBatch> batches);
