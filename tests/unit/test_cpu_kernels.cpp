@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <string>
@@ -133,6 +134,23 @@ std::vector<std::int32_t> positions(std::int64_t pos0, std::int64_t tokens) {
 }  // namespace
 
 // ---- element-wise and GEMM kernels ----------------------------------------------------------
+
+TEST_CASE("cpu_kernels.gemm_backend: BRIGADE_GEMM picks the library, its name says which") {
+  // ctest unit.gemm_eigen runs these tests under BRIGADE_GEMM=eigen: this case is what fails
+  // there if the override stopped reaching the kernels.
+  const char* env = std::getenv("BRIGADE_GEMM");
+  const std::string want = env != nullptr ? env : "";
+  if (want == "eigen") {
+    CHECK(cpu::gemm_backend() == cpu::GemmBackend::Eigen);
+    CHECK(cpu::gemm_backend_name() == "eigen");
+  } else if (want == "blas") {
+    CHECK(cpu::gemm_backend() == cpu::GemmBackend::Blas);
+    CHECK(cpu::gemm_backend_name().rfind("openblas ", 0) == 0);
+  } else {
+    CHECK((cpu::gemm_backend_name() == "eigen") ==
+          (cpu::gemm_backend() == cpu::GemmBackend::Eigen));
+  }
+}
 
 TEST_CASE("cpu_kernels.rmsnorm: matches a double reference, in place too") {
   std::mt19937 rng(1);
