@@ -73,9 +73,14 @@ StepResult DataParallelTrainer::compute_gradients(std::span<const data::PackedBa
   StepResult out;
   out.timeline = Timeline(D * P);
   out.origin = t0;
+  std::vector<double> targets, means;
+  for (const auto& x : res) {
+    targets.push_back(static_cast<double>(x.tokens));
+    means.push_back(x.loss);
+  }
+  out.loss = detail::replica_mean_loss(targets, means);
   for (int r = 0; r < D; ++r) {
     const auto& x = res[static_cast<std::size_t>(r)];
-    out.loss += x.loss * share[static_cast<std::size_t>(r)];
     out.tokens += x.tokens;
     if (out.task_loss.size() < x.task_loss.size()) out.task_loss.resize(x.task_loss.size());
     for (std::size_t t = 0; t < x.task_loss.size(); ++t) {

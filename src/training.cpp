@@ -184,6 +184,15 @@ std::vector<cpu::CrossEntropyLoss> kept_task_loss(const runtime::TrainStageBase&
   return out;
 }
 
+double replica_mean_loss(std::span<const double> targets, std::span<const double> means) {
+  double total = 0.0;
+  for (const double t : targets) total += t;
+  double mean = 0.0;
+  for (std::size_t r = 0; r < targets.size() && r < means.size(); ++r)
+    mean += means[r] * (targets[r] / total);
+  return mean;
+}
+
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped) {
   cpu::CrossEntropyLoss t;

@@ -626,6 +626,15 @@ double step_targets(std::span<const data::PackedBatch> batches);
 void check_step_plan(const plan::Plan& engine, const plan::Plan& step,
                      std::span<const data::PackedBatch> batches);
 
+/// The step's mean loss over data-parallel replicas: sum over r of means[r] * (targets[r] /
+/// total), total = the sum of targets, both in replica order. Out of line, so the threads
+/// (DataParallelTrainer) and the processes (DistributedTrainer) round it with the same
+/// instructions: compiled inline in each caller, -march=native tuning may contract one into an
+/// FMA and not the other, and the two losses then differ in the last bit.
+/// @param targets each replica's real targets of the step (tokens), [replicas]
+/// @param means   each replica's mean loss over them (nats per token), [replicas]
+double replica_mean_loss(std::span<const double> targets, std::span<const double> means);
+
 /// The summed loss of the tail stage's micro-batches not in `dropped` (ascending).
 cpu::CrossEntropyLoss kept_loss(const runtime::TrainStageBase& tail, int microbatches,
                                 std::span<const int> dropped);

@@ -552,12 +552,14 @@ class DistributedTrainer {
     dp.all_gather(std::span<const double>(mine), std::span<double>(every));
     double total = every[0], skipped = 0.0;
     for (int r = 1; r < dp.size(); ++r) total += every[3 * static_cast<std::size_t>(r)];
-    double mean = 0.0;
+    std::vector<double> targets, means;
     for (int r = 0; r < dp.size(); ++r) {
       const auto at = 3 * static_cast<std::size_t>(r);
-      mean += every[at + 1] * (every[at] / total);
+      targets.push_back(every[at]);
+      means.push_back(every[at + 1]);
       skipped += every[at + 2];
     }
+    const double mean = detail::replica_mean_loss(targets, means);
     // Per task: the replicas' task counts may differ (the largest task id each saw).
     std::vector<double> sizes(static_cast<std::size_t>(dp.size()));
     const double mine_size = static_cast<double>(res.task_loss.size());
