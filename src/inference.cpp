@@ -835,8 +835,9 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
                   schedule::to_string(a));
     auto& st = stage(a.virtual_stage);
     const Part p = plan_part(a.chunk, cur_[m], st);
-    wire_.resize(p.bytes);
-    std::byte* o = wire_.data();
+    // Gathered straight into the send slot: the part's only copy on this side.
+    const auto wire = out.stage(p.bytes);
+    std::byte* o = wire.data();
     if (p.w1 > p.w0) {
       st.read_migration_weights(mig_->layer, p.w0, {o, p.w1 - p.w0});
       o += p.w1 - p.w0;
@@ -848,7 +849,7 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
     out.add(detail::kTagMigrate,
             MessageHeader::make(a.microbatch, mig_->order.to, DType::U8,
                                 {static_cast<std::int64_t>(p.bytes)}, a.chunk),
-            transport::ConstBytes(wire_.data(), p.bytes));
+            transport::ConstBytes(wire.data(), wire.size()));
     return;
   }
   const int last = shape_->num_virtual_stages - 1;
@@ -911,9 +912,9 @@ void InferenceWorker::send(const Action& a, Outbox& out) {
   if (!closed && pipeline_dtype_ == DType::F32) {
     payload = transport::as_bytes(std::span<const float>(mb.act));
   } else if (!closed) {
-    wire_.resize(dtype_bytes(pipeline_dtype_, rows * width));
-    convert_from_f32(mb.act.data(), wire_.data(), pipeline_dtype_, rows * width);
-    payload = transport::ConstBytes(wire_);
+    const auto wire = out.stage(dtype_bytes(pipeline_dtype_, rows * width));
+    convert_from_f32(mb.act.data(), wire.data(), pipeline_dtype_, rows * width);
+    payload = transport::ConstBytes(wire.data(), wire.size());
   }
   out.add(detail::kTagActivation,
           MessageHeader::make(a.microbatch, to, pipeline_dtype_, {rows, width}, a.chunk,

@@ -64,8 +64,13 @@ class Outbox {
  public:
   virtual ~Outbox() = default;
   /// Posts one message (`payload` exactly header.nbytes() bytes) with `tag` to the action's peer.
+  /// The payload is copied unless it is the span stage() returned.
   virtual void add(int tag, const transport::MessageHeader& header,
                    transport::ConstBytes payload) = 0;
+  /// The `nbytes` bytes the next add() sends from, for a worker to write a payload in place (a
+  /// converted activation, a migration part gathered from the weights and the KV cache): an
+  /// add() of exactly this span posts it without a copy. Valid until that add().
+  virtual transport::MutableBytes stage(std::size_t nbytes) = 0;
 };
 
 /// What an executor runs the actions on: the stages of one rank with their messages.
@@ -151,8 +156,10 @@ namespace detail {
 struct RecvSlot {
   schedule::Action action;
   std::size_t count = 0;                       // messages in use
-  std::vector<transport::Request> requests;
   std::vector<std::vector<std::byte>> buffers;
+  // After the buffers, so destroyed before them: a transport that writes into a posted
+  // receive's buffer from another thread (InProcessTransport) stops when its request goes.
+  std::vector<transport::Request> requests;
 };
 
 /// Makes `buf` exactly `n` bytes long, growing its allocation to exactly n when it is smaller
@@ -188,12 +195,19 @@ class SendRing final : public Outbox {
     action_ = a;
     posted_s_ = posted_s;
   }
+  transport::MutableBytes stage(std::size_t nbytes) override {
+    if (count_ == slots_.size()) retire(true);
+    auto& s = slots_[(head_ + count_) % slots_.size()];
+    bytes_ += fit(s.buffer, nbytes);
+    return {s.buffer.data(), nbytes};
+  }
   void add(int tag, const transport::MessageHeader& header,
            transport::ConstBytes payload) override {
     if (count_ == slots_.size()) retire(true);
     auto& s = slots_[(head_ + count_) % slots_.size()];
+    const bool staged = !payload.empty() && payload.data() == s.buffer.data();
     bytes_ += fit(s.buffer, payload.size());
-    if (!payload.empty()) std::memcpy(s.buffer.data(), payload.data(), payload.size());
+    if (!payload.empty() && !staged) std::memcpy(s.buffer.data(), payload.data(), payload.size());
     s.action = action_;
     s.posted_s = posted_s_;
     s.request = tp_->isend(peer_, tag, header, transport::ConstBytes(s.buffer));

@@ -456,7 +456,6 @@ class InferenceWorker {
   std::vector<runtime::Microbatch> slot_;          // per micro-batch: the payload held here
   std::vector<std::vector<std::int32_t>> tokens_;  // per micro-batch: (seq, pos, token) received
   std::vector<std::int32_t> scratch_;
-  std::vector<std::byte> wire_;  // activations converted to the pipeline dtype for a send
   std::size_t part_bytes_;       // InferenceOptions::migration_part_bytes
   // layout.report_seconds: per micro-batch, the seconds of its round on virtual stages 0 .. k - 1
   // (received with its descriptor or tokens, then this rank's own appended)

@@ -192,9 +192,10 @@ class TrainingWorker {
       out.add(fwd ? kTagActivation : kTagGradient, header, transport::as_bytes(src));
     } else {
       const auto n = static_cast<std::int64_t>(src.size());
-      wire_.resize(dtype_bytes(pipeline_dtype_, n));
-      convert_from_f32(src.data(), wire_.data(), pipeline_dtype_, n);
-      out.add(fwd ? kTagActivation : kTagGradient, header, transport::ConstBytes(wire_));
+      const auto wire = out.stage(dtype_bytes(pipeline_dtype_, n));  // converted in place
+      convert_from_f32(src.data(), wire.data(), pipeline_dtype_, n);
+      out.add(fwd ? kTagActivation : kTagGradient, header,
+              transport::ConstBytes(wire.data(), wire.size()));
     }
     if (fwd)
       stage(v).release_output(mb);
@@ -271,7 +272,6 @@ class TrainingWorker {
   std::vector<std::vector<float>> in_f_, in_b_;  // received, per (virtual stage, micro-batch)
   std::size_t copies_bytes_ = 0;                 // capacities of in_f_ and in_b_
   DType pipeline_dtype_ = DType::F32;
-  std::vector<std::byte> wire_;  // a payload converted to the pipeline dtype for a send
 };
 
 /// Runs one rank's lowered program for one training step: engine::execute over a

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -17,9 +18,11 @@ inline namespace v0 {
 /// The shared state of `world_size` in-process ranks: one FIFO channel per (source, destination,
 /// tag). Create one fabric, then one InProcessTransport per rank (thread) over it.
 ///
-/// Sends are eager: the payload is copied into the channel, so a send completes at once and its
-/// buffer can be reused immediately. The k-th receive posted on a channel takes the k-th message
-/// sent on it, whatever order the waits come in.
+/// Sends complete at once, so their buffer can be reused immediately: a send whose receive is
+/// already posted copies its payload straight into the receive's buffer (one copy, nothing
+/// allocated: what a layer migration's megabyte parts need), any other is copied into the
+/// channel until its receive takes it. The k-th receive posted on a channel takes the k-th
+/// message sent on it, whatever order the waits come in.
 class InProcessFabric {
  public:
   /// @throws brigade::Error{InvalidArgument} if world_size < 1
@@ -54,8 +57,33 @@ class InProcessFabric {
     MessageHeader header;
     std::vector<std::byte> payload;
   };
+  // A posted receive. A sender that finds it posted copies into `buffer` under `copy_mu`;
+  // the receive's handle (RecvHandle) sets `abandoned` under the same mutex when it is
+  // destroyed, so a receive given up before its message came (its rank failed and unwound)
+  // never has its freed buffer written.
+  struct RecvState {
+    std::uint64_t sequence = 0;
+    MutableBytes buffer;
+    MessageHeader expected;
+    std::mutex copy_mu;
+    bool abandoned = false;  // under copy_mu
+    bool delivered = false;  // under the fabric's lock: the payload is in `buffer`
+    MessageHeader got;       // the delivered header, once delivered
+  };
+  struct RecvHandle {
+    std::shared_ptr<RecvState> st;
+    RecvHandle(const RecvHandle&) = delete;
+    RecvHandle& operator=(const RecvHandle&) = delete;
+    explicit RecvHandle(std::shared_ptr<RecvState> s) : st(std::move(s)) {}
+    ~RecvHandle() {
+      std::lock_guard lock(st->copy_mu);
+      st->abandoned = true;
+    }
+  };
   struct Channel {
     std::map<std::uint64_t, Message> pending;  // by send sequence number, not yet received
+    // Receives posted before their message was sent, by sequence number.
+    std::map<std::uint64_t, std::shared_ptr<RecvState>> waiting;
     std::uint64_t sent = 0;                    // messages sent so far
     std::uint64_t posted = 0;                  // receives posted so far
   };
@@ -94,13 +122,38 @@ class InProcessTransport {
     BRIGADE_CHECK(payload.size() == header.nbytes(), Errc::InvalidArgument,
                   "rank {}: send to rank {} (tag {}) of {} bytes, header {} says {} bytes", rank_,
                   peer, tag, payload.size(), header.to_string(), header.nbytes());
-    // The copy is made before the fabric's lock is taken: a large payload (a layer migration's
-    // part) does not hold up the other ranks' sends and receives.
-    InProcessFabric::Message msg{header, std::vector<std::byte>(payload.begin(), payload.end())};
+    // The sequence number and the posted receive, if any, are taken under the fabric's lock;
+    // the copy is made outside it: a large payload (a layer migration's part) does not hold up
+    // the other ranks' sends and receives.
+    std::shared_ptr<InProcessFabric::RecvState> direct;
+    std::uint64_t seq = 0;
+    InProcessFabric::Channel* ch = nullptr;
     {
       std::lock_guard lock(fabric_->mu_);
-      auto& ch = fabric_->channels_[{rank_, peer, tag}];
-      ch.pending.emplace(ch.sent++, std::move(msg));
+      ch = &fabric_->channels_[{rank_, peer, tag}];
+      seq = ch->sent++;
+      if (const auto it = ch->waiting.find(seq); it != ch->waiting.end()) {
+        // A receive that would refuse this message takes it from the channel instead, where
+        // its wait names the mismatch.
+        if (header_matches(it->second->expected, header) &&
+            payload.size() <= it->second->buffer.size())
+          direct = std::move(it->second);
+        ch->waiting.erase(it);
+      }
+    }
+    if (direct) {
+      {
+        std::lock_guard copying(direct->copy_mu);
+        if (!direct->abandoned && !payload.empty())
+          std::memcpy(direct->buffer.data(), payload.data(), payload.size());
+      }
+      std::lock_guard lock(fabric_->mu_);
+      direct->got = header;
+      direct->delivered = true;
+    } else {
+      InProcessFabric::Message msg{header, std::vector<std::byte>(payload.begin(), payload.end())};
+      std::lock_guard lock(fabric_->mu_);
+      ch->pending.emplace(seq, std::move(msg));
     }
     fabric_->cv_.notify_all();
     Request r = Request::posted(false, peer, tag, header);
@@ -112,13 +165,17 @@ class InProcessTransport {
   /// @throws brigade::Error{InvalidArgument} for a bad peer
   Request irecv(int peer, int tag, const MessageHeader& expected, MutableBytes buffer) {
     check_peer(peer);
-    auto st = std::make_shared<RecvState>();
+    auto st = std::make_shared<InProcessFabric::RecvState>();
     st->buffer = buffer;
+    st->expected = expected;
     {
       std::lock_guard lock(fabric_->mu_);
-      st->sequence = fabric_->channels_[{peer, rank_, tag}].posted++;
+      auto& ch = fabric_->channels_[{peer, rank_, tag}];
+      st->sequence = ch.posted++;
+      if (ch.pending.count(st->sequence) == 0) ch.waiting.emplace(st->sequence, st);
     }
-    return Request::posted(true, peer, tag, expected, std::move(st));
+    return Request::posted(true, peer, tag, expected,
+                           std::make_shared<InProcessFabric::RecvHandle>(std::move(st)));
   }
 
   /// Blocks until `r` completes or `deadline` passes. For a receive, checks the header, copies
@@ -132,14 +189,17 @@ class InProcessTransport {
                   rank_);
     std::unique_lock lock(fabric_->mu_);
     auto& ch = fabric_->channels_[{r.peer, rank_, r.tag}];
-    auto* st = static_cast<RecvState*>(r.state.get());
-    auto ready = [&] { return fabric_->aborted_ || ch.pending.count(st->sequence) != 0; };
+    auto* st = state(r);
+    auto ready = [&] {
+      return fabric_->aborted_ || st->delivered || ch.pending.count(st->sequence) != 0;
+    };
     if (!fabric_->cv_.wait_until(lock, deadline.at, ready)) {
       detail::fail(Errc::PeerTimeout,
                    "rank {}: no message from rank {} (tag {}, expecting {}) before the deadline; "
                    "rank {} stopped answering",
                    rank_, r.peer, r.tag, r.header.to_string(), r.peer);
     }
+    if (delivered_locked(r)) return;
     auto msg = take_locked(r, ch);
     lock.unlock();  // the payload is copied outside the fabric's lock
     finish(r, std::move(msg));
@@ -163,8 +223,9 @@ class InProcessTransport {
     if (r.done) return true;
     std::unique_lock lock(fabric_->mu_);
     auto& ch = fabric_->channels_[{r.peer, rank_, r.tag}];
-    auto* st = static_cast<RecvState*>(r.state.get());
-    if (!fabric_->aborted_ && ch.pending.count(st->sequence) == 0) return false;
+    auto* st = state(r);
+    if (!fabric_->aborted_ && !st->delivered && ch.pending.count(st->sequence) == 0) return false;
+    if (delivered_locked(r)) return true;
     auto msg = take_locked(r, ch);
     lock.unlock();
     finish(r, std::move(msg));
@@ -172,10 +233,21 @@ class InProcessTransport {
   }
 
  private:
-  struct RecvState {
-    std::uint64_t sequence = 0;
-    MutableBytes buffer;
-  };
+  static InProcessFabric::RecvState* state(const Request& r) {
+    return static_cast<InProcessFabric::RecvHandle*>(r.state.get())->st.get();
+  }
+
+  /// Completes `r` if a sender copied its message into the buffer (the fabric's lock held).
+  /// @throws brigade::Error{Aborted} when the fabric was aborted
+  bool delivered_locked(Request& r) {
+    if (fabric_->aborted_)
+      detail::fail(Errc::Aborted, "rank {}: transport aborted: {}", rank_, fabric_->abort_reason_);
+    auto* st = state(r);
+    if (!st->delivered) return false;
+    r.header = st->got;
+    r.done = true;
+    return true;
+  }
 
   void check_peer(int peer) const {
     BRIGADE_CHECK(peer >= 0 && peer < world_size(), Errc::InvalidArgument,
@@ -187,8 +259,7 @@ class InProcessTransport {
   InProcessFabric::Message take_locked(Request& r, InProcessFabric::Channel& ch) {
     if (fabric_->aborted_)
       detail::fail(Errc::Aborted, "rank {}: transport aborted: {}", rank_, fabric_->abort_reason_);
-    auto* st = static_cast<RecvState*>(r.state.get());
-    auto it = ch.pending.find(st->sequence);
+    auto it = ch.pending.find(state(r)->sequence);
     InProcessFabric::Message msg = std::move(it->second);
     ch.pending.erase(it);
     return msg;
@@ -197,7 +268,7 @@ class InProcessTransport {
   /// Checks `msg` against `r` and copies its payload into the receive buffer (no lock held).
   /// @throws brigade::Error{HeaderMismatch} for another header or a buffer too small
   void finish(Request& r, InProcessFabric::Message msg) {
-    auto* st = static_cast<RecvState*>(r.state.get());
+    auto* st = state(r);
     check_header(r.header, msg.header, rank_, r.peer, r.tag);
     BRIGADE_CHECK(msg.payload.size() <= st->buffer.size(), Errc::HeaderMismatch,
                   "rank {}: message from rank {} (tag {}, {}) has {} bytes, the receive buffer "
