@@ -4,7 +4,7 @@
 //   integrity_eval detect OUT_DIR [STEPS_260K] [STEPS_42M]
 //       records the activations and gradients crossing the stage boundary of a 2-stage 1F1B run
 //       (stories260K fine-tuned on the fortunes corpus; the synthetic 42M shape), then replays each
-//       stream through a fresh SentinelMonitor with faults injected by apply_fault (every kind,
+//       stream through a fresh StreamMonitor with faults injected by apply_fault (every kind,
 //       magnitudes 1%-100% of the payload's norm, rates 1% and 10%, 4 seeds): TPR and FPR at the
 //       calibrated threshold, the smallest magnitude caught at 90%, TPR at FPR <= 0.1% from the
 //       ROC; writes OUT_DIR/detection.md and OUT_DIR/roc_<kind>.svg.
@@ -228,10 +228,10 @@ struct Replay {
 
 Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
               const transport::SentinelConfig& cfg) {
-  // As VerifyingTransport keys its streams: one monitor per row bucket floor(log2(rows))
-  // (transport::stream_bucket; the width and the row keys are fixed here) and one replay check
-  // per payload size, the replay check before the monitor.
-  std::map<int, transport::SentinelMonitor> monitors;
+  // As VerifyingTransport keys its streams: one StreamMonitor (a monitor per row bucket
+  // floor(log2(rows)), with its stand-in during a bucket's warm-up; the width and the row keys
+  // are fixed here) and one replay check per payload size, the replay check before the monitor.
+  transport::StreamMonitor monitor(cfg);
   std::map<std::size_t, transport::ReplayGuard> guards;
   std::mt19937_64 rng(seed);
   std::bernoulli_distribution coin(spec.rate);
@@ -257,15 +257,13 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
     double score = std::numeric_limits<double>::infinity();  // replayed: flagged at once
     bool flagged = replayed;
     if (!replayed) {
-      const int bucket = transport::stream_bucket(s.rows[i]);
-      auto& mon = monitors.try_emplace(bucket, cfg).first->second;
-      const auto a = mon.assess(x, s.rows[i], s.keys(i), s.scale(i));
-      if (a.learnable) mon.learn();
+      const auto a = monitor.observe(x, s.rows[i], s.keys(i), s.scale(i));
       flagged = a.flagged;
       // The ROC's score: the deciding statistic's score over its threshold (scaling every
       // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated
-      // point). A message its bucket's monitor takes during warm-up is not checked: a fault
-      // there is missed (score 0), a clean one is left out of the FPR.
+      // point). A message no monitor judges yet (its bucket warming up, no warm bucket to
+      // stand in) is not checked: a fault there is missed (score 0), a clean one is left out of
+      // the FPR.
       if (!std::isfinite(a.threshold) && std::isfinite(a.score)) {
         if (!faulty || i < static_cast<std::size_t>(cfg.warmup)) continue;
         score = 0;

@@ -525,6 +525,67 @@ TEST_CASE("verify.monitor: micro-batches of 8 and of 128 rows in one stream are 
   CHECK(small_flags == 0);
 }
 
+TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged by the nearest "
+          "warm bucket: a fault in the first 8-row messages is flagged and not learned, clean ones "
+          "are learned by their own bucket, which then judges alone") {
+  KeyedStream s(128, 32, 40, 29);
+  StreamMonitor m;
+  auto next = [&](std::int64_t rows) {
+    auto [x, k] = s.next();
+    x.resize(static_cast<std::size_t>(rows * 32));
+    k.resize(static_cast<std::size_t>(rows));
+    return std::pair{x, k};
+  };
+  // Before any bucket is warm nothing judges: no verdict, learned by its own bucket.
+  for (int i = 0; i < 15; ++i) {
+    auto [x, k] = next(128);
+    CHECK(std::isinf(m.observe(x, 128, k).threshold));
+  }
+  for (int i = 0; i < 185; ++i) {
+    auto [x, k] = next(128);
+    CHECK_FALSE(m.observe(x, 128, k).flagged);
+  }
+  REQUIRE(m.buckets() == 1);
+  REQUIRE_FALSE(m.bucket(7)->warming_up());
+  CHECK(m.bucket(3) == nullptr);
+  // The first 8-row message, scaled by 3: its bucket has learned nothing, the 128-255-row
+  // monitor flags it, and its own bucket does not learn it.
+  {
+    auto [x, k] = next(8);
+    for (auto& v : x) v *= 3.0f;
+    const auto a = m.observe(x, 8, k);
+    CHECK(a.flagged);
+    CHECK_FALSE(a.learnable);
+    CHECK(a.statistic == std::string("key-norm"));
+    CHECK(contains(a.reason, "(judged by the monitor of 128-255-row messages while the one of "
+                             "8-15 rows warms up)"));
+    REQUIRE(m.bucket(3) != nullptr);
+    CHECK(m.bucket(3)->learned() == 0);
+  }
+  // Clean 8-row messages: judged (finite threshold), not flagged, learned by bucket 3, until it
+  // has warmed up; then it judges alone.
+  std::int64_t judged = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto [x, k] = next(8);
+    const bool warm = !m.bucket(3)->warming_up();
+    const auto a = m.observe(x, 8, k);
+    CHECK_FALSE(a.flagged);
+    CHECK(std::isfinite(a.threshold));
+    judged += warm ? 0 : 1;
+  }
+  CHECK(m.bucket(3)->learned() >= 38);
+  CHECK_FALSE(m.bucket(3)->warming_up());
+  CHECK(m.stood_in() == judged + 1);  // the fault, and the clean ones before bucket 3 was warm
+  CHECK(judged >= 16);
+  CHECK(judged < 40);
+  // Scaling of 8-row messages by 3 is flagged by their own, warm bucket now.
+  auto [x, k] = next(8);
+  for (auto& v : x) v *= 3.0f;
+  const auto a = m.observe(x, 8, k);
+  CHECK(a.flagged);
+  CHECK_FALSE(contains(a.reason, "judged by the monitor"));
+}
+
 TEST_CASE("verify.monitor: a payload's known scale (a gradient divided by its step's targets) is "
           "taken out: the scores equal those of the rescaled payload, and steps of different "
           "target counts share one reference") {

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -371,6 +372,12 @@ class SentinelMonitor {
   [[nodiscard]] std::int64_t covered() const noexcept { return covered_; }
   /// Messages learned.
   [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
+  /// True while the monitor gives no verdicts (threshold() is +inf for every statistic): its
+  /// first config.warmup messages, and, with calibrated thresholds, until kMinScores scores of
+  /// accepted messages are in its reservoir.
+  [[nodiscard]] bool warming_up() const noexcept {
+    return learned_ < config_.warmup || (config_.threshold <= 0 && reservoir_size_ < kMinScores);
+  }
   /// Times the monitor started over: kRestartFlags of the last kRecent messages it scored were
   /// flagged, a lasting change of the stream (the start of training, when gradients shrink
   /// fast, did it in replays) rather than a sender corrupting a minority of its messages. Its
@@ -892,13 +899,98 @@ struct VerdictRecord {
   return std::bit_width(static_cast<std::uint64_t>(std::max<std::int64_t>(rows, 1))) - 1;
 }
 
+/// The monitors of one stream of VerifyingTransport (one sending rank, kind, stage, width and
+/// whether its rows have keys): one SentinelMonitor per row bucket (stream_bucket), so that a
+/// message is scored against messages of its own size (prefill-sized and decode-sized inference
+/// messages; training chunks of 8 to 128 rows).
+///
+/// The stand-in: a bucket's monitor gives no verdicts during its warm-up
+/// (SentinelMonitor::warming_up), and a rare size can stay there for a whole run (stories260K's
+/// chunks of 8-15 rows: 8 messages in 1,000 steps). While it does, each of its messages is
+/// judged by the monitor of the nearest bucket that gives verdicts (the larger of two equally
+/// near), which assesses it without learning it; a message that monitor flags is flagged (its
+/// reason names the stand-in) and not learned, one it would not learn (over
+/// config.learn_below of a threshold) is not learned by its own bucket either, and every other
+/// is learned by its own bucket's monitor. The key references and the random-effects score
+/// (a statistic over n rows judged within the spread between messages plus its n's standard
+/// error) are what make a monitor of other sizes a fair judge; the stand-in is used only until
+/// the message's own bucket has warmed up, so an honest outlier of a frequent size is still
+/// judged by its own size's spread (pooling every size into one monitor flagged one in a clean
+/// 1,000-step run: docs/integrity.md, "Stream key").
+///
+/// Memory: that of its monitors (SentinelMonitor). Not thread-safe.
+class StreamMonitor {
+ public:
+  /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
+  explicit StreamMonitor(const SentinelConfig& config = {}) : config_(config) { validate(config_); }
+
+  /// Scores and verdicts the f32 message x [rows, cols] (row-major) with its row keys and known
+  /// scale, as SentinelMonitor::observe does, in its row bucket's monitor or, while that one
+  /// warms up, by the stand-in (class docstring). The Assessment is the judging monitor's
+  /// (threshold +inf when none gives verdicts yet); learnable says whether the message's own
+  /// bucket learned it.
+  /// @throws brigade::Error{InvalidArgument} as SentinelMonitor::assess (a width other than the
+  ///   stream's, keys of another count than rows, a scale that is not finite and > 0)
+  Assessment observe(std::span<const float> x, std::int64_t rows,
+                     std::span<const std::int32_t> keys = {}, double scale = 1.0) {
+    const int bucket = stream_bucket(rows);
+    auto& own = monitors_.try_emplace(bucket, config_).first->second;
+    if (!own.warming_up()) return own.observe(x, rows, keys, scale);
+    SentinelMonitor* judge = nullptr;
+    int judge_bucket = -1;
+    for (auto& [b, m] : monitors_) {
+      if (b == bucket || m.warming_up()) continue;
+      const int d = std::abs(b - bucket);
+      if (judge == nullptr || d <= std::abs(judge_bucket - bucket)) {  // ascending: larger wins ties
+        judge = &m;
+        judge_bucket = b;
+      }
+    }
+    if (judge == nullptr) return own.observe(x, rows, keys, scale);
+    Assessment j = judge->assess(x, rows, keys, scale);
+    if (j.flagged) {
+      j.learnable = false;
+      j.reason += fmt::format(" (judged by the monitor of {}-{}-row messages while the one of "
+                              "{}-{} rows warms up)",
+                              std::int64_t{1} << judge_bucket,
+                              (std::int64_t{2} << judge_bucket) - 1, std::int64_t{1} << bucket,
+                              (std::int64_t{2} << bucket) - 1);
+      ++stood_in_;
+      return j;
+    }
+    const Assessment a = own.assess(x, rows, keys, scale);
+    if (a.flagged) return a;
+    j.learnable = j.learnable && a.learnable;
+    if (j.learnable) own.learn();
+    ++stood_in_;
+    return j;
+  }
+
+  /// The monitor of row bucket `bucket` (stream_bucket), or nullptr before its first message.
+  [[nodiscard]] const SentinelMonitor* bucket(int bucket) const {
+    const auto it = monitors_.find(bucket);
+    return it == monitors_.end() ? nullptr : &it->second;
+  }
+  /// Row buckets seen (monitors).
+  [[nodiscard]] std::size_t buckets() const noexcept { return monitors_.size(); }
+  /// Messages judged by a stand-in (a monitor of another row bucket).
+  [[nodiscard]] std::int64_t stood_in() const noexcept { return stood_in_; }
+
+ private:
+  SentinelConfig config_;
+  std::map<int, SentinelMonitor> monitors_;  // row bucket -> monitor
+  std::int64_t stood_in_ = 0;
+};
+
 /// The SENTINEL verifier: an InspectingTransport whose check runs a SentinelMonitor per stream
 /// on the RECEIVING rank (a sender cannot vouch for itself) and applies a VerifyPolicy to a
 /// flagged message.
 ///
-/// Streams: one monitor per (sending rank, kind, header.stage, floor(log2(rows)), cols, keyed),
-/// rows = header.shape[0] and cols = the product of the other dims (stream_bucket), so
-/// prefill-sized and decode-sized messages are not scored against each other. Float payloads
+/// Streams: one StreamMonitor per (sending rank, kind, header.stage, cols, keyed), holding one
+/// monitor per row bucket floor(log2(rows)) (stream_bucket), rows = header.shape[0] and cols =
+/// the product of the other dims, so prefill-sized and decode-sized messages are not scored
+/// against each other; a bucket still in its warm-up is judged by the nearest warm one
+/// (StreamMonitor, "the stand-in"). Float payloads
 /// (f32; f16 and bf16 widened) of the checked kinds go first through the stream's ReplayGuard
 /// (per sending rank, kind, stage and payload size; SentinelConfig::replay_memory): a replay is
 /// flagged at once (score inf, also during warm-up) and not learned; then through the monitors;
@@ -962,8 +1054,12 @@ class VerifyingTransport : public InspectingTransport<Inner> {
   }
   /// Messages flagged.
   [[nodiscard]] std::int64_t flagged() const noexcept { return state_->flagged; }
-  /// Streams (monitors) seen so far.
-  [[nodiscard]] std::size_t streams() const noexcept { return state_->monitors.size(); }
+  /// Monitors made so far: one per stream and row bucket (StreamMonitor).
+  [[nodiscard]] std::size_t streams() const noexcept {
+    std::size_t n = 0;
+    for (const auto& [key, m] : state_->monitors) n += m.buckets();
+    return n;
+  }
   /// The config.
   [[nodiscard]] const SentinelConfig& config() const noexcept { return state_->config; }
   /// The policy.
@@ -977,9 +1073,8 @@ class VerifyingTransport : public InspectingTransport<Inner> {
     SentinelConfig config;
     VerifyPolicy policy;
     int to;
-    // (from, kind, stage, row bucket, cols, keyed) -> the stream's monitor
-    std::map<std::tuple<int, int, std::int64_t, int, std::int64_t, bool>, SentinelMonitor>
-        monitors;
+    // (from, kind, stage, cols, keyed) -> the stream's monitors, one per row bucket
+    std::map<std::tuple<int, int, std::int64_t, std::int64_t, bool>, StreamMonitor> monitors;
     std::vector<RowKeys> expected;  // expect(): per micro-batch
     // (from, kind, stage, payload bytes) -> the stream's replay check
     std::map<std::tuple<int, int, std::int64_t, std::size_t>, ReplayGuard> replays;
@@ -1027,10 +1122,9 @@ class VerifyingTransport : public InspectingTransport<Inner> {
               if (gradient) scale = k.gradient_scale;  // checked by expect()
             }
           }
-          const int bucket = stream_bucket(rows);
           auto& monitor = monitors
                               .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
-                                                      bucket, cols, !keys.empty()),
+                                                      cols, !keys.empty()),
                                            config)
                               .first->second;
           a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows,
