@@ -16,6 +16,7 @@
 //       records the streams (with each micro-batch's token ids) to OUT_DIR/*.bin; with
 //       BRIGADE_EVAL_STREAMS_260K / _42M set to such a directory, detect and diagnose replay
 //       those instead of recording them again.
+//   (BRIGADE_EVAL_VERBOSE set: detect names each fault it missed, diagnose each clean flag.)
 //   integrity_eval clean STEPS
 //       a clean run with the "stop" policy at the default threshold: how many messages were
 //       checked and whether a false alarm stopped it.
@@ -272,6 +273,11 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
       }
     }
     if (i < static_cast<std::size_t>(cfg.warmup)) continue;  // the stream's own warm-up
+    if (faulty && !flagged && std::getenv("BRIGADE_EVAL_VERBOSE") != nullptr)
+      fmt::print(stderr,
+                 "  {} {}:{:g}:{:g} seed {}: fault at message {} ({} rows) missed, score {:.3g}\n",
+                 s.name, transport::to_string(spec.kind), spec.magnitude, spec.rate, seed, i,
+                 s.rows[i], score);
     (faulty ? r.faulty : r.clean).push_back(score);
     (faulty ? r.faulty_flagged : r.clean_flagged) += flagged ? 1 : 0;
   }
