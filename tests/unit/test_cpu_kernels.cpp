@@ -316,6 +316,29 @@ TEST_CASE("cpu_kernels.kernel_isa: every instruction set, with its W prefetches 
                        "kernel instruction set 'AVX2'; expected generic, avx2 or avx512", Error);
 }
 
+TEST_CASE("cpu_kernels.kernel_isa: products of 17 to 64 rows (the small-M kernel's or the "
+          "GEMM's, by a limit that follows the CPU) give the same bits under every instruction "
+          "set") {
+  const cpu::KernelIsa before = cpu::kernel_isa();
+  std::mt19937 rng(47);
+  for (std::int64_t t : {17, 24, 32, 33, 48, 64}) {
+    CAPTURE(t);
+    const std::int64_t in = 512, out = 96;
+    const Vec x = random_vec(rng, t * in), w = random_vec(rng, out * in);
+    std::vector<Vec> ys;
+    for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512}) {
+      if (!cpu::kernel_isa_supported(isa)) continue;
+      cpu::set_kernel_isa(isa);
+      Vec y(sz(t * out));
+      cpu::matmul_wt(x.data(), w.data(), y.data(), t, in, out);
+      ys.push_back(std::move(y));
+    }
+    REQUIRE(!ys.empty());
+    for (std::size_t i = 1; i < ys.size(); ++i) CHECK(ys[i] == ys[0]);
+  }
+  cpu::set_kernel_isa(before);
+}
+
 TEST_CASE("cpu_kernels.kernel_isa: W and x at each float offset from a cache line give the "
           "documented order's bits") {
   // A float32 W whose rows start inside a packet is read as aligned packets recombined in
