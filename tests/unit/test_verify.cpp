@@ -650,6 +650,7 @@ TEST_CASE("verify.config: bad configs, policies, fault kinds and fault specs are
     SentinelConfig c;
     edit(c);
     CHECK(contains(error_of(Errc::InvalidArgument, [&] { SentinelMonitor m(c); }), text));
+    CHECK(contains(error_of(Errc::InvalidArgument, [&] { StreamMonitor m(c); }), text));
   };
   bad([](SentinelConfig& c) { c.decay = 1.0; }, "decay = 1, expected in (0, 1)");
   bad([](SentinelConfig& c) { c.decay = 0.0; }, "decay = 0");
