@@ -586,6 +586,56 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   CHECK_FALSE(contains(a.reason, "judged by the monitor"));
 }
 
+TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of every size judges; "
+          "it is dropped once a bucket gives verdicts") {
+  // Four sizes in turn: after 16 messages every bucket has learned 4 and none gives verdicts,
+  // while the monitor of every size has learned 16.
+  KeyedStream s(64, 32, 40, 31);
+  StreamMonitor m;
+  const std::int64_t sizes[] = {8, 16, 32, 64};
+  auto next = [&](std::int64_t rows) {
+    auto [x, k] = s.next();
+    x.resize(static_cast<std::size_t>(rows * 32));
+    k.resize(static_cast<std::size_t>(rows));
+    return std::pair{x, k};
+  };
+  for (int i = 0; i < 16; ++i) {
+    const std::int64_t rows = sizes[i % 4];
+    auto [x, k] = next(rows);
+    CHECK(std::isinf(m.observe(x, rows, k).threshold));
+  }
+  REQUIRE(m.buckets() == 4);
+  for (int b = 3; b <= 6; ++b) CHECK(m.bucket(b)->warming_up());
+  CHECK(m.stood_in() == 0);
+  {
+    auto [x, k] = next(8);
+    for (auto& v : x) v *= 3.0f;
+    const auto a = m.observe(x, 8, k);
+    CHECK(a.flagged);
+    CHECK(contains(a.reason, "(judged by the monitor of every size while no size's has warmed "
+                             "up; this message's is of 8-15 rows)"));
+    CHECK(m.bucket(3)->learned() == 4);  // not learned
+  }
+  // Clean messages: judged, not flagged, learned by their buckets until the first is warm.
+  int flags = 0;
+  for (int i = 0; i < 80; ++i) {
+    const std::int64_t rows = sizes[i % 4];
+    auto [x, k] = next(rows);
+    const auto a = m.observe(x, rows, k);
+    flags += a.flagged ? 1 : 0;
+    CHECK(std::isfinite(a.threshold));
+  }
+  CHECK(flags == 0);
+  for (int b = 3; b <= 6; ++b) CHECK_FALSE(m.bucket(b)->warming_up());
+  CHECK(m.stood_in() >= 1 + 40);  // every message from the 17th until the buckets warmed up
+  // Now each bucket judges its own size.
+  auto [x, k] = next(16);
+  for (auto& v : x) v *= 3.0f;
+  const auto a = m.observe(x, 16, k);
+  CHECK(a.flagged);
+  CHECK_FALSE(contains(a.reason, "judged by the monitor"));
+}
+
 TEST_CASE("verify.monitor: a payload's known scale (a gradient divided by its step's targets) is "
           "taken out: the scores equal those of the rescaled payload, and steps of different "
           "target counts share one reference") {

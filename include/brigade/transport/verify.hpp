@@ -916,13 +916,20 @@ struct VerdictRecord {
 /// error) are what make a monitor of other sizes a fair judge; the stand-in is used only until
 /// the message's own bucket has warmed up, so an honest outlier of a frequent size is still
 /// judged by its own size's spread (pooling every size into one monitor flagged one in a clean
-/// 1,000-step run: docs/integrity.md, "Stream key").
+/// 1,000-step run: docs/integrity.md, "Stream key"). Before any bucket gives verdicts (a
+/// stream's first messages are spread over its sizes, so the most frequent bucket warms up only
+/// after 1.5-2 warm-ups' worth of messages), the stand-in is a monitor of every size, which
+/// learns every message the buckets learn until then and is dropped once a bucket is warm.
 ///
-/// Memory: that of its monitors (SentinelMonitor). Not thread-safe.
+/// Memory: that of its monitors (SentinelMonitor); the monitor of every size, until it is
+/// dropped. Not thread-safe.
 class StreamMonitor {
  public:
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
-  explicit StreamMonitor(const SentinelConfig& config = {}) : config_(config) { validate(config_); }
+  explicit StreamMonitor(const SentinelConfig& config = {}) : config_(config) {
+    validate(config_);
+    first_.emplace(config_);
+  }
 
   /// Scores and verdicts the f32 message x [rows, cols] (row-major) with its row keys and known
   /// scale, as SentinelMonitor::observe does, in its row bucket's monitor or, while that one
@@ -935,7 +942,10 @@ class StreamMonitor {
                      std::span<const std::int32_t> keys = {}, double scale = 1.0) {
     const int bucket = stream_bucket(rows);
     auto& own = monitors_.try_emplace(bucket, config_).first->second;
-    if (!own.warming_up()) return own.observe(x, rows, keys, scale);
+    if (!own.warming_up()) {
+      first_.reset();
+      return own.observe(x, rows, keys, scale);
+    }
     SentinelMonitor* judge = nullptr;
     int judge_bucket = -1;
     for (auto& [b, m] : monitors_) {
@@ -946,22 +956,38 @@ class StreamMonitor {
         judge_bucket = b;
       }
     }
-    if (judge == nullptr) return own.observe(x, rows, keys, scale);
+    if (judge != nullptr) {
+      first_.reset();  // a bucket gives verdicts: the monitor of every size is no longer needed
+    } else if (first_ && !first_->warming_up()) {
+      judge = &*first_;
+    }
+    if (judge == nullptr) {  // nothing judges yet: the message is learned (warm-up)
+      if (first_) (void)first_->observe(x, rows, keys, scale);
+      return own.observe(x, rows, keys, scale);
+    }
+    const bool by_first = first_ && judge == &*first_;
     Assessment j = judge->assess(x, rows, keys, scale);
     if (j.flagged) {
       j.learnable = false;
-      j.reason += fmt::format(" (judged by the monitor of {}-{}-row messages while the one of "
-                              "{}-{} rows warms up)",
-                              std::int64_t{1} << judge_bucket,
-                              (std::int64_t{2} << judge_bucket) - 1, std::int64_t{1} << bucket,
-                              (std::int64_t{2} << bucket) - 1);
+      j.reason += by_first
+                      ? fmt::format(" (judged by the monitor of every size while no size's has "
+                                    "warmed up; this message's is of {}-{} rows)",
+                                    std::int64_t{1} << bucket, (std::int64_t{2} << bucket) - 1)
+                      : fmt::format(" (judged by the monitor of {}-{}-row messages while the one "
+                                    "of {}-{} rows warms up)",
+                                    std::int64_t{1} << judge_bucket,
+                                    (std::int64_t{2} << judge_bucket) - 1,
+                                    std::int64_t{1} << bucket, (std::int64_t{2} << bucket) - 1);
       ++stood_in_;
       return j;
     }
     const Assessment a = own.assess(x, rows, keys, scale);
     if (a.flagged) return a;
     j.learnable = j.learnable && a.learnable;
-    if (j.learnable) own.learn();
+    if (j.learnable) {
+      own.learn();
+      if (by_first) first_->learn();
+    }
     ++stood_in_;
     return j;
   }
@@ -973,12 +999,14 @@ class StreamMonitor {
   }
   /// Row buckets seen (monitors).
   [[nodiscard]] std::size_t buckets() const noexcept { return monitors_.size(); }
-  /// Messages judged by a stand-in (a monitor of another row bucket).
+  /// Messages judged by a stand-in (a monitor of another row bucket, or of every size).
   [[nodiscard]] std::int64_t stood_in() const noexcept { return stood_in_; }
 
  private:
   SentinelConfig config_;
   std::map<int, SentinelMonitor> monitors_;  // row bucket -> monitor
+  // The monitor of every size, until a bucket gives verdicts (class docstring).
+  std::optional<SentinelMonitor> first_;
   std::int64_t stood_in_ = 0;
 };
 
