@@ -586,8 +586,8 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   CHECK_FALSE(contains(a.reason, "judged by the monitor"));
 }
 
-TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of every size judges; "
-          "it is dropped once a bucket gives verdicts") {
+TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of every size "
+          "judges, and it is dropped once a bucket gives verdicts") {
   // Four sizes in turn: after 16 messages every bucket has learned 4 and none gives verdicts,
   // while the monitor of every size has learned 16.
   KeyedStream s(64, 32, 40, 31);
