@@ -101,6 +101,13 @@ class KeyedStream {
     }
     return {std::move(x), std::move(k)};
   }
+  /// The next message cut to its first `rows` rows (at most the stream's) and their keys.
+  std::pair<std::vector<float>, std::vector<std::int32_t>> next(std::int64_t rows) {
+    auto [x, k] = next();
+    x.resize(static_cast<std::size_t>(rows * cols_));
+    k.resize(static_cast<std::size_t>(rows));
+    return {std::move(x), std::move(k)};
+  }
 
  private:
   std::int64_t rows_, cols_;
@@ -497,26 +504,20 @@ TEST_CASE("verify.monitor: micro-batches of 8 and of 128 rows in one stream are 
   // between the two: too wide for the 128-row messages, too narrow for the 8-row ones.
   KeyedStream s(128, 32, 40, 23);
   SentinelMonitor m;
-  auto next = [&](std::int64_t rows) {
-    auto [x, k] = s.next();
-    x.resize(static_cast<std::size_t>(rows * 32));
-    k.resize(static_cast<std::size_t>(rows));
-    return std::pair{x, k};
-  };
   int small_flags = 0;
   for (int i = 0; i < 800; ++i) {
     const std::int64_t rows = i % 4 == 3 ? 8 : 128;
-    auto [x, k] = next(rows);
+    auto [x, k] = s.next(rows);
     small_flags += m.observe(x, rows, k).flagged && rows == 8 ? 1 : 0;
   }
   int caught = 0;
   for (int i = 0; i < 200; ++i) {
-    auto [x, k] = next(128);
+    auto [x, k] = s.next(128);
     auto bad = x;
     for (auto& v : bad) v *= 1.15f;
     caught += m.assess(bad, 128, k).flagged ? 1 : 0;
     (void)m.observe(x, 128, k);
-    auto [y, ky] = next(8);
+    auto [y, ky] = s.next(8);
     small_flags += m.observe(y, 8, ky).flagged ? 1 : 0;
   }
   // Measured: 200 of 200 and no false alarm; with one band for every size (var alone), 120 of
@@ -530,19 +531,13 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
           "are learned by their own bucket, which then judges alone") {
   KeyedStream s(128, 32, 40, 29);
   StreamMonitor m;
-  auto next = [&](std::int64_t rows) {
-    auto [x, k] = s.next();
-    x.resize(static_cast<std::size_t>(rows * 32));
-    k.resize(static_cast<std::size_t>(rows));
-    return std::pair{x, k};
-  };
   // Before any bucket is warm nothing judges: no verdict, learned by its own bucket.
   for (int i = 0; i < 15; ++i) {
-    auto [x, k] = next(128);
+    auto [x, k] = s.next(128);
     CHECK(std::isinf(m.observe(x, 128, k).threshold));
   }
   for (int i = 0; i < 185; ++i) {
-    auto [x, k] = next(128);
+    auto [x, k] = s.next(128);
     CHECK_FALSE(m.observe(x, 128, k).flagged);
   }
   REQUIRE(m.buckets() == 1);
@@ -551,7 +546,7 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   // The first 8-row message, scaled by 3: its bucket has learned nothing, the 128-255-row
   // monitor flags it, and its own bucket does not learn it.
   {
-    auto [x, k] = next(8);
+    auto [x, k] = s.next(8);
     for (auto& v : x) v *= 3.0f;
     const auto a = m.observe(x, 8, k);
     CHECK(a.flagged);
@@ -566,7 +561,7 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   // has warmed up; then it judges alone.
   std::int64_t judged = 0;
   for (int i = 0; i < 40; ++i) {
-    auto [x, k] = next(8);
+    auto [x, k] = s.next(8);
     const bool warm = !m.bucket(3)->warming_up();
     const auto a = m.observe(x, 8, k);
     CHECK_FALSE(a.flagged);
@@ -579,7 +574,7 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   CHECK(judged >= 16);
   CHECK(judged < 40);
   // Scaling of 8-row messages by 3 is flagged by their own, warm bucket now.
-  auto [x, k] = next(8);
+  auto [x, k] = s.next(8);
   for (auto& v : x) v *= 3.0f;
   const auto a = m.observe(x, 8, k);
   CHECK(a.flagged);
@@ -593,22 +588,16 @@ TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of ever
   KeyedStream s(64, 32, 40, 31);
   StreamMonitor m;
   const std::int64_t sizes[] = {8, 16, 32, 64};
-  auto next = [&](std::int64_t rows) {
-    auto [x, k] = s.next();
-    x.resize(static_cast<std::size_t>(rows * 32));
-    k.resize(static_cast<std::size_t>(rows));
-    return std::pair{x, k};
-  };
   for (int i = 0; i < 16; ++i) {
     const std::int64_t rows = sizes[i % 4];
-    auto [x, k] = next(rows);
+    auto [x, k] = s.next(rows);
     CHECK(std::isinf(m.observe(x, rows, k).threshold));
   }
   REQUIRE(m.buckets() == 4);
   for (int b = 3; b <= 6; ++b) CHECK(m.bucket(b)->warming_up());
   CHECK(m.stood_in() == 0);
   {
-    auto [x, k] = next(8);
+    auto [x, k] = s.next(8);
     for (auto& v : x) v *= 3.0f;
     const auto a = m.observe(x, 8, k);
     CHECK(a.flagged);
@@ -620,7 +609,7 @@ TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of ever
   int flags = 0;
   for (int i = 0; i < 80; ++i) {
     const std::int64_t rows = sizes[i % 4];
-    auto [x, k] = next(rows);
+    auto [x, k] = s.next(rows);
     const auto a = m.observe(x, rows, k);
     flags += a.flagged ? 1 : 0;
     CHECK(std::isfinite(a.threshold));
@@ -629,7 +618,7 @@ TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of ever
   for (int b = 3; b <= 6; ++b) CHECK_FALSE(m.bucket(b)->warming_up());
   CHECK(m.stood_in() >= 1 + 40);  // every message from the 17th until the buckets warmed up
   // Now each bucket judges its own size.
-  auto [x, k] = next(16);
+  auto [x, k] = s.next(16);
   for (auto& v : x) v *= 3.0f;
   const auto a = m.observe(x, 16, k);
   CHECK(a.flagged);
