@@ -160,28 +160,6 @@ namespace {
 // with a summation order fixed per output, the same in the generic, AVX2 and AVX-512 builds, so
 // the instruction set chosen at run time changes the speed, never the bits.
 
-bool isa_supported(KernelIsa isa) noexcept;
-
-/// Most rows T for which matmul_wt takes the small-M kernel: 64 (decode micro-batches of up to 64
-/// sequences) when Eigen's GEMM runs the larger products. With OpenBLAS's SGEMM behind it: 32 on
-/// a CPU with AVX-512, whose small-M kernel matches or passes SGEMM at 32 rows (Zen 5 with
-/// OpenBLAS's Cooperlake kernels: 84-108 against 78-106 GFLOP/s, W in cache; an Intel Xeon with
-/// its SkylakeX kernels: 32-sequence decode on the 42M shape 1.30x faster on one thread, 1.18x on
-/// two, W streamed, docs/benchmarks.md), and 16 on one without, whose AVX2 kernel OpenBLAS's
-/// tuned kernels pass from about 32 rows. The limit follows the CPU, not the kernel chosen
-/// (set_kernel_isa), so that choosing another instruction set changes the speed, never which
-/// products take the small-M kernel, nor the bits. BRIGADE_SMALL_M_MAX_ROWS=N sets it (read
-/// once, for comparisons).
-std::int64_t small_max_rows() {
-  static const std::int64_t rows = [] {
-    if (const char* env = std::getenv("BRIGADE_SMALL_M_MAX_ROWS"))
-      return std::max<std::int64_t>(0, std::atoll(env));
-    if (gemm_backend() != GemmBackend::Blas) return std::int64_t{64};
-    return std::int64_t{isa_supported(KernelIsa::Avx512) ? 32 : 16};
-  }();
-  return rows;
-}
-
 /// BRIGADE_SMALL_M=0 turns the small-M kernel off (the GEMM for every T), for comparisons.
 bool small_m_enabled() {
   static const bool enabled = [] {
@@ -209,6 +187,26 @@ bool isa_supported(KernelIsa isa) noexcept {
 #endif
   }
   return false;
+}
+
+/// Most rows T for which matmul_wt takes the small-M kernel: 64 (decode micro-batches of up to 64
+/// sequences) when Eigen's GEMM runs the larger products. With OpenBLAS's SGEMM behind it: 32 on
+/// a CPU with AVX-512, whose small-M kernel matches or passes SGEMM at 32 rows (Zen 5 with
+/// OpenBLAS's Cooperlake kernels: 84-108 against 78-106 GFLOP/s, W in cache; an Intel Xeon with
+/// its SkylakeX kernels: 32-sequence decode on the 42M shape 1.30x faster on one thread, 1.18x on
+/// two, W streamed, docs/benchmarks.md), and 16 on one without, whose AVX2 kernel OpenBLAS's
+/// tuned kernels pass from about 32 rows. The limit follows the CPU, not the kernel chosen
+/// (set_kernel_isa), so that choosing another instruction set changes the speed, never which
+/// products take the small-M kernel, nor the bits. BRIGADE_SMALL_M_MAX_ROWS=N sets it (read
+/// once, for comparisons).
+std::int64_t small_max_rows() {
+  static const std::int64_t rows = [] {
+    if (const char* env = std::getenv("BRIGADE_SMALL_M_MAX_ROWS"))
+      return std::max<std::int64_t>(0, std::atoll(env));
+    if (gemm_backend() != GemmBackend::Blas) return std::int64_t{64};
+    return std::int64_t{isa_supported(KernelIsa::Avx512) ? 32 : 16};
+  }();
+  return rows;
 }
 
 KernelIsa best_isa() noexcept {

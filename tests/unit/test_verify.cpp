@@ -116,6 +116,13 @@ class KeyedStream {
   std::vector<double> e_;
 };
 
+/// Observes the next `rows`-row message of `s` with every value scaled by `factor`.
+Assessment observe_scaled(StreamMonitor& m, KeyedStream& s, std::int64_t rows, float factor) {
+  auto [x, k] = s.next(rows);
+  for (auto& v : x) v *= factor;
+  return m.observe(x, rows, k);
+}
+
 FaultSpec fault(FaultKind kind, double magnitude, std::uint64_t seed = 1) {
   FaultSpec s;
   s.kind = kind;
@@ -546,9 +553,7 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   // The first 8-row message, scaled by 3: its bucket has learned nothing, the 128-255-row
   // monitor flags it, and its own bucket does not learn it.
   {
-    auto [x, k] = s.next(8);
-    for (auto& v : x) v *= 3.0f;
-    const auto a = m.observe(x, 8, k);
+    const auto a = observe_scaled(m, s, 8, 3.0f);
     CHECK(a.flagged);
     CHECK_FALSE(a.learnable);
     CHECK(a.statistic == std::string("key-norm"));
@@ -574,9 +579,7 @@ TEST_CASE("verify.stream: while a row bucket warms up, its messages are judged b
   CHECK(judged >= 16);
   CHECK(judged < 40);
   // Scaling of 8-row messages by 3 is flagged by their own, warm bucket now.
-  auto [x, k] = s.next(8);
-  for (auto& v : x) v *= 3.0f;
-  const auto a = m.observe(x, 8, k);
+  const auto a = observe_scaled(m, s, 8, 3.0f);
   CHECK(a.flagged);
   CHECK_FALSE(contains(a.reason, "judged by the monitor"));
 }
@@ -597,9 +600,7 @@ TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of ever
   for (int b = 3; b <= 6; ++b) CHECK(m.bucket(b)->warming_up());
   CHECK(m.stood_in() == 0);
   {
-    auto [x, k] = s.next(8);
-    for (auto& v : x) v *= 3.0f;
-    const auto a = m.observe(x, 8, k);
+    const auto a = observe_scaled(m, s, 8, 3.0f);
     CHECK(a.flagged);
     CHECK(contains(a.reason, "(judged by the monitor of every size while no size's has warmed "
                              "up; this message's is of 8-15 rows)"));
@@ -618,9 +619,7 @@ TEST_CASE("verify.stream: before any row bucket has warmed up, a monitor of ever
   for (int b = 3; b <= 6; ++b) CHECK_FALSE(m.bucket(b)->warming_up());
   CHECK(m.stood_in() >= 1 + 40);  // every message from the 17th until the buckets warmed up
   // Now each bucket judges its own size.
-  auto [x, k] = s.next(16);
-  for (auto& v : x) v *= 3.0f;
-  const auto a = m.observe(x, 16, k);
+  const auto a = observe_scaled(m, s, 16, 3.0f);
   CHECK(a.flagged);
   CHECK_FALSE(contains(a.reason, "judged by the monitor"));
 }
