@@ -388,12 +388,15 @@ class InferenceStage final : public InferenceStageBase {
   const float* rms_final_ = nullptr;             // in b_'s memory
   std::vector<model::DecoderWeights> layers_;    // per owned decoder, in b_'s memory
   std::vector<typename B::Buffer> kv_;           // per owned decoder: K rows then V rows
-  // Per owned decoder: its migrated weight image (host; empty for the model's own weights),
+  // Per owned decoder: its migrated weight image (host; null for the model's own weights),
   // which the backend's views may point into.
-  std::vector<std::shared_ptr<std::vector<std::byte>>> images_;
+  std::vector<std::shared_ptr<std::byte[]>> images_;
   int adopting_ = -1;                            // the layer being adopted (-1: none)
   typename B::Buffer adopt_kv_{};                // its KV cache while the parts arrive
-  std::shared_ptr<std::vector<std::byte>> adopt_image_;  // its weight image
+  // Its weight image, left uninitialised: the parts overwrite every byte, and a zero fill of
+  // a whole layer (12.6 MB for the 42M shape) in begin_adopt would fall outside every op.
+  std::shared_ptr<std::byte[]> adopt_image_;
+  std::size_t adopt_image_bytes_ = 0;
   backend::DecoderBuffers<B> scratch_;
   std::vector<float> tmp_;                       // host backends: the final norm's and head's
   typename B::Buffer x_dev_, tmp_dev_, ids_dev_; // device backends: activations, ids
@@ -543,7 +546,8 @@ void InferenceStage<B>::begin_adopt(int layer) {
                 range_.last, layer);
   const std::size_t bytes = kv_position_bytes() * static_cast<std::size_t>(kv_cache_rows());
   adopt_kv_ = b_.allocate(bytes);
-  adopt_image_ = std::make_shared<std::vector<std::byte>>(migration_weight_bytes(layer));
+  adopt_image_bytes_ = migration_weight_bytes(layer);
+  adopt_image_ = std::make_shared_for_overwrite<std::byte[]>(adopt_image_bytes_);
   adopting_ = layer;
 }
 
@@ -551,7 +555,7 @@ template <backend::Backend B>
 std::span<std::byte> InferenceStage<B>::adopt_weight_image() {
   BRIGADE_CHECK(adopting_ >= 0, Errc::InvalidArgument,
                 "InferenceStage [{}, {}): no layer is being adopted", range_.first, range_.last);
-  return {adopt_image_->data(), adopt_image_->size()};
+  return {adopt_image_.get(), adopt_image_bytes_};
 }
 
 template <backend::Backend B>
@@ -579,7 +583,7 @@ void InferenceStage<B>::adopt() {
   const int d = decoder_of(layer, "adopt");
   const auto off = decoder_image_layout(*weights_, d);
   const auto& h = weights_->layers[static_cast<std::size_t>(d)];
-  const std::byte* img = adopt_image_->data();
+  const std::byte* img = adopt_image_.get();
   auto at = [&](int k, DType t) { return model::WeightMatrix(img + off[static_cast<std::size_t>(k)], t); };
   model::DecoderWeights view;
   view.rms_att = reinterpret_cast<const float*>(img + off[0]);
@@ -599,6 +603,7 @@ void InferenceStage<B>::adopt() {
   kv_bytes_ += kv_position_bytes() * static_cast<std::size_t>(kv_cache_rows());
   adopt_kv_ = typename B::Buffer{};
   adopt_image_.reset();
+  adopt_image_bytes_ = 0;
   adopting_ = -1;
   partition::StageRange r = range_;
   (front ? r.first : r.last) = front ? layer : layer + 1;
