@@ -80,27 +80,6 @@ std::vector<double> Rebalancer::stage_seconds(const partition::Partition& p,
   return t;
 }
 
-double Rebalancer::round_seconds(const partition::Partition& p,
-                                 std::span<const RoundFeatures> recent) const {
-  // Consecutive entries of one executor round form a group; in a group each stage runs every
-  // micro-batch's share in turn, so the round takes its busiest stage's sum.
-  const auto S = static_cast<std::size_t>(p.num_stages());
-  std::vector<double> t(S, 0.0);
-  double total = 0.0;
-  int rounds = 0;
-  auto close = [&] {
-    total += *std::max_element(t.begin(), t.end());
-    std::fill(t.begin(), t.end(), 0.0);
-    ++rounds;
-  };
-  for (std::size_t i = 0; i < recent.size(); ++i) {
-    if (i > 0 && recent[i].round != recent[i - 1].round) close();
-    for (std::size_t v = 0; v < S; ++v) t[v] += pred_.predict(p, static_cast<int>(v), recent[i]);
-  }
-  if (!recent.empty()) close();
-  return rounds > 0 ? total / rounds : 0.0;
-}
-
 std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double now_s,
                                                             std::span<const RoundFeatures> recent,
                                                             std::int64_t live_positions) {
@@ -142,20 +121,15 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
     const double worst = t[static_cast<std::size_t>(slow)];
     streak_ = worst > mean * (1.0 + o_.threshold) ? streak_ + 1 : 0;
     if (streak_ < o_.patience) return std::nullopt;
-    // The move is judged by the predicted round time of the pipeline (per executor round, the
-    // busiest stage's sum over its micro-batches, averaged over the window), not by the slowest
-    // stage's mean: rounds of prompt chunks and rounds of decodes load the stages differently
-    // (every decoder weighs in a chunk, the tail's LM head and sampler in a decode), and a move
-    // that evens the means can lengthen every chunk round.
-    const double now_round = round_seconds(current, window);
-    double best = now_round;
+    double best = worst;
     for (const int to : {slow - 1, slow + 1}) {
       if (to < 0 || to >= S) continue;
       auto cand = move_layer(current, slow, to);
       if (!cand) continue;
-      const double r2 = round_seconds(*cand, window);
-      if (r2 < best) {
-        best = r2;
+      const auto t2 = stage_seconds(*cand, window);
+      const double m2 = *std::max_element(t2.begin(), t2.end());
+      if (m2 < best) {
+        best = m2;
         next = std::move(cand);
         mv.from = slow;
         mv.to = to;
@@ -170,12 +144,11 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
       const int layer = mv.to > mv.from ? src.last - 1 : src.first;
       reversal = !last.forced && last.from == mv.to && last.to == mv.from && last.layer == layer;
     }
-    if (!next || best > now_round * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain))
-      return std::nullopt;
+    if (!next || best > worst * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain)) return std::nullopt;
     reversals_ = reversal ? reversals_ + 1 : 0;
     streak_ = 0;
-    mv.predicted_round_s = now_round;
-    mv.predicted_round_after_s = best;
+    mv.predicted_slowest_s = worst;
+    mv.predicted_slowest_after_s = best;
   }
   // Parts: the layer's weights and the live sequences' KV rows (float32 keys and values), at
   // most part_bytes per micro-batch and round, then one round for the rows written meanwhile.

@@ -214,8 +214,8 @@ int run_serve(ServeArgs& a) {
                        {"switch_round", m.switch_round},
                        {"ordered_s", m.ordered_s},
                        {"forced", m.forced},
-                       {"predicted_round_s", m.predicted_round_s},
-                       {"predicted_round_after_s", m.predicted_round_after_s},
+                       {"predicted_slowest_s", m.predicted_slowest_s},
+                       {"predicted_slowest_after_s", m.predicted_slowest_after_s},
                        {"bytes", m.bytes},
                        {"layers_per_stage_after", m.layers_after}});
     }
@@ -327,7 +327,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
       ->capture_default_str();
   sub.add_option("--rebalance-min-gain", a->dynamic.min_gain,
-                 "dynamic: move only when the predicted round time drops by this fraction")
+                 "dynamic: move only when the predicted slowest stage drops by this fraction")
       ->check(cli::number_in(0.0, 0.99, "a number from 0 to 0.99"))
       ->capture_default_str();
   sub.add_option("--force-move-every", a->dynamic.force_every,

@@ -35,12 +35,7 @@ std::optional<partition::Partition> move_layer(const partition::Partition& p, in
 /// the current layers; when the slowest exceeds the mean by `threshold` for `patience`
 /// consecutive rounds (and `cooldown` rounds have passed since the last switch, and no move is
 /// under way), move one boundary decoder from the slowest stage to the neighbour for which the
-/// predicted round time after the move is lowest, if that lowers it by `min_gain`. The round
-/// time over the recent rounds is the mean, over executor rounds, of the busiest stage's
-/// predicted seconds summed over the round's micro-batches (a stage runs them in turn): a
-/// window that mixes prompt-chunk rounds (every decoder weighs) with decode rounds (the tail's
-/// LM head and sampler weigh) is judged by what each round costs, not by the stages' means,
-/// which can favour a move that lengthens every chunk round. Hysteresis
+/// predicted slowest stage after the move is lowest, if that lowers it by `min_gain`. Hysteresis
 /// against oscillation: a move that undoes the previous one (the same layer back) needs twice
 /// `min_gain`, and each such reversal in a row doubles the cooldown before the next move (up to
 /// 64 x; a move that is not a reversal resets it). The move's
@@ -77,12 +72,6 @@ class Rebalancer {
   }
   [[nodiscard]] const std::vector<LayerMove>& moves() const noexcept { return moves_; }
   [[nodiscard]] const StageLatencyPredictor& predictor() const noexcept { return pred_; }
-  /// Predicted seconds per executor round of the pipeline with `p` over `recent` (consecutive
-  /// entries with the same RoundFeatures::round are one round), what decide() compares: the
-  /// mean over rounds of the largest, over stages, of the stage's predicted seconds
-  /// (predictor().predict) summed over the round's entries; 0 for no rounds.
-  [[nodiscard]] double round_seconds(const partition::Partition& p,
-                                     std::span<const RoundFeatures> recent) const;
 
  private:
   /// Predicted seconds per micro-batch round of every stage with `p` over `recent`.

@@ -42,9 +42,9 @@ struct LayerMove {
   int layer = 0;          ///< the ModelSpec layer that moved
   double ordered_s = 0.0; ///< when it was ordered
   bool forced = false;    ///< RebalanceOptions::force_every (not the predictor) ordered it
-  /// The predicted seconds per executor round of the pipeline before and after the move, over
-  /// the recent rounds (serve::Rebalancer: each round's busiest stage; 0 for a forced move).
-  double predicted_round_s = 0.0, predicted_round_after_s = 0.0;
+  /// The predicted seconds per micro-batch round of the slowest stage before and after the
+  /// move, over the recent rounds (0 for a forced move).
+  double predicted_slowest_s = 0.0, predicted_slowest_after_s = 0.0;
   /// Bytes the migration was sized for when ordered: the layer's weight image and the KV rows
   /// of the live sequences (float32 keys and values).
   std::int64_t bytes = 0;
@@ -67,7 +67,7 @@ struct RebalanceOptions {
   /// The load a decision weighs: the last `window` micro-batch rounds built (0: two per
   /// micro-batch).
   int window = 0;
-  /// A move is made only when it lowers the predicted round time by at least this fraction
+  /// A move is made only when it lowers the predicted slowest stage by at least this fraction
   /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
   /// smaller predicted gain would buy a migration's copying for what may be noise).
   double min_gain = 0.05;
