@@ -606,6 +606,7 @@ Work InferenceWorker::compute(const Action& a) {
                 "PREFETCH in between: its weights are not resident",
                 rank_, schedule::to_string(a), a.virtual_stage);
   if (a.op == Op::F) {
+    double book_wait_s = 0.0;  // the book's next(), arrivals waited for: not the forward
     if (a.virtual_stage == 0) {
       scratch_.clear();
       if (a.chunk > 0) {
@@ -622,6 +623,7 @@ Work InferenceWorker::compute(const Action& a) {
       const double now =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
       mb = runtime::Microbatch{};
+      const auto t_book = std::chrono::steady_clock::now();
       const bool open =
           book_->next(detail::RoundInput{a.microbatch, a.chunk,
                                          a.chunk > 0 ? std::span<const backend::SequenceSlice>(
@@ -634,6 +636,7 @@ Work InferenceWorker::compute(const Action& a) {
       known_[m] = 1;
       if (!open) closed_[m] = 1;
       else if (mb.seqs.empty()) idle_[m] = 1;
+      book_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_book).count();
     }
     if (closed_[m] || idle_[m]) return {false, 0, {}};
     const auto t_f = std::chrono::steady_clock::now();
@@ -647,7 +650,7 @@ Work InferenceWorker::compute(const Action& a) {
         if (s != nullptr) pages_.insert(pages_.end(), s->weight_pages().begin(), s->weight_pages().end());
       peak_resident_ = std::max(peak_resident_, static_cast<double>(runtime::resident_bytes(pages_)));
     }
-    return {true, mb.num_tokens(), label()};
+    return {true, mb.num_tokens(), label(), book_wait_s};
   }
   if (a.op == Op::Sample) {
     if (closed_[m] || idle_[m]) {

@@ -326,6 +326,11 @@ std::function<int()> setup(CLI::App& sub) {
                  "dynamic: rounds after a move switched before the next one (hysteresis)")
       ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
       ->capture_default_str();
+  sub.add_option("--rebalance-window", a->dynamic.window,
+                 "dynamic: micro-batch rounds a decision weighs, the most recent (0: two per "
+                 "micro-batch)")
+      ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
+      ->capture_default_str();
   sub.add_option("--rebalance-min-gain", a->dynamic.min_gain,
                  "dynamic: move only when the predicted slowest stage drops by this fraction")
       ->check(cli::number_in(0.0, 0.99, "a number from 0 to 0.99"))

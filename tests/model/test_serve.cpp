@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -409,6 +410,32 @@ TEST_CASE("serve.predictor: every round of a run is measured on every stage and 
     CHECK(e.prior_heldout_mape > 0);
   }
   test::error_of(Errc::InvalidArgument, [&] { serve::evaluate_predictor(rep, fresh, 1.0); });
+}
+
+TEST_CASE("serve.timeline: the first stage's wait for the next arrival is idle time, not inside "
+          "its F") {
+  // The second request arrives 0.4 s after the first: the book sleeps in between, inside the
+  // action that builds stage 0's next micro-batch. The Timeline shows that sleep as a gap
+  // (and stage_rounds / evaluate_predictor measure forwards only), not as a 0.4 s F.
+  const model::ModelSpec spec(ref().weights.config);
+  const auto w = reference_workload({0, 0.4});
+  serve::ServeOptions o;
+  o.inference.sampler.temperature = 0.0f;
+  const auto rep = serve::serve(ref().weights, partition::uniform(spec, 2), w.requests, o);
+  check_tokens(w, rep);
+  std::vector<std::pair<double, double>> f0;  // stage 0's F intervals
+  for (const auto& iv : rep.timeline.intervals())
+    if (iv.op == Op::F && iv.virtual_stage == 0) f0.emplace_back(iv.start, iv.end);
+  REQUIRE(f0.size() >= 2);
+  std::sort(f0.begin(), f0.end());
+  double longest = 0, widest_gap = 0;
+  for (std::size_t i = 0; i < f0.size(); ++i) {
+    longest = std::max(longest, f0[i].second - f0[i].first);
+    if (i > 0) widest_gap = std::max(widest_gap, f0[i].first - f0[i - 1].second);
+  }
+  CHECK(longest < 0.2);      // a stories260K forward takes milliseconds
+  CHECK(widest_gap > 0.25);  // the wait for the second arrival
+  for (const auto& r : serve::stage_rounds(rep)) CHECK(r.seconds < 0.2);
 }
 
 // ---- DynaPipe's live rebalancing: layer moves with asynchronous KV-cache migration ----------

@@ -56,6 +56,10 @@ struct Work {
   bool ran = true;              ///< false: nothing to do (no interval is recorded)
   std::int64_t tokens = 0;      ///< tokens (rows) processed
   std::string_view label;       ///< free text ("prefill", "decode"; may be empty)
+  /// Seconds at the action's start the worker spent waiting on input from outside the
+  /// pipeline (a serving book waiting for the next request to arrive): not the action's work,
+  /// so its interval starts after them and the wait shows as idle time.
+  double waited_s = 0.0;
 };
 
 /// Where a Worker's SEND puts its messages: each `add` copies the payload into a buffer of the
@@ -404,7 +408,7 @@ ExecutorStats execute(Source& source, Wk& worker, T& transport, const ExecutorRu
       }
       default: {
         const Work w = worker.compute(a);
-        if (w.ran) record(a, a.op, start, now(), w.tokens, w.label);
+        if (w.ran) record(a, a.op, start + w.waited_s, now(), w.tokens, w.label);
         break;
       }
     }
