@@ -112,7 +112,7 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
     if (round < last_switch + wait) return std::nullopt;
     for (int v = 0; v < S; ++v)
       if (pred_.observations(v) < o_.warmup) return std::nullopt;
-    const auto w = static_cast<std::size_t>(o_.window > 0 ? o_.window : 2 * microbatches_);
+    const auto w = static_cast<std::size_t>(o_.window > 0 ? o_.window : 64 * microbatches_);
     if (recent.empty()) return std::nullopt;
     const auto window = recent.subspan(recent.size() - std::min(w, recent.size()));
     const auto t = stage_seconds(current, window);

@@ -327,7 +327,7 @@ std::function<int()> setup(CLI::App& sub) {
       ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
       ->capture_default_str();
   sub.add_option("--rebalance-window", a->dynamic.window,
-                 "dynamic: micro-batch rounds a decision weighs, the most recent (0: two per "
+                 "dynamic: micro-batch rounds a decision weighs, the most recent (0: 64 per "
                  "micro-batch)")
       ->check(cli::number_in(0, 1 << 20, "a whole number from 0"))
       ->capture_default_str();

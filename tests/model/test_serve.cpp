@@ -606,6 +606,58 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
         }).find("patience 0 (>= 1)") != std::string::npos);
 }
 
+TEST_CASE("serve.rebalance: a decision weighs the last 64 rounds of every micro-batch, so a few "
+          "rounds of another mix do not move a layer the longer span calls balanced") {
+  const auto& weights = ref().weights;
+  const model::ModelSpec spec(weights.config);
+  const auto even = partition::uniform(spec, 2);
+  constexpr int kMicrobatches = 2;
+  // 124 prompt-chunk rounds on which both stages take the same seconds, then 4 decode rounds on
+  // which the tail stage takes 3x the first: the load of the last 128 rounds is balanced (the
+  // tail is 1.6% over the mean), the load of the last 4 is not (1.5x the mean).
+  std::vector<serve::RoundFeatures> rounds;
+  for (int r = 0; r < 128; ++r) {
+    serve::RoundFeatures f;
+    f.round = r;
+    if (r < 124) {
+      f.prefill_tokens = 64;
+      f.prefill_seqs = 1;
+      f.prefill_context = 32.5;
+    } else {
+      f.decode_seqs = 4;
+      f.decode_context = 40;
+    }
+    rounds.push_back(f);
+  }
+  auto run = [&](int window) {
+    serve::RebalanceOptions o;
+    o.patience = 1;
+    o.warmup = 4;
+    o.threshold = 0.1;
+    o.min_gain = 0.02;
+    o.window = window;
+    serve::Rebalancer rb(weights, even, kMicrobatches, 1 << 20, o);
+    const auto& pred = rb.predictor();
+    for (const auto& f : rounds) {  // the fit has seen every round before the decisions
+      // Stage 0 at its prior; stage 1 at stage 0's seconds on prompt chunks and at 3x them on
+      // decodes (a fit the predictor's features hold exactly: w = [3 D0/D1, P0/P1, 0, 0]).
+      const double s0 = pred.prior(even, 0, f);
+      rb.observe(0, f, s0);
+      rb.observe(1, f, f.decode_seqs > 0 ? 3.0 * s0 : s0);
+    }
+    std::vector<int> moved;
+    for (int r = 124; r < 128; ++r)
+      if (rb.decide(r, 0.0, std::span(rounds).first(static_cast<std::size_t>(r + 1)), 100))
+        moved.push_back(r);
+    return moved;
+  };
+  CHECK(run(0).empty());                      // the default window: 128 rounds
+  CHECK(run(64 * kMicrobatches).empty());     // the same, spelled out
+  // The last 4 rounds: once decode rounds are most of them, a layer moves (once: the move is
+  // then under way).
+  CHECK(run(4).size() == 1);
+}
+
 TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is not shuttled "
           "back and forth: a reversal needs twice the gain and each one doubles the cooldown") {
   const auto& weights = ref().weights;

@@ -64,8 +64,13 @@ struct RebalanceOptions {
   int cooldown = 16;
   /// Measured rounds per stage before the first move (the predictor's fit warms up).
   int warmup = 8;
-  /// The load a decision weighs: the last `window` micro-batch rounds built (0: two per
-  /// micro-batch).
+  /// The load a decision weighs: the last `window` micro-batch rounds built (0: the last 64
+  /// rounds of every micro-batch). A move holds for at least `cooldown` rounds plus its
+  /// migration's, so it is judged on the load of a span several times that long, not on the
+  /// last round's mix: with two rounds per micro-batch the rebalancer followed every swing
+  /// between prompt-chunk and decode rounds (16 moves on the mixed workload against 7, 3 on the
+  /// code trace against 1) and its mean e2e latency was no lower than at 64 on any of issue
+  /// 16's three workloads (docs/serving.md, "The decision window").
   int window = 0;
   /// A move is made only when it lowers the predicted slowest stage by at least this fraction
   /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
