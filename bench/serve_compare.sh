@@ -16,6 +16,7 @@
 #   WORKLOADS          any of code conv mixed (default all three)
 #   POLICIES           the --rebalance list (default even,static,dynamic; e.g. dynamic alone
 #                      to re-measure the migrations)
+#   SERVE_ARGS         more `brigade serve` options for every run (e.g. "--rebalance-window 4")
 # Prints one line per run and the summary of bench/serve_summary.py.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,6 +49,7 @@ with open(sys.argv[1], "w") as f:
 PY
 
 common=(--synthetic 42M --temperature 1 --top-p 0.9 --rebalance "$POLICIES")
+read -r -a extra <<< "${SERVE_ARGS:-}"
 args_code=(--trace "$D/traces/AzureLLMInferenceTrace_code.csv" --max-requests 100
            --prompt-scale 0.1 --output-scale 0.25 --rate-scale 2)
 args_conv=(--trace "$D/traces/AzureLLMInferenceTrace_conv.csv" --max-requests 60
@@ -60,7 +62,7 @@ for rep in $(seq 1 "$REPEATS"); do
       eval "wargs=(\"\${args_${w}[@]}\")"
       tag="${w}_s${s}_r${rep}"
       echo "== $tag: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
-      "$B/examples/brigade" serve "${wargs[@]}" "${common[@]}" --stages "$s" \
+      "$B/examples/brigade" serve "${wargs[@]}" "${common[@]}" ${extra[@]+"${extra[@]}"} --stages "$s" \
         --metrics "$O/$tag.json" > /dev/null 2> "$O/$tag.txt"
       grep -E "^serve: (even|static|dynamic) +(layers|move|migrations)" "$O/$tag.txt" >&2 || true
     done
