@@ -13,6 +13,7 @@
 
 #include "test_util.hpp"
 
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -59,6 +60,48 @@ std::vector<data::PackedBatch> batches(int m, int rows) {
 }
 
 }  // namespace
+
+TEST_CASE("memory.inference: a dropped layer's KV cache and weight image are the stage's spares "
+          "for its next adoption, so a layer moving back first-touches no fresh memory") {
+  const auto& w = stories();
+  const model::ModelSpec spec(w.config);
+  const auto part = partition::uniform(spec, 2);
+  const auto st = part.stage(0);  // the embedding and decoders 1 .. last - 1
+  const int layer = st.last - 1;
+  REQUIRE(spec.layer(layer).kind == model::LayerKind::Decoder);
+  REQUIRE(st.last - st.first >= 3);
+  const std::vector<int> caps{100, 37};
+  runtime::InferenceStage stage(w, st, caps, {});
+  int decoders = 0;
+  for (int l = st.first; l < st.last; ++l)
+    decoders += spec.layer(l).kind == model::LayerKind::Decoder ? 1 : 0;
+  const std::size_t kv_all = stage.kv_cache_bytes();
+  const std::size_t kv_layer = kv_all / static_cast<std::size_t>(decoders);
+  CHECK(kv_layer == stage.kv_position_bytes() * (100 + 37));  // one layer's rows
+  std::vector<std::byte> image(stage.migration_weight_bytes(layer));
+  stage.read_migration_weights(layer, 0, image);
+  CHECK(stage.spare_bytes() == 0);
+  // The model's own layer: its KV cache stays as a spare; its weights are the model's.
+  stage.drop(layer);
+  CHECK(stage.range().last == layer);
+  CHECK(stage.kv_cache_bytes() == kv_all - kv_layer);
+  CHECK(stage.spare_bytes() == kv_layer);
+  // Adopting it back takes that KV cache; the image is new.
+  stage.begin_adopt(layer);
+  CHECK(stage.spare_bytes() == 0);
+  const std::byte* first_image = stage.adopt_weight_image().data();
+  std::memcpy(stage.adopt_weight_image().data(), image.data(), image.size());
+  stage.adopt();
+  CHECK(stage.range().last == layer + 1);
+  CHECK(stage.kv_cache_bytes() == kv_all);
+  // An adopted layer leaves its image too, and the next adoption writes into the same bytes.
+  stage.drop(layer);
+  CHECK(stage.spare_bytes() == kv_layer + image.size());
+  stage.begin_adopt(layer);
+  CHECK(stage.spare_bytes() == 0);
+  CHECK(stage.adopt_weight_image().data() == first_image);
+  CHECK(stage.adopt_weight_image().size() == image.size());
+}
 
 TEST_CASE("memory.inference: KV cache and weights per rank are what InferenceStage reserves") {
   const auto& w = stories();
