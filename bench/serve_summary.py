@@ -40,7 +40,7 @@ def mean(xs):
 order = {"even": 0, "static": 1, "dynamic": 2}
 print("| workload | stages | split | e2e mean / p50 / p99 (s) | TTFT mean / p99 (s) | "
       "TPOT mean / p99 (s) | tokens/s | mean e2e vs even (each repeat) | moves | "
-      "held-out MAPE per stage | slowest migration round vs neighbours / vs without its copying | "
+      "held-out MAPE per stage | migration rounds vs neighbours: mean / a migration's slowest (median), and in windows without one | "
       "load average |")
 print("| --- | ---: | --- | --- | --- | --- | ---: | --- | ---: | --- | --- | --- |")
 for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
@@ -59,9 +59,13 @@ for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
     for v in range(stages):
         mape.append(mean([r["predictor"][v]["heldout_mape"] for r in runs
                           if len(r["predictor"]) > v]))
-    mig = [r["migration"]["max_round_ratio_vs_neighbours"] for r in runs if "migration" in r]
-    added = [r["migration"].get("max_added_ratio") for r in runs if "migration" in r]
-    added = [x for x in added if x is not None]
+    migs = [r["migration"] for r in runs if "migration" in r
+            and "mean_round_ratio_vs_neighbours" in r["migration"]]
+    mig_text = ("" if not migs else
+                f"{mean([m['mean_round_ratio_vs_neighbours'] for m in migs]):.2f}x / "
+                f"{mean([m['median_max_round_ratio_vs_neighbours'] for m in migs]):.2f}x "
+                f"(without: {mean([m['baseline_mean_round_ratio'] for m in migs]):.2f}x / "
+                f"{mean([m['baseline_max_round_ratio'] for m in migs]):.2f}x)")
     loads = [x for r in runs for x in r.get("load_average_1min", [])]
     print(f"| {workload} | {stages} | {policy} | "
           f"{g('e2e_s', 'mean'):.2f} / {g('e2e_s', 'p50'):.2f} / {g('e2e_s', 'p99'):.2f} | "
@@ -69,5 +73,5 @@ for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], 9))):
           f"{g('tpot_s', 'mean'):.3f} / {g('tpot_s', 'p99'):.3f} | "
           f"{g('throughput_tokens_per_s'):.1f} | {imp_text} | {moves:.1f} | "
           f"{' / '.join(f'{100 * x:.0f}%' for x in mape)} | "
-          f"{(f'{max(mig):.2f}x / {max(added):.2f}x' if mig and added else '')} | "
+          f"{mig_text} | "
           f"{(f'{min(loads):.1f}-{max(loads):.1f}' if loads else '')} |")

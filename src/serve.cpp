@@ -71,6 +71,7 @@ class ServingBook final : public engine::detail::MicrobatchSource {
     rounds_ = std::max(rounds_, in.round + 1);
     record(in);
     auto& members = members_[static_cast<std::size_t>(in.microbatch)];
+    double idle = 0.0;  // seconds slept for an arrival
     for (;;) {
       const double now = elapsed();
       arrive(now);
@@ -78,14 +79,17 @@ class ServingBook final : public engine::detail::MicrobatchSource {
       if (!out.seqs.empty()) {
         index_[{in.microbatch, in.round}] = features_.size();
         features_.push_back(features_of(in, out));
+        features_.back().idle_s = idle;
         return true;
       }
       if (members.empty() && queue_.empty() && next_arrival_ == order_.size()) return false;
       if (active_ > 0 || !queue_.empty()) return true;  // idle round; others run
       // Nothing runs anywhere: wait for the next arrival.
       const double at = requests_[static_cast<std::size_t>(order_[next_arrival_])].arrival_s;
+      const double slept_from = elapsed();
       std::this_thread::sleep_until(t0_ + std::chrono::duration_cast<std::chrono::nanoseconds>(
                                               std::chrono::duration<double>(at)));
+      idle += elapsed() - slept_from;
     }
   }
 

@@ -176,13 +176,16 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
                 "migration_impact: neighbours = {}, expected >= 1", neighbours);
   MigrationImpact out;
   out.migrations = static_cast<int>(report.moves.size());
-  // Round starts on virtual stage 0 (its first F of each round).
+  // Round starts on virtual stage 0 (its first F of each round), and where each of its
+  // micro-batch rounds began.
   std::map<int, double> start;
+  std::map<std::pair<int, int>, double> f_start;  // (micro-batch, round) -> its F's start
   std::vector<const Interval*> migration;  // every MIGRATE / MIGRATE_RECV, any rank
   for (const auto& iv : report.timeline.intervals()) {
     if (iv.op == Op::F && iv.virtual_stage == 0) {
       auto [it, fresh] = start.emplace(iv.chunk, iv.start);
       if (!fresh) it->second = std::min(it->second, iv.start);
+      f_start[{iv.microbatch, iv.chunk}] = iv.start;
     }
     if (is_migration(iv.op)) {
       migration.push_back(&iv);
@@ -196,37 +199,82 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
     if (next != start.end() && next->first == it->first + 1)
       length[it->first] = next->second - it->second;
   }
+  // The book's sleeps for an arrival lie just before the F they preceded, in the window of
+  // the last round that started before it: idle time, not the round's.
+  std::vector<std::pair<double, int>> by_start;  // (start, round), increasing
+  for (const auto& [r, t] : start) by_start.emplace_back(t, r);
+  std::sort(by_start.begin(), by_start.end());
+  for (const auto& f : report.round_features) {
+    if (!(f.idle_s > 0)) continue;
+    const auto at = f_start.find({f.microbatch, f.round});
+    if (at == f_start.end()) continue;
+    const auto w = std::lower_bound(by_start.begin(), by_start.end(),
+                                    std::pair{at->second, std::numeric_limits<int>::min()});
+    if (w == by_start.begin()) continue;
+    const auto len = length.find(std::prev(w)->second);
+    if (len != length.end()) len->second = std::max(0.0, len->second - f.idle_s);
+  }
   auto in_migration = [&](int r) {
     return std::any_of(report.moves.begin(), report.moves.end(), [&](const LayerMove& m) {
       return r >= m.ordered_round && r <= m.switch_round;
     });
   };
-  for (const auto& m : report.moves) {
+  const int last = length.empty() ? 0 : length.rbegin()->first;
+  // Rounds [lo, hi] against the median of the `neighbours` rounds before and after them that
+  // lie outside every migration: the largest and the mean ratio, or nothing without
+  // neighbours.
+  struct Ratios {
+    double max = 0.0, mean = 0.0;
+  };
+  auto ratios = [&](int lo, int hi, double* median_out) -> std::optional<Ratios> {
     std::vector<double> around;
-    for (int r = m.ordered_round - 1, k = 0; r >= 0 && k < neighbours; --r)
+    for (int r = lo - 1, k = 0; r >= 0 && k < neighbours; --r)
       if (!in_migration(r) && length.count(r)) {
         around.push_back(length[r]);
         ++k;
       }
-    const int last = length.empty() ? 0 : length.rbegin()->first;
-    for (int r = m.switch_round + 1, k = 0; r <= last && k < neighbours; ++r)
+    for (int r = hi + 1, k = 0; r <= last && k < neighbours; ++r)
       if (!in_migration(r) && length.count(r)) {
         around.push_back(length[r]);
         ++k;
       }
-    if (around.empty()) continue;
+    if (around.empty()) return std::nullopt;
     std::sort(around.begin(), around.end());
     const double median = around.size() % 2 ? around[around.size() / 2]
                                             : 0.5 * (around[around.size() / 2 - 1] +
                                                      around[around.size() / 2]);
+    if (!(median > 0)) return std::nullopt;
+    Ratios q;
+    int n = 0;
+    for (int r = lo; r <= hi; ++r) {
+      const auto it = length.find(r);
+      if (it == length.end()) continue;
+      q.max = std::max(q.max, it->second / median);
+      q.mean += it->second / median;
+      ++n;
+    }
+    if (n == 0) return std::nullopt;
+    q.mean /= n;
+    if (median_out != nullptr) *median_out = median;
+    return q;
+  };
+  std::vector<double> means, maxes;
+  std::vector<int> spans;
+  for (const auto& m : report.moves) {
+    double median = 0.0;
+    const auto q = ratios(m.ordered_round, m.switch_round, &median);
+    if (!q) continue;
+    out.max_round_ratio = std::max(out.max_round_ratio, q->max);
+    means.push_back(q->mean);
+    maxes.push_back(q->max);
+    spans.push_back(m.switch_round - m.ordered_round + 1);
     for (int r = m.ordered_round; r <= m.switch_round; ++r) {
       const auto it = length.find(r);
-      if (it == length.end() || !(median > 0) || !(it->second > 0)) continue;
-      out.max_round_ratio = std::max(out.max_round_ratio, it->second / median);
+      if (it == length.end() || !(it->second > 0)) continue;
       // Each rank's migration seconds inside the round's window [start, start + length): the
       // rounds of a rank's ops are not the window they ran in (a part's MIGRATE_RECV runs
       // before the receiver's next F, which may lie in a later window), and the share is of
-      // that window's wall time, at most 1 (a rank runs its ops one at a time).
+      // that window's time (idle left out), at most 1 (a rank runs its ops one at a time).
       const double lo = start[r], hi = lo + it->second;
       std::map<int, double> secs;  // rank -> seconds in the window
       for (const Interval* iv : migration)
@@ -240,6 +288,33 @@ MigrationImpact migration_impact(const ServeReport& report, int neighbours) {
       }
     }
   }
+  auto median_of = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0
+                     : v.size() % 2 ? v[v.size() / 2]
+                                    : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  if (means.empty()) return out;
+  out.median_max_round_ratio = median_of(maxes);
+  out.mean_round_ratio = std::accumulate(means.begin(), means.end(), 0.0) /
+                         static_cast<double>(means.size());
+  // The same measures over windows of as many rounds that hold no migration: what the batch
+  // mix and the machine make of a window of rounds without one.
+  std::sort(spans.begin(), spans.end());
+  const int span = spans[spans.size() / 2];
+  std::vector<double> base_max, base_mean;
+  for (int lo = 0; lo + span - 1 <= last; lo += span) {
+    bool clear = true;
+    for (int r = lo; r < lo + span && clear; ++r) clear = !in_migration(r);
+    if (!clear) continue;
+    if (const auto q = ratios(lo, lo + span - 1, nullptr)) {
+      base_max.push_back(q->max);
+      base_mean.push_back(q->mean);
+    }
+  }
+  out.baseline_windows = static_cast<int>(base_max.size());
+  out.baseline_max_round_ratio = median_of(base_max);
+  out.baseline_mean_round_ratio = median_of(base_mean);
   return out;
 }
 

@@ -225,10 +225,16 @@ int run_serve(ServeArgs& a) {
       const auto impact = serve::migration_impact(rep);
       fmt::print(stderr,
                  "serve: {:<6} migrations: {}, {:.1f} MiB in parts, {:.3f} s in MIGRATE / "
-                 "MIGRATE_RECV; slowest migration round {:.2f}x the median of its neighbours; "
-                 "the most a rank spent migrating in one round {:.1f}% of it ({})\n",
+                 "MIGRATE_RECV; migration rounds {:.2f}x the median of their neighbours on "
+                 "average, a migration's slowest {:.2f}x (median), the slowest of all {:.2f}x "
+                 "(windows of as many rounds without a migration: {:.2f}x, slowest {:.2f}x; "
+                 "{} windows); the most a rank spent migrating in one round {:.1f}% of it "
+                 "({})\n",
                  policy, impact.migrations, static_cast<double>(impact.migration_bytes) / (1 << 20),
-                 impact.migration_seconds, impact.max_round_ratio,
+                 impact.migration_seconds, impact.mean_round_ratio,
+                 impact.median_max_round_ratio, impact.max_round_ratio,
+                 impact.baseline_mean_round_ratio, impact.baseline_max_round_ratio,
+                 impact.baseline_windows,
                  100 * impact.max_migration_share,
                  std::isinf(impact.max_added_ratio)
                      ? std::string("a rank migrated through a whole round")
@@ -238,6 +244,11 @@ int run_serve(ServeArgs& a) {
                           {"bytes", impact.migration_bytes},
                           {"seconds", impact.migration_seconds},
                           {"max_round_ratio_vs_neighbours", impact.max_round_ratio},
+                          {"mean_round_ratio_vs_neighbours", impact.mean_round_ratio},
+                          {"median_max_round_ratio_vs_neighbours", impact.median_max_round_ratio},
+                          {"baseline_windows", impact.baseline_windows},
+                          {"baseline_mean_round_ratio", impact.baseline_mean_round_ratio},
+                          {"baseline_max_round_ratio", impact.baseline_max_round_ratio},
                           {"max_migration_share_of_round", impact.max_migration_share},
                           {"max_added_ratio", impact.max_added_ratio}};
     }

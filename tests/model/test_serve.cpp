@@ -711,6 +711,47 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   CHECK(last.ordered_round - before.switch_round >= 2 * o.cooldown);
 }
 
+TEST_CASE("serve.migration_impact: a round's time leaves out the book's sleep for an arrival, and "
+          "windows without a migration give the baseline") {
+  serve::ServeReport rep;
+  rep.timeline = Timeline(1);
+  // 20 rounds of 1 s on virtual stage 0, except rounds 10 and 11 (a migration, 1.2 s each),
+  // and a 5 s sleep for an arrival before round 11's F, which falls in round 10's window.
+  double at = 0;
+  for (int r = 0; r < 20; ++r) {
+    if (r == 11) at += 5.0;
+    Interval iv;
+    iv.op = Op::F;
+    iv.chunk = r;
+    iv.start = at;
+    iv.end = at + 0.1;
+    rep.timeline.add(iv);
+    serve::RoundFeatures f;
+    f.round = r;
+    f.idle_s = r == 11 ? 5.0 : 0.0;
+    rep.round_features.push_back(f);
+    at += r == 10 || r == 11 ? 1.2 : 1.0;
+  }
+  serve::LayerMove m;
+  m.ordered_round = 10;
+  m.first_round = 11;
+  m.switch_round = 11;
+  rep.moves.push_back(m);
+  const auto impact = serve::migration_impact(rep);
+  CHECK(impact.max_round_ratio == doctest::Approx(1.2));
+  CHECK(impact.median_max_round_ratio == doctest::Approx(1.2));
+  CHECK(impact.mean_round_ratio == doctest::Approx(1.2));
+  // Windows of 2 rounds from round 0, all but [10, 11]; the last round has no length.
+  CHECK(impact.baseline_windows == 8);
+  CHECK(impact.baseline_max_round_ratio == doctest::Approx(1.0));
+  CHECK(impact.baseline_mean_round_ratio == doctest::Approx(1.0));
+  // Without the sleep recorded, round 10 lasts 6.2 s to round 11's start.
+  rep.round_features[11].idle_s = 0;
+  const auto raw = serve::migration_impact(rep);
+  CHECK(raw.max_round_ratio == doctest::Approx(6.2));
+  CHECK(raw.mean_round_ratio == doctest::Approx(3.7));
+}
+
 TEST_CASE("serve.migration_impact: a rank's migration seconds count in the round windows they "
           "overlap, so a share is at most the window and the added latency is t / (t - m)") {
   serve::ServeReport rep;

@@ -91,16 +91,32 @@ class Rebalancer {
 };
 
 /// What the migrations of a run did to its rounds, from its Timeline. A round's time is the gap
-/// between the starts of consecutive rounds on virtual stage 0 (its first F of each round);
+/// between the starts of consecutive rounds on virtual stage 0 (its first F of each round),
+/// less the seconds the book slept in it waiting for an arrival (RoundFeatures::idle_s);
 /// a migration's rounds are [ordered_round, switch_round] (the ordered round's time ends with
 /// the next round's start, where the new owner allocates the layer it adopts); its neighbours
 /// are the `neighbours` rounds before ordered_round and after switch_round, outside every
-/// migration.
+/// migration. The baseline is the same measure over windows of as many rounds (the median
+/// migration's) that hold no migration, tiling the run from round 0: how much slower than
+/// its neighbours the slowest round of a window is with no migration in it, from the batch
+/// mix changing and the machine alone.
 struct MigrationImpact {
   int migrations = 0;
   /// The largest ratio of a migration round's time to the median of its neighbours' (1 = as
   /// fast as them; the target is <= 1.2).
   double max_round_ratio = 0.0;
+  /// Over the migrations, the mean of their rounds' ratios to their neighbours' median (the
+  /// typical slowdown of a round while a layer moves).
+  double mean_round_ratio = 0.0;
+  /// The median, over the migrations, of a migration's largest ratio.
+  double median_max_round_ratio = 0.0;
+  int baseline_windows = 0;  ///< windows without a migration measured for the baseline
+  /// The median, over the baseline windows, of a window's largest ratio (compare with
+  /// median_max_round_ratio).
+  double baseline_max_round_ratio = 0.0;
+  /// The median, over the baseline windows, of a window's mean ratio (compare with
+  /// mean_round_ratio).
+  double baseline_mean_round_ratio = 0.0;
   /// The largest share, in [0, 1], of a migration round's window that one rank spent in its
   /// MIGRATE and MIGRATE_RECV actions (copying parts, or waiting for one). A round's window is
   /// [its first F on virtual stage 0, the next round's), and each rank's ops are counted by

@@ -69,8 +69,9 @@ struct RebalanceOptions {
   /// migration's, so it is judged on the load of a span several times that long, not on the
   /// last round's mix: with two rounds per micro-batch the rebalancer followed every swing
   /// between prompt-chunk and decode rounds (16 moves on the mixed workload against 7, 3 on the
-  /// code trace against 1) and its mean e2e latency was no lower than at 64 on any of issue
-  /// 16's three workloads (docs/serving.md, "The decision window").
+  /// code trace against 1), and its mean e2e latency against the even split was +4.4% on the
+  /// mixed workload against -4.5% at 64 per micro-batch, +3.4% against +3.2% on the code trace
+  /// (Intel Xeon, 2 micro-batches; docs/serving.md, "The decision window").
   int window = 0;
   /// A move is made only when it lowers the predicted slowest stage by at least this fraction
   /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
@@ -153,6 +154,10 @@ struct RoundFeatures {
   int prefill_seqs = 0;         ///< sequences fed a prompt chunk
   double prefill_context = 0.0; ///< mean positions a prompt token attends to
   int sampled = 0;              ///< sequences the sampler draws for (emit)
+  /// Seconds the book slept before building this micro-batch round, waiting for the next
+  /// request to arrive while nothing ran anywhere (0 under load): idle time in the round's
+  /// window, not work (migration_impact leaves it out of the round's time).
+  double idle_s = 0.0;
 };
 
 /// Mean, median and 99th percentile of a sample (seconds); percentiles by linear
