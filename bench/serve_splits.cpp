@@ -82,8 +82,11 @@ int main(int argc, char** argv) try {
                 "serve_splits: REPS = {} (>= 1) and the cuts must include the even split's {}",
                 reps, even);
   for (int c : cuts)
-    BRIGADE_CHECK(c >= 2 && c <= L - 4, Errc::InvalidArgument,
-                  "serve_splits: cut {} outside [2, {}] (each stage needs a decoder)", c, L - 4);
+    BRIGADE_CHECK(c >= 2 && c <= L - 3, Errc::InvalidArgument,
+                  "serve_splits: cut {} outside [2, {}] (stage 0 needs a decoder; the tail "
+                  "keeps the final norm, the LM head and the sampler, as serve::move_layer "
+                  "allows)",
+                  c, L - 3);
   auto split = [&](int c) { return partition::Partition(L, 2, {{0, 0, c}, {1, c, L}}); };
 
   serve::ServeOptions o;

@@ -2,6 +2,9 @@
 #include "brigade/serve/rebalance.hpp"
 
 #include "brigade/runtime/inference_stage.hpp"
+#include "brigade/schedule/generators.hpp"
+#include "brigade/schedule/lower.hpp"
+#include "brigade/sim/simulator.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -80,6 +83,65 @@ std::vector<double> Rebalancer::stage_seconds(const partition::Partition& p,
   return t;
 }
 
+namespace {
+
+/// The predictor's seconds for the actions of a window of serving rounds: F(v, m, c) takes
+/// stage v's predicted seconds on micro-batch m's features of round first + c (its SAMPLE
+/// included, as the predictor fits them), 0 when m built nothing in that round (an idle
+/// micro-batch still passes through the pipeline); SAMPLE and messages cost nothing (the
+/// stages share a machine: in-process links).
+class WindowCost {
+ public:
+  WindowCost(const StageLatencyPredictor& pred, const partition::Partition& p,
+             std::span<const RoundFeatures> window, int first_round, int rounds, int microbatches)
+      : S_(p.num_stages()), M_(microbatches), C_(rounds),
+        seconds_(static_cast<std::size_t>(S_) * M_ * C_, 0.0) {
+    for (const auto& f : window) {
+      const int c = f.round - first_round;
+      if (c < 0 || c >= C_ || f.microbatch < 0 || f.microbatch >= M_) continue;
+      for (int v = 0; v < S_; ++v) seconds_[index(v, f.microbatch, c)] += pred.predict(p, v, f);
+    }
+  }
+  [[nodiscard]] double compute_seconds(const schedule::Action& a) const noexcept {
+    return a.op == Op::F ? seconds_[index(a.virtual_stage, a.microbatch, a.chunk)] : 0.0;
+  }
+  [[nodiscard]] double activation_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  [[nodiscard]] double message_bytes(const schedule::Action&) const noexcept { return 0.0; }
+  [[nodiscard]] cost::Link link(int, int) const noexcept { return {}; }
+
+ private:
+  [[nodiscard]] std::size_t index(int v, int m, int c) const noexcept {
+    return (static_cast<std::size_t>(v) * static_cast<std::size_t>(M_) +
+            static_cast<std::size_t>(m)) * static_cast<std::size_t>(C_) +
+           static_cast<std::size_t>(c);
+  }
+  int S_, M_, C_;
+  std::vector<double> seconds_;
+};
+
+}  // namespace
+
+double Rebalancer::round_seconds(const partition::Partition& p,
+                                 std::span<const RoundFeatures> window) const {
+  if (window.empty()) return 0.0;
+  int lo = window.front().round, hi = lo;
+  for (const auto& f : window) {
+    lo = std::min(lo, f.round);
+    hi = std::max(hi, f.round);
+  }
+  const int rounds = hi - lo + 1;
+  schedule::Params sp;
+  sp.ranks = p.num_stages();
+  sp.microbatches = microbatches_;
+  sp.decode_steps = rounds - 1;
+  const auto lowered = schedule::lower(schedule::inference(sp));
+  const WindowCost cost(pred_, p, window, lo, rounds, microbatches_);
+  sim::SimOptions so;
+  so.validate = false;
+  so.record_timeline = false;
+  return sim::simulate(lowered, cost, so).makespan / rounds;
+}
+
 std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double now_s,
                                                             std::span<const RoundFeatures> recent,
                                                             std::int64_t live_positions) {
@@ -121,15 +183,19 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
     const double worst = t[static_cast<std::size_t>(slow)];
     streak_ = worst > mean * (1.0 + o_.threshold) ? streak_ + 1 : 0;
     if (streak_ < o_.patience) return std::nullopt;
-    double best = worst;
+    // The imbalance says where to look; the pipeline's simulated rounds say whether a move
+    // pays (the busiest stage's load alone does not: with one micro-batch live a round is the
+    // sum of the stages, and a decoder may cost more on one stage than on the other).
+    streak_ = 0;  // evaluated: the next evaluation waits for another `patience` rounds
+    const double now_round = round_seconds(current, window);
+    double best = now_round;
     for (const int to : {slow - 1, slow + 1}) {
       if (to < 0 || to >= S) continue;
       auto cand = move_layer(current, slow, to);
       if (!cand) continue;
-      const auto t2 = stage_seconds(*cand, window);
-      const double m2 = *std::max_element(t2.begin(), t2.end());
-      if (m2 < best) {
-        best = m2;
+      const double r2 = round_seconds(*cand, window);
+      if (r2 < best) {
+        best = r2;
         next = std::move(cand);
         mv.from = slow;
         mv.to = to;
@@ -144,11 +210,12 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
       const int layer = mv.to > mv.from ? src.last - 1 : src.first;
       reversal = !last.forced && last.from == mv.to && last.to == mv.from && last.layer == layer;
     }
-    if (!next || best > worst * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain)) return std::nullopt;
+    if (!next || best > now_round * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain))
+      return std::nullopt;
     reversals_ = reversal ? reversals_ + 1 : 0;
-    streak_ = 0;
     mv.predicted_slowest_s = worst;
-    mv.predicted_slowest_after_s = best;
+    mv.predicted_round_s = now_round;
+    mv.predicted_round_after_s = best;
   }
   // Parts: the layer's weights and the live sequences' KV rows (float32 keys and values), at
   // most part_bytes per micro-batch and round, then one round for the rows written meanwhile.

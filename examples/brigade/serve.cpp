@@ -215,7 +215,8 @@ int run_serve(ServeArgs& a) {
                        {"ordered_s", m.ordered_s},
                        {"forced", m.forced},
                        {"predicted_slowest_s", m.predicted_slowest_s},
-                       {"predicted_slowest_after_s", m.predicted_slowest_after_s},
+                       {"predicted_round_s", m.predicted_round_s},
+                       {"predicted_round_after_s", m.predicted_round_after_s},
                        {"bytes", m.bytes},
                        {"layers_per_stage_after", m.layers_after}});
     }

@@ -368,18 +368,23 @@ TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its 
     return 2.0 * x[0] + 0.5 * x[1] + 0.3 * x[2] + 0.2 * x[3];
   };
   const auto f0 = round();
-  for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f0) == doctest::Approx(p.prior(v, f0)));
+  for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f0) == doctest::Approx(p.prior(v, f0)).scale(0));
   for (int i = 0; i < 40; ++i) {
     const auto f = round();
     for (int v = 0; v < 2; ++v) p.observe(v, f, truth(v, f));
   }
+  // Within 5% of the truth on rounds it has not seen (relative: scale(0), since doctest's
+  // Approx otherwise adds its scale 1 to seconds of this size and cannot fail). The fit is not
+  // exact: the ridge settles the direction in which the near-constant decode prior and the
+  // fixed cost cannot be told apart, and the context the prior prices moves along it.
   for (int i = 0; i < 20; ++i) {
     const auto f = round();
-    for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f) == doctest::Approx(truth(v, f)).epsilon(0.01));
+    for (int v = 0; v < 2; ++v)
+      CHECK(p.predict(v, f) == doctest::Approx(truth(v, f)).epsilon(0.05).scale(0));
   }
   // (The decode prior is nearly constant in the roofline, a weight-bound pass, so its weight and
   // the fixed cost's are not told apart; their sum is, and so is the sampler's.)
-  CHECK(p.weights(1)[2] == doctest::Approx(0.3).epsilon(0.02));
+  CHECK(p.weights(1)[2] == doctest::Approx(0.3).epsilon(0.05).scale(0));
   CHECK(p.observations(0) == 40);
   test::error_of(Errc::InvalidArgument, [&] { p.observe(0, f0, 0.0); });
   test::error_of(Errc::InvalidArgument, [&] { (void)p.features(2, f0); });
@@ -530,28 +535,33 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
   serve::RebalanceOptions o;
   o.patience = 3;
   o.cooldown = 5;
-  o.warmup = 4;
+  o.warmup = 8;
   o.threshold = 0.1;
   o.min_gain = 0.02;  // a tail-held decoder of stories260K is a few percent of its stage
   serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
-  // Stage 1 takes 3x its prior, stage 0 its prior: stage 1 is slowest by far.
+  // Stage 1 takes 3x its prior, stage 0 its prior: stage 1 is slowest by far. Both
+  // micro-batches decode every round, so the pipeline is full and a round lasts the busier
+  // stage's two micro-batches.
   std::vector<serve::RoundFeatures> rounds;
   auto feed = [&](int round, double slow) {
-    serve::RoundFeatures f;
-    f.round = round;
-    f.decode_seqs = 4;
-    f.decode_context = 40;
-    f.sampled = 4;
-    rounds.push_back(f);
-    const auto& plan = rb.plan_at(round);
-    const auto& pred = rb.predictor();
-    rb.observe(0, f, pred.prior(plan, 0, f) + 1e-4);
-    rb.observe(1, f, slow * (pred.prior(plan, 1, f) + 1e-4));
+    for (int mb = 0; mb < 2; ++mb) {
+      serve::RoundFeatures f;
+      f.microbatch = mb;
+      f.round = round;
+      f.decode_seqs = 4;
+      f.decode_context = 40;
+      f.sampled = 4;
+      rounds.push_back(f);
+      const auto& plan = rb.plan_at(round);
+      const auto& pred = rb.predictor();
+      rb.observe(0, f, pred.prior(plan, 0, f) + 1e-4);
+      rb.observe(1, f, slow * (pred.prior(plan, 1, f) + 1e-4));
+    }
   };
   int round = 0;
   for (; round < 3; ++round) {
     feed(round, 3.0);
-    CHECK_FALSE(rb.decide(round, 0.0, rounds, 100));  // warming up: 4 rounds per stage
+    CHECK_FALSE(rb.decide(round, 0.0, rounds, 100));  // warming up: 8 observations per stage
   }
   // The imbalance must persist `patience` decisions: two pass, the third moves.
   feed(round, 3.0);
@@ -568,7 +578,7 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
   const auto& m = rb.moves()[0];
   CHECK(m.layer == even.stage(1).first);
   CHECK(m.switch_round == round + 1 + order->parts);
-  CHECK(m.predicted_slowest_after_s < m.predicted_slowest_s);
+  CHECK(m.predicted_round_after_s < m.predicted_round_s);
   CHECK(rb.plan_at(m.switch_round).stage(0).last == even.stage(0).last + 1);
   CHECK(rb.plan_at(m.switch_round - 1) == even);
   // Nothing while the move is under way, nor during the cooldown after its switch.
@@ -614,11 +624,13 @@ TEST_CASE("serve.rebalance: a decision weighs the last 64 rounds of every micro-
   constexpr int kMicrobatches = 2;
   // 124 prompt-chunk rounds on which both stages take the same seconds, then 4 decode rounds on
   // which the tail stage takes 3x the first: the load of the last 128 rounds is balanced (the
-  // tail is 1.6% over the mean), the load of the last 4 is not (1.5x the mean).
+  // tail is 1.6% over the mean), the load of the last 4 is not (1.5x the mean). Micro-batch
+  // rounds of the two micro-batches alternate (64 executor rounds).
   std::vector<serve::RoundFeatures> rounds;
   for (int r = 0; r < 128; ++r) {
     serve::RoundFeatures f;
-    f.round = r;
+    f.microbatch = r % kMicrobatches;
+    f.round = r / kMicrobatches;
     if (r < 124) {
       f.prefill_tokens = 64;
       f.prefill_seqs = 1;
@@ -673,18 +685,21 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
   std::vector<serve::RoundFeatures> rounds;
   for (int round = 0; round < 1500; ++round) {
-    serve::RoundFeatures f;
-    f.round = round;
-    f.decode_seqs = 4;
-    f.decode_context = 40;
-    f.sampled = 4;
-    rounds.push_back(f);
-    const auto& plan = rb.plan_at(round);
-    for (int v = 0; v < 2; ++v) {
-      const auto& st = plan.stage(v);
-      // The prior cannot see it: the stage holding `hot` takes 4x its prior.
-      const bool holds = st.first <= hot && hot < st.last;
-      rb.observe(v, f, (holds ? 4.0 : 1.0) * rb.predictor().prior(plan, v, f) + 1e-5);
+    for (int mb = 0; mb < 2; ++mb) {  // both micro-batches decode: the pipeline is full
+      serve::RoundFeatures f;
+      f.microbatch = mb;
+      f.round = round;
+      f.decode_seqs = 4;
+      f.decode_context = 40;
+      f.sampled = 4;
+      rounds.push_back(f);
+      const auto& plan = rb.plan_at(round);
+      for (int v = 0; v < 2; ++v) {
+        const auto& st = plan.stage(v);
+        // The prior cannot see it: the stage holding `hot` takes 4x its prior.
+        const bool holds = st.first <= hot && hot < st.last;
+        rb.observe(v, f, (holds ? 4.0 : 1.0) * rb.predictor().prior(plan, v, f) + 1e-5);
+      }
     }
     (void)rb.decide(round, 0.0, rounds, 100);
   }
@@ -700,7 +715,7 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
     INFO("move " << k << ": ordered in round " << b.ordered_round << ", the one before switched "
                  << "in round " << a.switch_round);
     if (reversal) {
-      CHECK(b.predicted_slowest_after_s <= (1.0 - 2 * o.min_gain) * b.predicted_slowest_s);
+      CHECK(b.predicted_round_after_s <= (1.0 - 2 * o.min_gain) * b.predicted_round_s);
       // The cooldown after the move before this one was doubled once per earlier reversal.
       CHECK(b.ordered_round >= a.switch_round + (o.cooldown << (reversals - 1)));
     }
@@ -709,6 +724,76 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   const auto& last = moves.back();
   const auto& before = moves[moves.size() - 2];
   CHECK(last.ordered_round - before.switch_round >= 2 * o.cooldown);
+}
+
+TEST_CASE("serve.rebalance: a move is judged by the simulated pipeline round, so with one "
+          "micro-batch live a move that evens the stages but costs more in all is not made") {
+  const auto& weights = ref().weights;
+  const model::ModelSpec spec(weights.config);
+  const auto even = partition::uniform(spec, 2);  // [emb + 3 decoders | 2 decoders + tail]
+  serve::RebalanceOptions o;
+  o.patience = 1;
+  o.warmup = 4;
+  o.threshold = 0.1;
+  o.min_gain = 0.02;
+  // Stage 0's layers take 2x their prior; stage 1 takes its prior plus a sampling cost c ms per
+  // sampled sequence that makes it the slowest stage (both fits exact in the predictor's
+  // features). Moving a decoder from stage 1 to stage 0 lowers stage 1 by its prior d and raises
+  // stage 0 by 2d: the slowest stage drops, the two stages' sum rises by d.
+  auto round_of = [](int r, int mb) {
+    serve::RoundFeatures f;
+    f.microbatch = mb;
+    f.round = r;
+    f.decode_seqs = 3 + r % 3;
+    f.decode_context = 20.0 + r % 7;
+    f.sampled = f.decode_seqs;
+    return f;
+  };
+  auto run = [&](int live_microbatches) {
+    serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
+    const auto& pred = rb.predictor();
+    const auto ref_round = round_of(0, 0);
+    const double c = (2.6 * pred.prior(even, 0, ref_round) - pred.prior(even, 1, ref_round)) /
+                     (1e-3 * ref_round.sampled);
+    REQUIRE(c > 0);
+    std::vector<serve::RoundFeatures> rounds;
+    for (int r = 0; r < 24; ++r)
+      for (int mb = 0; mb < live_microbatches; ++mb) {
+        const auto f = round_of(r, mb);
+        rounds.push_back(f);
+        rb.observe(0, f, 2.0 * pred.prior(even, 0, f));
+        rb.observe(1, f, pred.prior(even, 1, f) + c * 1e-3 * f.sampled);
+      }
+    const auto order = rb.decide(23, 0.0, rounds, 100);
+    // The move's own prediction, in closed form: stage 0 at 2x, stage 1 at 1x plus sampling.
+    const auto moved = serve::move_layer(even, 1, 0);
+    REQUIRE(moved);
+    double t0 = 0, t1 = 0, t0m = 0, t1m = 0;
+    for (const auto& f : rounds) {
+      t0 += 2.0 * pred.prior(even, 0, f);
+      t1 += pred.prior(even, 1, f) + c * 1e-3 * f.sampled;
+      t0m += 2.0 * pred.prior(*moved, 0, f);
+      t1m += pred.prior(*moved, 1, f) + c * 1e-3 * f.sampled;
+    }
+    CHECK(t1 > 1.1 * (t0 + t1) / 2);         // stage 1 is over the threshold
+    CHECK(std::max(t0m, t1m) < 0.98 * t1);   // the slowest stage would gain over min_gain
+    CHECK(t0m + t1m > t0 + t1);              // the sum of the stages would not
+    if (order) {
+      CHECK(order->from == 1);
+      CHECK(order->to == 0);
+      const auto& m = rb.moves().back();
+      // Full pipeline: a round is the busier stage's two micro-batches (t1 and t0m, t1m sum
+      // both), plus the first round's fill spread over the 24.
+      const double before = t1 / 24, after = std::max(t0m, t1m) / 24;
+      CHECK(m.predicted_round_s >= before);
+      CHECK(m.predicted_round_s < 1.06 * before);
+      CHECK(m.predicted_round_after_s >= after);
+      CHECK(m.predicted_round_after_s < 1.06 * after);
+    }
+    return order.has_value();
+  };
+  CHECK_FALSE(run(1));  // one micro-batch live: a round is the sum of the stages
+  CHECK(run(2));        // both live: the busier stage
 }
 
 TEST_CASE("serve.migration_impact: a round's time leaves out the book's sleep for an arrival, and "

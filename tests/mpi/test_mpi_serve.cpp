@@ -107,7 +107,7 @@ TEST_CASE("mpi.serve: the predictor-driven rebalancer decides on the measurement
   test::check_tokens(w, rep);
   for (const auto& m : rep.moves) {
     CHECK_FALSE(m.forced);
-    CHECK(m.predicted_slowest_after_s < m.predicted_slowest_s);
+    CHECK(m.predicted_round_after_s < m.predicted_round_s);
   }
   REQUIRE(rep.measured_rounds.size() == static_cast<std::size_t>(P));
   for (const int n : rep.measured_rounds) CHECK(n == static_cast<int>(rep.round_features.size()));

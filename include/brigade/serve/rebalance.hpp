@@ -34,8 +34,14 @@ std::optional<partition::Partition> move_layer(const partition::Partition& p, in
 /// over the recent rounds' features, predict each stage's seconds per micro-batch round with
 /// the current layers; when the slowest exceeds the mean by `threshold` for `patience`
 /// consecutive rounds (and `cooldown` rounds have passed since the last switch, and no move is
-/// under way), move one boundary decoder from the slowest stage to the neighbour for which the
-/// predicted slowest stage after the move is lowest, if that lowers it by `min_gain`. Hysteresis
+/// under way), simulate the recent rounds through the pipeline (round_seconds) with the layers
+/// as they are and with one boundary decoder moved from the slowest stage to either neighbour,
+/// and make the move that gives the fewest seconds per round, if it lowers them by `min_gain`
+/// (else wait another `patience` rounds before simulating again). The simulation, not the
+/// slowest stage's load, judges the move: a round of one live micro-batch lasts the sum of the
+/// stages, so a move that evens the stages but costs more in all (a decoder priced higher on
+/// the stage that adopts it) lengthens it; with every micro-batch full it is the busiest
+/// stage's sum (docs/serving.md, "The rebalancer's objective"). Hysteresis
 /// against oscillation: a move that undoes the previous one (the same layer back) needs twice
 /// `min_gain`, and each such reversal in a row doubles the cooldown before the next move (up to
 /// 64 x; a move that is not a reversal resets it). The move's
@@ -77,6 +83,12 @@ class Rebalancer {
   /// Predicted seconds per micro-batch round of every stage with `p` over `recent`.
   std::vector<double> stage_seconds(const partition::Partition& p,
                                     std::span<const RoundFeatures> recent) const;
+  /// Predicted seconds per executor round with `p` over `window`: its rounds (the executor's,
+  /// from the smallest to the largest in it) as the inference schedule's rounds
+  /// (schedule::inference, every micro-batch live, lowered), each F priced by the predictor on
+  /// its micro-batch's features of that round (0 where the micro-batch built nothing),
+  /// simulated (sim::simulate, free links); the makespan over the rounds.
+  double round_seconds(const partition::Partition& p, std::span<const RoundFeatures> window) const;
 
   const model::LlamaWeights* weights_;
   RebalanceOptions o_;

@@ -42,9 +42,13 @@ struct LayerMove {
   int layer = 0;          ///< the ModelSpec layer that moved
   double ordered_s = 0.0; ///< when it was ordered
   bool forced = false;    ///< RebalanceOptions::force_every (not the predictor) ordered it
-  /// The predicted seconds per micro-batch round of the slowest stage before and after the
-  /// move, over the recent rounds (0 for a forced move).
-  double predicted_slowest_s = 0.0, predicted_slowest_after_s = 0.0;
+  /// The predicted seconds per micro-batch round of the slowest stage before the move, over
+  /// the recent rounds (the imbalance that started the decision; 0 for a forced move).
+  double predicted_slowest_s = 0.0;
+  /// The predicted seconds per executor round before and after the move: the recent rounds
+  /// simulated through the pipeline (Rebalancer, sim::simulate) with the layers as they were
+  /// and as they would be (0 for a forced move).
+  double predicted_round_s = 0.0, predicted_round_after_s = 0.0;
   /// Bytes the migration was sized for when ordered: the layer's weight image and the KV rows
   /// of the live sequences (float32 keys and values).
   std::int64_t bytes = 0;
@@ -73,7 +77,8 @@ struct RebalanceOptions {
   /// mixed workload against -4.5% at 64 per micro-batch, +3.4% against +3.2% on the code trace
   /// (Intel Xeon, 2 micro-batches; docs/serving.md, "The decision window").
   int window = 0;
-  /// A move is made only when it lowers the predicted slowest stage by at least this fraction
+  /// A move is made only when it lowers the predicted seconds per executor round by at least
+  /// this fraction
   /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
   /// smaller predicted gain would buy a migration's copying for what may be noise).
   double min_gain = 0.05;
