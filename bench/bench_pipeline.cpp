@@ -18,6 +18,12 @@
 //       dtype D (brigade::DType: 0 F32, 1 F16, 2 BF16, 5 Q8_0; model::convert_weights) and the
 //       weight bytes streamed per second (weight_GB_per_s, against BM_TriadCeiling/threads:1 of
 //       the same run).
+//   BM_RebalanceDecide/stages:S  one evaluation of serve::Rebalancer::decide on the book's
+//       thread (the predictor priced on a full window of 64 rounds per micro-batch, S
+//       micro-batches of 8 decoding sequences, the current plan and both candidates simulated
+//       through the lowered window): decide_us, and share_of_round, its seconds over one decode
+//       round of the same shape measured in the same run (S stages x 1 thread, 8 x S sequences,
+//       48 positions: wall / 48).
 //   BM_RingOffload/offload:O  prima.cpp's ring (2 ranks x 2 windows) of the 42M model written to
 //       a file and mapped, 8 sequences in 2 groups decode 32 positions, without (0) and with (1)
 //       weight offload (PREFETCH/RELEASE of every window each round, madvise); counters:
@@ -34,11 +40,13 @@
 #include <brigade/partition/partition.hpp>
 #include <brigade/partition/ring.hpp>
 #include <brigade/plan/inference_plan.hpp>
+#include <brigade/serve/rebalance.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include "machine_context.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -289,6 +297,52 @@ void BM_CalibratedPrediction(benchmark::State& state) {
 }
 BENCHMARK(BM_CalibratedPrediction)->ArgName("seqs")->Arg(0)->Arg(1)->Arg(8)->Arg(32)
     ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+/// One evaluation of the rebalancer's decision (see the header): threshold 0 and patience 1
+/// so that every call evaluates, min_gain 0.99 so that none moves a layer and every call
+/// does the same work.
+void BM_RebalanceDecide(benchmark::State& state) {
+  const int S = static_cast<int>(state.range(0));
+  const auto& w = weights42m();
+  const model::ModelSpec spec(w.config);
+  serve::RebalanceOptions o;
+  o.threshold = 0.0;
+  o.patience = 1;
+  o.warmup = 0;
+  o.min_gain = 0.99;
+  serve::Rebalancer rb(w, partition::uniform(spec, S), S, std::size_t{1} << 20, o);
+  constexpr int kRounds = 64;
+  std::vector<serve::RoundFeatures> recent;
+  for (int r = 0; r < kRounds; ++r)
+    for (int m = 0; m < S; ++m) {
+      serve::RoundFeatures f;
+      f.microbatch = m;
+      f.round = r;
+      f.decode_seqs = 8;
+      f.decode_context = 100.0 + r;
+      f.sampled = 8;
+      recent.push_back(f);
+      for (int v = 0; v < S; ++v)  // the tail stage 1.5x the others: a standing imbalance
+        rb.observe(v, f, (v == S - 1 ? 1.5e-3 : 1e-3) * (1.0 + 0.01 * (r % 7)));
+    }
+  int evaluated = 0;
+  double seconds = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto order = rb.decide(kRounds, 0.0, recent, 8 * S * 100);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (order) state.SkipWithError("the rebalancer moved a layer at min_gain 0.99");
+    ++evaluated;
+  }
+  const auto ref = decode_run(S, 1, 8 * S, 48, 1, S).report;
+  const double round_s = ref.wall_s / 48.0;
+  state.counters["decide_us"] = 1e6 * seconds / evaluated;
+  state.counters["decode_round_ms"] = 1e3 * round_s;
+  state.counters["share_of_round"] = seconds / evaluated / round_s;
+  cpu::set_blas_threads(1);
+}
+BENCHMARK(BM_RebalanceDecide)->ArgName("stages")->Arg(2)->Arg(4)
+    ->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 /// The 42M synthetic model written once as a llama2.c file and mapped back (what `brigade
 /// generate --model FILE` does), so PREFETCH/RELEASE act on real file pages.

@@ -122,7 +122,7 @@ class WindowCost {
 }  // namespace
 
 double Rebalancer::round_seconds(const partition::Partition& p,
-                                 std::span<const RoundFeatures> window) const {
+                                 std::span<const RoundFeatures> window) {
   if (window.empty()) return 0.0;
   int lo = window.front().round, hi = lo;
   for (const auto& f : window) {
@@ -130,16 +130,19 @@ double Rebalancer::round_seconds(const partition::Partition& p,
     hi = std::max(hi, f.round);
   }
   const int rounds = hi - lo + 1;
-  schedule::Params sp;
-  sp.ranks = p.num_stages();
-  sp.microbatches = microbatches_;
-  sp.decode_steps = rounds - 1;
-  const auto lowered = schedule::lower(schedule::inference(sp));
+  if (rounds != lowered_rounds_) {
+    schedule::Params sp;
+    sp.ranks = p.num_stages();
+    sp.microbatches = microbatches_;
+    sp.decode_steps = rounds - 1;
+    lowered_ = schedule::lower(schedule::inference(sp));
+    lowered_rounds_ = rounds;
+  }
   const WindowCost cost(pred_, p, window, lo, rounds, microbatches_);
   sim::SimOptions so;
   so.validate = false;
   so.record_timeline = false;
-  return sim::simulate(lowered, cost, so).makespan / rounds;
+  return sim::simulate(lowered_, cost, so).makespan / rounds;
 }
 
 std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double now_s,

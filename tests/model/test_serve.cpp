@@ -49,6 +49,19 @@ Workload reference_workload(const std::vector<double>& arrivals) {
 
 using test::check_tokens;
 
+
+/// Micro-batch `mb`'s features of executor round `round` when it decodes `seqs` sequences at a
+/// mean context of `context` positions and samples each.
+serve::RoundFeatures decode_round(int mb, int round, int seqs = 4, double context = 40) {
+  serve::RoundFeatures f;
+  f.microbatch = mb;
+  f.round = round;
+  f.decode_seqs = seqs;
+  f.decode_context = context;
+  f.sampled = seqs;
+  return f;
+}
+
 }  // namespace
 
 TEST_CASE("serve.stories260K: greedy tokens of every request equal run.c's for any arrival "
@@ -545,12 +558,7 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
   std::vector<serve::RoundFeatures> rounds;
   auto feed = [&](int round, double slow) {
     for (int mb = 0; mb < 2; ++mb) {
-      serve::RoundFeatures f;
-      f.microbatch = mb;
-      f.round = round;
-      f.decode_seqs = 4;
-      f.decode_context = 40;
-      f.sampled = 4;
+      const auto f = decode_round(mb, round);
       rounds.push_back(f);
       const auto& plan = rb.plan_at(round);
       const auto& pred = rb.predictor();
@@ -686,12 +694,7 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   std::vector<serve::RoundFeatures> rounds;
   for (int round = 0; round < 1500; ++round) {
     for (int mb = 0; mb < 2; ++mb) {  // both micro-batches decode: the pipeline is full
-      serve::RoundFeatures f;
-      f.microbatch = mb;
-      f.round = round;
-      f.decode_seqs = 4;
-      f.decode_context = 40;
-      f.sampled = 4;
+      const auto f = decode_round(mb, round);
       rounds.push_back(f);
       const auto& plan = rb.plan_at(round);
       for (int v = 0; v < 2; ++v) {
@@ -740,15 +743,7 @@ TEST_CASE("serve.rebalance: a move is judged by the simulated pipeline round, so
   // sampled sequence that makes it the slowest stage (both fits exact in the predictor's
   // features). Moving a decoder from stage 1 to stage 0 lowers stage 1 by its prior d and raises
   // stage 0 by 2d: the slowest stage drops, the two stages' sum rises by d.
-  auto round_of = [](int r, int mb) {
-    serve::RoundFeatures f;
-    f.microbatch = mb;
-    f.round = r;
-    f.decode_seqs = 3 + r % 3;
-    f.decode_context = 20.0 + r % 7;
-    f.sampled = f.decode_seqs;
-    return f;
-  };
+  auto round_of = [](int r, int mb) { return decode_round(mb, r, 3 + r % 3, 20.0 + r % 7); };
   auto run = [&](int live_microbatches) {
     serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
     const auto& pred = rb.predictor();

@@ -9,6 +9,7 @@
 #include "brigade/model/layer_cost.hpp"
 #include "brigade/model/weights.hpp"
 #include "brigade/partition/partition.hpp"
+#include "brigade/schedule/action.hpp"
 #include "brigade/serve/predictor.hpp"
 #include "brigade/serve/serving.hpp"
 
@@ -87,8 +88,10 @@ class Rebalancer {
   /// from the smallest to the largest in it) as the inference schedule's rounds
   /// (schedule::inference, every micro-batch live, lowered), each F priced by the predictor on
   /// its micro-batch's features of that round (0 where the micro-batch built nothing),
-  /// simulated (sim::simulate, free links); the makespan over the rounds.
-  double round_seconds(const partition::Partition& p, std::span<const RoundFeatures> window) const;
+  /// simulated (sim::simulate, free links); the makespan over the rounds. The lowered
+  /// schedule depends on the round count only: it is built once per count and kept (a
+  /// decision prices the current plan and each candidate on the same one).
+  double round_seconds(const partition::Partition& p, std::span<const RoundFeatures> window);
 
   const model::LlamaWeights* weights_;
   RebalanceOptions o_;
@@ -100,6 +103,8 @@ class Rebalancer {
   int streak_ = 0;
   int forced_ = 0;
   int reversals_ = 0;  // moves in a row that each undid the one before
+  int lowered_rounds_ = 0;      // the round count lowered_ was built for (0: none yet)
+  schedule::Schedule lowered_;  // schedule::inference over lowered_rounds_ rounds, lowered
 };
 
 /// What the migrations of a run did to its rounds, from its Timeline. A round's time is the gap
