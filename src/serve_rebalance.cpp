@@ -69,8 +69,33 @@ const partition::Partition& Rebalancer::plan_at(int round) const {
   return *p;
 }
 
+namespace {
+constexpr int kMinChecked = 16;  // stage rounds a move is checked over before its error counts
+}  // namespace
+
 void Rebalancer::observe(int v, const RoundFeatures& f, double seconds) {
-  if (seconds > 0.0 && std::isfinite(seconds)) pred_.observe(plan_at(f.round), v, f, seconds);
+  if (!(seconds > 0.0 && std::isfinite(seconds))) return;
+  if (ordered_fit_ && !moves_.empty()) {
+    auto& m = moves_.back();
+    const int limit = 2 * (o_.window > 0 ? o_.window : 64 * microbatches_);
+    if (f.round >= m.switch_round && (v == m.from || v == m.to) && m.checked_rounds < limit) {
+      m.checked_predicted_s += ordered_fit_->predict(plans_.back().second, v, f);
+      m.checked_measured_s += seconds;
+      ++m.checked_rounds;
+    }
+  }
+  pred_.observe(plan_at(f.round), v, f, seconds);
+}
+
+double Rebalancer::moved_prediction_error() const noexcept {
+  double sum = 0.0;
+  int n = 0;
+  for (const auto& m : moves_)
+    if (m.checked_rounds >= kMinChecked && m.checked_measured_s > 0.0) {
+      sum += std::abs(m.checked_predicted_s / m.checked_measured_s - 1.0);
+      ++n;
+    }
+  return n > 0 ? sum / n : 0.0;
 }
 
 std::vector<double> Rebalancer::stage_seconds(const partition::Partition& p,
@@ -213,12 +238,24 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
       const int layer = mv.to > mv.from ? src.last - 1 : src.first;
       reversal = !last.forced && last.from == mv.to && last.to == mv.from && last.layer == layer;
     }
-    if (!next || best > now_round * (1.0 - (reversal ? 2.0 : 1.0) * o_.min_gain))
-      return std::nullopt;
+    // The gain must also clear how far the predictor was off on the splits it moved to.
+    const double need = (reversal ? 2.0 : 1.0) * o_.min_gain +
+                        (o_.gate_on_moved_error ? moved_prediction_error() : 0.0);
+    RebalanceEvaluation ev;
+    ev.round = round;
+    ev.from = next ? mv.from : slow;
+    ev.to = next ? mv.to : slow;
+    ev.round_s = now_round;
+    ev.best_after_s = best;
+    ev.required_gain = need;
+    ev.moved = next && best <= now_round * (1.0 - need);
+    evaluations_.push_back(ev);
+    if (!ev.moved) return std::nullopt;
     reversals_ = reversal ? reversals_ + 1 : 0;
     mv.predicted_slowest_s = worst;
     mv.predicted_round_s = now_round;
     mv.predicted_round_after_s = best;
+    mv.required_gain = need;
   }
   // Parts: the layer's weights and the live sequences' KV rows (float32 keys and values), at
   // most part_bytes per micro-batch and round, then one round for the rows written meanwhile.
@@ -238,6 +275,7 @@ std::optional<engine::detail::MoveOrder> Rebalancer::decide(int round, double no
   for (const auto& st : next->stages()) mv.layers_after.push_back(st.last - st.first);
   plans_.emplace_back(mv.switch_round, std::move(*next));
   moves_.push_back(mv);
+  ordered_fit_ = pred_;  // the fit this move was priced with, to check it against its rounds
   return engine::detail::MoveOrder{mv.from, mv.to, parts};
 }
 

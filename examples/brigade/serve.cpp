@@ -202,10 +202,16 @@ int run_serve(ServeArgs& a) {
     for (const auto& m : rep.moves) {
       fmt::print(stderr,
                  "serve: {:<6} move: layer {} stage {} -> {}, ordered in round {} ({:.2f} s), "
-                 "parts in rounds {}-{}, {} from round {}; layers per stage then {}\n",
+                 "parts in rounds {}-{}, {} from round {}; layers per stage then {}{}\n",
                  policy, m.layer, m.from, m.to, m.ordered_round, m.ordered_s, m.first_round,
                  m.switch_round - 1, m.forced ? "forced, switched" : "switched", m.switch_round,
-                 m.layers_after);
+                 m.layers_after,
+                 m.checked_rounds > 0 && m.checked_measured_s > 0
+                     ? fmt::format("; stages {} and {} then measured {:.3f} s over {} rounds, "
+                                   "predicted {:+.1f}%",
+                                   m.from, m.to, m.checked_measured_s, m.checked_rounds,
+                                   100 * (m.checked_predicted_s / m.checked_measured_s - 1))
+                     : std::string());
       moves.push_back({{"layer", m.layer},
                        {"from", m.from},
                        {"to", m.to},
@@ -217,6 +223,10 @@ int run_serve(ServeArgs& a) {
                        {"predicted_slowest_s", m.predicted_slowest_s},
                        {"predicted_round_s", m.predicted_round_s},
                        {"predicted_round_after_s", m.predicted_round_after_s},
+                       {"required_gain", m.required_gain},
+                       {"checked_rounds", m.checked_rounds},
+                       {"checked_predicted_s", m.checked_predicted_s},
+                       {"checked_measured_s", m.checked_measured_s},
                        {"bytes", m.bytes},
                        {"layers_per_stage_after", m.layers_after}});
     }

@@ -624,6 +624,87 @@ TEST_CASE("serve.rebalance: the rebalancer moves a boundary decoder off the pred
         }).find("patience 0 (>= 1)") != std::string::npos);
 }
 
+TEST_CASE("serve.rebalance: each move is checked against the rounds after its switch, and the "
+          "next move must gain beyond the error found there") {
+  const auto& weights = ref().weights;
+  const model::ModelSpec spec(weights.config);
+  const auto even = partition::uniform(spec, 2);  // [emb + 3 decoders | 2 decoders + tail]
+  const int hot = even.stage(1).first;  // the decoder the first move hands to stage 0
+  serve::RebalanceOptions o;
+  o.patience = 1;
+  o.cooldown = 4;
+  o.warmup = 64;  // a fit over enough contexts and batch sizes to hold its weights
+  o.threshold = 0.1;
+  o.min_gain = 0.02;
+  serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
+  const auto& pred = rb.predictor();
+  auto round_of = [](int round, int mb) {
+    return decode_round(mb, round, 1 + round % 7, 10.0 + (round * 13) % 97);
+  };
+  // Stage 0 takes its prior, except that once it holds `hot` it takes 1.5x (a cost the prior
+  // does not see: the fit of the first move prices stage 0 a third low after it); stage 1 its
+  // prior plus c ms per sampled sequence, c making it the slowest stage (a fit the predictor's
+  // features hold exactly before the move).
+  const auto first_round = round_of(0, 0);
+  const double c = (2.6 * pred.prior(even, 0, first_round) - pred.prior(even, 1, first_round)) /
+                   (1e-3 * first_round.sampled);
+  REQUIRE(c > 0);
+  std::vector<serve::RoundFeatures> rounds;
+  double p0 = 0, p1 = 0;  // after the first switch while it is checked: the two stages' truth
+  for (int round = 0; round < 400; ++round) {
+    for (int mb = 0; mb < 2; ++mb) {
+      const auto f = round_of(round, mb);
+      rounds.push_back(f);
+      const auto& plan = rb.plan_at(round);
+      const bool holds = plan.stage(0).last > hot;
+      const double s0 = pred.prior(plan, 0, f);
+      const double s1 = pred.prior(plan, 1, f) + c * 1e-3 * f.sampled;
+      if (rb.moves().size() == 1 && round >= rb.moves()[0].switch_round &&
+          rb.moves()[0].checked_rounds < 256) {
+        p0 += s0;
+        p1 += s1;
+      }
+      rb.observe(0, f, (holds ? 1.5 : 1.0) * s0);
+      rb.observe(1, f, s1);
+    }
+    (void)rb.decide(round, 0.0, rounds, 100);
+  }
+  REQUIRE(rb.moves().size() >= 1);
+  const auto& first = rb.moves()[0];
+  CHECK(first.from == 1);
+  CHECK(first.to == 0);
+  CHECK(first.layer == hot);
+  CHECK(first.required_gain == doctest::Approx(o.min_gain).scale(0));  // nothing checked before
+  // The check, in closed form: the first move's fit (both stages exact before it) prices the
+  // rounds after its switch at p0 + p1, which measured 1.5 p0 + p1; over the stage rounds from
+  // the switch to the second move's order, at most 2 x the window (128 rounds).
+  const int expected = rb.moves().size() > 1
+                           ? 2 * 2 * (rb.moves()[1].ordered_round - first.switch_round + 1)
+                           : 256;
+  CHECK(first.checked_rounds == std::min(expected, 256));
+  REQUIRE(first.checked_rounds >= 16);
+  const double ratio = (p0 + p1) / (1.5 * p0 + p1);
+  CHECK(ratio < 0.95);  // an error worth checking
+  CHECK(first.checked_measured_s == doctest::Approx(1.5 * p0 + p1).epsilon(1e-9).scale(0));
+  CHECK(first.checked_predicted_s / first.checked_measured_s ==
+        doctest::Approx(ratio).epsilon(0.01).scale(0));
+  // Once the check is in, the next candidate (stage 1's last decoder to stage 0) is predicted
+  // to gain more than min_gain but not min_gain plus that error: it is evaluated, not made.
+  REQUIRE(rb.moves().size() == 1);
+  const int checked_by = first.switch_round + 256 / 4;  // 2 stages x 2 micro-batches a round
+  int refused = 0;
+  for (const auto& e : rb.evaluations()) {
+    if (e.round < checked_by) continue;
+    INFO("the evaluation of round " << e.round);
+    CHECK(e.required_gain == doctest::Approx(o.min_gain + (1.0 - ratio)).epsilon(0.01).scale(0));
+    CHECK(e.gain() > o.min_gain);
+    CHECK(e.gain() < e.required_gain);
+    CHECK_FALSE(e.moved);
+    ++refused;
+  }
+  CHECK(refused > 100);
+}
+
 TEST_CASE("serve.rebalance: a decision weighs the last 64 rounds of every micro-batch, so a few "
           "rounds of another mix do not move a layer the longer span calls balanced") {
   const auto& weights = ref().weights;
@@ -679,7 +760,8 @@ TEST_CASE("serve.rebalance: a decision weighs the last 64 rounds of every micro-
 }
 
 TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is not shuttled "
-          "back and forth: a reversal needs twice the gain and each one doubles the cooldown") {
+          "back and forth: the error its first move was checked with gates the way back, and "
+          "without that gate a reversal needs twice the gain and each one doubles the cooldown") {
   const auto& weights = ref().weights;
   const model::ModelSpec spec(weights.config);
   const auto even = partition::uniform(spec, 2);  // [emb + 3 decoders | 2 decoders + tail]
@@ -690,22 +772,48 @@ TEST_CASE("serve.rebalance: a layer that makes whichever stage holds it slow is 
   o.warmup = 2;
   o.threshold = 0.1;
   o.min_gain = 0.05;
-  serve::Rebalancer rb(weights, even, 2, 1 << 20, o);
-  std::vector<serve::RoundFeatures> rounds;
-  for (int round = 0; round < 1500; ++round) {
-    for (int mb = 0; mb < 2; ++mb) {  // both micro-batches decode: the pipeline is full
-      const auto f = decode_round(mb, round);
-      rounds.push_back(f);
-      const auto& plan = rb.plan_at(round);
-      for (int v = 0; v < 2; ++v) {
-        const auto& st = plan.stage(v);
-        // The prior cannot see it: the stage holding `hot` takes 4x its prior.
-        const bool holds = st.first <= hot && hot < st.last;
-        rb.observe(v, f, (holds ? 4.0 : 1.0) * rb.predictor().prior(plan, v, f) + 1e-5);
+  auto shuttle = [&](const serve::RebalanceOptions& opts) {
+    serve::Rebalancer rb(weights, even, 2, 1 << 20, opts);
+    std::vector<serve::RoundFeatures> rounds;
+    for (int round = 0; round < 1500; ++round) {
+      for (int mb = 0; mb < 2; ++mb) {  // both micro-batches decode: the pipeline is full
+        const auto f = decode_round(mb, round);
+        rounds.push_back(f);
+        const auto& plan = rb.plan_at(round);
+        for (int v = 0; v < 2; ++v) {
+          const auto& st = plan.stage(v);
+          // The prior cannot see it: the stage holding `hot` takes 4x its prior.
+          const bool holds = st.first <= hot && hot < st.last;
+          rb.observe(v, f, (holds ? 4.0 : 1.0) * rb.predictor().prior(plan, v, f) + 1e-5);
+        }
       }
+      (void)rb.decide(round, 0.0, rounds, 100);
     }
-    (void)rb.decide(round, 0.0, rounds, 100);
+    return rb;
+  };
+  // The error of the first move's prediction gates the next: the predictor priced stage 0
+  // with `hot` at its prior and it took 4x, so every move back must gain that error on top of
+  // twice min_gain, and none does.
+  {
+    const auto rb = shuttle(o);
+    REQUIRE(rb.moves().size() == 1);
+    const auto& m = rb.moves().front();
+    CHECK(m.layer == hot);
+    REQUIRE(m.checked_rounds >= 16);
+    CHECK(rb.moved_prediction_error() > 0.1);
+    int refused = 0;
+    for (const auto& e : rb.evaluations())
+      if (e.round > m.switch_round + 64) {
+        CHECK(e.required_gain >= 2 * o.min_gain + rb.moved_prediction_error() - 1e-12);
+        CHECK_FALSE(e.moved);
+        refused += e.gain() > 2 * o.min_gain;  // a reversal min_gain alone would have made
+      }
+    CHECK(refused > 0);
   }
+  // Without that gate (min_gain alone), the hysteresis of reversals holds the layer back.
+  serve::RebalanceOptions alone = o;
+  alone.gate_on_moved_error = false;
+  const auto rb = shuttle(alone);
   const auto& moves = rb.moves();
   REQUIRE(moves.size() >= 3);  // the layer went back at least twice
   CHECK(moves.front().layer == hot);

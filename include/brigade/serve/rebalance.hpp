@@ -30,6 +30,21 @@ inline namespace v0 {
 ///         neighbours
 std::optional<partition::Partition> move_layer(const partition::Partition& p, int from, int to);
 
+/// One evaluation of the rebalancer's decision (Rebalancer::evaluations): the recent rounds
+/// simulated with the layers as they were and with the best candidate move.
+struct RebalanceEvaluation {
+  int round = 0;                 ///< the round it was made at
+  int from = 0, to = 0;          ///< the best candidate (from = to = the slowest stage if none)
+  double round_s = 0.0;          ///< predicted seconds per executor round as the layers were
+  double best_after_s = 0.0;     ///< ... with the best candidate (round_s if none)
+  double required_gain = 0.0;    ///< the fraction it had to gain (LayerMove::required_gain)
+  bool moved = false;            ///< the candidate was ordered
+  /// The predicted gain, 1 - best_after_s / round_s (0 without a candidate).
+  [[nodiscard]] double gain() const noexcept {
+    return round_s > 0.0 ? 1.0 - best_after_s / round_s : 0.0;
+  }
+};
+
 /// DynaPipe's rebalancer: the online latency predictor (StageLatencyPredictor) fitted on every
 /// stage's measured rounds, and the decision, made between rounds by virtual stage 0's book:
 /// over the recent rounds' features, predict each stage's seconds per micro-batch round with
@@ -38,7 +53,11 @@ std::optional<partition::Partition> move_layer(const partition::Partition& p, in
 /// under way), simulate the recent rounds through the pipeline (round_seconds) with the layers
 /// as they are and with one boundary decoder moved from the slowest stage to either neighbour,
 /// and make the move that gives the fewest seconds per round, if it lowers them by `min_gain`
-/// (else wait another `patience` rounds before simulating again). The simulation, not the
+/// plus the predictor's error measured on the earlier moves (else wait another `patience`
+/// rounds before simulating again). Each move is checked as its rounds come in: the fit as
+/// it was when the move was ordered prices the moved stages' measured rounds under the new
+/// layers (LayerMove::checked_*), which is how far a prediction for a split not yet run was
+/// off. The simulation, not the
 /// slowest stage's load, judges the move: a round of one live micro-batch lasts the sum of the
 /// stages, so a move that evens the stages but costs more in all (a decoder priced higher on
 /// the stage that adopts it) lengthens it; with every micro-batch full it is the busiest
@@ -61,8 +80,12 @@ class Rebalancer {
              std::size_t part_bytes, RebalanceOptions options);
 
   /// Folds in a measurement: stage v took `seconds` on the round of `f` (F, plus SAMPLE on the
-  /// tail), which ran with plan_at(f.round).
+  /// tail), which ran with plan_at(f.round); a round of the last move's stages from its switch
+  /// on also checks that move (LayerMove::checked_*).
   void observe(int v, const RoundFeatures& f, double seconds);
+  /// The predictor's error on the splits it moved to: the mean over the moves checked over at
+  /// least 16 stage rounds of |checked_predicted_s / checked_measured_s - 1| (0 when none is).
+  [[nodiscard]] double moved_prediction_error() const noexcept;
 
   /// The decision at round `round` (see the class comment): a move to order, or none.
   /// @param recent the micro-batch rounds built so far, in order (the last `window` are weighed)
@@ -78,6 +101,11 @@ class Rebalancer {
     return plans_;
   }
   [[nodiscard]] const std::vector<LayerMove>& moves() const noexcept { return moves_; }
+  /// Every evaluation so far, in order (one per `patience` rounds of standing imbalance; the
+  /// moves are the ones with `moved`): what the rebalancer saw when it did not move.
+  [[nodiscard]] const std::vector<RebalanceEvaluation>& evaluations() const noexcept {
+    return evaluations_;
+  }
   [[nodiscard]] const StageLatencyPredictor& predictor() const noexcept { return pred_; }
 
  private:
@@ -98,8 +126,10 @@ class Rebalancer {
   int microbatches_;
   std::size_t part_bytes_;
   StageLatencyPredictor pred_;
+  std::optional<StageLatencyPredictor> ordered_fit_;  // the fit when moves_.back() was ordered
   std::vector<std::pair<int, partition::Partition>> plans_;
   std::vector<LayerMove> moves_;
+  std::vector<RebalanceEvaluation> evaluations_;
   int streak_ = 0;
   int forced_ = 0;
   int reversals_ = 0;  // moves in a row that each undid the one before

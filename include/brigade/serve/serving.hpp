@@ -49,6 +49,18 @@ struct LayerMove {
   /// simulated through the pipeline (Rebalancer, sim::simulate) with the layers as they were
   /// and as they would be (0 for a forced move).
   double predicted_round_s = 0.0, predicted_round_after_s = 0.0;
+  /// The least fraction the move had to lower the predicted round by: RebalanceOptions::
+  /// min_gain (twice for a reversal) plus the predictor's error measured on the moves before
+  /// (Rebalancer::moved_prediction_error() when it was ordered; 0 for a forced move).
+  double required_gain = 0.0;
+  /// The move checked against what followed it: over the stage rounds of stages `from` and
+  /// `to` measured from switch_round on (at most the decision window's, and only until the
+  /// next move is ordered), the seconds the predictor as fitted when the move was ordered
+  /// gives them with the new layers (checked_predicted_s) and the seconds measured
+  /// (checked_measured_s): checked_predicted_s / checked_measured_s - 1 is the predictor's
+  /// error on the split it had not run, which the next moves must gain beyond (Rebalancer).
+  int checked_rounds = 0;
+  double checked_predicted_s = 0.0, checked_measured_s = 0.0;
   /// Bytes the migration was sized for when ordered: the layer's weight image and the KV rows
   /// of the live sequences (float32 keys and values).
   std::int64_t bytes = 0;
@@ -78,10 +90,16 @@ struct RebalanceOptions {
   /// (Intel Xeon, 2 micro-batches; docs/serving.md, "The decision window").
   int window = 0;
   /// A move is made only when it lowers the predicted seconds per executor round by at least
-  /// this fraction
-  /// (the predictor's per-round error is tens of percent on a shared machine: a move for a
-  /// smaller predicted gain would buy a migration's copying for what may be noise).
+  /// this fraction plus the predictor's measured error on the splits it moved to before (the
+  /// mean |LayerMove::checked_predicted_s / checked_measured_s - 1| of the earlier moves
+  /// checked over at least 16 stage rounds; 0 before any): the predictor's per-round error is
+  /// tens of percent on a shared machine, and on a split it has not run it priced stage 0's
+  /// decoders 10-13% low (docs/serving.md), so a move for a smaller predicted gain would buy a
+  /// migration's copying for what may be noise.
   double min_gain = 0.05;
+  /// Add the predictor's error measured on the earlier moves to min_gain (above); false: the
+  /// moves are still checked (LayerMove::checked_*), and min_gain alone gates.
+  bool gate_on_moved_error = true;
   /// Testing and demonstration: order a move every `force_every` rounds after the previous
   /// switch, regardless of the predictor, cycling over the boundaries and alternating the
   /// direction (0: off, the predictor decides).
