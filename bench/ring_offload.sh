@@ -12,13 +12,25 @@
 #   ring k = K, prefetch:    K rounds of smaller windows, the next one loading while this one
 #                            computes, under --ram-budget BUDGET (refused before it runs when
 #                            two windows do not fit).
+#   even split, OS paging:   the even split with neither offload nor prefetch (the weights
+#                            mmap'd, paged in and evicted by the kernel alone: what llama.cpp's
+#                            mmap does on a device with too little RAM, prima.cpp's baseline);
+#                            run only under the memory caps below, where it is the even split
+#                            held to the budget.
 # Every run starts with the model's pages dropped from the page cache (POSIX_FADV_DONTNEED on
 # the file, no process mapping it; fincore prints what is left cached), and reports TPOT and,
-# per process, the most weight bytes mincore found resident at once.
+# per process, the most weight bytes mincore found resident at once (offload runs).
+# The budgets held by the kernel: with CAP set (bytes; by default BUDGET when the cgroup v1
+# memory controller /sys/fs/cgroup/memory is writable, as root on these machines; CAP=0 turns
+# it off), every process runs in a memory cgroup of its own limited to CAP, which charges the
+# model's page-cache pages to the process that reads them and evicts them at the limit, as a
+# device with that much RAM would: then the even split cannot keep its half of the model and
+# every configuration runs under the same budget. The table gives each process's peak charge
+# (memory.max_usage_in_bytes: its page cache, heap and stacks) and major page faults.
 # Usage: bench/ring_offload.sh [build dir]   (default: build; needs brigade::mpi built)
 # Env: SIZE (1.1B), DTYPE (f16), NP (2), K (11), BUDGET (bytes per process, 500000000),
-#      STEPS (6), REPS (2), MODEL (reuse a model file instead of writing one to a temporary
-#      directory; written there when absent).
+#      CAP (see above), STEPS (6), REPS (2), MODEL (reuse a model file instead of writing one
+#      to a temporary directory; written there when absent).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-${BRIGADE_BUILD_DIR:-$root/build}}
@@ -29,9 +41,24 @@ k=${K:-11}
 budget=${BUDGET:-500000000}
 steps=${STEPS:-6}
 reps=${REPS:-2}
+cgroot=/sys/fs/cgroup/memory
+if [[ -z "${CAP:-}" ]]; then
+  if [[ -w $cgroot ]]; then cap=$budget; else cap=0; fi
+else
+  cap=$CAP
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+cgroups() { for ((r = 0; r < np; ++r)); do echo "$cgroot/brigade_ring_$$_r$r"; done; }
+cleanup() {
+  rm -rf "$tmp"
+  if ((cap > 0)); then for g in $(cgroups); do [[ -d $g ]] && rmdir "$g" 2>/dev/null; done; fi
+  return 0
+}
+trap cleanup EXIT
+if ((cap > 0)); then
+  for g in $(cgroups); do mkdir -p "$g" && echo "$cap" >"$g/memory.limit_in_bytes"; done
+fi
 model=${MODEL:-$tmp/synthetic-$size-$dtype.gguf}
 [[ -f "$model" ]] || "$build/bench/ring_offload_model" "$size" "$model" "$dtype"
 model_bytes=$(stat -c %s "$model")
@@ -39,31 +66,62 @@ drop() { python3 -c "import os,sys; fd=os.open(sys.argv[1], os.O_RDONLY); os.pos
 
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(if grep -q -w avx512f /proc/cpuinfo; then echo AVX-512; elif grep -q -w avx2 /proc/cpuinfo; then echo AVX2; else echo SSE; fi), kernel $(uname -r)"
 echo "model: $model ($size synthetic, $dtype, $(awk -v b="$model_bytes" 'BEGIN{printf "%.2f GB", b/1e9}')), $np processes, RAM budget $(awk -v b="$budget" 'BEGIN{printf "%.0f MB", b/1e6}') each ($(awk -v b="$budget" -v n="$np" -v m="$model_bytes" 'BEGIN{printf "model / sum of budgets = %.1f", m/(b*n)}'))"
+if ((cap > 0)); then
+  echo "memory caps: each process in a memory cgroup of $(awk -v b="$cap" 'BEGIN{printf "%.0f MB", b/1e6}') (cgroup v1, $cgroot)"
+else
+  echo "memory caps: none (CAP=0 or $cgroot not writable): only the offload runs hold the budget"
+fi
 echo
-echo "| run | k | TPOT ms | tokens/s | resident weight MB per process (mincore peak) | within budget | cached at start | load avg before |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| run | k | TPOT ms | tokens/s | resident weight MB per process (mincore peak) | within budget | peak charged MB per process (cgroup) | major faults per process | cached at start | load avg before |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 run() {
   local name=$1 kk=$2; shift 2
   drop "$model"
   local load cached
   cached=$(fincore --bytes --noheadings --output RES "$model" 2>/dev/null | tr -d ' ' || echo "?")
   load=$(cut -d' ' -f1 /proc/loadavg)
-  mpirun -np "$np" "$build/examples/brigade" generate --model "$model" --temperature 0 \
-    --steps "$steps" --offload --metrics "$tmp/m.json" "$@" >"$tmp/out.$kk.txt" 2>"$tmp/err.txt" ||
+  local launch=("$build/examples/brigade")
+  local charged="-" faults="-" f0=()
+  if ((cap > 0)); then
+    # Each rank joins its own cgroup before it execs brigade (Open MPI names the rank).
+    launch=(bash -c 'echo $$ > "$0_r$OMPI_COMM_WORLD_RANK/tasks" && exec "$@"'
+            "$cgroot/brigade_ring_$$" "$build/examples/brigade")
+    for g in $(cgroups); do
+      echo 0 >"$g/memory.max_usage_in_bytes"
+      f0+=("$(awk '$1 == "total_pgmajfault" {print $2}' "$g/memory.stat")")
+    done
+  fi
+  mpirun -np "$np" "${launch[@]}" generate --model "$model" --temperature 0 \
+    --steps "$steps" --metrics "$tmp/m.json" "$@" >"$tmp/out.$kk.txt" 2>"$tmp/err.txt" ||
     { cat "$tmp/err.txt" >&2; exit 1; }
-  python3 - "$tmp/m.json" "$name" "$kk" "$budget" "$load" "$cached" <<'PY'
+  if ((cap > 0)); then
+    charged="" faults="" ; local r=0
+    for g in $(cgroups); do
+      charged+="${charged:+ / }$(awk '{printf "%.0f", $1/1e6}' "$g/memory.max_usage_in_bytes")"
+      faults+="${faults:+ / }$(( $(awk '$1 == "total_pgmajfault" {print $2}' "$g/memory.stat") - f0[r] ))"
+      r=$((r + 1))
+    done
+  fi
+  python3 - "$tmp/m.json" "$name" "$kk" "$budget" "$load" "$cached" "$charged" "$faults" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1])); name, k, budget, load, cached = sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
-res = m["resident_weight_bytes"]
+charged, faults = sys.argv[7], sys.argv[8]
 cached = f"{int(cached)/1e6:.1f} MB" if cached.isdigit() else cached
+if m["offload"]:  # mincore's peak; without offload brigade reports the stage's weight bytes
+    res = m["resident_weight_bytes"]
+    resident = " / ".join(f"{r/1e6:.0f}" for r in res)
+    within = "yes" if max(res) <= budget else "no"
+else:
+    resident, within = "(not measured: no offload)", "by the cap" if charged != "-" else "no"
 print(f"| {name} | {k} | {m['tpot_s_mean']*1e3:.0f} | {m['tokens_per_s']:.3f} | "
-      f"{' / '.join(f'{r/1e6:.0f}' for r in res)} | {'yes' if max(res) <= budget else 'no'} | {cached} | {load} |")
+      f"{resident} | {within} | {charged} | {faults} | {cached} | {load} |")
 PY
 }
 for ((rep = 0; rep < reps; ++rep)); do
-  run "even split, no prefetch" 1 --no-prefetch
-  run "ring k = 1, prefetch" 1 --ring 1
-  run "ring k = $k, prefetch" "$k" --ring "$k" --ram-budget "$budget"
+  ((cap > 0)) && run "even split, OS paging" 1
+  run "even split, no prefetch" 1 --offload --no-prefetch
+  run "ring k = 1, prefetch" 1 --offload --ring 1
+  run "ring k = $k, prefetch" "$k" --offload --ring "$k" --ram-budget "$budget"
 done
 cmp -s "$tmp/out.1.txt" "$tmp/out.$k.txt" && echo && echo "the texts of k = 1 and k = $k are identical (greedy)"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
