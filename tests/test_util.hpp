@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cfloat>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -91,6 +93,19 @@ inline double relative_error(const std::vector<float>& a, const std::vector<floa
     den += static_cast<double>(b[i]) * b[i];
   }
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+/// `value` within a relative `eps` (default doctest's 100 x FLT_EPSILON, about 1.2e-5): what
+/// `doctest::Approx(value).epsilon(eps)` reads as but is not. doctest passes
+/// |a - value| < eps * (scale + max(|a|, |value|)) with scale 1, so below magnitude 1 the bound
+/// is about eps absolute: Approx(1e-4).epsilon(0.01) passes anything in [-0.01, 0.01], and even
+/// the default epsilon lets 1e-6 s pass for almost anything. rel() sets scale 0: purely
+/// relative. The scale is the smallest normal double rather than 0, so that 0 still equals
+/// exactly 0 (with scale 0 doctest's strict < refuses even that). For a quantity that may be
+/// near 0, where relative means nothing, check an explicit absolute bound instead
+/// (std::abs(a - b) < tol).
+inline doctest::Approx rel(double value, double eps = 100.0 * FLT_EPSILON) {
+  return doctest::Approx{value}.epsilon(eps).scale(std::numeric_limits<double>::min());
 }
 
 /// Ten short TinyStories-like sentences as training samples (BOS first), tasks 0, 1, 2, 0, ...

@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+using brigade::test::rel;
+
 using namespace brigade;
 namespace fs = std::filesystem;
 
@@ -218,7 +220,7 @@ TEST_CASE("serve.trace: Azure CSV and Mooncake JSONL parse into arrivals and len
       "az.csv");
   REQUIRE(az.size() == 3);
   CHECK(az[0].arrival_s == 0.0);
-  CHECK(az[1].arrival_s == doctest::Approx(0.052).epsilon(1e-9));
+  CHECK(az[1].arrival_s == rel(0.052, 1e-9));
   CHECK(az[2].arrival_s == doctest::Approx(5 * 3600 + 42 * 60 + 56.02004).epsilon(1e-9));
   CHECK(az[1].prompt_tokens == 3180);
   CHECK(az[1].output_tokens == 8);
@@ -381,23 +383,23 @@ TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its 
     return 2.0 * x[0] + 0.5 * x[1] + 0.3 * x[2] + 0.2 * x[3];
   };
   const auto f0 = round();
-  for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f0) == doctest::Approx(p.prior(v, f0)).scale(0));
+  for (int v = 0; v < 2; ++v) CHECK(p.predict(v, f0) == rel(p.prior(v, f0)));
   for (int i = 0; i < 40; ++i) {
     const auto f = round();
     for (int v = 0; v < 2; ++v) p.observe(v, f, truth(v, f));
   }
-  // Within 5% of the truth on rounds it has not seen (relative: scale(0), since doctest's
+  // Within 5% of the truth on rounds it has not seen (relative: test::rel, since doctest's
   // Approx otherwise adds its scale 1 to seconds of this size and cannot fail). The fit is not
   // exact: the ridge settles the direction in which the near-constant decode prior and the
   // fixed cost cannot be told apart, and the context the prior prices moves along it.
   for (int i = 0; i < 20; ++i) {
     const auto f = round();
     for (int v = 0; v < 2; ++v)
-      CHECK(p.predict(v, f) == doctest::Approx(truth(v, f)).epsilon(0.05).scale(0));
+      CHECK(p.predict(v, f) == rel(truth(v, f), 0.05));
   }
   // (The decode prior is nearly constant in the roofline, a weight-bound pass, so its weight and
   // the fixed cost's are not told apart; their sum is, and so is the sampler's.)
-  CHECK(p.weights(1)[2] == doctest::Approx(0.3).epsilon(0.05).scale(0));
+  CHECK(p.weights(1)[2] == rel(0.3, 0.05));
   CHECK(p.observations(0) == 40);
   test::error_of(Errc::InvalidArgument, [&] { p.observe(0, f0, 0.0); });
   test::error_of(Errc::InvalidArgument, [&] { (void)p.features(2, f0); });
@@ -674,7 +676,7 @@ TEST_CASE("serve.rebalance: each move is checked against the rounds after its sw
   CHECK(first.from == 1);
   CHECK(first.to == 0);
   CHECK(first.layer == hot);
-  CHECK(first.required_gain == doctest::Approx(o.min_gain).scale(0));  // nothing checked before
+  CHECK(first.required_gain == rel(o.min_gain));  // nothing checked before
   // The check, in closed form: the first move's fit (both stages exact before it) prices the
   // rounds after its switch at p0 + p1, which measured 1.5 p0 + p1; over the stage rounds from
   // the switch to the second move's order, at most 2 x the window (128 rounds).
@@ -685,9 +687,9 @@ TEST_CASE("serve.rebalance: each move is checked against the rounds after its sw
   REQUIRE(first.checked_rounds >= 16);
   const double ratio = (p0 + p1) / (1.5 * p0 + p1);
   CHECK(ratio < 0.95);  // an error worth checking
-  CHECK(first.checked_measured_s == doctest::Approx(1.5 * p0 + p1).epsilon(1e-9).scale(0));
+  CHECK(first.checked_measured_s == rel(1.5 * p0 + p1, 1e-9));
   CHECK(first.checked_predicted_s / first.checked_measured_s ==
-        doctest::Approx(ratio).epsilon(0.01).scale(0));
+        rel(ratio, 0.01));
   // Once the check is in, the next candidate (stage 1's last decoder to stage 0) is predicted
   // to gain more than min_gain but not min_gain plus that error: it is evaluated, not made.
   REQUIRE(rb.moves().size() == 1);
@@ -696,7 +698,7 @@ TEST_CASE("serve.rebalance: each move is checked against the rounds after its sw
   for (const auto& e : rb.evaluations()) {
     if (e.round < checked_by) continue;
     INFO("the evaluation of round " << e.round);
-    CHECK(e.required_gain == doctest::Approx(o.min_gain + (1.0 - ratio)).epsilon(0.01).scale(0));
+    CHECK(e.required_gain == rel(o.min_gain + (1.0 - ratio), 0.01));
     CHECK(e.gain() > o.min_gain);
     CHECK(e.gain() < e.required_gain);
     CHECK_FALSE(e.moved);
@@ -979,7 +981,7 @@ TEST_CASE("serve.migration_impact: a rank's migration seconds count in the round
   CHECK(impact.migration_seconds == doctest::Approx(1.5));
   CHECK(impact.max_round_ratio == doctest::Approx(1.5));  // round 5 against the median 1 s
   // Round 4: rank 1 half of it; round 5: rank 0 half of it (rank 1 a sixth).
-  CHECK(impact.max_migration_share == doctest::Approx(0.5));
+  CHECK(impact.max_migration_share == rel(0.5));
   CHECK(impact.max_added_ratio == doctest::Approx(2.0));
   // A rank that migrates through a whole window: the share is 1, the added ratio unbounded.
   rep.timeline.add(interval(1, Op::MigrateRecv, 1, 5, 5.25, 6.5));

@@ -8,10 +8,14 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <random>
 #include <string>
 #include <thread>
+
+using brigade::test::rel;
 
 using namespace brigade;
 using batching::MicroBatch;
@@ -277,7 +281,7 @@ TEST_CASE("batching: the dynamic DP equals brute force over all consecutive spli
     CAPTURE(opt.peak_limit_bytes);
     const auto plan = batching::DynamicBatcher(cost, stages, limit, opt).solve(s);
     CHECK(plan.iteration_seconds ==
-          doctest::Approx(brute_force(s, cost, stages, limit, opt.peak_limit_bytes)).epsilon(1e-12));
+          rel(brute_force(s, cost, stages, limit, opt.peak_limit_bytes), 1e-12));
     check_cover(s, plan, limit, opt.peak_limit_bytes);
     // Quantised bounds (two tried): never better than the optimum, still a valid split.
     batching::DynamicOptions coarse_opt = opt;
@@ -344,7 +348,7 @@ TEST_CASE("batching: stage_cost prices the slowest stage from the layer times") 
         sum += ls(spec, l, w, ph);
     expected = std::max(expected, sum);
   }
-  CHECK(cost.seconds(w) == doctest::Approx(expected).epsilon(1e-12));
+  CHECK(cost.seconds(w) == rel(expected, 1e-12));
   const auto first = cost::training_stash(spec, part.stage(0), 300, 3);
   const auto last = cost::training_stash(spec, part.stage(1), 300, 3);
   CHECK(cost.activation_bytes(w) ==
@@ -361,7 +365,7 @@ TEST_CASE("batching: stage_cost prices the slowest stage from the layer times") 
     with_rc = std::max(with_rc, sum);
   }
   REQUIRE(cost.offers_recompute());
-  CHECK(cost.recompute_seconds(w) == doctest::Approx(with_rc).epsilon(1e-12));
+  CHECK(cost.recompute_seconds(w) == rel(with_rc, 1e-12));
   CHECK(cost.checkpoint_bytes(w) == 300.0 * spec.config().dim * 4.0);
   CHECK(cost::recompute_checkpoint_bytes(spec, part.stage(0), 300) == 0.0);
 }

@@ -8,8 +8,12 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <string>
+
+using brigade::test::rel;
 
 namespace sch = brigade::schedule;
 namespace model = brigade::model;
@@ -106,10 +110,10 @@ TEST_CASE("cost.roofline.110M.p4: each action sums layer_cost rooflines over its
   double expect = 0.0;
   for (int l = part.stage(1).first; l < part.stage(1).last; ++l)
     expect += model::roofline_seconds(model::layer_cost(spec, l, w), opt.rates);
-  CHECK(rc.compute_seconds({Op::F, 1, 0, 0}) == doctest::Approx(expect));
-  CHECK(rc.compute_seconds({Op::B, 1, 0, 0}) == doctest::Approx(2 * expect));
+  CHECK(rc.compute_seconds({Op::F, 1, 0, 0}) == rel(expect));
+  CHECK(rc.compute_seconds({Op::B, 1, 0, 0}) == rel(2 * expect));
   CHECK(rc.compute_seconds({Op::BI, 1, 0, 0}) + rc.compute_seconds({Op::BW, 1, 0, 0}) ==
-        doctest::Approx(rc.compute_seconds({Op::B, 1, 0, 0})));
+        rel(rc.compute_seconds({Op::B, 1, 0, 0})));
   CHECK(rc.message_bytes({Op::SendF, 1, 0, 0}) == doctest::Approx(256.0 * 768 * 4));
   // A 16-bit pipeline dtype halves every activation and gradient message.
   auto half = opt;
@@ -125,7 +129,7 @@ TEST_CASE("cost.roofline.110M.p4: each action sums layer_cost rooflines over its
   CHECK(rc.activation_bytes({Op::B, 1, 0, 0}) == 0.0);
   // The tail stage carries the LM head: slower than a decoder-only stage of the same size.
   CHECK(rc.compute_seconds({Op::F, 3, 0, 0}) > rc.compute_seconds({Op::F, 2, 0, 0}));
-  CHECK(rc.link(0, 1).latency_s == doctest::Approx(5e-6));
+  CHECK(rc.link(0, 1).latency_s == rel(5e-6));
   // Simulating with it gives a positive, finite makespan and a bubble in (0, 1).
   const auto r = brigade::sim::simulate(sch::lower(sch::one_f_one_b({4, 8})), rc);
   CHECK(r.makespan > 0.0);

@@ -5,8 +5,12 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <limits>
+
+using brigade::test::rel;
 
 using namespace brigade;
 using model::Phase;
@@ -29,9 +33,9 @@ TEST_CASE("estimator.prior: the layers' times summed over the passes, the sample
   const auto spec = spec42();  // 8 decoder layers: embedding 0, decoders 1-8, norm, head, sampler
   cost::LatencyEstimator est(spec, toy);
   const model::WorkItem w{16, 16, 100.0};
-  CHECK(est.prior(0, 3, w, Phase::Decode) == doctest::Approx(3 * 16e-3));
-  CHECK(est.prior(9, spec.num_layers(), w, Phase::Decode) == doctest::Approx(2 * 16e-3));
-  CHECK(est.prior(1, 2, w, cost::Passes::backward()) == doctest::Approx(2 * 32e-3));
+  CHECK(est.prior(0, 3, w, Phase::Decode) == rel(3 * 16e-3));
+  CHECK(est.prior(9, spec.num_layers(), w, Phase::Decode) == rel(2 * 16e-3));
+  CHECK(est.prior(1, 2, w, cost::Passes::backward()) == rel(2 * 32e-3));
   CHECK(est.predict(1, 2, w, Phase::Forward) == est.prior(1, 2, w, Phase::Forward));
   CHECK(est.correction(1, 2, Phase::Forward) == 0.0);
   CHECK_THROWS_WITH_AS((void)est.prior(3, 3, w, Phase::Decode),
@@ -44,23 +48,23 @@ TEST_CASE("estimator.observe: a measured ratio carries over to other work sizes,
   cost::LatencyEstimator est(spec, toy, {0.25});
   // Layers [1, 5) measured 20% slower than their prior at 16 sequences...
   est.observe(1, 5, {16, 16, 100.0}, Phase::Decode, 1.2 * 4 * 16e-3);
-  CHECK(est.correction(1, 5, Phase::Decode) == doctest::Approx(std::log(1.2)));
+  CHECK(est.correction(1, 5, Phase::Decode) == rel(std::log(1.2)));
   // ...are predicted 20% slower at 8.
-  CHECK(est.predict(1, 5, {8, 8, 50.0}, Phase::Decode) == doctest::Approx(1.2 * 4 * 8e-3));
+  CHECK(est.predict(1, 5, {8, 8, 50.0}, Phase::Decode) == rel(1.2 * 4 * 8e-3));
   // Other layers with the same passes fall back to the mean over all decode observations.
-  CHECK(est.predict(5, 9, {8, 8, 50.0}, Phase::Decode) == doctest::Approx(1.2 * 4 * 8e-3));
+  CHECK(est.predict(5, 9, {8, 8, 50.0}, Phase::Decode) == rel(1.2 * 4 * 8e-3));
   // Other passes are untouched.
-  CHECK(est.predict(1, 5, {8, 8, 50.0}, Phase::Prefill) == doctest::Approx(4 * 8e-3));
+  CHECK(est.predict(1, 5, {8, 8, 50.0}, Phase::Prefill) == rel(4 * 8e-3));
   // The first 1 / smoothing = 4 observations are averaged evenly, then a moving average.
   est.observe(1, 5, {16, 16, 100.0}, Phase::Decode, 0.8 * 4 * 16e-3);
   CHECK(est.correction(1, 5, Phase::Decode) ==
-        doctest::Approx((std::log(1.2) + std::log(0.8)) / 2));
+        rel((std::log(1.2) + std::log(0.8)) / 2));
   for (int i = 0; i < 2; ++i) est.observe(1, 5, {16, 16, 100.0}, Phase::Decode, 4 * 16e-3);
   const double mean4 = (std::log(1.2) + std::log(0.8)) / 4;
-  CHECK(est.correction(1, 5, Phase::Decode) == doctest::Approx(mean4));
+  CHECK(est.correction(1, 5, Phase::Decode) == rel(mean4));
   est.observe(1, 5, {16, 16, 100.0}, Phase::Decode, 2.0 * 4 * 16e-3);
   CHECK(est.correction(1, 5, Phase::Decode) ==
-        doctest::Approx(mean4 + 0.25 * (std::log(2.0) - mean4)));
+        rel(mean4 + 0.25 * (std::log(2.0) - mean4)));
   CHECK(est.observations() == 5);
   // Bad measurements are refused.
   CHECK_THROWS_WITH_AS(est.observe(1, 5, {16, 16, 1.0}, Phase::Decode, 0.0),
@@ -109,10 +113,10 @@ TEST_CASE("estimator.timeline: a run's F, B, BI and BW intervals, priced with th
   est.observe(p, tl);
   CHECK(est.observations() == 12);  // 2 stages x 2 micro-batches x (F, BI, BW)
   for (const auto& iv : tl.intervals()) {
-    CHECK(est.predict(p, iv) == doctest::Approx(iv.duration()));
-    CHECK(est.prior(p, iv) == doctest::Approx(iv.duration() / 1.5));
+    CHECK(est.predict(p, iv) == rel(iv.duration()));
+    CHECK(est.prior(p, iv) == rel(iv.duration() / 1.5));
   }
-  CHECK(est.correction(0, 5, Phase::BackwardWeight) == doctest::Approx(std::log(1.5)));
+  CHECK(est.correction(0, 5, Phase::BackwardWeight) == rel(std::log(1.5)));
   // A plan without per-micro-batch work cannot price its intervals.
   req.work.clear();
   CHECK_THROWS_WITH_AS(est.observe(plan::make_plan(spec, req), tl),

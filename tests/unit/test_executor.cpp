@@ -9,10 +9,14 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
+
+using brigade::test::rel;
 
 namespace sch = brigade::schedule;
 namespace eng = brigade::engine;
@@ -354,21 +358,21 @@ TEST_CASE("executor.measured_costs: each action as measured (else prefill and de
   add(1, Op::F, 1, 1, 2.7, 3.0);
   const eng::MeasuredCostModel m(shape, tl);
   CHECK(m.compute_seconds({Op::F, 0, 0, 0}) == doctest::Approx(1.0));
-  CHECK(m.compute_seconds({Op::F, 0, 0, 1}) == doctest::Approx(0.5));  // each as measured
-  CHECK(m.compute_seconds({Op::F, 0, 0, 2}) == doctest::Approx(0.7));
+  CHECK(m.compute_seconds({Op::F, 0, 0, 1}) == rel(0.5));  // each as measured
+  CHECK(m.compute_seconds({Op::F, 0, 0, 2}) == rel(0.7));
   // Actions the timeline does not hold: the mean of their (op, stage, phase), or of the other
   // phase when that one never ran (stage 1 ran no prefill).
   const eng::MeasuredCostModel wider(sch::Shape::make(2, 2, 1, 3, sch::Mode::Inference), tl);
-  CHECK(wider.compute_seconds({Op::F, 0, 1, 2}) == doctest::Approx(0.6));  // (0.5 + 0.7) / 2
+  CHECK(wider.compute_seconds({Op::F, 0, 1, 2}) == rel(0.6));  // (0.5 + 0.7) / 2
   CHECK(wider.compute_seconds({Op::F, 0, 1, 0}) == doctest::Approx(1.0));
-  CHECK(m.compute_seconds({Op::F, 1, 0, 0}) == doctest::Approx(0.3));
+  CHECK(m.compute_seconds({Op::F, 1, 0, 0}) == rel(0.3));
   CHECK(m.compute_seconds({Op::SendF, 0, 0, 1}) == 0.0);
-  CHECK(m.link(0, 1).latency_s == doctest::Approx(0.2));
+  CHECK(m.link(0, 1).latency_s == rel(0.2));
   CHECK(m.link(1, 0).latency_s == 0.0);
-  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 1}) == doctest::Approx(0.2));  // its own
-  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 2}) == doctest::Approx(0.2));  // the link's
+  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 1}) == rel(0.2));  // its own
+  CHECK(m.message_latency_seconds({Op::SendF, 0, 0, 2}) == rel(0.2));  // the link's
   CHECK(m.link(0, 1).is_free() == false);
   // Rank 0 ran from 0 to 3.7 s with 2.2 s of F: 1.5 s outside intervals over its 2 SENDs.
-  CHECK(m.send_overhead_seconds({Op::SendF, 0, 0, 1}) == doctest::Approx(0.75));
+  CHECK(m.send_overhead_seconds({Op::SendF, 0, 0, 1}) == rel(0.75));
   CHECK(m.send_overhead_seconds({Op::SendF, 1, 0, 1}) == 0.0);  // rank 1 sent nothing
 }

@@ -18,6 +18,8 @@
 #include <limits>
 #include <random>
 
+using brigade::test::rel;
+
 using namespace brigade;
 using partition::HaldaDevice;
 using partition::HaldaModel;
@@ -152,18 +154,18 @@ TEST_CASE("halda: on seeded small clusters, each integer program's CBC optimum i
     // The integer program of Halda's final cases and k: CBC's optimum is brute force's.
     const auto same_cases = brute_force(devs, model, &r.cases, r.k);
     REQUIRE(std::isfinite(same_cases.t));
-    CHECK(r.tpot_seconds == doctest::Approx(same_cases.t).epsilon(1e-9));
+    CHECK(r.tpot_seconds == rel(same_cases.t, 1e-9));
     CHECK(r.cases == partition::halda_cases(devs, model, r.windows, r.gpu_layers, r.k));
     // Over every assignment and every k.
     const auto all = brute_force(devs, model);
-    CHECK(r.tpot_seconds == doctest::Approx(all.t).epsilon(1e-9));
+    CHECK(r.tpot_seconds == rel(all.t, 1e-9));
     CHECK(std::accumulate(r.windows.begin(), r.windows.end(), 0) * r.k == L);
     // prima.cpp's single start: optimal for its own cases, not always globally.
     partition::HaldaOptions single = o;
     single.all_case_starts = false;
     const auto p = partition::halda(devs, model, single);
     CHECK(p.tpot_seconds >= all.t * (1 - 1e-9));
-    CHECK(p.tpot_seconds == doctest::Approx(brute_force(devs, model, &p.cases, p.k).t).epsilon(1e-9));
+    CHECK(p.tpot_seconds == rel(brute_force(devs, model, &p.cases, p.k).t, 1e-9));
     if (p.tpot_seconds <= all.t * (1 + 1e-9)) ++single_at_optimum;
   }
   MESSAGE("prima.cpp's single start at the global optimum on " << single_at_optimum << " of "
@@ -217,7 +219,7 @@ TEST_CASE("halda: a device that only slows the ring is removed: without removal 
   const double want = kept.k * (kept.windows[0] * std::max(m.layer_flops / 1e12, m.layer_bytes / 50e9) +
                                 kept.gpu_layers[0] * (t_gpu - std::max(m.layer_flops / 1e12, m.layer_bytes / 50e9))) +
                       t_out + (m.input_bytes / m.vocab_size) / 3e9;
-  CHECK(kept.tpot_seconds == doctest::Approx(want).epsilon(1e-12));
+  CHECK(kept.tpot_seconds == rel(want, 1e-12));
   CHECK(kept.gpu_layers[0] == kept.windows[0]);
 }
 

@@ -6,7 +6,11 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <limits>
+
+using brigade::test::rel;
 
 using namespace brigade;
 
@@ -55,8 +59,8 @@ TEST_CASE("plan.inference_plans: 1 stage x 1 thread, 1 micro-batch is the layers
     round += times(spec, l, {4, 4, 8 + 16 / 2.0}, model::Phase::Decode);
     prefill += times(spec, l, {32, 4, 4.0}, model::Phase::Prefill);
   }
-  CHECK(p->decode_round_s == doctest::Approx(round).epsilon(1e-12));
-  CHECK(p->prefill_s == doctest::Approx(prefill).epsilon(1e-12));
+  CHECK(p->decode_round_s == rel(round, 1e-12));
+  CHECK(p->prefill_s == rel(prefill, 1e-12));
   CHECK(p->tokens_per_s == doctest::Approx(4.0 * 16 / (prefill + 16 * round)).epsilon(1e-12));
   CHECK(p->bounds == std::vector<int>{0, spec.num_layers()});
   CHECK(p->describe(4) == "1 stage x 1 thread, 1 micro-batch of 4");

@@ -13,6 +13,8 @@
 #include <fstream>
 #include <string>
 
+using brigade::test::rel;
+
 using namespace brigade;
 namespace fs = std::filesystem;
 
@@ -71,13 +73,13 @@ TEST_CASE("profile.json: a profile survives JSON both ways, look-ups interpolate
   CHECK_THROWS_WITH_AS((void)p.gemm_flops_per_s(16, 1, model::Phase::Decode),
                        doctest::Contains("no 'decode' product"), Error);
   CHECK(p.attention_seconds(10, 8, 64, 256.0, model::Phase::BackwardInput) ==
-        doctest::Approx(10 * 8 * 5e-6 * 2.0));
+        rel(10 * 8 * 5e-6 * 2.0));
   CHECK_THROWS_WITH_AS((void)p.attention_seconds(1, 1, 64, 8.0, model::Phase::BackwardWeight),
                        doctest::Contains("no 'backward_weight' attention points"), Error);
   // Attention: linear in context, proportional beyond the last point, per head and token.
-  CHECK(p.attention_seconds(1, 1, 64, 550.0) == doctest::Approx(4.5e-6));
-  CHECK(p.attention_seconds(2, 8, 128, 2000.0) == doctest::Approx(2 * 8 * 2 * 16e-6));
-  CHECK(p.attention_seconds(1, 1, 64, 10.0) == doctest::Approx(1e-6));
+  CHECK(p.attention_seconds(1, 1, 64, 550.0) == rel(4.5e-6));
+  CHECK(p.attention_seconds(2, 8, 128, 2000.0) == rel(2 * 8 * 2 * 16e-6));
+  CHECK(p.attention_seconds(1, 1, 64, 10.0) == rel(1e-6));
   CHECK(p.link("in-process").latency_s == 2e-6);
   CHECK_THROWS_WITH_AS((void)p.link("nvlink"),
                        doctest::Contains("has no link 'nvlink' (it has: in-process)"), Error);
@@ -206,7 +208,7 @@ TEST_CASE("profile.datasheets: the H100 and H200 profiles load and follow their 
   CHECK(h200.gemm_flops_per_s(4096) == doctest::Approx(989e12));
   // Attention at 32768 positions: K and V rows of 128 bf16 read at the memory bandwidth.
   CHECK(h200.attention_seconds(1, 1, 128, 32768) ==
-        doctest::Approx(2.0 * 32768 * 128 * 2 / 4.8e12).epsilon(0.01));
+        rel(2.0 * 32768 * 128 * 2 / 4.8e12, 0.01));
   CHECK(h200.memory_capacity_bytes > h100.memory_capacity_bytes);
   CHECK(h200.link("nvlink").bytes_per_s == 4.5e11);
 }
@@ -260,37 +262,37 @@ TEST_CASE("profile.layer_times: a layer's time from the profile's products, atte
   const model::WorkItem decode{16, 16, 550.0};
   const double act = 16 * (6 * d + 2 * kv + 3 * h) * 4.0;
   CHECK(one_core(spec, 1, decode, Phase::Decode) ==
-        doctest::Approx(2 * 16 * proj / 50e9 + 16 * 8 * 4.5e-6 + act / 20e9));
+        rel(2 * 16 * proj / 50e9 + 16 * 8 * 4.5e-6 + act / 20e9));
   // One row: bound by streaming the weights.
   const double one = one_core(spec, 1, {1, 1, 10.0}, Phase::Decode);
   CHECK(one >= proj * 4 / 20e9);
-  CHECK(one == doctest::Approx(std::max(2 * proj / 10e9, proj * 4 / 20e9) + 8 * 1e-6 +
-                               (6 * d + 2 * kv + 3 * h) * 4.0 / 20e9));
+  CHECK(one == rel(std::max(2 * proj / 10e9, proj * 4 / 20e9) + 8 * 1e-6 +
+                   (6 * d + 2 * kv + 3 * h) * 4.0 / 20e9));
   // LM head: rows are sequences in inference; every token in training, where the forward also
   // computes the head's input gradient (with the loss) and the backward input is empty.
   CHECK(one_core(spec, 10, decode, Phase::Decode) ==
-        doctest::Approx(2 * 16 * d * v / 50e9 + 16 * (d + v) * 4 / 20e9));
+        rel(2 * 16 * d * v / 50e9 + 16 * (d + v) * 4 / 20e9));
   const model::WorkItem train{256, 1, 128.0};
   CHECK(one_core(spec, 10, train, Phase::Forward) ==
-        doctest::Approx(2 * 256 * d * v / 90e9 + 2 * 256 * d * v / 60e9 + 3 * 256 * v * 4 / 20e9));
+        rel(2 * 256 * d * v / 90e9 + 2 * 256 * d * v / 60e9 + 3 * 256 * v * 4 / 20e9));
   CHECK(one_core(spec, 10, train, Phase::BackwardInput) == 0.0);
   CHECK(one_core(spec, 10, train, Phase::BackwardWeight) ==
-        doctest::Approx(2 * 256 * d * v / 45e9));
+        rel(2 * 256 * d * v / 45e9));
   // Decoder, training: forward with the training attention (2 us per token-head at 128), the
   // backward input with its backward (5 us) and twice the elementwise bytes, the backward
   // weight its 7 products alone.
   const double act256 = 256 * (6 * d + 2 * kv + 3 * h) * 4.0;
   CHECK(one_core(spec, 1, train, Phase::Forward) ==
-        doctest::Approx(2 * 256 * proj / 90e9 + 256 * 8 * 2e-6 + act256 / 20e9));
+        rel(2 * 256 * proj / 90e9 + 256 * 8 * 2e-6 + act256 / 20e9));
   CHECK(one_core(spec, 1, train, Phase::BackwardInput) ==
-        doctest::Approx(2 * 256 * proj / 60e9 + 256 * 8 * 5e-6 + 2 * act256 / 20e9));
+        rel(2 * 256 * proj / 60e9 + 256 * 8 * 5e-6 + 2 * act256 / 20e9));
   CHECK(one_core(spec, 1, train, Phase::BackwardWeight) ==
-        doctest::Approx(2 * 256 * proj / 45e9));
+        rel(2 * 256 * proj / 45e9));
   // On 4 threads the 4-thread points and the all-core bandwidth; with 2 stages of 4 threads
   // busy at once (8 cores), half of it.
   const cost::ProfiledLayerTimes four(p, 4);
   CHECK(four(spec, 10, decode, Phase::Decode) ==
-        doctest::Approx(std::max(2 * 16 * d * v / 30e9, d * v * 4 / 40e9) + 16 * (d + v) * 4 / 40e9));
+        rel(std::max(2 * 16 * d * v / 30e9, d * v * 4 / 40e9) + 16 * (d + v) * 4 / 40e9));
   const cost::ProfiledLayerTimes shared(p, 4, 8);
   CHECK(shared.bandwidth() == doctest::Approx(20e9));
   CHECK_THROWS_AS(cost::ProfiledLayerTimes(p, 0), Error);

@@ -3,11 +3,15 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
+
+using brigade::test::rel;
 
 namespace {
 
@@ -132,7 +136,7 @@ TEST_CASE("sampler.temperature: logits become softmax(logits / T)") {
   for (float x : l) sum += std::exp(x / 2.0);
   for (float x : l) ref.push_back(std::exp(x / 2.0) / sum);
   s.sample(l);
-  for (std::size_t i = 0; i < l.size(); ++i) CHECK(l[i] == doctest::Approx(ref[i]).epsilon(1e-6));
+  for (std::size_t i = 0; i < l.size(); ++i) CHECK(l[i] == rel(ref[i], 1e-6));
 }
 
 TEST_CASE("sampler.multinomial: top_p outside (0, 1) samples the full distribution") {

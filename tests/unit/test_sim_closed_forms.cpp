@@ -7,10 +7,14 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include "test_util.hpp"
+
 #include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
+
+using brigade::test::rel;
 
 namespace sch = brigade::schedule;
 using brigade::cost::UnitCostModel;
@@ -116,12 +120,12 @@ TEST_CASE("sim.1f1b-vs-gpipe.peak-stash: rank 0 holds min(P, M) micro-batches vs
 TEST_CASE("sim.unit-costs: a rank's share is split evenly over its virtual stages") {
   const auto s = sch::interleaved_1f1b({2, 4, 4});
   const UnitCostModel unit(s.shape, 2.0, 4.0);
-  CHECK(unit.compute_seconds({sch::Op::F, 5, 0, 0}) == doctest::Approx(0.5));
-  CHECK(unit.compute_seconds({sch::Op::B, 5, 0, 0}) == doctest::Approx(1.0));
-  CHECK(unit.compute_seconds({sch::Op::BI, 5, 0, 0}) == doctest::Approx(0.5));
+  CHECK(unit.compute_seconds({sch::Op::F, 5, 0, 0}) == rel(0.5));
+  CHECK(unit.compute_seconds({sch::Op::B, 5, 0, 0}) == rel(1.0));
+  CHECK(unit.compute_seconds({sch::Op::BI, 5, 0, 0}) == rel(0.5));
   const UnitCostModel split(s.shape, 2.0, 4.0, 1.0);
-  CHECK(split.compute_seconds({sch::Op::B, 5, 0, 0}) == doctest::Approx(1.25));
-  CHECK(split.compute_seconds({sch::Op::BW, 5, 0, 0}) == doctest::Approx(0.25));
+  CHECK(split.compute_seconds({sch::Op::B, 5, 0, 0}) == rel(1.25));
+  CHECK(split.compute_seconds({sch::Op::BW, 5, 0, 0}) == rel(0.25));
   const auto r = simulate(sch::lower(s), unit);
   for (double busy : r.busy_seconds) CHECK(busy == doctest::Approx(4 * 6.0));
 }
@@ -192,7 +196,7 @@ TEST_CASE("sim.interleaved.any-m: valid for every M, closed form where P divides
         for (double busy : r.busy_seconds) CHECK(busy == doctest::Approx(M * (f + b)));
         const double closed = double(P - 1) / (V * M + P - 1);
         if (M % P == 0) {
-          CHECK(r.bubble_ratio == doctest::Approx(closed).epsilon(1e-12));
+          CHECK(r.bubble_ratio == rel(closed, 1e-12));
           // Rank k stashes its warm-up plus the forward that precedes the first backward.
           for (int k = 0; k < P; ++k)
             CHECK(r.peak_stash[static_cast<std::size_t>(k)] ==
@@ -213,7 +217,7 @@ TEST_CASE("sim.zb-v.claims: F=BI=BW=1 per chunk, free links: only the P-1 fill, 
       // Per-rank shares of 2 split over the two chunks: F = BI = BW = 1 per chunk.
       const auto r = run(sch::zero_bubble_v({P, M, 2}), 2, 2, 2);
       CHECK(r.makespan == doctest::Approx(6.0 * M + P - 1));
-      CHECK(r.bubble_ratio == doctest::Approx(double(P - 1) / (6 * M + P - 1)).epsilon(1e-12));
+      CHECK(r.bubble_ratio == rel(double(P - 1) / (6 * M + P - 1), 1e-12));
       // Each rank idles exactly P-1 chunk-forwards: the first forward's trip down the V before
       // the tip can start; nothing in the steady state.
       for (int k = 0; k < P; ++k) {

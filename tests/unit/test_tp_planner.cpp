@@ -17,6 +17,8 @@
 #include <sstream>
 #include <string>
 
+using brigade::test::rel;
+
 namespace fs = std::filesystem;
 using namespace brigade;
 
@@ -47,14 +49,14 @@ TEST_CASE("tp_planner.ring_collectives: the all-reduce and all-gather costs by h
   // One token's 70B activation (8192 bf16 values) over 8 GPUs: 3 us, and 2 x 7 / 8 of 16384
   // bytes at 450 GB/s = 63.7 ns.
   CHECK(plan::ring_all_reduce_seconds(16384.0, 8, nvlink) ==
-        doctest::Approx(3e-6 + 14.0 / 8.0 * 16384.0 / 450e9).epsilon(1e-12));
-  CHECK(plan::ring_all_reduce_seconds(16384.0, 8, nvlink) == doctest::Approx(3.0637e-6));
+        rel(3e-6 + 14.0 / 8.0 * 16384.0 / 450e9, 1e-12));
+  CHECK(plan::ring_all_reduce_seconds(16384.0, 8, nvlink) == rel(3.0637e-6));
   // Two GPUs, 1 MB: one latency and one full buffer (2.22 us).
-  CHECK(plan::ring_all_reduce_seconds(1e6, 2, nvlink) == doctest::Approx(3e-6 + 1e6 / 450e9));
+  CHECK(plan::ring_all_reduce_seconds(1e6, 2, nvlink) == rel(3e-6 + 1e6 / 450e9));
   // 256 sequences of 70B on TP8: 4 MiB, the bandwidth term dominates (16.3 us of 19.3).
-  CHECK(plan::ring_all_reduce_seconds(256 * 16384.0, 8, nvlink) == doctest::Approx(1.9311e-5).epsilon(1e-4));
+  CHECK(plan::ring_all_reduce_seconds(256 * 16384.0, 8, nvlink) == rel(1.9311e-5, 1e-4));
   CHECK(plan::ring_all_reduce_seconds(1e9, 1, nvlink) == 0.0);
-  CHECK(plan::ring_all_gather_seconds(8e6, 4, nvlink) == doctest::Approx(3e-6 + 0.75 * 8e6 / 450e9));
+  CHECK(plan::ring_all_gather_seconds(8e6, 4, nvlink) == rel(3e-6 + 0.75 * 8e6 / 450e9));
   CHECK(plan::ring_all_gather_seconds(8e6, 1, nvlink) == 0.0);
   CHECK(contains(error_of([&] { (void)plan::ring_all_reduce_seconds(1.0, 0, nvlink); }),
                  "over 0 ranks"));
@@ -92,18 +94,18 @@ TEST_CASE("tp_planner.pipeline_closed_forms: bubbles, latency and throughput") {
   // One micro-batch through 8 stages: one stage works at a time, bubble 1 - 1/8.
   const auto one = plan::evaluate_tp_pp(l70(), h100(), {1, 8}, 1, w);
   CHECK(one.microbatches == 1);
-  CHECK(one.decode_bubble == doctest::Approx(0.875));
+  CHECK(one.decode_bubble == rel(0.875));
   // Four micro-batches in 8 stages: bubble at least 1 - 4/8 (the LM head's stage is slower).
   const auto four = plan::evaluate_tp_pp(l70(), h100(), {1, 8}, 4, w);
   CHECK(four.microbatches == 4);
-  CHECK(four.decode_bubble == doctest::Approx(0.5).epsilon(0.01));
+  CHECK(four.decode_bubble == rel(0.5, 0.01));
   // Eight micro-batches fill the pipeline: only the last stage's extra LM head idles the others.
   const auto full = plan::evaluate_tp_pp(l70(), h100(), {1, 8}, 64, w);
   CHECK(full.microbatches == 8);
   CHECK(full.decode_bubble < 0.1);
   CHECK(full.tp_comm_fraction == 0.0);
   for (const auto& p : {one, four, full}) {
-    CHECK(p.latency_s == doctest::Approx(p.ttft_s + 127 * p.tpot_s));
+    CHECK(p.latency_s == rel(p.ttft_s + 127 * p.tpot_s));
     CHECK(p.tokens_per_s == doctest::Approx(p.batch * 128 / p.latency_s));
   }
   // TP8 x PP1, batch 1, by hand: 80 layers of (weight stream of the GPU's share at 3.35 TB/s +
@@ -119,11 +121,11 @@ TEST_CASE("tp_planner.pipeline_closed_forms: bubbles, latency and throughput") {
   const double head = 128256.0 * 8192 / 8 * 2 / bw;
   const double tpot = 80 * layer + 8192.0 * 2 / bw + head + plan::ring_all_gather_seconds(128256.0 * 2, 8, nv);
   const auto tp8 = plan::evaluate_tp_pp(l70(), p, {8, 1}, 1, w);
-  CHECK(tp8.tpot_s == doctest::Approx(tpot).epsilon(1e-9));
+  CHECK(tp8.tpot_s == rel(tpot, 1e-9));
   CHECK(tp8.tpot_s * 1e3 == doctest::Approx(5.70).epsilon(0.01));  // ms per token
   CHECK(tp8.decode_bubble == 0.0);
-  CHECK(tp8.tp_comm_fraction == doctest::Approx(80 * 2 * 3.0637e-6 / tpot +
-        plan::ring_all_gather_seconds(128256.0 * 2, 8, nv) / tpot).epsilon(1e-6));
+  CHECK(tp8.tp_comm_fraction == rel(80 * 2 * (3e-6 + 14.0 / 8 * 16384 / 450e9) / tpot +
+        plan::ring_all_gather_seconds(128256.0 * 2, 8, nv) / tpot, 1e-6));
 }
 
 TEST_CASE("tp_planner.named_errors: a grid that does not divide, heads, memory") {

@@ -21,6 +21,8 @@
 #include <tuple>
 #include <vector>
 
+using brigade::test::rel;
+
 using namespace brigade;
 using namespace brigade::transport;
 using test::error_of;
@@ -291,7 +293,7 @@ TEST_CASE("verify.monitor: rows of keys without a learned reference are not in t
   const double before = m.statistics()[1];
   for (std::size_t c = 0; c < 16; ++c) x[c] *= 4;
   m.assess(x, 8, fresh);
-  CHECK(m.statistics()[1] - before == doctest::Approx(std::log(4.0) / 2).epsilon(1e-9));
+  CHECK(m.statistics()[1] - before == rel(std::log(4.0) / 2, 1e-9));
 }
 
 TEST_CASE("verify.monitor: a non-finite value is flagged at once, during warm-up too, and never "
@@ -647,7 +649,7 @@ TEST_CASE("verify.monitor: a payload's known scale (a gradient divided by its st
     const auto b = plain.observe(x, 24, k);
     (void)unaware.observe(divided, 24, k);
     CHECK(a.flagged == b.flagged);
-    CHECK(a.score == doctest::Approx(b.score).epsilon(1e-3));
+    CHECK(a.score == rel(b.score, 1e-3));
     clean_flags += a.flagged ? 1 : 0;
   }
   CHECK(clean_flags == 0);
@@ -772,22 +774,22 @@ TEST_CASE("verify.faults: apply_fault changes the payload by the documented magn
   };
   for (double m : {0.01, 0.1, 1.0}) {
     CAPTURE(m);
-    CHECK(run(fault(FaultKind::Noise, m)) == doctest::Approx(m).epsilon(0.1));
-    CHECK(run(fault(FaultKind::Scale, m)) == doctest::Approx(m).epsilon(1e-6));
+    CHECK(run(fault(FaultKind::Noise, m)) == rel(m, 0.1));
+    CHECK(run(fault(FaultKind::Scale, m)) == rel(m, 1e-6));
     CHECK(run(fault(FaultKind::BitFlip, m)) >= m);
-    CHECK(run(fault(FaultKind::Drift, m), {}, 1000) == doctest::Approx(m).epsilon(1e-3));
+    CHECK(run(fault(FaultKind::Drift, m), {}, 1000) == rel(m, 1e-3));
     // Sign and zero choose elements at random: at m = 0.01 only 3 (sign) or 13 (zero) of the
     // 131072 are expected, too few for the norm to be close; from m = 0.1 (328 and 1311) it is.
     if (m < 0.1) continue;
-    CHECK(run(fault(FaultKind::Sign, m)) == doctest::Approx(m).epsilon(0.2));
-    CHECK(run(fault(FaultKind::Zero, m)) == doctest::Approx(m).epsilon(0.2));
+    CHECK(run(fault(FaultKind::Sign, m)) == rel(m, 0.2));
+    CHECK(run(fault(FaultKind::Zero, m)) == rel(m, 0.2));
   }
   CHECK(run(fault(FaultKind::Sign, 2.0)) == doctest::Approx(2.0).epsilon(0.01));  // every sign
   CHECK(run(fault(FaultKind::Zero, 1.0)) == 1.0);                                 // every element
   // Drift ramps up: the k-th fault (drift_step k - 1) adds m k / drift_ramp of the norm.
   auto drift = fault(FaultKind::Drift, 1.0);
   drift.drift_ramp = 50;
-  CHECK(run(drift, {}, 9) == doctest::Approx(0.2).epsilon(1e-3));
+  CHECK(run(drift, {}, 9) == rel(0.2, 1e-3));
   CHECK(run(drift, {}, 49) == doctest::Approx(1.0).epsilon(1e-3));
   // The drift direction is fixed: two faults at full ramp add the same vector.
   auto a = clean, b = s.next();
@@ -1102,8 +1104,8 @@ TEST_CASE("verify.transport: token ids out of range are flagged at once, prefill
   }
   REQUIRE(f.injected().size() == 2);
   CHECK(f.injected()[0].index == 1);
-  CHECK(f.injected()[0].relative_change == doctest::Approx(0.5));
-  CHECK(f.injected()[1].relative_change == doctest::Approx(2.0 / 3.0));
+  CHECK(f.injected()[0].relative_change == rel(0.5));
+  CHECK(f.injected()[1].relative_change == rel(2.0 / 3.0));
 }
 
 TEST_CASE("verify.replay: ReplayGuard flags a payload equal to an earlier one of the stream, except "

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+using brigade::test::rel;
+
 namespace sch = brigade::schedule;
 namespace eng = brigade::engine;
 namespace tp = brigade::transport;
@@ -314,7 +316,7 @@ TEST_CASE("ops.sim.ring-offload.closed-form: prefetch hides behind compute, or p
       CAPTURE(L);
       const auto r = brigade::sim::simulate(off, ring_costs(off.shape, f, L));
       CHECK(r.makespan == doctest::Approx(4.0 * C * f + L));
-      CHECK(r.io_wait_seconds[0] == doctest::Approx(L));  // the first load of window 0
+      CHECK(r.io_wait_seconds[0] == rel(L));  // the first load of window 0
       CHECK(r.io_wait_seconds[1] == doctest::Approx(0.0));
       CHECK(r.busy_seconds == none.busy_seconds);  // loads are not compute
     }
@@ -332,7 +334,7 @@ TEST_CASE("ops.sim.ring-offload.closed-form: prefetch hides behind compute, or p
   for (const auto& p : r.timeline.intervals()) {
     if (p.op != Op::Prefetch) continue;
     ++prefetches;
-    CHECK(p.duration() == doctest::Approx(0.5));
+    CHECK(p.duration() == rel(0.5));
     for (const auto& c : r.timeline.intervals())
       if (c.rank == p.rank && brigade::is_compute(c.op) && c.start < p.end && p.start < c.end)
         ++overlapping;
@@ -347,8 +349,8 @@ TEST_CASE("ops.sim.peak-weights: a rank of 4 windows holds 2 with offload, all 4
   const auto none = brigade::sim::simulate(base, ring_costs(base.shape, 1.0, 0.1));
   const auto r = brigade::sim::simulate(off, ring_costs(off.shape, 1.0, 0.1));
   CHECK(none.peak_weight_bytes == std::vector<double>{1.0, 1.0});
-  CHECK(r.peak_weight_bytes[0] == doctest::Approx(0.5));
-  CHECK(r.peak_weight_bytes[1] == doctest::Approx(0.5));
+  CHECK(r.peak_weight_bytes[0] == rel(0.5));
+  CHECK(r.peak_weight_bytes[1] == rel(0.5));
   const auto m = brigade::sim::metrics_json(r);
   CHECK(m["peak_weight_bytes"].size() == 2);
   CHECK(m["io_wait_s"].size() == 2);
@@ -383,7 +385,7 @@ TEST_CASE("ops.roofline: weight bytes of a window and its load time over the dis
   for (int v = 0; v < 4; ++v) {
     const Action a{Op::Prefetch, v, 0, 0};
     total += cm.weight_bytes(a);
-    CHECK(cm.weight_load_seconds(a) == doctest::Approx(cm.weight_bytes(a) / 1e9));
+    CHECK(cm.weight_load_seconds(a) == rel(cm.weight_bytes(a) / 1e9));
   }
   for (int l = 0; l < spec.num_layers(); ++l)
     expected += brigade::model::layer_cost(spec, l, brigade::model::WorkItem{}).weight_bytes;

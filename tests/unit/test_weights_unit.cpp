@@ -21,6 +21,8 @@
 #include <string_view>
 #include <vector>
 
+using brigade::test::rel;
+
 namespace fs = std::filesystem;
 using brigade::Errc;
 using brigade::Error;
@@ -484,13 +486,13 @@ TEST_CASE("weights.synthetic: N(0, 0.02^2) with wo and w2 scaled by 1/sqrt(2 n_l
   const std::size_t n = 8 * 128 * 128;  // wq / wo are contiguous across layers
   const auto [mq, sq] = moments(w.layers[0].wq.f32(), n);
   CHECK(std::abs(mq) < 2e-4);
-  CHECK(sq == doctest::Approx(0.02).epsilon(0.01));
+  CHECK(sq == rel(0.02, 0.01));
   const auto [mo, so] = moments(w.layers[0].wo.f32(), n);
   CHECK(std::abs(mo) < 1e-4);
-  CHECK(so == doctest::Approx(0.02 / 4.0).epsilon(0.01));
+  CHECK(so == rel(0.02 / 4.0, 0.01));
   const auto [m2, s2] = moments(w.layers[0].w2.f32(), 8 * 128 * 256);
   CHECK(std::abs(m2) < 1e-4);
-  CHECK(s2 == doctest::Approx(0.02 / 4.0).epsilon(0.01));
+  CHECK(s2 == rel(0.02 / 4.0, 0.01));
   for (const auto& layer : w.layers)
     for (int i = 0; i < c.dim; ++i) {
       CHECK(layer.rms_att[i] == 1.0f);
@@ -522,5 +524,5 @@ TEST_CASE("weights.synthetic: the 110M config is generated with the right shape"
   CHECK(last != 0.0f);
   const auto [m, s] = moments(w.token_embedding.f32(), 32000 * d);
   CHECK(std::abs(m) < 1e-4);
-  CHECK(s == doctest::Approx(0.02).epsilon(0.01));
+  CHECK(s == rel(0.02, 0.01));
 }
