@@ -152,8 +152,6 @@ void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::
   auto* pos = static_cast<std::int32_t*>(DecoderBuffers<B>::grow(b, buf.pos, pos_bytes));
   b.upload(pos, buf.pos_host.data(), pos_bytes);
 
-  // Attention block: the QKV projections as three GEMMs over every row of every sequence.
-  b.rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
   // A row-parallel product added to the residual stream: x += in W^T, or with a split, the
   // group's sum of (x +) in W_r^T (the residual on rank 0 only) written back to x.
   const auto row_parallel = [&](const float* in, model::WeightMatrix wm, std::int64_t in_dim) {
@@ -168,6 +166,7 @@ void decoder_layer_forward(B& b, const model::LlamaConfig& config, const model::
     split->all_reduce(part, tokens * dim);
     b.copy(x, part, bytes);
   };
+  // Attention block: the QKV projections as three GEMMs over every row of every sequence.
   b.rmsnorm(x, w.rms_att, xb, tokens, dim, config.norm_eps);
   b.matmul_wt(xb, w.wq, q, tokens, dim, q_dim, false);
   b.matmul_wt(xb, w.wk, k, tokens, dim, kv_dim, false);
