@@ -13,7 +13,11 @@
 #     Default 2 repetitions.
 # KERNEL_ISAS (e.g. "avx512 avx2") runs brigade once per small-M kernel (BRIGADE_KERNEL_ISA) in
 # each repetition; default: the widest this CPU has. OpenBLAS's kernels follow
-# OPENBLAS_CORETYPE as set (the context's gemm_library names them).
+# OPENBLAS_CORETYPE as set (the context's gemm_library names them). The avx2 kernel on a CPU
+# with AVX-512 runs as on an AVX2-only CPU: products of up to 16 rows take the small-M kernel,
+# more go to SGEMM (BRIGADE_SMALL_M_MAX_ROWS=16; the limit follows the CPU, 32 rows with
+# AVX-512, so that the kernel choice never changes the bits), unless the caller sets
+# BRIGADE_SMALL_M_MAX_ROWS.
 # The GGUFs: brigade's synthetic 42M as a llama2.c checkpoint converted by llama.cpp's
 # llama-convert-llama2c-to-ggml, and llama-quantize's F16 and Q8_0 copies (docs/benchmarks.md
 # gives the commands).
@@ -50,8 +54,13 @@ run_all() {
       -npl 8,32 -t "$t" 2>/dev/null | grep -E '^\|'
   done
   for isa in ${KERNEL_ISAS:-default}; do
-    echo "brigade, kernel $isa"
-    env $([[ $isa == default ]] || echo "BRIGADE_KERNEL_ISA=$isa") "$build/bench/bench_pipeline" \
+    local vars=()
+    [[ $isa == default ]] || vars+=("BRIGADE_KERNEL_ISA=$isa")
+    if [[ $isa == avx2 && -z "${BRIGADE_SMALL_M_MAX_ROWS:-}" ]] && grep -q -w avx512f /proc/cpuinfo; then
+      vars+=("BRIGADE_SMALL_M_MAX_ROWS=16")
+    fi
+    echo "brigade, kernel $isa ${vars[*]}"
+    env "${vars[@]}" "$build/bench/bench_pipeline" \
       --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
       grep -E '^BM_|cpu_model|kernel_isa|gemm_library|ceiling_|warning'
   done
