@@ -10,6 +10,7 @@
 #include "brigade/backend/decoder.hpp"
 #include "brigade/core/error.hpp"
 #include "cpu_checks.hpp"
+#include "cpu_elementwise.hpp"
 #include "intra_op.hpp"
 #include "brigade/model/config.hpp"
 #include "brigade/model/weights.hpp"
@@ -500,11 +501,11 @@ void swiglu_backward(const float* gate, const float* up, const float* dh, float*
                      float* dup, std::int64_t n, float* h) {
   for (std::int64_t i = 0; i < n; ++i) {
     const float g = gate[i], u = up[i], d = dh[i];
-    const float sig = 1.0f / (1.0f + std::exp(-g));
+    const float sig = 1.0f / (1.0f + detail::exp_f32(-g));  // cpu::swiglu's e^x
     const float silu = g * sig;
     dup[i] = d * silu;
     dgate[i] = d * u * sig * (1.0f + g * (1.0f - sig));
-    if (h != nullptr) h[i] = silu * u;  // cpu::swiglu: (g * (1 / (1 + exp(-g)))) * u
+    if (h != nullptr) h[i] = silu * u;  // cpu::swiglu: (g * (1 / (1 + e^-g))) * u
   }
 }
 

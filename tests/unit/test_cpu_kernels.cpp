@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -529,6 +530,99 @@ TEST_CASE("cpu_kernels.swiglu, softmax, embedding: element-wise kernels") {
   for (std::size_t t = 0; t < ids.size(); ++t)
     for (std::int64_t j = 0; j < dim; ++j)
       CHECK(out[t * dim + sz(j)] == table[sz(ids[t] * dim + j)]);
+}
+
+TEST_CASE("cpu_kernels.vexp: within 1 ulp of e^x, the same bits on every instruction set, and "
+          "its edges") {
+  // Every 97th float from ln(FLT_MIN) to ln(FLT_MAX) (about 22 million arguments of both signs).
+  Vec args;
+  for (float x = -87.33654f; x < 88.72283f;) {
+    args.push_back(x);
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits = x < 0.0f ? (bits >= 97u + 0x80000000u ? bits - 97u : 0u) : bits + 97u;
+    if (bits == 0u) bits = 1u;  // cross zero onto the smallest positive float
+    std::memcpy(&x, &bits, sizeof bits);
+  }
+  REQUIRE(args.size() > 20'000'000u);
+  const cpu::KernelIsa before = cpu::kernel_isa();
+  std::vector<Vec> outs;
+  for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512}) {
+    if (!cpu::kernel_isa_supported(isa)) continue;
+    cpu::set_kernel_isa(isa);
+    Vec y = args;
+    cpu::vexp(y.data(), static_cast<std::int64_t>(y.size()));
+    outs.push_back(std::move(y));
+  }
+  cpu::set_kernel_isa(before);
+  REQUIRE(!outs.empty());
+  double worst = 0.0;
+  float worst_at = 0.0f;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const double ref = std::exp(double(args[i]));
+    const float r = static_cast<float>(ref);
+    const double ulp = double(std::nextafter(r, std::numeric_limits<float>::infinity())) - r;
+    const double err = std::abs(double(outs[0][i]) - ref) / ulp;
+    if (err > worst) {
+      worst = err;
+      worst_at = args[i];
+    }
+  }
+  INFO("largest error " << worst << " ulp at x = " << worst_at);
+  CHECK(worst <= 1.0);
+  for (std::size_t k = 1; k < outs.size(); ++k)
+    CHECK(std::memcmp(outs[k].data(), outs[0].data(), outs[0].size() * sizeof(float)) == 0);
+  // The edges: e^0 = 1 exactly; below ln(FLT_MIN) 0, above ln(FLT_MAX) +inf; NaN stays NaN.
+  const float inf = std::numeric_limits<float>::infinity();
+  Vec e{0.0f, -0.0f, -inf, inf, -87.4f, -1000.0f, 88.73f, 1000.0f,
+        std::numeric_limits<float>::quiet_NaN(), 1.0f};
+  cpu::vexp(e.data(), static_cast<std::int64_t>(e.size()));
+  CHECK(e[0] == 1.0f);
+  CHECK(e[1] == 1.0f);
+  CHECK(e[2] == 0.0f);
+  CHECK(e[3] == inf);
+  CHECK(e[4] == 0.0f);
+  CHECK(e[5] == 0.0f);
+  CHECK(e[6] == inf);
+  CHECK(e[7] == inf);
+  CHECK(std::isnan(e[8]));
+  CHECK(std::abs(double(e[9]) - std::exp(1.0)) <= 2.4e-7);
+  // The shift: e^(x - s), the difference rounded to float first.
+  Vec a{3.25f, -1.5f, 0.1f}, b{3.25f - 2.5f, -1.5f - 2.5f, 0.1f - 2.5f};
+  cpu::vexp(a.data(), 3, 2.5f);
+  cpu::vexp(b.data(), 3);
+  CHECK(std::memcmp(a.data(), b.data(), sizeof(float) * 3) == 0);
+  cpu::vexp(nullptr, 0);
+  CHECK_THROWS_WITH_AS(cpu::vexp(a.data(), -1), "vexp: n = -1 with x set; expected n >= 0 and x set when n > 0", Error);
+  CHECK_THROWS_WITH_AS(cpu::vexp(nullptr, 2), "vexp: n = 2 with x null; expected n >= 0 and x set when n > 0", Error);
+}
+
+TEST_CASE("cpu_kernels.kernel_isa: softmax and swiglu give the same bits on every instruction set") {
+  std::mt19937 rng(8);
+  const cpu::KernelIsa before = cpu::kernel_isa();
+  for (std::int64_t n : {1, 15, 16, 17, 33, 1000, 32000}) {
+    CAPTURE(n);
+    const Vec x = random_vec(rng, n, -30.0f, 30.0f), g = random_vec(rng, n, -12.0f, 12.0f),
+              u = random_vec(rng, n, -2.0f, 2.0f);
+    std::vector<Vec> soft, gate;
+    for (auto isa : {cpu::KernelIsa::Generic, cpu::KernelIsa::Avx2, cpu::KernelIsa::Avx512}) {
+      if (!cpu::kernel_isa_supported(isa)) continue;
+      cpu::set_kernel_isa(isa);
+      soft.push_back(x);
+      cpu::softmax(soft.back().data(), n);
+      gate.push_back(g);
+      cpu::swiglu(gate.back().data(), u.data(), n);
+    }
+    // softmax sums to 1 and matches double; the instruction sets agree bit for bit.
+    double sum = 0.0;
+    for (float p : soft[0]) sum += p;
+    CHECK(std::abs(sum - 1.0) < 1e-5);
+    for (std::size_t k = 1; k < soft.size(); ++k) {
+      CHECK(std::memcmp(soft[k].data(), soft[0].data(), sz(n) * sizeof(float)) == 0);
+      CHECK(std::memcmp(gate[k].data(), gate[0].data(), sz(n) * sizeof(float)) == 0);
+    }
+  }
+  cpu::set_kernel_isa(before);
 }
 
 TEST_CASE("cpu_kernels.blas_threads: set and read back") {

@@ -76,10 +76,21 @@ void rope(float* q, float* k, const std::int32_t* pos, std::int64_t tokens, int 
 void attention(const float* q, const float* k_cache, const float* v_cache, float* out,
                std::int64_t tokens, std::int64_t pos0, int n_heads, int n_kv_heads, int head_size);
 
-/// SwiGLU gate: gate[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)).
+/// SwiGLU gate: gate[i] = silu(gate[i]) * up[i], silu(x) = x * (1 / (1 + e^-x)), with vexp's
+/// e^x (the same bits on every instruction set).
 void swiglu(float* gate, const float* up, std::int64_t n);
 
-/// In-place softmax over x[0..n) with the maximum subtracted.
+/// In place, x[i] = e^(x[i] - shift) for i < n (x[i] - shift rounded to float first), the
+/// exponential of softmax() and swiglu(): vectorized on the kernel_isa(), the same bits on
+/// every instruction set, within 1 ulp of e^x for arguments in [-87.3, 88.7]; an argument below
+/// ln(FLT_MIN) = -87.34 gives 0 (the C library's expf returns a subnormal there), one above
+/// ln(FLT_MAX) = 88.72 gives +inf, NaN gives NaN. Range reduction by ln 2 (Cody-Waite) and the
+/// Taylor polynomial of e^r to degree 7 (src/cpu_exp.hpp).
+/// @throws brigade::Error{InvalidArgument} for n < 0, or x null with n > 0
+void vexp(float* x, std::int64_t n, float shift = 0.0f);
+
+/// In-place softmax over x[0..n) with the maximum subtracted: e^(x - max) by vexp(), summed left
+/// to right, each divided by the sum.
 void softmax(float* x, std::int64_t n);
 
 /// out[t, :] = table[ids[t], :]: embedding lookup, the rows converted to float32 (exact).

@@ -1,0 +1,10 @@
+// The element-wise kernels (cpu_elementwise.hpp) built for AVX2 + FMA: the compiler vectorizes their
+// loops for this translation unit's target flags (CMakeLists.txt); the bits are those of every
+// other build.
+#include "cpu_elementwise.hpp"
+
+namespace brigade::cpu::detail {
+
+const ElementwiseKernels kElementwiseAvx2{exp_loop, softmax_loop, swiglu_loop};
+
+}  // namespace brigade::cpu::detail
