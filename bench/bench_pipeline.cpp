@@ -121,17 +121,20 @@ DecodeRun decode_run(const partition::Partition& part, int threads, int seqs, in
 }
 
 /// As above on `stages` stages split by the balanced policy on this machine's profile (the
-/// CLI's default: cost::ProfiledLayerTimes) unless `roofline` (the default-rate roofline).
+/// CLI's default: cost::ProfiledLayerTimes) unless `roofline` (the default-rate roofline). One
+/// stage holds every layer whatever the policy: no profile is measured for it, so a process
+/// that runs only one-stage benchmarks starts at once.
 DecodeRun decode_run(int stages, int threads, int seqs, int steps, int prompt_len,
                      int microbatches = 0, bool roofline = false, DType dtype = DType::F32) {
   const model::ModelSpec spec(weights42m(dtype).config);
   const int groups = microbatches > 0 ? std::min(seqs, microbatches) : std::min(seqs, std::max(stages, 1));
   const model::WorkItem work{(seqs + groups - 1) / groups, (seqs + groups - 1) / groups, steps / 2.0};
   const auto part =
-      roofline ? partition::balanced(spec, stages, work)
-               : partition::balanced(spec, stages, work,
-                                     cost::ProfiledLayerTimes(machine_profile(), threads,
-                                                              stages * threads));
+      stages == 1 ? partition::uniform(spec, 1)
+      : roofline  ? partition::balanced(spec, stages, work)
+                  : partition::balanced(spec, stages, work,
+                                        cost::ProfiledLayerTimes(machine_profile(), threads,
+                                                                 stages * threads));
   return decode_run(part, threads, seqs, steps, prompt_len, microbatches, dtype);
 }
 

@@ -2,9 +2,13 @@
 # brigade beside llama.cpp on the 42M Llama shape, back to back in each repetition so both
 # engines see the same load (the machine's load and the host's steal vary from minute to minute).
 #   bench/vs_llamacpp.sh LLAMA_CPP_BIN_DIR MODEL.gguf [REPETITIONS]
-#     docs/benchmarks.md, "Decode and prefill beside llama.cpp": llama-bench (pp512, tg64 at 1 and
-#     2 threads), llama-batched-bench (8 and 32 sequences, 48 decode tokens, 1 and 2 threads),
-#     then bench_pipeline (ceilings, decode, planner, prefill). Default 3 repetitions.
+#     docs/benchmarks.md, "Decode and prefill beside llama.cpp": each llama.cpp measurement
+#     directly followed by brigade's of the same work, so that the pair sees the same minute of
+#     the host (whose speed drifts by tens of percent over a few minutes): llama-bench pp512 /
+#     BM_Llama42M_Prefill, then tg64 / BM_Llama42M_Decode (F32) beside BM_TriadCeiling, at 1 and
+#     2 threads; llama-batched-bench (8 and 32 sequences, 48 decode tokens) / BM_Decode's one-
+#     stage rows at 1 thread and BM_PlannedDecode (the planner's pick against every plan) at 2.
+#     Default 3 repetitions. bench/vs_llamacpp_summary.py turns the log into ratios.
 #   bench/vs_llamacpp.sh --dtypes LLAMA_CPP_BIN_DIR A.gguf [B.gguf ...] [REPETITIONS]
 #     docs/benchmarks.md, "Weights kept in F16, BF16 and Q8_0": single-sequence decode per weight
 #     dtype: llama-bench tg64 (-p 0 -n 64 -r 2) on each GGUF (the same model in the dtypes to
@@ -46,13 +50,9 @@ build="${BRIGADE_BUILD_DIR:-$root/build}"
 lscpu | grep -E "^Model name|^CPU\(s\)"
 echo "ISA: $(grep -m1 -o -w -E 'avx512f|avx2|fma|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 
-run_all() {
-  "$bin/llama-bench" -m "${models[0]}" -p 512 -n 64 -t 1,2 -r 1 2>/dev/null | grep -E '^\|'
-  for t in 1 2; do
-    echo "llama-batched-bench -t $t"
-    "$bin/llama-batched-bench" -m "${models[0]}" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 48 \
-      -npl 8,32 -t "$t" 2>/dev/null | grep -E '^\|'
-  done
+# brigade's benchmarks matching FILTER, with every kernel of KERNEL_ISAS.
+brigade() {
+  local filter=$1
   for isa in ${KERNEL_ISAS:-default}; do
     local vars=()
     [[ $isa == default ]] || vars+=("BRIGADE_KERNEL_ISA=$isa")
@@ -60,9 +60,27 @@ run_all() {
       vars+=("BRIGADE_SMALL_M_MAX_ROWS=16")
     fi
     echo "brigade, kernel $isa ${vars[*]}"
-    env "${vars[@]}" "$build/bench/bench_pipeline" \
-      --benchmark_filter='Triad|GemmCeiling|Llama42M|BM_Decode|PlannedDecode' 2>&1 |
+    env "${vars[@]}" "$build/bench/bench_pipeline" --benchmark_filter="$filter" 2>&1 |
       grep -E '^BM_|cpu_model|kernel_isa|gemm_library|ceiling_|warning'
+  done
+}
+
+run_all() {
+  for t in 1 2; do
+    "$bin/llama-bench" -m "${models[0]}" -p 512 -n 0 -t "$t" -r 1 2>/dev/null | grep -E '^\|'
+    brigade "BM_Llama42M_Prefill/threads:$t/"
+    "$bin/llama-bench" -m "${models[0]}" -p 0 -n 64 -t "$t" -r 1 2>/dev/null | grep -E '^\|'
+    brigade "BM_Llama42M_Decode/threads:$t/dtype:0/|BM_TriadCeiling/threads:$t/|BM_GemmCeiling/threads:$t/"
+  done
+  for t in 1 2; do
+    echo "llama-batched-bench -t $t"
+    "$bin/llama-batched-bench" -m "${models[0]}" -c 4096 -b 2048 -ub 512 -npp 1 -ntg 48 \
+      -npl 8,32 -t "$t" 2>/dev/null | grep -E '^\|'
+    if ((t == 1)); then
+      brigade "BM_Decode/stages:1/threads:1/seqs:(8|32)/"
+    else
+      brigade "BM_PlannedDecode"
+    fi
   done
 }
 
