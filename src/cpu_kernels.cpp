@@ -628,6 +628,4 @@ void small_m_generic(const float* x, const void* w, DType wt, float* out, std::i
   }
 }
 
-// The portable element-wise kernels (cpu_elementwise.hpp), built with the library's flags.
-const ElementwiseKernels kElementwiseGeneric{exp_loop, softmax_loop, swiglu_loop};
 }  // namespace brigade::cpu::detail
