@@ -40,9 +40,9 @@ TEST_CASE("cli.generate: stdout is byte-identical to run.c, two prompts in fligh
   const auto& c0 = ref.cases[0];  // empty prompt, 256 steps
   const auto& c1 = ref.cases[1];  // "Once upon a time", 64 steps
   // Same --steps for both prompts: run the 64-step case with both, compare each separately.
-  const auto tag = std::to_string(::getpid());
-  const fs::path metrics = fs::temp_directory_path() / ("brigade_cli_metrics_" + tag + ".json");
-  const fs::path trace = fs::temp_directory_path() / ("brigade_cli_trace_" + tag + ".json");
+  const brigade::test::TempDir tmp("brigade_cli_generate");
+  const fs::path metrics = tmp / "metrics.json";
+  const fs::path trace = tmp / "trace.json";
   auto r = run_cli("generate " + model_flags() + " --temperature 0 --stages 3 --steps 64 " +
                    "--prompt \"Once upon a time\" --prompt \"Once upon a time\" --metrics " +
                    metrics.string() + " --trace " + trace.string());
@@ -247,8 +247,8 @@ TEST_CASE("cli.generate: bad input gets one clear line and a non-zero exit" *
     CHECK(r.err.find("unknown model size '7B'") != std::string::npos);
   }
   SUBCASE("a truncated checkpoint") {
-    const fs::path bad =
-        fs::temp_directory_path() / ("brigade_truncated_" + std::to_string(::getpid()) + ".bin");
+    const brigade::test::TempDir tmp("brigade_truncated");
+    const fs::path bad = tmp / "stories260K_first_1000_bytes.bin";
     {
       std::ifstream in(kData / "stories260K.bin", std::ios::binary);
       std::string bytes(1000, '\0');

@@ -24,9 +24,9 @@ namespace {
 
 bool have_cli() { return std::string(BRIGADE_CLI).size() > 0 && fs::exists(BRIGADE_CLI); }
 
+// The test files live in one directory per process, removed when the test binary exits.
 fs::path write_file(const std::string& name, const std::string& bytes) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("brigade_plan_batches_{}", ::getpid());
-  fs::create_directories(dir);
+  static const test::TempDir dir("brigade_plan_batches");
   std::ofstream(dir / name, std::ios::binary) << bytes;
   return dir / name;
 }

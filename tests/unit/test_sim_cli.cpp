@@ -40,9 +40,9 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
+// One directory per process, removed when the test binary exits.
 fs::path scratch(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / "brigade_test_sim_cli";
-  fs::create_directories(dir);
+  static const brigade::test::TempDir dir("brigade_test_sim_cli");
   return dir / name;
 }
 

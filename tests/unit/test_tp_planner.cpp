@@ -229,11 +229,8 @@ bool have_cli() { return std::string(BRIGADE_CLI).size() > 0 && fs::exists(BRIGA
 
 TEST_CASE("tp_planner.cli: brigade plan prints the front and the pick, writes SVG and JSON") {
   if (!have_cli()) return;
-  const fs::path dir = fs::temp_directory_path() / "brigade_test_tp_planner";
-  fs::create_directories(dir);
+  const brigade::test::TempDir dir("brigade_test_tp_planner");
   const fs::path svg = dir / "front.svg", json = dir / "plans.json";
-  fs::remove(svg);
-  fs::remove(json);
   const Run r = brigade_cli("plan --model llama-3.1-70b --gpus 8 --gpu h100 --slo-ttft 1 "
                             "--slo-tpot 0.03 --input-len 128 --output-len 128 --max-batch 1024 "
                             "--svg " + svg.string() + " --json " + json.string());
