@@ -405,6 +405,43 @@ TEST_CASE("serve.predictor: the online fit recovers a stage's cost law from its 
   test::error_of(Errc::InvalidArgument, [&] { (void)p.features(2, f0); });
 }
 
+TEST_CASE("serve.predictor: a fit that weighs a feature negatively predicts 0 s, not a negative "
+          "time, on a round past the ones it learned from") {
+  const model::ModelSpec spec(ref().weights.config);
+  const auto part = partition::uniform(spec, 2);
+  serve::StageLatencyPredictor p(cost::LatencyEstimator(spec, model::roofline_layer_seconds()), part);
+  auto chunk = [](int tokens) {
+    serve::RoundFeatures f;
+    f.prefill_tokens = tokens;
+    f.prefill_seqs = 1;
+    f.prefill_context = tokens / 2.0;
+    f.sampled = 1;
+    return f;
+  };
+  // This "machine" gets faster with longer prompt chunks over the chunks observed (16-64
+  // tokens, where the prior grows 4x): 2 ms fixed, less c per second of the prior, c set so every
+  // observed round takes >= 1 ms.
+  const double most = p.features(0, chunk(64))[1];
+  const double c = 1e-3 / most;
+  for (int i = 0; i < 42; ++i) {
+    const auto f = chunk(16 + 8 * (i % 7));
+    const auto x = p.features(0, f);
+    p.observe(0, f, 2.0 * x[3] - c * x[1]);
+  }
+  CHECK(p.weights(0)[1] < 0.0);
+  // A 512-token chunk: w . x is far below zero (its prior is ~17x the largest observed).
+  const auto big = chunk(512);
+  const auto x = p.features(0, big);
+  double wx = 0.0;
+  for (int i = 0; i < serve::StageLatencyPredictor::kFeatures; ++i)
+    wx += p.weights(0)[static_cast<std::size_t>(i)] * x[static_cast<std::size_t>(i)];
+  CHECK(wx < -1e-3);
+  CHECK(p.predict(0, big) == 0.0);
+  // Inside the observed rounds the fit is what it learned.
+  const auto f40 = chunk(40);
+  CHECK(p.predict(0, f40) == rel(2.0 * p.features(0, f40)[3] - c * p.features(0, f40)[1], 0.02));
+}
+
 TEST_CASE("serve.predictor: every round of a run is measured on every stage and predicted online "
           "with a finite error") {
   const model::ModelSpec spec(ref().weights.config);

@@ -90,13 +90,17 @@ class StageLatencyPredictor {
   /// Predicted seconds of stage v on round `f`.
   [[nodiscard]] double predict(int v, const RoundFeatures& f) const { return predict(part_, v, f); }
 
-  /// Predicted seconds of stage v on round `f` with the layers of `p` (features(p, v, f)).
+  /// Predicted seconds of stage v on round `f` with the layers of `p` (features(p, v, f)),
+  /// never below 0: a fit may weigh a feature negatively (the fixed cost and a near-constant
+  /// prior trade off), and on a round outside the ones it learned from w . x can then fall under
+  /// zero, which no stage's time does (the MPI serving tests met -1e-7 s in about one run in
+  /// eight, and the simulator refuses a negative time).
   [[nodiscard]] double predict(const partition::Partition& p, int v, const RoundFeatures& f) const {
     const auto x = features(p, v, f);
     const auto& w = fits_[static_cast<std::size_t>(v)].w;
     double y = 0.0;
     for (int i = 0; i < kFeatures; ++i) y += w[static_cast<std::size_t>(i)] * x[static_cast<std::size_t>(i)];
-    return y;
+    return std::max(0.0, y);
   }
 
   /// The prior alone (the calibrated cost model): x[0] + x[1].
