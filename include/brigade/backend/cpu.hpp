@@ -85,7 +85,7 @@ void swiglu(float* gate, const float* up, std::int64_t n);
 /// every instruction set, within 1 ulp of e^x for arguments in [-87.3, 88.7]; an argument below
 /// ln(FLT_MIN) = -87.34 gives 0 (the C library's expf returns a subnormal there), one above
 /// ln(FLT_MAX) = 88.72 gives +inf, NaN gives NaN. Range reduction by ln 2 (Cody-Waite) and the
-/// Taylor polynomial of e^r to degree 7 (src/cpu_exp.hpp).
+/// Taylor polynomial of e^r to degree 7 (src/cpu_elementwise.hpp).
 /// @throws brigade::Error{InvalidArgument} for n < 0, or x null with n > 0
 void vexp(float* x, std::int64_t n, float shift = 0.0f);
 
