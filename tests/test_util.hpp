@@ -37,7 +37,7 @@ namespace brigade::test {
 inline bool have_data(const std::filesystem::path& file) {
   if (std::filesystem::exists(file)) return true;
   std::printf("[skipped] %s not found: set the CMake cache variable BRIGADE_DATA_DIR to the "
-              "folder that holds it\n", file.string().c_str());
+              "folder that holds it\n", file.lexically_normal().string().c_str());
   return false;
 }
 
