@@ -89,9 +89,7 @@ run_dtypes() {
   for f in "${models[@]}"; do m+=(-m "$f"); done
   "$bin/llama-bench" "${m[@]}" -p 0 -n 64 -t "$threads" -r 2 2>/dev/null | grep -E '^\|'
   for t in ${threads//,/ }; do
-    "$build/bench/bench_pipeline" \
-      --benchmark_filter="BM_TriadCeiling/threads:$t(/|\$)|BM_Llama42M_Decode/threads:$t/" 2>&1 |
-      grep -E '^BM_|cpu_model|kernel_isa|gemm_library|ceiling_'
+    brigade "BM_TriadCeiling/threads:$t(/|\$)|BM_Llama42M_Decode/threads:$t/"
   done
 }
 
