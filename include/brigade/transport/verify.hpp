@@ -18,6 +18,10 @@
 
 #include "brigade/transport/decorators.hpp"
 
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <Eigen/QR>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -39,6 +43,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace brigade::transport {
@@ -74,6 +79,13 @@ struct SentinelConfig {
   /// saturates near 1 / sqrt(rate)) and pull the key references. 1 = learn every message not
   /// flagged.
   double learn_below = 0.5;
+  /// Message kinds whose streams score minor-share (SentinelMonitor, MinorSubspace), as
+  /// VerifyingTransport keys its streams: gradients by default. It catches noise and sign flips
+  /// in rows without a usual direction per token (stories260K's gradients: 86-90% of those of
+  /// the payload's norm, against 1-26% without it); activations have one, which key-cos reads,
+  /// and on the 42M shape's activations, whose distribution moves from step to step in the
+  /// first hundred steps of training, it flagged 4-7% of clean messages (docs/integrity.md).
+  std::vector<MessageKind> minor_share_kinds = {MessageKind::Gradient};
 };
 
 /// Checks a SentinelConfig's fields.
@@ -115,6 +127,204 @@ struct Assessment {
   std::string reason;           ///< empty unless flagged: which statistic deviated, by how much
 };
 
+/// The minor subspace of one stream's rows, for SentinelMonitor's "minor-share" statistic: the
+/// least-variance directions of the rows' learned covariance, and how much more of a message's
+/// energy lies in them than of the stream's recent rows'. This is the squared prediction error
+/// (Q statistic) of multivariate statistical process control (J. E. Jackson and G. S.
+/// Mudholkar, "Control Procedures for Residuals Associated With Principal Component Analysis",
+/// Technometrics 21(3), 1979): clean rows put little energy in their stream's minor directions,
+/// while noise (isotropic), sign flips and zeroed elements of a share of the elements spread
+/// energy over every direction. It needs no usual direction per row, so it sees these faults in
+/// gradients, whose rows have none per token (key-cos sees them in activations); scaling keeps
+/// every direction and does not move it.
+///
+/// Rows are projected onto at most kDims dimensions first (a fixed random orthonormal [cols, p]
+/// projection P, seeded by the width; none when cols <= kDims), which bounds the covariance to
+/// p^2 doubles and its eigendecomposition to about 18 ms (p = 256, a 2-core Zen 5). learn()
+/// takes up to kRows rows of a message (evenly strided) into the hold-out, a FIFO of the newest
+/// kHoldout learned rows; a row leaving it is normalized to unit length (a direction, whatever
+/// its norm: a training run's gradients shrink by an e-fold in their first hundred messages) and
+/// learned by an EMA of the directions' second moment C [p, p] (momentum kDecay per kRows rows;
+/// plain averaging while the rows so far are fewer). Once the stream has sent kFirstMessages
+/// messages and C has learned kRefreshRows p rows, and every kRefreshRows p rows after that, its
+/// eigendecomposition gives the basis V, its p / kPart least-variance eigenvectors (B = P V
+/// [cols, k] in the stream's coordinates).
+///
+/// The statistic is relative: log(sum_r ||B' x_r||^2 / sum_r ||x_r||^2) of the message minus
+/// the same log share of the hold-out rows under the same basis. A basis fitted to C goes stale
+/// as a training run changes its stream (on the 42M shape's activations the share of the rows
+/// to come rose by about 0.8 in log between two refreshes, and a refresh lowered it again),
+/// and the hold-out's share moves with it, so the difference stays level across refreshes and
+/// drift; the hold-out rows are not in C, so the basis does not fit their noise.
+///
+/// Memory: p^2 doubles (512 KiB at p = 256), cols * (p + k) and kHoldout * p floats. Not
+/// thread-safe.
+class MinorSubspace {
+ public:
+  /// Rows are projected onto at most this many dimensions before their covariance is learned.
+  static constexpr std::int64_t kDims = 256;
+  /// The minor subspace is the p / kPart least-variance directions (p the projected width).
+  static constexpr std::int64_t kPart = 4;
+  /// Rows of a learned message (evenly strided) that the subspace learns.
+  static constexpr std::int64_t kRows = 32;
+  /// SentinelMonitor reads minor-share only of messages of at least this many rows: one row's
+  /// share is far from normal (bounded above by 1, a long tail towards 0), and on a stationary
+  /// synthetic stream of [1, 512] messages 1.1% of the clean ones were flagged (bench_checks).
+  static constexpr std::int64_t kMinRows = 8;
+  /// Rows in the hold-out (the newest learned rows; not yet in the covariance).
+  static constexpr std::int64_t kHoldout = 512;
+  /// The first basis needs this many learned messages (and kRefreshRows p rows in C).
+  static constexpr std::int64_t kFirstMessages = 32;
+  /// Rows the covariance learns between two eigendecompositions, in units of p (1,024 rows at
+  /// p = 256: 32 training messages of 32 rows, or 1,024 decode messages of one sequence).
+  static constexpr std::int64_t kRefreshRows = 4;
+  /// EMA momentum of the covariance per kRows rows (a window of about 200 such messages: an
+  /// estimate from few rows puts noise in its least-variance directions, the very ones read).
+  static constexpr double kDecay = 0.995;
+
+  /// A subspace for rows of `cols` values (>= 1).
+  /// @throws brigade::Error{InvalidArgument} for cols < 1
+  explicit MinorSubspace(std::int64_t cols) : cols_(cols) {
+    BRIGADE_CHECK(cols >= 1, Errc::InvalidArgument, "MinorSubspace: cols = {}, expected >= 1",
+                  cols);
+    const std::int64_t p = std::min(cols, kDims);
+    if (p < cols) {  // a random orthonormal [cols, p] projection, seeded by the width
+      std::mt19937_64 gen(0x5e17e1ULL ^ static_cast<std::uint64_t>(cols));
+      std::normal_distribution<double> normal;
+      Eigen::MatrixXd g(cols, p);
+      for (Eigen::Index j = 0; j < g.cols(); ++j)
+        for (Eigen::Index i = 0; i < g.rows(); ++i) g(i, j) = normal(gen);
+      const Eigen::MatrixXd q =
+          Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ() * Eigen::MatrixXd::Identity(cols, p);
+      proj_ = q.cast<float>();
+    }
+    cov_ = Eigen::MatrixXd::Zero(p, p);
+    held_y_.resize(kHoldout, p);
+    held_energy_.assign(static_cast<std::size_t>(kHoldout), 0.0);
+    held_minor_.assign(static_cast<std::size_t>(kHoldout), 0.0);
+  }
+
+  /// Learns up to kRows rows (evenly strided) of x [rows, cols] (row-major) times `scale` (the
+  /// factor the sender divided it by, SentinelMonitor::assess: the hold-out's rows weigh as the
+  /// rescaled payload's): into the hold-out, and the rows it pushes out into the covariance;
+  /// all-zero and non-finite rows are skipped. Refreshes the basis when due (class docstring).
+  /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() != rows * cols, or a scale
+  ///         that is not finite and > 0
+  void learn(std::span<const float> x, std::int64_t rows, double scale = 1.0) {
+    check(x, rows);
+    BRIGADE_CHECK(std::isfinite(scale) && scale > 0, Errc::InvalidArgument,
+                  "MinorSubspace::learn: scale = {}, expected finite and > 0", scale);
+    ++messages_;
+    const std::int64_t take = std::min(rows, kRows);
+    const RowMajor xm(x.data(), rows, cols_);
+    picked_.resize(take, cols_);
+    for (std::int64_t i = 0; i < take; ++i) picked_.row(i) = xm.row(i * rows / take);
+    picked_ *= static_cast<float>(scale);
+    if (proj_.size() > 0)
+      y_.noalias() = picked_ * proj_;
+    else
+      y_ = picked_;
+    const Eigen::Index p = cov_.rows();
+    evicted_.resize(take, p);
+    Eigen::Index out = 0;
+    for (Eigen::Index i = 0; i < y_.rows(); ++i) {
+      const double energy = static_cast<double>(picked_.row(i).squaredNorm());
+      if (!(energy > 0) || !std::isfinite(energy)) continue;  // nothing to learn
+      const auto h = static_cast<std::size_t>(head_);
+      if (held_ == kHoldout)
+        evicted_.row(out++) = held_y_.row(head_);
+      else
+        ++held_;
+      held_y_.row(head_) = y_.row(i);
+      held_energy_[h] = energy;
+      held_minor_[h] = ready() ? static_cast<double>((y_.row(i) * basis_p_).squaredNorm()) : 0.0;
+      head_ = (head_ + 1) % kHoldout;
+    }
+    if (out == 0) return;
+    Eigen::MatrixXd y = evicted_.topRows(out).cast<double>();
+    for (Eigen::Index i = 0; i < y.rows(); ++i) y.row(i) /= y.row(i).norm();
+    rows_ += out;
+    since_ += out;
+    // Momentum per row: `out` rows move C as out / kRows messages of kRows would; plain
+    // averaging while the rows so far are fewer than the window.
+    const double a =
+        std::max(1.0 - std::pow(kDecay, static_cast<double>(out) / static_cast<double>(kRows)),
+                 static_cast<double>(out) / static_cast<double>(rows_));
+    cov_ *= 1 - a;
+    cov_.noalias() += (a / static_cast<double>(out)) * (y.transpose() * y);
+    if (since_ < kRefreshRows * p || messages_ < kFirstMessages) return;
+    since_ = 0;
+    refresh();
+  }
+
+  /// The minor-share statistic of x [rows, cols] (row-major), sum_sq = sum_r ||x_r||^2 (> 0):
+  /// log(sum_r ||B' x_r||^2 / sum_sq) minus the hold-out's log share (class docstring). One
+  /// GEMM [rows, cols] x [cols, k].
+  /// @throws brigade::Error{InvalidUsage} before the first basis (ready());
+  ///         brigade::Error{InvalidArgument} for a bad shape or sum_sq <= 0
+  double log_share(std::span<const float> x, std::int64_t rows, double sum_sq) {
+    BRIGADE_CHECK(ready(), Errc::InvalidUsage, "MinorSubspace::log_share: no basis yet");
+    check(x, rows);
+    BRIGADE_CHECK(sum_sq > 0, Errc::InvalidArgument,
+                  "MinorSubspace::log_share: sum of squares {}, expected > 0", sum_sq);
+    z_.noalias() = RowMajor(x.data(), rows, cols_) * basis_;
+    double minor = 0, energy = 0;
+    for (std::size_t h = 0; h < static_cast<std::size_t>(held_); ++h) {
+      minor += held_minor_[h];
+      energy += held_energy_[h];
+    }
+    return std::log(static_cast<double>(z_.squaredNorm()) / sum_sq + 1e-300) -
+           std::log(minor / energy + 1e-300);
+  }
+
+  /// Whether a basis exists (log_share can be read).
+  [[nodiscard]] bool ready() const noexcept { return basis_.size() > 0; }
+  /// Eigendecompositions so far.
+  [[nodiscard]] std::int64_t refreshes() const noexcept { return refreshes_; }
+  /// Messages learned.
+  [[nodiscard]] std::int64_t learned() const noexcept { return messages_; }
+  /// The width of the stream's rows.
+  [[nodiscard]] std::int64_t cols() const noexcept { return cols_; }
+  /// The projected width p (min(cols, kDims)).
+  [[nodiscard]] std::int64_t dims() const noexcept { return cov_.rows(); }
+
+ private:
+  using RowMajor =
+      Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+  void check(std::span<const float> x, std::int64_t rows) const {
+    BRIGADE_CHECK(rows >= 1 && static_cast<std::int64_t>(x.size()) == rows * cols_,
+                  Errc::InvalidArgument, "MinorSubspace: {} values are not a [{}, {}] matrix",
+                  x.size(), rows, cols_);
+  }
+
+  void refresh() {
+    const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> eig(cov_);
+    if (eig.info() != Eigen::Success) return;
+    const Eigen::Index k = std::max<Eigen::Index>(1, cov_.rows() / kPart);
+    basis_p_ = eig.eigenvectors().leftCols(k).cast<float>();  // ascending eigenvalues
+    basis_ = proj_.size() > 0 ? (proj_ * basis_p_).eval() : basis_p_;
+    // The hold-out's rows under the new basis.
+    const Eigen::VectorXf minor = (held_y_.topRows(held_) * basis_p_).rowwise().squaredNorm();
+    for (Eigen::Index h = 0; h < minor.size(); ++h)
+      held_minor_[static_cast<std::size_t>(h)] = static_cast<double>(minor(h));
+    ++refreshes_;
+  }
+
+  std::int64_t cols_;
+  Eigen::MatrixXf proj_;     // [cols, p], empty when p = cols
+  Eigen::MatrixXd cov_;      // [p, p]
+  Eigen::MatrixXf basis_p_;  // [p, k]: V, empty before the first refresh
+  Eigen::MatrixXf basis_;    // [cols, k]: P V
+  // The hold-out: a ring of kHoldout projected rows, each row's energy ||x||^2 and its energy
+  // in the minor subspace ||V' y||^2.
+  Eigen::MatrixXf held_y_;
+  std::vector<double> held_energy_, held_minor_;
+  std::int64_t held_ = 0, head_ = 0;
+  std::int64_t messages_ = 0, rows_ = 0, since_ = 0, refreshes_ = 0;
+  Eigen::MatrixXf picked_, y_, z_, evicted_;  // scratch
+};
+
 /// The EMA statistics of ONE stream of f32 messages [rows, cols] (cols fixed by the first
 /// message), after SENTINEL (arXiv 2603.03592): each message is compared with momentum (EMA)
 /// references learned from the stream's accepted messages.
@@ -142,16 +352,23 @@ struct Assessment {
 /// projection); the mean over those rows of
 /// log RMS(x_r) - the key's EMA log RMS ("key-norm": scaling, zeroing, noise); and, over all
 /// rows, log(max |x| / RMS) ("peak-ratio", one-sided, only a rise: one exploded element, a bit
-/// flip). A message with no row of a learned key has no key statistics (scored 0, not learned
-/// by them). A non-finite value makes the score +inf (flagged at once, even during warm-up).
+/// flip); and log(sum_r ||B' x_r||^2 / sum_r ||x_r||^2), the share of the message's energy in
+/// the stream's minor subspace B ("minor-share", one-sided, only a rise: MinorSubspace; noise
+/// and sign flips in rows without a usual direction per key, as gradients are; one GEMM
+/// [rows, cols] x [cols, cols/4 or 64], relative to the stream's recent rows). A message with
+/// no row of a learned key has no key statistics (scored 0, not learned by them); minor-share
+/// is read from the subspace's first basis on, of messages of at least MinorSubspace::kMinRows
+/// rows, and scored after a warm-up of its own (config.warmup values, then its EMAs restart
+/// from their median and MAD). A non-finite value makes the score +inf (flagged at once, even
+/// during warm-up).
 ///
 /// Score: each statistic s is compared with its EMA mean mu and variance var over the stream's
 /// learned messages (momentum config.decay), as a random-effects model: a key statistic is a
 /// mean over n rows, so its spread is the spread between messages, tau^2 = var - (the EMA of
 /// the messages' squared standard errors), plus this message's own, (the EMA of the rows'
 /// variance) / n: z = |s - mu| / sqrt(tau^2 + rowvar / n + (1e-3 |mu|)^2 + 1e-300). An
-/// 8-row micro-batch is judged with a band 4 times as wide as a 128-row one (peak-ratio has no
-/// rows: its tau^2 is var).
+/// 8-row micro-batch is judged with a band 4 times as wide as a 128-row one (peak-ratio and
+/// minor-share have no rows: their tau^2 is var).
 ///
 /// Warm-up: the first `warmup` messages are learned without verdicts (non-finite values aside);
 /// at its end the EMAs restart from the median and 1.4826 x the median absolute deviation of the
@@ -186,14 +403,18 @@ struct Assessment {
 /// largest score / threshold. Refitted after every n/16 new scores. Not thread-safe.
 ///
 /// Memory: 4 cols + 32 bytes per key (the 42M shape, vocabulary 32000 x dim 512: at most 66 MB
-/// per stream, only for the token ids that occur), 24 KiB of scores, O(rows) scratch.
+/// per stream, only for the token ids that occur), 32 KiB of scores, O(rows) scratch, and the
+/// stream's MinorSubspace (its own, or one shared: share_minor).
 class SentinelMonitor {
  public:
   /// Statistics scored (the size of kNames); each has its own calibrated threshold.
-  static constexpr int kGroups = 3;
+  static constexpr int kGroups = 4;
 
+  /// A monitor that scores minor-share when `minor_share` (VerifyingTransport: when the
+  /// stream's kind is in config.minor_share_kinds); without it that statistic is never present.
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
-  explicit SentinelMonitor(const SentinelConfig& config = {}) : config_(config) {
+  explicit SentinelMonitor(const SentinelConfig& config = {}, bool minor_share = true)
+      : config_(config), minor_on_(minor_share) {
     validate(config_);
     fitted_.fill(kInf);
   }
@@ -242,10 +463,11 @@ class SentinelMonitor {
     score_.fill(0);
     for (int g = 0; g < kGroups; ++g) {
       const auto d = static_cast<std::size_t>(g);
-      if (count_[d] < 2 || !present_[d]) continue;
+      if (count_[d] < (g == kMinor ? config_.warmup : 2) || !present_[d]) continue;
       const double diff = cur_[d] - mean_[d];
-      // key-cos only scores a fall, peak-ratio only a rise: faults lower the one, raise the other.
-      if ((g == kCos && diff > 0) || (g == kPeak && diff < 0)) continue;
+      // key-cos only scores a fall, peak-ratio and minor-share only a rise: faults lower the
+      // one and raise the others.
+      if ((g == kCos && diff > 0) || ((g == kPeak || g == kMinor) && diff < 0)) continue;
       const double floor = 1e-3 * std::fabs(mean_[d]);
       // Random effects: the spread between messages (tau^2: the EMA variance less the EMA of
       // the messages' squared standard errors) plus this message's own standard error, from
@@ -288,8 +510,12 @@ class SentinelMonitor {
                               recent_flags_, kRecent, restarts_ + 1);
       a.learnable = false;
       const std::int64_t restarts = restarts_ + 1;
-      *this = SentinelMonitor(config_);
+      auto minor = std::move(minor_);
+      const bool feeds = minor_feeds_;
+      *this = SentinelMonitor(config_, minor_on_);
       restarts_ = restarts;
+      minor_ = std::move(minor);  // the stream's subspace is not this monitor's to restart
+      minor_feeds_ = feeds;
     }
     return a;
   }
@@ -312,7 +538,7 @@ class SentinelMonitor {
       const double a = std::max(1.0 - config_.decay, 1.0 / static_cast<double>(count_[d]));
       double diff = cur_[d] - mean_[d];
       double sq = diff * diff;
-      if (learned_ > config_.warmup && var_[d] > 0) {
+      if ((g == kMinor ? count_[d] > config_.warmup : learned_ > config_.warmup) && var_[d] > 0) {
         // Huber's clipped update (class docstring, "Learning"): one message moves the EMAs by
         // at most kHuberClip of the spread.
         const double lim = kHuberClip * std::sqrt(var_[d]);
@@ -323,6 +549,10 @@ class SentinelMonitor {
       var_[d] = (1 - a) * (var_[d] + a * sq);
       se2_mean_[d] += a * (row_var_[d] / rows_[d] - se2_mean_[d]);
       row_var_mean_[d] += a * (row_var_[d] - row_var_mean_[d]);
+      if (g == kMinor && count_[d] <= config_.warmup) {
+        minor_warm_.push_back(cur_[d]);
+        if (count_[d] == config_.warmup) minor_robust_start();
+      }
     }
     if (learned_ <= config_.warmup) {  // keep the last kWarmRows warm-up statistics
       auto& w = warm_[static_cast<std::size_t>(learned_ - 1) % kWarmRows];
@@ -335,6 +565,7 @@ class SentinelMonitor {
         if (!present_[d]) w[d] = w2[d] = w3[d] = std::numeric_limits<double>::quiet_NaN();
       if (learned_ == config_.warmup) robust_start();
     }
+    learn_minor();
     learn_keys();
   }
 
@@ -345,6 +576,21 @@ class SentinelMonitor {
     Assessment a = assess(x, rows, keys, scale);
     if (a.learnable) learn();
     return a;
+  }
+
+  /// Reads (and, when `feeds`, teaches) `subspace` for the minor-share statistic instead of a
+  /// subspace of its own: StreamMonitor shares one per stream among its row buckets' monitors
+  /// (the subspace is a property of the stream's rows, not of the messages' sizes), each
+  /// learned message teaching it once. Call before the first message.
+  /// @throws brigade::Error{InvalidArgument} for a null subspace;
+  ///         brigade::Error{InvalidUsage} after the first message
+  void share_minor(std::shared_ptr<MinorSubspace> subspace, bool feeds) {
+    BRIGADE_CHECK(subspace != nullptr, Errc::InvalidArgument,
+                  "SentinelMonitor::share_minor: a null subspace");
+    BRIGADE_CHECK(cols_ == 0, Errc::InvalidUsage,
+                  "SentinelMonitor::share_minor: the monitor has seen messages");
+    minor_ = std::move(subspace);
+    minor_feeds_ = feeds;
   }
 
   /// The threshold in force for the next message on statistic `g` (an index into kNames):
@@ -390,7 +636,7 @@ class SentinelMonitor {
   /// The config.
   [[nodiscard]] const SentinelConfig& config() const noexcept { return config_; }
   /// Names of the statistics, in the order of their scores.
-  static constexpr const char* kNames[] = {"key-cos", "key-norm", "peak-ratio"};
+  static constexpr const char* kNames[] = {"key-cos", "key-norm", "peak-ratio", "minor-share"};
   /// Scores are kept for calibration in a reservoir of this many.
   static constexpr std::int64_t kReservoir = 1024;
   /// The restart rule (restarts()): kRestartFlags flagged among the last kRecent scored messages.
@@ -407,11 +653,14 @@ class SentinelMonitor {
   /// rare clean excursions of real traffic that a reservoir of scores cannot place. Over the
   /// 8,000 messages of 1,000 clean stories260K steps the largest clean scores are 7.3 (key-cos,
   /// one micro-batch whose 72 rows all sat 0.09 below their keys' usual cosine), 5.3 and 5.6;
-  /// faults of the payload's norm in activations score 18 and more (docs/integrity.md).
-  static constexpr std::array<double, kGroups> kMinThreshold = {9, 7, 7};
+  /// faults of the payload's norm in activations score 18 and more (docs/integrity.md). minor-
+  /// share's clean scores stay lower (at most 4.0 over the gradient streams of stories260K and
+  /// the 42M shape, one monitor per stream), where stories260K's gradient noise of the
+  /// payload's norm scores 5.3 and more in nine replays of ten.
+  static constexpr std::array<double, kGroups> kMinThreshold = {9, 7, 7, 5};
 
  private:
-  static constexpr int kCos = 0, kNorm = 1, kPeak = 2;  // indices into kNames
+  static constexpr int kCos = 0, kNorm = 1, kPeak = 2, kMinor = 3;  // indices into kNames
   static constexpr double kInf = std::numeric_limits<double>::infinity();
   static constexpr double kTiny = 1e-300;  // log(0 + kTiny): a zeroed row's finite statistic
   static constexpr double kZeroRowLog = -300;  // a row's log RMS below this: an all-zero row
@@ -427,24 +676,19 @@ class SentinelMonitor {
     const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(config_.warmup), kWarmRows);
     std::vector<double> col;
     for (std::size_t d = 0; d < static_cast<std::size_t>(kGroups); ++d) {
+      if (d == kMinor) continue;  // minor-share has a warm-up of its own (minor_robust_start)
       col.clear();
       for (std::size_t i = 0; i < n; ++i)
         if (!std::isnan(warm_[i][d])) col.push_back(warm_[i][d]);
       if (col.size() < 3) continue;
-      auto mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
-      std::nth_element(col.begin(), mid, col.end());
-      const double med = *mid;
-      for (auto& v : col) v = std::fabs(v - med);
-      std::nth_element(col.begin(), mid, col.end());
-      mean_[d] = med;
-      var_[d] = 1.4826 * 1.4826 * *mid * *mid;
+      std::tie(mean_[d], var_[d]) = median_and_variance(col);
       // The standard errors restart from their median: one outlier row (a bit flip's exploded
       // element) makes a huge one, which would hide the spread between messages for good.
       for (auto* warm : {&warm_se2_, &warm_row_var_}) {
         col.clear();
         for (std::size_t i = 0; i < n; ++i)
           if (!std::isnan((*warm)[i][d])) col.push_back((*warm)[i][d]);
-        mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
+        const auto mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
         std::nth_element(col.begin(), mid, col.end());
         (warm == &warm_se2_ ? se2_mean_ : row_var_mean_)[d] = *mid;
       }
@@ -558,10 +802,19 @@ class SentinelMonitor {
       return std::max(0.0, sq - m * sum) / static_cast<double>(n - 1);
     };
     rows_ = {static_cast<double>(std::max<std::int64_t>(cos_rows, 1)),
-             static_cast<double>(std::max<std::int64_t>(covered_, 1)), 1.0};
-    row_var_ = {row_var(cos_sum, cos_sq, cos_rows), row_var(norm_sum, norm_sq, covered_), 0.0};
-    present_ = {cos_rows > 0, covered_ > 0, true};
+             static_cast<double>(std::max<std::int64_t>(covered_, 1)), 1.0, 1.0};
+    row_var_ = {row_var(cos_sum, cos_sq, cos_rows), row_var(norm_sum, norm_sq, covered_), 0.0,
+                0.0};
     cur_[kPeak] = ms > 0 ? std::log(peak / std::sqrt(ms)) : 0.0;
+    // minor-share: the share of the message's energy in the learned minor subspace (one GEMM,
+    // [rows, cols] x [cols, k]).
+    bool minor = false;
+    if (minor_on_ && !minor_) minor_ = std::make_shared<MinorSubspace>(cols_);
+    if (minor_on_ && minor_->ready() && q > 0 && rows >= MinorSubspace::kMinRows) {
+      cur_[kMinor] = minor_->log_share(xs, rows, q);
+      minor = true;
+    }
+    present_ = {cos_rows > 0, covered_ > 0, true, minor};
     return true;
   }
 
@@ -630,10 +883,36 @@ class SentinelMonitor {
     }
   }
 
+  // minor-share: the stream's subspace learns the message assessed last (when this monitor
+  // feeds it).
+  void learn_minor() {
+    if (minor_on_ && minor_feeds_ && minor_)
+      minor_->learn(x_, static_cast<std::int64_t>(x_.size()) / cols_, scale_);
+  }
+
+  // minor-share's own warm-up: its first config.warmup values (from the subspace's first basis
+  // on) are learned without a score, then its EMAs restart from their median and 1.4826 MAD.
+  void minor_robust_start() {
+    if (minor_warm_.size() >= 3)
+      std::tie(mean_[kMinor], var_[kMinor]) = median_and_variance(minor_warm_);
+    minor_warm_.clear();
+  }
+
+  // The median of `col` (>= 1 value) and the variance of a normal whose standard deviation is
+  // 1.4826 times the median absolute deviation (col is reordered and overwritten).
+  static std::pair<double, double> median_and_variance(std::vector<double>& col) {
+    const auto mid = col.begin() + static_cast<std::ptrdiff_t>(col.size() / 2);
+    std::nth_element(col.begin(), mid, col.end());
+    const double med = *mid;
+    for (auto& v : col) v = std::fabs(v - med);
+    std::nth_element(col.begin(), mid, col.end());
+    return {med, 1.4826 * 1.4826 * *mid * *mid};
+  }
+
   std::string reason(int g, std::int64_t rows) const {
     const auto d = static_cast<std::size_t>(g);
     const std::string over =
-        g == kPeak ? std::string()
+        g == kPeak || g == kMinor ? std::string()
                    : fmt::format(" over {} of {} rows with a learned key reference", covered_, rows);
     return fmt::format("{} = {:.4g}, EMA {:.4g} +- {:.3g} (z = {:.3g}){}", kNames[g], cur_[d],
                        mean_[d], std::sqrt(var_[d]), score_[d], over);
@@ -719,6 +998,12 @@ class SentinelMonitor {
   std::vector<double> sorted_ = std::vector<double>(kReservoir, 0.0);
   std::int64_t next_ = 0, reservoir_size_ = 0, since_fit_ = 0;
   std::array<double, kGroups> fitted_{};  // each statistic's calibrated threshold
+  // minor-share: the stream's subspace (shared by the monitors of a StreamMonitor), whether
+  // this monitor's learned messages feed it, and the statistic's values during its own warm-up.
+  bool minor_on_ = true;  // scores minor-share (constructor)
+  std::shared_ptr<MinorSubspace> minor_;
+  bool minor_feeds_ = true;
+  std::vector<double> minor_warm_;
 };
 
 /// Whether the ids of a Token payload lie in [0, limit): the empty string when they do, else
@@ -925,10 +1210,12 @@ struct VerdictRecord {
 /// dropped. Not thread-safe.
 class StreamMonitor {
  public:
+  /// Monitors that score minor-share when `minor_share` (SentinelMonitor's constructor).
   /// @throws brigade::Error{InvalidArgument} for a bad config (validate)
-  explicit StreamMonitor(const SentinelConfig& config = {}) : config_(config) {
+  explicit StreamMonitor(const SentinelConfig& config = {}, bool minor_share = true)
+      : config_(config), minor_on_(minor_share) {
     validate(config_);
-    first_.emplace(config_);
+    first_.emplace(config_, minor_on_);
   }
 
   /// Scores and verdicts the f32 message x [rows, cols] (row-major) with its row keys and known
@@ -941,7 +1228,14 @@ class StreamMonitor {
   Assessment observe(std::span<const float> x, std::int64_t rows,
                      std::span<const std::int32_t> keys = {}, double scale = 1.0) {
     const int bucket = stream_bucket(rows);
-    auto& own = monitors_.try_emplace(bucket, config_).first->second;
+    if (minor_on_ && !minor_ && rows >= 1 && !x.empty() &&
+        x.size() % static_cast<std::size_t>(rows) == 0) {
+      minor_ = std::make_shared<MinorSubspace>(static_cast<std::int64_t>(x.size()) / rows);
+      if (first_) first_->share_minor(minor_, false);  // the buckets' monitors teach it
+    }
+    auto [slot, fresh] = monitors_.try_emplace(bucket, config_, minor_on_);
+    auto& own = slot->second;
+    if (fresh && minor_) own.share_minor(minor_, true);
     if (!own.warming_up()) {
       first_.reset();
       return own.observe(x, rows, keys, scale);
@@ -1008,6 +1302,9 @@ class StreamMonitor {
   // The monitor of every size, until a bucket gives verdicts (class docstring).
   std::optional<SentinelMonitor> first_;
   std::int64_t stood_in_ = 0;
+  // The stream's minor subspace, shared by its monitors (SentinelMonitor::share_minor).
+  bool minor_on_ = true;
+  std::shared_ptr<MinorSubspace> minor_;
 };
 
 /// The SENTINEL verifier: an InspectingTransport whose check runs a SentinelMonitor per stream
@@ -1038,7 +1335,9 @@ class StreamMonitor {
 /// is scored against per-key references (SentinelMonitor), any other in a stream of its own with
 /// one shared key.
 /// Every checked message appends a VerdictRecord (about 100 bytes and its reason); a monitor
-/// holds 4 cols + 16 bytes per key it learned and 24 KiB of scores.
+/// holds 4 cols + 32 bytes per key it learned and 32 KiB of scores, and there is one
+/// MinorSubspace per gradient stream (min(cols, 256)^2 doubles, (cols + 512) p + cols p/4
+/// floats: 1.6 MiB for cols 512).
 /// Movable (the state lives behind a shared pointer). Not thread-safe.
 template <Transport Inner>
 class VerifyingTransport : public InspectingTransport<Inner> {
@@ -1153,7 +1452,10 @@ class VerifyingTransport : public InspectingTransport<Inner> {
           auto& monitor = monitors
                               .try_emplace(std::tuple(from, static_cast<int>(h.kind), h.stage,
                                                       cols, !keys.empty()),
-                                           config)
+                                           config,
+                                           std::find(config.minor_share_kinds.begin(),
+                                                     config.minor_share_kinds.end(),
+                                                     h.kind) != config.minor_share_kinds.end())
                               .first->second;
           a = monitor.observe(floats(payload, h.dtype, static_cast<std::size_t>(numel)), rows,
                               keys, scale);
