@@ -13,11 +13,13 @@
 //       (scan_over_decode_step = scan time / time of one position of one sequence).
 //
 // Scenario (docs/benchmarks.md, "Integrity checks"):
-//   BM_SentinelCheck/rows:R/cols:C  VerifyingTransport's check of one received f32 [R, C]
-//       activation (SentinelMonitor::observe of a stream past its warm-up: statistics, score,
-//       verdict, EMA update), beside the memcpy of the same bytes into the receive buffer that
-//       precedes it in the same iteration (as a receive does; the check then reads the buffer):
-//       check_over_memcpy = check time / memcpy time; check_us = microseconds per message.
+//   BM_SentinelCheck/rows:R/cols:C/minor:M  VerifyingTransport's check of one received f32
+//       [R, C] message (SentinelMonitor::observe of a stream past its warm-up: statistics, score,
+//       verdict, EMA update; with M = 1 also minor-share, as on a gradient stream: its GEMM and
+//       the MinorSubspace's learning, its eigendecompositions amortized), beside the memcpy of
+//       the same bytes into the receive buffer that precedes it in the same iteration (as a
+//       receive does; the check then reads the buffer): check_over_memcpy = check time / memcpy
+//       time; check_us = microseconds per message.
 #include <brigade/core/finite.hpp>
 #include <brigade/engine/inference.hpp>
 #include <brigade/model/weights.hpp>
@@ -133,8 +135,17 @@ void BM_SentinelCheck(benchmark::State& state) {
   std::vector<std::vector<float>> msgs(count, std::vector<float>(n));
   for (auto& m : msgs)
     for (std::size_t i = 0; i < n; ++i) m[i] = mu[i % mu.size()] + sd[i % mu.size()] * nd(g);
-  transport::SentinelMonitor monitor;
-  for (int i = 0; i < 300; ++i) monitor.observe(msgs[static_cast<std::size_t>(i) % msgs.size()], rows);
+  const bool minor = state.range(2) != 0;
+  transport::SentinelMonitor monitor(transport::SentinelConfig{}, minor);
+  // Past warm-up and, with minor-share, past the subspace's first basis (its hold-out and 4 p
+  // rows in the covariance, at most 32 rows of each message) and the statistic's own warm-up.
+  const std::int64_t p = std::min<std::int64_t>(cols, transport::MinorSubspace::kDims);
+  const std::int64_t warm = std::max<std::int64_t>(
+      300, (transport::MinorSubspace::kHoldout + transport::MinorSubspace::kRefreshRows * p) /
+                   std::min<std::int64_t>(rows, transport::MinorSubspace::kRows) +
+               100);
+  for (std::int64_t i = 0; i < warm; ++i)
+    monitor.observe(msgs[static_cast<std::size_t>(i) % msgs.size()], rows);
   std::vector<float> buffer(n);
   double check_s = 0, copy_s = 0;
   std::size_t k = 0, flagged = 0;
@@ -155,8 +166,8 @@ void BM_SentinelCheck(benchmark::State& state) {
   state.counters["check_over_memcpy"] = check_s / copy_s;
   state.counters["flagged"] = static_cast<double>(flagged);
 }
-BENCHMARK(BM_SentinelCheck)->ArgNames({"rows", "cols"})->Args({256, 512})->Args({1, 512})
-    ->Args({8, 64})->UseRealTime();
+BENCHMARK(BM_SentinelCheck)->ArgNames({"rows", "cols", "minor"})->ArgsProduct({{256}, {512}, {0, 1}})
+    ->ArgsProduct({{1}, {512}, {0, 1}})->ArgsProduct({{8}, {64}, {0, 1}})->UseRealTime();
 
 }  // namespace
 

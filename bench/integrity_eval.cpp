@@ -16,7 +16,9 @@
 //       records the streams (with each micro-batch's token ids) to OUT_DIR/*.bin; with
 //       BRIGADE_EVAL_STREAMS_260K / _42M set to such a directory, detect and diagnose replay
 //       those instead of recording them again.
-//   (BRIGADE_EVAL_VERBOSE set: detect names each fault it missed, diagnose each clean flag.)
+//   (BRIGADE_EVAL_VERBOSE set: detect names each fault it missed and each clean message it
+//   flagged, diagnose each clean flag; BRIGADE_EVAL_KINDS=noise,sign: detect replays only the
+//   fault kinds named.)
 //   integrity_eval clean STEPS
 //       a clean run with the "stop" policy at the default threshold: how many messages were
 //       checked and whether a false alarm stopped it.
@@ -112,6 +114,12 @@ struct Stream {
   /// activations, target ids for gradients.
   [[nodiscard]] std::span<const std::int32_t> keys(std::size_t i) const {
     return gradient() ? targets[i] : inputs[i];
+  }
+  /// Whether VerifyingTransport's monitors of this stream score minor-share.
+  [[nodiscard]] bool minor_share(const transport::SentinelConfig& cfg) const {
+    const auto kind = gradient() ? MessageKind::Gradient : MessageKind::Activation;
+    return std::find(cfg.minor_share_kinds.begin(), cfg.minor_share_kinds.end(), kind) !=
+           cfg.minor_share_kinds.end();
   }
   /// Per message: its step's real targets (RowKeys::gradient_scale).
   std::vector<double> step_targets;
@@ -232,7 +240,7 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
   // As VerifyingTransport keys its streams: one StreamMonitor (a monitor per row bucket
   // floor(log2(rows)), with its stand-in during a bucket's warm-up; the width and the row keys
   // are fixed here) and one replay check per payload size, the replay check before the monitor.
-  transport::StreamMonitor monitor(cfg);
+  transport::StreamMonitor monitor(cfg, s.minor_share(cfg));
   std::map<std::size_t, transport::ReplayGuard> guards;
   std::mt19937_64 rng(seed);
   std::bernoulli_distribution coin(spec.rate);
@@ -240,6 +248,7 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
   Replay r;
   std::int64_t drift = 0;
   std::vector<float> x;
+  std::string last_reason;
   for (std::size_t i = 0; i < s.messages.size(); ++i) {
     x = s.messages[i];
     bool faulty = false;
@@ -260,6 +269,7 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
     if (!replayed) {
       const auto a = monitor.observe(x, s.rows[i], s.keys(i), s.scale(i));
       flagged = a.flagged;
+      last_reason = a.reason;
       // The ROC's score: the deciding statistic's score over its threshold (scaling every
       // statistic's calibrated threshold by one factor sweeps the ROC; 1 is the calibrated
       // point). A message no monitor judges yet (its bucket warming up, no warm bucket to
@@ -278,6 +288,10 @@ Replay replay(const Stream& s, transport::FaultSpec spec, std::uint64_t seed,
                  "  {} {}:{:g}:{:g} seed {}: fault at message {} ({} rows) missed, score {:.3g}\n",
                  s.name, transport::to_string(spec.kind), spec.magnitude, spec.rate, seed, i,
                  s.rows[i], score);
+    if (!faulty && flagged && !replayed && std::getenv("BRIGADE_EVAL_VERBOSE") != nullptr)
+      fmt::print(stderr, "  {} {}:{:g}:{:g} seed {}: clean message {} ({} rows) flagged: {}\n",
+                 s.name, transport::to_string(spec.kind), spec.magnitude, spec.rate, seed, i,
+                 s.rows[i], last_reason);
     (faulty ? r.faulty : r.clean).push_back(score);
     (faulty ? r.faulty_flagged : r.clean_flagged) += flagged ? 1 : 0;
   }
@@ -453,6 +467,9 @@ int detect(const fs::path& out, int steps_small, int steps_42m) {
           "caught at 90% | TPR at FPR <= 0.1%, 100% |\n| --- | ---: | ---: | ---: | ---: | ---: "
           "| ---: | ---: |\n";
     for (FaultKind k : kKinds) {
+      if (const char* only = std::getenv("BRIGADE_EVAL_KINDS");
+          only != nullptr && std::string(only).find(transport::to_string(k)) == std::string::npos)
+        continue;
       for (double rate : kRates) {
         std::map<double, Replay> by_mag;
         for (double m : kMagnitudes) {
@@ -630,7 +647,7 @@ int diagnose(int steps, bool big) {
   const auto streams = dumped != nullptr ? load_streams(dumped) : record(run, steps);
   const transport::SentinelConfig cfg;
   for (const auto& s : streams) {
-    transport::SentinelMonitor mon(cfg);
+    transport::SentinelMonitor mon(cfg, s.minor_share(cfg));
     std::map<std::string, int> flags;
     std::vector<double> scores;
     std::array<std::vector<double>, transport::SentinelMonitor::kGroups> top;
