@@ -1206,8 +1206,12 @@ struct VerdictRecord {
 /// after 1.5-2 warm-ups' worth of messages), the stand-in is a monitor of every size, which
 /// learns every message the buckets learn until then and is dropped once a bucket is warm.
 ///
-/// Memory: that of its monitors (SentinelMonitor); the monitor of every size, until it is
-/// dropped. Not thread-safe.
+/// With minor-share on, the monitors share one MinorSubspace (the subspace is a property of the
+/// stream's rows, not of the messages' sizes): the buckets' monitors teach it each message they
+/// learn, the monitor of every size only reads it.
+///
+/// Memory: that of its monitors (SentinelMonitor) and the subspace; the monitor of every size,
+/// until it is dropped. Not thread-safe.
 class StreamMonitor {
  public:
   /// Monitors that score minor-share when `minor_share` (SentinelMonitor's constructor).
