@@ -18,7 +18,8 @@
 //       those instead of recording them again.
 //   (BRIGADE_EVAL_VERBOSE set: detect names each fault it missed and each clean message it
 //   flagged, diagnose each clean flag; BRIGADE_EVAL_KINDS=noise,sign: detect replays only the
-//   fault kinds named.)
+//   fault kinds named; BRIGADE_EVAL_MINOR_KINDS=activation,gradient: the message kinds whose
+//   monitors score minor-share, default gradient.)
 //   integrity_eval clean STEPS
 //       a clean run with the "stop" policy at the default threshold: how many messages were
 //       checked and whether a false alarm stopped it.
@@ -230,6 +231,21 @@ std::vector<Stream> load_streams(const fs::path& dir) {
 /// What one replay of a stream with faults gave: scores of clean and corrupted messages from the
 /// end of the stream's warm-up (its first `warmup` messages), and the verdicts at the calibrated
 /// thresholds.
+/// The monitors' settings: the defaults (what --verify runs with), but for the message kinds
+/// that score minor-share when BRIGADE_EVAL_MINOR_KINDS names them ("activation,gradient";
+/// "none" for no kind), to measure what the default leaves out.
+transport::SentinelConfig eval_config() {
+  transport::SentinelConfig cfg;
+  if (const char* kinds = std::getenv("BRIGADE_EVAL_MINOR_KINDS"); kinds != nullptr) {
+    const std::string k = kinds;
+    cfg.minor_share_kinds.clear();
+    for (MessageKind kind : {MessageKind::Activation, MessageKind::Gradient})
+      if (k.find(transport::to_string(kind)) != std::string::npos)
+        cfg.minor_share_kinds.push_back(kind);
+  }
+  return cfg;
+}
+
 struct Replay {
   std::vector<double> clean, faulty;
   std::int64_t clean_flagged = 0, faulty_flagged = 0;
@@ -436,7 +452,7 @@ constexpr int kSeeds = 4;
 
 int detect(const fs::path& out, int steps_small, int steps_42m) {
   fs::create_directories(out);
-  const transport::SentinelConfig cfg;  // the defaults: what --verify runs with
+  const transport::SentinelConfig cfg = eval_config();  // the defaults: what --verify runs with
   std::string md = fmt::format(
       "Detection at the default settings (decay {}, warm-up {}, target FPR {:g}, calibrated "
       "threshold); each cell pools {} seeds of the stream. TPR: corrupted messages flagged; FPR: "
@@ -645,7 +661,7 @@ int diagnose(int steps, bool big) {
   Run run = big ? shape42m_run(steps) : stories_run(steps);
   const char* dumped = std::getenv(big ? "BRIGADE_EVAL_STREAMS_42M" : "BRIGADE_EVAL_STREAMS_260K");
   const auto streams = dumped != nullptr ? load_streams(dumped) : record(run, steps);
-  const transport::SentinelConfig cfg;
+  const transport::SentinelConfig cfg = eval_config();
   for (const auto& s : streams) {
     transport::SentinelMonitor mon(cfg, s.minor_share(cfg));
     std::map<std::string, int> flags;

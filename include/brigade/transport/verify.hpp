@@ -84,7 +84,7 @@ struct SentinelConfig {
   /// in rows without a usual direction per token (stories260K's gradients: 86-90% of those of
   /// the payload's norm, against 1-26% without it); activations have one, which key-cos reads,
   /// and on the 42M shape's activations, whose distribution moves from step to step in the
-  /// first hundred steps of training, it flagged 4-7% of clean messages (docs/integrity.md).
+  /// first hundred steps of training, it flagged 3.7-7.5% of clean messages (docs/integrity.md).
   std::vector<MessageKind> minor_share_kinds = {MessageKind::Gradient};
 };
 
