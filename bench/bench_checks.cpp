@@ -137,11 +137,13 @@ void BM_SentinelCheck(benchmark::State& state) {
     for (std::size_t i = 0; i < n; ++i) m[i] = mu[i % mu.size()] + sd[i % mu.size()] * nd(g);
   const bool minor = state.range(2) != 0;
   transport::SentinelMonitor monitor(transport::SentinelConfig{}, minor);
-  // Past warm-up and, with minor-share, past the subspace's first basis (its hold-out and 4 p
-  // rows in the covariance, at most 32 rows of each message) and the statistic's own warm-up.
+  // Past warm-up and, with minor-share, past the subspace's first basis (its ring of recent
+  // messages, then 4 p rows in the covariance, at most 32 rows of each message) and the
+  // statistic's own warm-up.
   const std::int64_t p = std::min<std::int64_t>(cols, transport::MinorSubspace::kDims);
   const std::int64_t warm = std::max<std::int64_t>(
-      300, (transport::MinorSubspace::kHoldout + transport::MinorSubspace::kRefreshRows * p) /
+      300, transport::MinorSubspace::kRecent +
+               transport::MinorSubspace::kRefreshRows * p /
                    std::min<std::int64_t>(rows, transport::MinorSubspace::kRows) +
                100);
   for (std::int64_t i = 0; i < warm; ++i)

@@ -668,8 +668,7 @@ int diagnose(int steps, bool big) {
     std::vector<double> scores;
     std::array<std::vector<double>, transport::SentinelMonitor::kGroups> top;
     for (std::size_t i = 0; i < s.messages.size(); ++i) {
-      const auto a = mon.assess(s.messages[i], s.rows[i], s.keys(i), s.scale(i));
-      if (a.learnable) mon.learn();
+      const auto a = mon.observe(s.messages[i], s.rows[i], s.keys(i), s.scale(i));
       if (!std::isfinite(a.threshold)) continue;
       for (int g = 0; g < transport::SentinelMonitor::kGroups; ++g) {
         top[static_cast<std::size_t>(g)].push_back(mon.scores()[static_cast<std::size_t>(g)]);
@@ -702,7 +701,7 @@ int diagnose(int steps, bool big) {
       spec.kind = k;
       spec.magnitude = 1.0;
       spec.rate = 0.1;
-      transport::SentinelMonitor m2(cfg);
+      transport::SentinelMonitor m2(cfg, s.minor_share(cfg));
       std::mt19937_64 rng(5);
       std::bernoulli_distribution coin(0.1);
       std::map<std::string, int> by;
@@ -717,8 +716,7 @@ int diagnose(int steps, bool big) {
           f = transport::apply_fault(spec, std::span(x), rng, prev, drift);
           if (f && k == FaultKind::Drift) ++drift;
         }
-        const auto a = m2.assess(x, s.rows[i], s.keys(i), s.scale(i));
-        if (a.learnable) m2.learn();
+        const auto a = m2.observe(x, s.rows[i], s.keys(i), s.scale(i));
         if (f) {
           fs.push_back(a.score);
           ++by[a.statistic];

@@ -142,6 +142,9 @@ class AnisotropicStream {
       for (std::size_t r = 0; r < n; ++r) q_[r * n + j] /= std::sqrt(norm);
     }
   }
+  /// Amplitude of the least-variance quarter of the directions (1: the stream's own spectrum).
+  double minor_gain = 1.0;
+
   std::vector<float> next() {
     std::normal_distribution<double> nd;
     const auto n = static_cast<std::size_t>(cols_);
@@ -151,7 +154,8 @@ class AnisotropicStream {
     for (std::int64_t r = 0; r < rows_; ++r) {
       const double norm = level * std::exp(0.5 * nd(g_));
       for (std::size_t c = 0; c < n; ++c)
-        z[c] = std::exp(-3.0 * static_cast<double>(c) / static_cast<double>(n)) * nd(g_);
+        z[c] = std::exp(-3.0 * static_cast<double>(c) / static_cast<double>(n)) *
+               (4 * c >= 3 * n ? minor_gain : 1.0) * nd(g_);
       for (std::size_t i = 0; i < n; ++i) {
         double v = 0;
         for (std::size_t c = 0; c < n; ++c) v += q_[i * n + c] * z[c];
@@ -370,27 +374,82 @@ TEST_CASE("verify.monitor: in a stream without usual directions per row (gradien
   }
 }
 
-TEST_CASE("verify.monitor: MinorSubspace has no basis before 32 messages and 4 p rows in its "
-          "covariance, and refuses bad shapes") {
+TEST_CASE("verify.monitor: minor-share follows a stream whose training steps move its minor "
+          "energy (8 messages a step, each step a jump past the learning gate) without "
+          "flagging it, and still flags noise") {
+  AnisotropicStream s(32, 64, 29);
+  StreamMonitor m;
+  for (int i = 0; i < 600; ++i) REQUIRE_FALSE(m.observe(s.next(), 32).flagged);
+  // 10 steps of 8 messages: the minor directions' amplitude grows by 15% a step (their share of
+  // the energy by 32%, 0.28 in log, about twice the statistic's spread), as the first steps of
+  // a training run move its activations; a step's messages all move at once, past the learning
+  // gate. A reference of learned messages only froze there: 12 of these 80 clean messages
+  // were flagged (the 12th restarts the monitor); the median of the recent messages follows.
+  int clean_flags = 0;
+  for (int step = 0; step < 10; ++step) {
+    s.minor_gain *= 1.15;
+    for (int mb = 0; mb < 8; ++mb) clean_flags += m.observe(s.next(), 32).flagged ? 1 : 0;
+  }
+  CHECK(clean_flags == 0);
+  // The stream holds still again (200 messages: the covariance's window learns its new
+  // spectrum), then one message in ten carries noise of the payload's norm: minor-share flags
+  // it (the faults are recorded in the ring of recent messages too, a minority of it).
+  for (int i = 0; i < 200; ++i) REQUIRE_FALSE(m.observe(s.next(), 32).flagged);
+  std::mt19937_64 rng(7);
+  int caught = 0;
+  for (int i = 0; i < 50; ++i) {
+    auto bad = s.next();
+    REQUIRE(apply_fault(fault(FaultKind::Noise, 1.0), bad, rng, {}, 0));
+    const auto a = m.observe(bad, 32);
+    caught += a.flagged && a.statistic == std::string("minor-share") ? 1 : 0;
+    for (int j = 0; j < 9; ++j) clean_flags += m.observe(s.next(), 32).flagged ? 1 : 0;
+  }
+  CHECK(caught == 50);
+  CHECK(clean_flags == 0);
+}
+
+TEST_CASE("verify.monitor: MinorSubspace has no basis before 32 learned messages and 4 p rows "
+          "in its covariance, reads against the median of its recent messages, and refuses bad "
+          "shapes") {
   MinorSubspace sub(64);
   CHECK(sub.dims() == 64);
   CHECK(MinorSubspace(512).dims() == 256);
   AnisotropicStream s(16, 64, 3);
-  // 16-row messages: the first 512 rows wait in the hold-out, then 256 more reach the
-  // covariance (4 p): message 48.
-  for (int i = 0; i < 47; ++i) sub.learn(s.next(), 16);
+  // 16-row messages: each learned one teaches the covariance when it leaves the ring of 16, so
+  // the 33rd message pushes out the 17th (17 x 16 rows >= 4 p = 256) with 32 learned.
+  for (int i = 0; i < 32; ++i) sub.learn(sub.observe(s.next(), 16));
   CHECK_FALSE(sub.ready());
   CHECK(contains(error_of(Errc::InvalidUsage, [&] { (void)sub.log_share(s.next(), 16, 1.0); }),
                  "no basis yet"));
-  sub.learn(s.next(), 16);
+  sub.learn(sub.observe(s.next(), 16));
   CHECK(sub.ready());
   CHECK(sub.refreshes() == 1);
+  CHECK(sub.learned() == 33);
   const auto x = s.next();
   double sum_sq = 0;
   for (float v : x) sum_sq += static_cast<double>(v) * v;
-  // A clean message's share is near the hold-out's (the statistic is relative to it).
-  CHECK(std::fabs(sub.log_share(x, 16, sum_sq)) < 0.7);
-  CHECK(contains(error_of(Errc::InvalidArgument, [&] { sub.learn(x, 15); }),
+  // A clean message's share is near the ring's median (the statistic is relative to it).
+  const double clean = sub.log_share(x, 16, sum_sq);
+  CHECK(std::fabs(clean) < 0.7);
+  // Messages that are recorded but not learned count in the median: 7 noisy messages of 16 do
+  // not move it past the clean ones (a minority), and the covariance never learns them.
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 7; ++i) {
+    auto bad = s.next();
+    REQUIRE(apply_fault(fault(FaultKind::Noise, 1.0), bad, rng, {}, 0));
+    double bad_sq = 0;
+    for (float v : bad) bad_sq += static_cast<double>(v) * v;
+    CHECK(sub.log_share(bad, 16, bad_sq) > clean + 1.0);  // noise spreads into the minor space
+    CHECK(sub.observe(bad, 16) >= 0);                     // recorded, never learned
+  }
+  CHECK(sub.learned() == 33);
+  CHECK(std::fabs(sub.log_share(x, 16, sum_sq) - clean) < 0.5);
+  // A ticket the ring no longer holds (or -1) is ignored; all-zero rows are not recorded.
+  sub.learn(0);
+  sub.learn(-1);
+  CHECK(sub.learned() == 33);
+  CHECK(sub.observe(std::vector<float>(16 * 64, 0.0f), 16) == -1);
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)sub.observe(x, 15); }),
                  "not a [15, 64] matrix"));
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)sub.log_share(x, 16, 0.0); }),
                  "expected > 0"));
@@ -404,6 +463,13 @@ TEST_CASE("verify.monitor: MinorSubspace has no basis before 32 messages and 4 p
   SentinelMonitor fresh;
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { fresh.share_minor(nullptr, true); }),
                  "null subspace"));
+  // decline() names a message that was not learned: only after a finite assess, once.
+  CHECK(contains(error_of(Errc::InvalidUsage, [&] { fresh.decline(); }),
+                 "no finite message assessed"));
+  (void)fresh.assess(x, 16);
+  fresh.decline();
+  CHECK(contains(error_of(Errc::InvalidUsage, [&] { fresh.decline(); }),
+                 "no finite message assessed"));
 }
 
 TEST_CASE("verify.monitor: rows of keys without a learned reference are not in the key "

@@ -129,35 +129,45 @@ struct Assessment {
 
 /// The minor subspace of one stream's rows, for SentinelMonitor's "minor-share" statistic: the
 /// least-variance directions of the rows' learned covariance, and how much more of a message's
-/// energy lies in them than of the stream's recent rows'. This is the squared prediction error
-/// (Q statistic) of multivariate statistical process control (J. E. Jackson and G. S.
+/// energy lies in them than of the stream's recent messages'. This is the squared prediction
+/// error (Q statistic) of multivariate statistical process control (J. E. Jackson and G. S.
 /// Mudholkar, "Control Procedures for Residuals Associated With Principal Component Analysis",
 /// Technometrics 21(3), 1979): clean rows put little energy in their stream's minor directions,
 /// while noise (isotropic), sign flips and zeroed elements of a share of the elements spread
 /// energy over every direction. It needs no usual direction per row, so it sees these faults in
-/// gradients, whose rows have none per token (key-cos sees them in activations); scaling keeps
-/// every direction and does not move it.
+/// gradients, whose rows have none per token, and in activations; scaling keeps every direction
+/// and does not move it.
 ///
 /// Rows are projected onto at most kDims dimensions first (a fixed random orthonormal [cols, p]
 /// projection P, seeded by the width; none when cols <= kDims), which bounds the covariance to
-/// p^2 doubles and its eigendecomposition to about 18 ms (p = 256, a 2-core Zen 5). learn()
-/// takes up to kRows rows of a message (evenly strided) into the hold-out, a FIFO of the newest
-/// kHoldout learned rows; a row leaving it is normalized to unit length (a direction, whatever
-/// its norm: a training run's gradients shrink by an e-fold in their first hundred messages) and
-/// learned by an EMA of the directions' second moment C [p, p] (momentum kDecay per kRows rows;
-/// plain averaging while the rows so far are fewer). Once the stream has sent kFirstMessages
-/// messages and C has learned kRefreshRows p rows, and every kRefreshRows p rows after that, its
-/// eigendecomposition gives the basis V, its p / kPart least-variance eigenvectors (B = P V
-/// [cols, k] in the stream's coordinates).
+/// p^2 doubles and its eigendecomposition to about 18 ms (p = 256, a 2-core Zen 5).
 ///
-/// The statistic is relative: log(sum_r ||B' x_r||^2 / sum_r ||x_r||^2) of the message minus
-/// the same log share of the hold-out rows under the same basis. A basis fitted to C goes stale
-/// as a training run changes its stream (on the 42M shape's activations the share of the rows
-/// to come rose by about 0.8 in log between two refreshes, and a refresh lowered it again),
-/// and the hold-out's share moves with it, so the difference stays level across refreshes and
-/// drift; the hold-out rows are not in C, so the basis does not fit their noise.
+/// **Recent messages.** observe() records up to kRows rows of a message (evenly strided) in a
+/// ring of the kRecent newest, with its log share of energy in the minor subspace, and learn()
+/// marks one of them clean (SentinelMonitor records every message it does not flag, learned or
+/// not, and marks those it learns). A clean message leaving the ring teaches the
+/// covariance: its rows, normalized to unit length (a direction, whatever its norm: a training
+/// run's gradients shrink by an e-fold in their first hundred messages), enter an EMA of their
+/// second moment C [p, p] (momentum kDecay per kRows rows; plain averaging while the rows so far
+/// are fewer). Once kFirstMessages messages were learned and C has learned kRefreshRows p rows,
+/// and every kRefreshRows p rows after that, its eigendecomposition gives the basis V, its
+/// p / kPart least-variance eigenvectors (B = P V [cols, k] in the stream's coordinates), and
+/// the ring's shares are recomputed under it.
 ///
-/// Memory: p^2 doubles (512 KiB at p = 256), cols * (p + k) and kHoldout * p floats. Not
+/// **The statistic** is relative: log(sum_r ||B' x_r||^2 / sum_r ||x_r||^2) of the message minus
+/// the median of the same log share over the ring's messages of at least kMinRows rows. A basis
+/// fitted to C goes stale as a training run changes its stream, and a training step moves every
+/// message after it at once (on the 42M shape's activations, the 8 micro-batches of step 11
+/// held 5.8 times the minor share of a reference that had stopped learning); the ring moves
+/// with the stream, so the difference stays level across steps, drift and refreshes. The ring
+/// holds the messages that were not learned too, and the median is what keeps the faults that
+/// pass out of the reference: the first version compared against the pooled rows of learned messages only,
+/// and a step that moved the stream past the learning gate (half the threshold) froze that
+/// reference, so the clean messages after it were flagged until the monitor restarted (3.7-7.5%
+/// of the 42M shape's clean activations; tests/unit/test_verify.cpp has such a stream). Each
+/// fault in the ring moves the median by at most one rank.
+///
+/// Memory: p^2 doubles (512 KiB at p = 256), cols * (p + k) and kRecent * kRows * p floats. Not
 /// thread-safe.
 class MinorSubspace {
  public:
@@ -165,14 +175,17 @@ class MinorSubspace {
   static constexpr std::int64_t kDims = 256;
   /// The minor subspace is the p / kPart least-variance directions (p the projected width).
   static constexpr std::int64_t kPart = 4;
-  /// Rows of a learned message (evenly strided) that the subspace learns.
+  /// Rows of a message (evenly strided) that the ring records and the covariance learns.
   static constexpr std::int64_t kRows = 32;
-  /// SentinelMonitor reads minor-share only of messages of at least this many rows: one row's
-  /// share is far from normal (bounded above by 1, a long tail towards 0), and on a stationary
-  /// synthetic stream of [1, 512] messages 1.1% of the clean ones were flagged (bench_checks).
+  /// SentinelMonitor reads minor-share only of messages of at least this many rows, and the
+  /// reference is the median over the ring's messages of as many: one row's share is far from
+  /// normal (bounded above by 1, a long tail towards 0), and on a stationary synthetic stream of
+  /// [1, 512] messages 1.1% of the clean ones were flagged (bench_checks).
   static constexpr std::int64_t kMinRows = 8;
-  /// Rows in the hold-out (the newest learned rows; not yet in the covariance).
-  static constexpr std::int64_t kHoldout = 512;
+  /// Messages in the ring of recent messages (two training steps of 8 micro-batches).
+  static constexpr std::int64_t kRecent = 16;
+  /// The statistic is read once the ring holds this many messages of at least kMinRows rows.
+  static constexpr std::int64_t kMinReference = 4;
   /// The first basis needs this many learned messages (and kRefreshRows p rows in C).
   static constexpr std::int64_t kFirstMessages = 32;
   /// Rows the covariance learns between two eigendecompositions, in units of p (1,024 rows at
@@ -199,90 +212,84 @@ class MinorSubspace {
       proj_ = q.cast<float>();
     }
     cov_ = Eigen::MatrixXd::Zero(p, p);
-    held_y_.resize(kHoldout, p);
-    held_energy_.assign(static_cast<std::size_t>(kHoldout), 0.0);
-    held_minor_.assign(static_cast<std::size_t>(kHoldout), 0.0);
+    ring_y_.resize(kRecent * kRows, p);
+    ring_.resize(static_cast<std::size_t>(kRecent));
   }
 
-  /// Learns up to kRows rows (evenly strided) of x [rows, cols] (row-major) times `scale` (the
-  /// factor the sender divided it by, SentinelMonitor::assess: the hold-out's rows weigh as the
-  /// rescaled payload's): into the hold-out, and the rows it pushes out into the covariance;
-  /// all-zero and non-finite rows are skipped. Refreshes the basis when due (class docstring).
-  /// @throws brigade::Error{InvalidArgument} for rows < 1, x.size() != rows * cols, or a scale
-  ///         that is not finite and > 0
-  void learn(std::span<const float> x, std::int64_t rows, double scale = 1.0) {
+  /// Records up to kRows rows (evenly strided) of the message x [rows, cols] (row-major) in the
+  /// ring of recent messages, with its log share under the current basis; all-zero and
+  /// non-finite rows are skipped. The oldest message leaves the ring, and teaches the
+  /// covariance if it was learned (class docstring; the basis is refreshed when due).
+  /// @returns the message's ticket for learn(), or -1 when it had no row to record
+  /// @throws brigade::Error{InvalidArgument} for rows < 1 or x.size() != rows * cols
+  std::int64_t observe(std::span<const float> x, std::int64_t rows) {
     check(x, rows);
-    BRIGADE_CHECK(std::isfinite(scale) && scale > 0, Errc::InvalidArgument,
-                  "MinorSubspace::learn: scale = {}, expected finite and > 0", scale);
-    ++messages_;
     const std::int64_t take = std::min(rows, kRows);
     const RowMajor xm(x.data(), rows, cols_);
     picked_.resize(take, cols_);
-    for (std::int64_t i = 0; i < take; ++i) picked_.row(i) = xm.row(i * rows / take);
-    picked_ *= static_cast<float>(scale);
-    if (proj_.size() > 0)
-      y_.noalias() = picked_ * proj_;
-    else
-      y_ = picked_;
-    const Eigen::Index p = cov_.rows();
-    evicted_.resize(take, p);
-    Eigen::Index out = 0;
-    for (Eigen::Index i = 0; i < y_.rows(); ++i) {
-      const double energy = static_cast<double>(picked_.row(i).squaredNorm());
-      if (!(energy > 0) || !std::isfinite(energy)) continue;  // nothing to learn
-      const auto h = static_cast<std::size_t>(head_);
-      if (held_ == kHoldout)
-        evicted_.row(out++) = held_y_.row(head_);
-      else
-        ++held_;
-      held_y_.row(head_) = y_.row(i);
-      held_energy_[h] = energy;
-      held_minor_[h] = ready() ? static_cast<double>((y_.row(i) * basis_p_).squaredNorm()) : 0.0;
-      head_ = (head_ + 1) % kHoldout;
+    Eigen::Index kept = 0;
+    double energy = 0;
+    for (std::int64_t i = 0; i < take; ++i) {
+      const auto row = xm.row(i * rows / take);
+      const double e = static_cast<double>(row.squaredNorm());
+      if (!(e > 0) || !std::isfinite(e)) continue;  // nothing to record
+      picked_.row(kept++) = row;
+      energy += e;
     }
-    if (out == 0) return;
-    Eigen::MatrixXd y = evicted_.topRows(out).cast<double>();
-    for (Eigen::Index i = 0; i < y.rows(); ++i) y.row(i) /= y.row(i).norm();
-    rows_ += out;
-    since_ += out;
-    // Momentum per row: `out` rows move C as out / kRows messages of kRows would; plain
-    // averaging while the rows so far are fewer than the window.
-    const double a =
-        std::max(1.0 - std::pow(kDecay, static_cast<double>(out) / static_cast<double>(kRows)),
-                 static_cast<double>(out) / static_cast<double>(rows_));
-    cov_ *= 1 - a;
-    cov_.noalias() += (a / static_cast<double>(out)) * (y.transpose() * y);
-    if (since_ < kRefreshRows * p || messages_ < kFirstMessages) return;
-    since_ = 0;
-    refresh();
+    if (kept == 0) return -1;
+    Entry& slot = ring_[static_cast<std::size_t>(next_)];
+    if (slot.rows > 0 && slot.learned) teach(next_, slot.rows);
+    auto y = ring_y_.middleRows(next_ * kRows, kept);
+    if (proj_.size() > 0)
+      y.noalias() = picked_.topRows(kept) * proj_;
+    else
+      y = picked_.topRows(kept);
+    slot = Entry{tickets_++, kept, energy, std::numeric_limits<double>::quiet_NaN(), false};
+    if (ready_basis()) slot.log_share = entry_share(next_);
+    next_ = (next_ + 1) % kRecent;
+    return slot.ticket;
+  }
+
+  /// Marks the recorded message of `ticket` (observe) clean: the covariance learns its rows when
+  /// it leaves the ring. A ticket no longer in the ring, or -1, is ignored.
+  void learn(std::int64_t ticket) {
+    if (ticket < 0) return;
+    for (Entry& e : ring_)
+      if (e.ticket == ticket && e.rows > 0 && !e.learned) {
+        e.learned = true;
+        ++learned_;
+      }
   }
 
   /// The minor-share statistic of x [rows, cols] (row-major), sum_sq = sum_r ||x_r||^2 (> 0):
-  /// log(sum_r ||B' x_r||^2 / sum_sq) minus the hold-out's log share (class docstring). One
-  /// GEMM [rows, cols] x [cols, k].
-  /// @throws brigade::Error{InvalidUsage} before the first basis (ready());
+  /// log(sum_r ||B' x_r||^2 / sum_sq) minus the median log share of the ring's messages of at
+  /// least kMinRows rows (class docstring). One GEMM [rows, cols] x [cols, k].
+  /// @throws brigade::Error{InvalidUsage} when not ready();
   ///         brigade::Error{InvalidArgument} for a bad shape or sum_sq <= 0
   double log_share(std::span<const float> x, std::int64_t rows, double sum_sq) {
-    BRIGADE_CHECK(ready(), Errc::InvalidUsage, "MinorSubspace::log_share: no basis yet");
+    BRIGADE_CHECK(ready(), Errc::InvalidUsage,
+                  "MinorSubspace::log_share: no basis yet, or fewer than {} recent messages of "
+                  ">= {} rows",
+                  kMinReference, kMinRows);
     check(x, rows);
     BRIGADE_CHECK(sum_sq > 0, Errc::InvalidArgument,
                   "MinorSubspace::log_share: sum of squares {}, expected > 0", sum_sq);
     z_.noalias() = RowMajor(x.data(), rows, cols_) * basis_;
-    double minor = 0, energy = 0;
-    for (std::size_t h = 0; h < static_cast<std::size_t>(held_); ++h) {
-      minor += held_minor_[h];
-      energy += held_energy_[h];
-    }
-    return std::log(static_cast<double>(z_.squaredNorm()) / sum_sq + 1e-300) -
-           std::log(minor / energy + 1e-300);
+    return std::log(static_cast<double>(z_.squaredNorm()) / sum_sq + 1e-300) - reference();
   }
 
-  /// Whether a basis exists (log_share can be read).
-  [[nodiscard]] bool ready() const noexcept { return basis_.size() > 0; }
+  /// Whether log_share can be read: a basis exists and the ring holds at least kMinReference
+  /// messages of at least kMinRows rows.
+  [[nodiscard]] bool ready() const noexcept {
+    if (!ready_basis()) return false;
+    std::int64_t n = 0;
+    for (const Entry& e : ring_) n += e.rows >= kMinRows && !std::isnan(e.log_share) ? 1 : 0;
+    return n >= kMinReference;
+  }
   /// Eigendecompositions so far.
   [[nodiscard]] std::int64_t refreshes() const noexcept { return refreshes_; }
-  /// Messages learned.
-  [[nodiscard]] std::int64_t learned() const noexcept { return messages_; }
+  /// Messages marked clean (learn).
+  [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
   /// The width of the stream's rows.
   [[nodiscard]] std::int64_t cols() const noexcept { return cols_; }
   /// The projected width p (min(cols, kDims)).
@@ -292,10 +299,60 @@ class MinorSubspace {
   using RowMajor =
       Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
+  // One message of the ring: its ticket, rows recorded (in ring_y_'s slot), their energy
+  // sum ||x_r||^2, their log share under the current basis (NaN before the first), and whether
+  // it was learned.
+  struct Entry {
+    std::int64_t ticket = -1;
+    Eigen::Index rows = 0;
+    double energy = 0;
+    double log_share = std::numeric_limits<double>::quiet_NaN();
+    bool learned = false;
+  };
+
   void check(std::span<const float> x, std::int64_t rows) const {
     BRIGADE_CHECK(rows >= 1 && static_cast<std::int64_t>(x.size()) == rows * cols_,
                   Errc::InvalidArgument, "MinorSubspace: {} values are not a [{}, {}] matrix",
                   x.size(), rows, cols_);
+  }
+
+  [[nodiscard]] bool ready_basis() const noexcept { return basis_.size() > 0; }
+
+  // The log share of ring slot s's rows under the current basis.
+  double entry_share(std::int64_t s) const {
+    const Entry& e = ring_[static_cast<std::size_t>(s)];
+    const double minor =
+        static_cast<double>((ring_y_.middleRows(s * kRows, e.rows) * basis_p_).squaredNorm());
+    return std::log(minor / e.energy + 1e-300);
+  }
+
+  // The median log share of the ring's messages of at least kMinRows rows (ready()).
+  double reference() {
+    shares_.clear();
+    for (const Entry& e : ring_)
+      if (e.rows >= kMinRows && !std::isnan(e.log_share)) shares_.push_back(e.log_share);
+    const auto mid = shares_.begin() + static_cast<std::ptrdiff_t>(shares_.size() / 2);
+    std::nth_element(shares_.begin(), mid, shares_.end());
+    if (shares_.size() % 2 == 1) return *mid;
+    return 0.5 * (*mid + *std::max_element(shares_.begin(), mid));
+  }
+
+  // The covariance learns ring slot s's `rows` rows as unit directions; refreshes when due.
+  void teach(std::int64_t s, Eigen::Index rows) {
+    Eigen::MatrixXd y = ring_y_.middleRows(s * kRows, rows).cast<double>();
+    for (Eigen::Index i = 0; i < y.rows(); ++i) y.row(i) /= y.row(i).norm();
+    rows_ += rows;
+    since_ += rows;
+    // Momentum per row: `rows` rows move C as rows / kRows messages of kRows would; plain
+    // averaging while the rows so far are fewer than the window.
+    const double a =
+        std::max(1.0 - std::pow(kDecay, static_cast<double>(rows) / static_cast<double>(kRows)),
+                 static_cast<double>(rows) / static_cast<double>(rows_));
+    cov_ *= 1 - a;
+    cov_.noalias() += (a / static_cast<double>(rows)) * (y.transpose() * y);
+    if (since_ < kRefreshRows * cov_.rows() || learned_ < kFirstMessages) return;
+    since_ = 0;
+    refresh();
   }
 
   void refresh() {
@@ -304,10 +361,9 @@ class MinorSubspace {
     const Eigen::Index k = std::max<Eigen::Index>(1, cov_.rows() / kPart);
     basis_p_ = eig.eigenvectors().leftCols(k).cast<float>();  // ascending eigenvalues
     basis_ = proj_.size() > 0 ? (proj_ * basis_p_).eval() : basis_p_;
-    // The hold-out's rows under the new basis.
-    const Eigen::VectorXf minor = (held_y_.topRows(held_) * basis_p_).rowwise().squaredNorm();
-    for (Eigen::Index h = 0; h < minor.size(); ++h)
-      held_minor_[static_cast<std::size_t>(h)] = static_cast<double>(minor(h));
+    for (std::int64_t s = 0; s < kRecent; ++s)  // the ring's messages under the new basis
+      if (ring_[static_cast<std::size_t>(s)].rows > 0)
+        ring_[static_cast<std::size_t>(s)].log_share = entry_share(s);
     ++refreshes_;
   }
 
@@ -316,13 +372,14 @@ class MinorSubspace {
   Eigen::MatrixXd cov_;      // [p, p]
   Eigen::MatrixXf basis_p_;  // [p, k]: V, empty before the first refresh
   Eigen::MatrixXf basis_;    // [cols, k]: P V
-  // The hold-out: a ring of kHoldout projected rows, each row's energy ||x||^2 and its energy
-  // in the minor subspace ||V' y||^2.
-  Eigen::MatrixXf held_y_;
-  std::vector<double> held_energy_, held_minor_;
-  std::int64_t held_ = 0, head_ = 0;
-  std::int64_t messages_ = 0, rows_ = 0, since_ = 0, refreshes_ = 0;
-  Eigen::MatrixXf picked_, y_, z_, evicted_;  // scratch
+  // The ring of recent messages: slot s holds its projected rows in rows [s kRows, s kRows +
+  // rows) of ring_y_.
+  Eigen::MatrixXf ring_y_;
+  std::vector<Entry> ring_;
+  std::int64_t next_ = 0, tickets_ = 0;
+  std::int64_t learned_ = 0, rows_ = 0, since_ = 0, refreshes_ = 0;
+  Eigen::MatrixXf picked_, z_;  // scratch
+  std::vector<double> shares_;  // scratch
 };
 
 /// The EMA statistics of ONE stream of f32 messages [rows, cols] (cols fixed by the first
@@ -423,7 +480,8 @@ class SentinelMonitor {
   /// row has the one shared key) against what the monitor learned, and whether the threshold in
   /// force flags it. It changes nothing but scratch space and the record of recent verdicts
   /// (the restart rule: the 12th flag in 16 messages starts the monitor over, restarts(), and
-  /// that Assessment's reason says so). learn() then learns this message: x and
+  /// that Assessment's reason says so). learn() then learns this message, or decline() records
+  /// that it was not learned (minor-share's reference counts both): x and
   /// keys must stay alive and unchanged until then (observe() does both). `scale` (> 0) is a
   /// factor the receiver knows its sender divided the payload by: the monitor compares x times
   /// `scale` (a training gradient row is d(mean loss)/dh, divided by the step's real targets, so
@@ -494,6 +552,7 @@ class SentinelMonitor {
     a.threshold = threshold(worst);
     a.statistic = kNames[worst];
     a.flagged = a.score > a.threshold;
+    flagged_ = a.flagged;
     a.learnable = !a.flagged;
     for (int g = 0; g < kGroups; ++g)
       a.learnable = a.learnable && !(score_[static_cast<std::size_t>(g)] >
@@ -521,10 +580,12 @@ class SentinelMonitor {
   }
 
   /// Learns the message assess() saw last (whose payload and keys must still be alive and
-  /// unchanged): updates the statistics' EMAs and its keys' references and, once the monitor has
-  /// learned ceil(warmup / 2) messages, adds its scores to the calibration reservoir.
-  /// @throws brigade::Error{InvalidUsage} when nothing was assessed since the last learn, or the
-  ///         last message had non-finite values
+  /// unchanged): updates the statistics' EMAs and its keys' references, records it as clean in
+  /// minor-share's ring of recent messages (MinorSubspace, when this monitor feeds one) and,
+  /// once the monitor has learned ceil(warmup / 2) messages, adds its scores to the calibration
+  /// reservoir.
+  /// @throws brigade::Error{InvalidUsage} when nothing was assessed since the last learn or
+  ///         decline, or the last message had non-finite values
   void learn() {
     BRIGADE_CHECK(assessed_, Errc::InvalidUsage,
                   "SentinelMonitor::learn: no finite message assessed since the last learn");
@@ -574,14 +635,34 @@ class SentinelMonitor {
   Assessment observe(std::span<const float> x, std::int64_t rows,
                      std::span<const std::int32_t> keys = {}, double scale = 1.0) {
     Assessment a = assess(x, rows, keys, scale);
-    if (a.learnable) learn();
+    if (a.learnable)
+      learn();
+    else if (assessed_)  // not after non-finite values, nor a restart
+      decline();
     return a;
   }
 
-  /// Reads (and, when `feeds`, teaches) `subspace` for the minor-share statistic instead of a
-  /// subspace of its own: StreamMonitor shares one per stream among its row buckets' monitors
-  /// (the subspace is a property of the stream's rows, not of the messages' sizes), each
-  /// learned message teaching it once. Call before the first message.
+  /// The message assess() saw last (whose payload must still be alive and unchanged) is not
+  /// learned: with minor-share on, unless it was flagged, it is recorded in the stream
+  /// subspace's ring of recent messages, whose median is the statistic's reference
+  /// (MinorSubspace: a reference of learned messages only freezes when a training step moves the
+  /// stream past the learning gate). observe() calls it for every message it does not learn;
+  /// after assess() without learn(), call it to do the same.
+  /// @throws brigade::Error{InvalidUsage} when nothing was assessed since the last learn or
+  ///         decline, or the last message had non-finite values
+  void decline() {
+    BRIGADE_CHECK(assessed_, Errc::InvalidUsage,
+                  "SentinelMonitor::decline: no finite message assessed since the last learn or "
+                  "decline");
+    assessed_ = false;
+    if (!flagged_) record_minor(false);
+  }
+
+  /// Reads (and, when `feeds`, records its messages in and teaches) `subspace` for the
+  /// minor-share statistic instead of a subspace of its own: StreamMonitor shares one per stream
+  /// among its row buckets' monitors (the subspace is a property of the stream's rows, not of
+  /// the messages' sizes), each message recorded once and each learned one teaching it once.
+  /// Call before the first message.
   /// @throws brigade::Error{InvalidArgument} for a null subspace;
   ///         brigade::Error{InvalidUsage} after the first message
   void share_minor(std::shared_ptr<MinorSubspace> subspace, bool feeds) {
@@ -885,9 +966,14 @@ class SentinelMonitor {
 
   // minor-share: the stream's subspace learns the message assessed last (when this monitor
   // feeds it).
-  void learn_minor() {
-    if (minor_on_ && minor_feeds_ && minor_)
-      minor_->learn(x_, static_cast<std::int64_t>(x_.size()) / cols_, scale_);
+  void learn_minor() { record_minor(true); }
+
+  // The message assessed last goes into the stream subspace's ring of recent messages (when
+  // this monitor feeds it), marked clean when `learned`.
+  void record_minor(bool learned) {
+    if (!minor_on_ || !minor_feeds_ || !minor_) return;
+    const std::int64_t ticket = minor_->observe(x_, static_cast<std::int64_t>(x_.size()) / cols_);
+    if (learned) minor_->learn(ticket);
   }
 
   // minor-share's own warm-up: its first config.warmup values (from the subspace's first basis
@@ -976,7 +1062,9 @@ class SentinelMonitor {
   std::array<std::int64_t, kGroups> count_{};  // messages each statistic learned
   std::array<std::array<double, kGroups>, kWarmRows> warm_{};  // the last warm-up statistics
   std::array<std::array<double, kGroups>, kWarmRows> warm_se2_{}, warm_row_var_{};  // and these
+  friend class StreamMonitor;  // reads assessed_ (whether decline() applies)
   bool assessed_ = false;
+  bool flagged_ = false;  // the verdict of the message assessed last
   std::string nonfinite_reason_;
   // The message assessed last (learn() reads it) and its per-row log RMS.
   std::span<const float> x_;
@@ -1244,6 +1332,8 @@ class StreamMonitor {
       first_.reset();
       return own.observe(x, rows, keys, scale);
     }
+    // A stand-in judges (assess, no learning); the message's own bucket records it for
+    // minor-share's reference unless it is flagged.
     SentinelMonitor* judge = nullptr;
     int judge_bucket = -1;
     for (auto& [b, m] : monitors_) {
@@ -1280,12 +1370,14 @@ class StreamMonitor {
       return j;
     }
     const Assessment a = own.assess(x, rows, keys, scale);
-    if (a.flagged) return a;
     j.learnable = j.learnable && a.learnable;
     if (j.learnable) {
       own.learn();
       if (by_first) first_->learn();
+    } else if (own.assessed_) {  // recorded for minor-share's reference all the same
+      own.decline();
     }
+    if (a.flagged) return a;
     ++stood_in_;
     return j;
   }
