@@ -417,11 +417,11 @@ TEST_CASE("verify.monitor: MinorSubspace has no basis before 32 learned messages
   AnisotropicStream s(16, 64, 3);
   // 16-row messages: each learned one teaches the covariance when it leaves the ring of 16, so
   // the 33rd message pushes out the 17th (17 x 16 rows >= 4 p = 256) with 32 learned.
-  for (int i = 0; i < 32; ++i) sub.learn(sub.observe(s.next(), 16));
+  for (int i = 0; i < 32; ++i) REQUIRE(sub.record(s.next(), 16, true));
   CHECK_FALSE(sub.ready());
   CHECK(contains(error_of(Errc::InvalidUsage, [&] { (void)sub.log_share(s.next(), 16, 1.0); }),
                  "no basis yet"));
-  sub.learn(sub.observe(s.next(), 16));
+  REQUIRE(sub.record(s.next(), 16, true));
   CHECK(sub.ready());
   CHECK(sub.refreshes() == 1);
   CHECK(sub.learned() == 33);
@@ -440,16 +440,14 @@ TEST_CASE("verify.monitor: MinorSubspace has no basis before 32 learned messages
     double bad_sq = 0;
     for (float v : bad) bad_sq += static_cast<double>(v) * v;
     CHECK(sub.log_share(bad, 16, bad_sq) > clean + 1.0);  // noise spreads into the minor space
-    CHECK(sub.observe(bad, 16) >= 0);                     // recorded, never learned
+    CHECK(sub.record(bad, 16, false));                    // recorded, never learned
   }
   CHECK(sub.learned() == 33);
   CHECK(std::fabs(sub.log_share(x, 16, sum_sq) - clean) < 0.5);
-  // A ticket the ring no longer holds (or -1) is ignored; all-zero rows are not recorded.
-  sub.learn(0);
-  sub.learn(-1);
+  // All-zero rows are not recorded, and do not count as learned.
+  CHECK_FALSE(sub.record(std::vector<float>(16 * 64, 0.0f), 16, true));
   CHECK(sub.learned() == 33);
-  CHECK(sub.observe(std::vector<float>(16 * 64, 0.0f), 16) == -1);
-  CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)sub.observe(x, 15); }),
+  CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)sub.record(x, 15, true); }),
                  "not a [15, 64] matrix"));
   CHECK(contains(error_of(Errc::InvalidArgument, [&] { (void)sub.log_share(x, 16, 0.0); }),
                  "expected > 0"));

@@ -142,10 +142,10 @@ struct Assessment {
 /// projection P, seeded by the width; none when cols <= kDims), which bounds the covariance to
 /// p^2 doubles and its eigendecomposition to about 18 ms (p = 256, a 2-core Zen 5).
 ///
-/// **Recent messages.** observe() records up to kRows rows of a message (evenly strided) in a
-/// ring of the kRecent newest, with its log share of energy in the minor subspace, and learn()
-/// marks one of them clean (SentinelMonitor records every message it does not flag, learned or
-/// not, and marks those it learns). A clean message leaving the ring teaches the
+/// **Recent messages.** record() keeps up to kRows rows of a message (evenly strided) in a ring
+/// of the kRecent newest, with its log share of energy in the minor subspace and whether it was
+/// learned (SentinelMonitor records every message it does not flag, learned or not). A clean
+/// message leaving the ring teaches the
 /// covariance: its rows, normalized to unit length (a direction, whatever its norm: a training
 /// run's gradients shrink by an e-fold in their first hundred messages), enter an EMA of their
 /// second moment C [p, p] (momentum kDecay per kRows rows; plain averaging while the rows so far
@@ -217,12 +217,13 @@ class MinorSubspace {
   }
 
   /// Records up to kRows rows (evenly strided) of the message x [rows, cols] (row-major) in the
-  /// ring of recent messages, with its log share under the current basis; all-zero and
+  /// ring of recent messages, with its log share under the current basis, as clean when
+  /// `learned` (the covariance learns its rows when it leaves the ring); all-zero and
   /// non-finite rows are skipped. The oldest message leaves the ring, and teaches the
   /// covariance if it was learned (class docstring; the basis is refreshed when due).
-  /// @returns the message's ticket for learn(), or -1 when it had no row to record
+  /// @returns whether the message had a row to record
   /// @throws brigade::Error{InvalidArgument} for rows < 1 or x.size() != rows * cols
-  std::int64_t observe(std::span<const float> x, std::int64_t rows) {
+  bool record(std::span<const float> x, std::int64_t rows, bool learned) {
     check(x, rows);
     const std::int64_t take = std::min(rows, kRows);
     const RowMajor xm(x.data(), rows, cols_);
@@ -236,7 +237,7 @@ class MinorSubspace {
       picked_.row(kept++) = row;
       energy += e;
     }
-    if (kept == 0) return -1;
+    if (kept == 0) return false;
     Entry& slot = ring_[static_cast<std::size_t>(next_)];
     if (slot.rows > 0 && slot.learned) teach(next_, slot.rows);
     auto y = ring_y_.middleRows(next_ * kRows, kept);
@@ -244,21 +245,11 @@ class MinorSubspace {
       y.noalias() = picked_.topRows(kept) * proj_;
     else
       y = picked_.topRows(kept);
-    slot = Entry{tickets_++, kept, energy, std::numeric_limits<double>::quiet_NaN(), false};
+    slot = Entry{kept, energy, std::numeric_limits<double>::quiet_NaN(), learned};
+    learned_ += learned ? 1 : 0;  // after teach(): the message counts from the next refresh on
     if (ready_basis()) slot.log_share = entry_share(next_);
     next_ = (next_ + 1) % kRecent;
-    return slot.ticket;
-  }
-
-  /// Marks the recorded message of `ticket` (observe) clean: the covariance learns its rows when
-  /// it leaves the ring. A ticket no longer in the ring, or -1, is ignored.
-  void learn(std::int64_t ticket) {
-    if (ticket < 0) return;
-    for (Entry& e : ring_)
-      if (e.ticket == ticket && e.rows > 0 && !e.learned) {
-        e.learned = true;
-        ++learned_;
-      }
+    return true;
   }
 
   /// The minor-share statistic of x [rows, cols] (row-major), sum_sq = sum_r ||x_r||^2 (> 0):
@@ -288,7 +279,7 @@ class MinorSubspace {
   }
   /// Eigendecompositions so far.
   [[nodiscard]] std::int64_t refreshes() const noexcept { return refreshes_; }
-  /// Messages marked clean (learn).
+  /// Messages recorded as clean (record).
   [[nodiscard]] std::int64_t learned() const noexcept { return learned_; }
   /// The width of the stream's rows.
   [[nodiscard]] std::int64_t cols() const noexcept { return cols_; }
@@ -299,11 +290,9 @@ class MinorSubspace {
   using RowMajor =
       Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
-  // One message of the ring: its ticket, rows recorded (in ring_y_'s slot), their energy
-  // sum ||x_r||^2, their log share under the current basis (NaN before the first), and whether
-  // it was learned.
+  // One message of the ring: rows recorded (in ring_y_'s slot), their energy sum ||x_r||^2,
+  // their log share under the current basis (NaN before the first), and whether it was learned.
   struct Entry {
-    std::int64_t ticket = -1;
     Eigen::Index rows = 0;
     double energy = 0;
     double log_share = std::numeric_limits<double>::quiet_NaN();
@@ -376,7 +365,7 @@ class MinorSubspace {
   // rows) of ring_y_.
   Eigen::MatrixXf ring_y_;
   std::vector<Entry> ring_;
-  std::int64_t next_ = 0, tickets_ = 0;
+  std::int64_t next_ = 0;
   std::int64_t learned_ = 0, rows_ = 0, since_ = 0, refreshes_ = 0;
   Eigen::MatrixXf picked_, z_;  // scratch
   std::vector<double> shares_;  // scratch
@@ -971,9 +960,8 @@ class SentinelMonitor {
   // The message assessed last goes into the stream subspace's ring of recent messages (when
   // this monitor feeds it), marked clean when `learned`.
   void record_minor(bool learned) {
-    if (!minor_on_ || !minor_feeds_ || !minor_) return;
-    const std::int64_t ticket = minor_->observe(x_, static_cast<std::int64_t>(x_.size()) / cols_);
-    if (learned) minor_->learn(ticket);
+    if (minor_on_ && minor_feeds_ && minor_)
+      (void)minor_->record(x_, static_cast<std::int64_t>(x_.size()) / cols_, learned);
   }
 
   // minor-share's own warm-up: its first config.warmup values (from the subspace's first basis
